@@ -1,0 +1,46 @@
+"""torchreplay: run any PyTorch callable as CUDA graphs, as fast as a hand-written graph and safe by
+default.
+
+Not public: every module and name that starts with ``_``, and ``torchreplay.io``,
+``torchreplay.capture``, ``torchreplay.pool``'s internals beyond :class:`Pool`. Importing
+torchreplay initialises no CUDA, writes no global torch config and patches nothing.
+"""
+
+from __future__ import annotations
+
+from torchreplay import config
+from torchreplay.check import Finding, Report, check
+from torchreplay.errors import (
+    CacheError,
+    CaptureError,
+    ReplayInputError,
+    StaleOutputError,
+    TorchReplayError,
+    UnsupportedError,
+)
+from torchreplay.graphed import Graphed, graph
+from torchreplay.pool import Pool
+from torchreplay.stats import GraphStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # capture and replay
+    "graph",
+    "Graphed",
+    "Pool",
+    # diagnosis
+    "check",
+    "Report",
+    "Finding",
+    "GraphStats",
+    # options
+    "config",
+    # errors
+    "TorchReplayError",
+    "CaptureError",
+    "ReplayInputError",
+    "StaleOutputError",
+    "UnsupportedError",
+    "CacheError",
+]

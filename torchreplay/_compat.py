@@ -1,0 +1,133 @@
+"""The only module that touches private torch APIs, and the version checks.
+
+Each private name is imported here, with a comment saying why it is needed and what happens on a
+torch version that lacks it. Everything else in torchreplay imports from here, never from
+``torch._C`` or ``torch.utils._*`` directly. Importing this module initialises no CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = [
+    "TORCH_VERSION",
+    "TorchDispatchMode",
+    "TreeSpec",
+    "tree_flatten",
+    "tree_flatten_with_path",
+    "tree_unflatten",
+    "keystr",
+    "register_pytree_node",
+    "is_leaf_treespec",
+    "foreach_copy_",
+    "HAS_CHECKED_OUTPUTS",
+    "alias_storage",
+    "tensor_from_storage",
+    "invalidate_storage",
+    "set_sequence_nr",
+    "end_allocate_to_pool",
+]
+
+
+def _version_tuple(v: str) -> tuple[int, int]:
+    major, minor = v.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+TORCH_VERSION: tuple[int, int] = _version_tuple(torch.__version__)
+
+# Pytrees: torch's own pytree is the one users register dataclasses with
+# (torch.utils._pytree.register_pytree_node / register_dataclass), so we must use the same registry.
+# It has been stable since torch 2.2; we require >= 2.6.
+from torch.utils import _pytree as _pytree  # noqa: E402
+
+TreeSpec = _pytree.TreeSpec
+tree_flatten = _pytree.tree_flatten
+tree_flatten_with_path = _pytree.tree_flatten_with_path
+tree_unflatten = _pytree.tree_unflatten
+keystr = _pytree.keystr
+register_pytree_node = _pytree.register_pytree_node
+
+
+def is_leaf_treespec(spec: TreeSpec) -> bool:
+    """Return True when ``spec`` describes a single leaf."""
+    # TreeSpec.is_leaf() exists on every supported version; LeafSpec was folded into it in 2.8.
+    return spec.is_leaf()
+
+
+# The dispatch mode that check.py uses to see every aten op. Private module, public in spirit:
+# stable since 2.0 and used by every torch-based tracer.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+
+# One kernel launch for many copies instead of one per input. torch._foreach_copy_ exists since
+# 2.1; on a version without it we fall back to one copy_ per tensor (correct, slower).
+_foreach_copy = getattr(torch, "_foreach_copy_", None)
+
+
+def foreach_copy_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """Copy ``srcs[i]`` into ``dsts[i]`` for every i, in as few launches as torch allows."""
+    if _foreach_copy is not None:
+        _foreach_copy(dsts, srcs)
+    else:  # pragma: no cover - old torch
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
+
+
+# Checked outputs (the default output policy) hand out tensors that have their own, non-owning
+# StorageImpl over the graph's output memory; when a later replay overwrites that memory we set an
+# access-error message on that storage, so any later read raises instead of returning stale data.
+# These are the bindings torch's own cudagraph trees use for the same purpose. They exist only in
+# CUDA builds; without them, HAS_CHECKED_OUTPUTS is False and graphed.py uses outputs="clone".
+_construct_storage = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+_construct_tensor = getattr(torch._C, "_construct_CUDA_Tensor_From_Storage_And_Metadata", None)
+_set_storage_error = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
+
+HAS_CHECKED_OUTPUTS: bool = _construct_storage is not None and _set_storage_error is not None
+
+
+def alias_storage(data_ptr: int, device: torch.device, nbytes: int) -> torch.UntypedStorage:
+    """Return a new storage that views ``nbytes`` at ``data_ptr`` without owning them."""
+    assert _construct_storage is not None
+    return _construct_storage(data_ptr, device, nbytes)
+
+
+def tensor_from_storage(meta: dict[str, Any], storage: torch.UntypedStorage) -> torch.Tensor:
+    """Build a tensor with ``meta``'s size, stride, offset and dtype over ``storage``."""
+    if _construct_tensor is not None and meta["device"].type == "cuda":
+        return _construct_tensor(meta, storage)
+    t = torch.empty((0,), dtype=meta["dtype"], device=meta["device"])
+    return t.set_(storage, meta["storage_offset"], meta["size"], meta["stride"])
+
+
+def invalidate_storage(storage: torch.UntypedStorage, message: str) -> None:
+    """Make every later read of ``storage`` (and of every view of it) raise ``message``."""
+    assert _set_storage_error is not None
+    _set_storage_error(storage._cdata, message)
+
+
+def set_sequence_nr(grad_fn: Any, seq: int) -> None:
+    """Set an autograd node's sequence number, which orders the engine's ready queue.
+
+    The engine runs ready nodes with the larger sequence number first; giving each graphed
+    backward a number from its capture order makes shared-pool backward graphs replay in the
+    order they were captured for. ``Node._set_sequence_nr`` exists since torch 2.1.
+    """
+    setter: Callable[[int], None] | None = getattr(grad_fn, "_set_sequence_nr", None)
+    if setter is None:  # pragma: no cover - old torch
+        raise RuntimeError("this torch has no grad_fn._set_sequence_nr; torchreplay needs >= 2.6")
+    setter(seq)
+
+
+def end_allocate_to_pool(device: int, pool: tuple[int, int]) -> None:
+    """Stop routing allocations into ``pool``; a no-op if nothing is routed there.
+
+    A capture whose ``cudaStreamEndCapture`` fails raises before torch's ``capture_end`` ends
+    the allocator's routing into the graph's pool. Ending it here lets the pool be released, so
+    reserved memory returns to its level before the failed capture.
+    """
+    fn = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if fn is not None:
+        fn(device, pool)

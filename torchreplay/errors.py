@@ -1,0 +1,41 @@
+"""The one exception hierarchy of torchreplay.
+
+Every user-facing error says what was seen, where, and the fix. Each class also derives from the
+builtin exception a PyTorch user would expect for that kind of mistake, so existing
+``except RuntimeError`` / ``except ValueError`` handlers keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TorchReplayError",
+    "CaptureError",
+    "ReplayInputError",
+    "StaleOutputError",
+    "UnsupportedError",
+    "CacheError",
+]
+
+
+class TorchReplayError(Exception):
+    """Base class of every error torchreplay raises on purpose."""
+
+
+class CaptureError(TorchReplayError, RuntimeError):
+    """Warm-up or capture of a graph failed; the capture was undone and the process is usable."""
+
+
+class ReplayInputError(TorchReplayError, ValueError):
+    """An argument at replay does not match what the graph was captured with."""
+
+
+class StaleOutputError(TorchReplayError, RuntimeError):
+    """An output was read after a later replay overwrote its memory."""
+
+
+class UnsupportedError(TorchReplayError, RuntimeError):
+    """The callable or its arguments need something torchreplay does not (or cannot) support."""
+
+
+class CacheError(TorchReplayError, RuntimeError):
+    """A compiled-graph cache entry is missing, corrupt or from an incompatible version."""
