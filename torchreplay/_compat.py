@@ -27,7 +27,7 @@ __all__ = [
     "tensor_from_storage",
     "invalidate_storage",
     "set_sequence_nr",
-    "end_allocate_to_pool",
+    "abandon_pool",
 ]
 
 
@@ -121,13 +121,21 @@ def set_sequence_nr(grad_fn: Any, seq: int) -> None:
     setter(seq)
 
 
-def end_allocate_to_pool(device: int, pool: tuple[int, int]) -> None:
-    """Stop routing allocations into ``pool``; a no-op if nothing is routed there.
+def abandon_pool(device: int, pool: tuple[int, int]) -> None:
+    """Undo what ``capture_begin`` did to the allocator when ``capture_end`` failed.
 
-    A capture whose ``cudaStreamEndCapture`` fails raises before torch's ``capture_end`` ends
-    the allocator's routing into the graph's pool. Ending it here lets the pool be released, so
-    reserved memory returns to its level before the failed capture.
+    When CUDA invalidates a capture, torch's ``CUDAGraph.capture_end`` raises before it stops
+    routing allocations into the graph's pool and before the graph would give its reference on
+    the pool back (that only happens for a capture that ended). Doing both here lets the pool's
+    memory be freed by ``torch.cuda.empty_cache()``. Both bindings exist since torch 2.1; on a
+    torch without them the pool stays reserved (a leak, never a crash).
     """
-    fn = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if fn is not None:
-        fn(device, pool)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if end is not None:
+        try:
+            end(device, pool)
+        except RuntimeError:  # torch already ended it (newer versions do on failure)
+            return
+    if release is not None:
+        release(device, pool)

@@ -1,0 +1,174 @@
+"""io.py on CPU tensors: pytree flattening, guards, copy-in, and every input error message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchreplay import config as trconfig
+from torchreplay.errors import (
+    CacheError,
+    CaptureError,
+    ReplayInputError,
+    StaleOutputError,
+    TorchReplayError,
+    UnsupportedError,
+)
+from torchreplay.io import Inputs, Outputs
+from torchreplay.stats import GraphStats
+
+CPU = torch.device("cpu")
+
+
+def fn(x, pair, *, cfg, scale=1.0):
+    return x
+
+
+def sample():
+    args = (torch.randn(4, 3), (torch.randn(2), 7))
+    kwargs = {"cfg": {"w": torch.randn(3), "mode": "causal"}, "scale": 0.5}
+    return args, kwargs
+
+
+def test_static_buffers_are_copies_in_the_captured_structure() -> None:
+    args, kwargs = sample()
+    inp = Inputs(fn, args, kwargs, CPU)
+    sx, (sa, seven) = inp.static_args
+    assert torch.equal(sx, args[0]) and sx.data_ptr() != args[0].data_ptr()
+    assert seven == 7
+    assert inp.static_kwargs["cfg"]["mode"] == "causal"
+    assert len(inp.tensor_slots) == 3
+    assert not inp.flat  # nested containers: slow path
+
+
+def test_copy_in_writes_every_tensor_into_its_static_buffer() -> None:
+    args, kwargs = sample()
+    inp = Inputs(fn, args, kwargs, CPU)
+    new_args, new_kwargs = sample()
+    new_kwargs = dict(reversed(list(new_kwargs.items())))  # keyword order must not matter
+    inp.copy_in(new_args, new_kwargs)
+    sx, (sa, _) = inp.static_args
+    assert torch.equal(sx, new_args[0])
+    assert torch.equal(sa, new_args[1][0])
+    assert torch.equal(inp.static_kwargs["cfg"]["w"], new_kwargs["cfg"]["w"])
+
+
+def test_flat_fast_path_copies_a_single_tensor() -> None:
+    x = torch.randn(5)
+    inp = Inputs(lambda x, n=1: x, (x,), {"n": 2}, CPU)
+    assert inp.flat
+    y = torch.randn(5)
+    inp.copy_in((y,), {"n": 2})
+    assert torch.equal(inp.static_args[0], y)
+
+
+def test_strided_input_of_the_right_shape_is_accepted() -> None:
+    inp = Inputs(lambda x: x, (torch.randn(3, 4),), {}, CPU)
+    base = torch.randn(4, 3)
+    inp.copy_in((base.t(),), {})
+    assert torch.equal(inp.static_args[0], base.t())
+
+
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (torch.randn(5, 3), ["args[0] 'x'", "(5, 3)", "(4, 3)", "sizes=[...]", "never broadcasts"]),
+        (torch.randn(1, 3), ["(1, 3)", "(4, 3)"]),
+        (torch.randn(4, 3, dtype=torch.float64), ["float64", ".to(torch.float32)"]),
+        (torch.randn(4, 3).to_sparse(), ["dense"]),
+        (3.0, ["expected a tensor", "float"]),
+        ([1.0, 2.0], ["args[0]: its structure"]),
+    ],
+)
+def test_tensor_mismatch_messages(bad, words) -> None:
+    args, kwargs = sample()
+    inp = Inputs(fn, args, kwargs, CPU)
+    _, new_kwargs = sample()
+    with pytest.raises(ReplayInputError) as e:
+        inp.copy_in((bad, args[1]), new_kwargs)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_constant_mismatch_names_the_path_and_both_values() -> None:
+    args, kwargs = sample()
+    inp = Inputs(fn, args, kwargs, CPU)
+    kwargs2 = {"cfg": {"w": torch.randn(3), "mode": "full"}, "scale": 0.5}
+    with pytest.raises(ReplayInputError) as e:
+        inp.copy_in(args, kwargs2)
+    msg = str(e.value)
+    assert "kwargs['cfg']['mode']" in msg and "'full'" in msg and "'causal'" in msg
+    assert "as a tensor" in msg
+    with pytest.raises(ReplayInputError, match=r"args\[1\]\[1\] 'pair': 8 .* constant 7"):
+        inp.copy_in((args[0], (args[1][0], 8)), kwargs)
+
+
+def test_bool_is_not_the_int_it_equals() -> None:
+    inp = Inputs(lambda x, n: x, (torch.randn(2), 1), {}, CPU)
+    with pytest.raises(ReplayInputError, match="True"):
+        inp.copy_in((torch.randn(2), True), {})
+
+
+def test_structure_mismatches() -> None:
+    args, kwargs = sample()
+    inp = Inputs(fn, args, kwargs, CPU)
+    with pytest.raises(ReplayInputError, match="3 positional arguments but .* 2"):
+        inp.copy_in((*args, 1), kwargs)
+    with pytest.raises(ReplayInputError, match=r"missing \['scale'\]"):
+        inp.copy_in(args, {"cfg": kwargs["cfg"]})
+    with pytest.raises(ReplayInputError, match=r"unexpected \['extra'\]"):
+        inp.copy_in(args, {**kwargs, "extra": 1})
+    with pytest.raises(ReplayInputError, match=r"args\[1\]: its structure"):
+        inp.copy_in((args[0], [args[1][0], 7]), kwargs)
+
+
+def test_capture_rejects_tensors_on_another_device_and_sparse() -> None:
+    with pytest.raises(CaptureError, match="meta.*move every tensor"):
+        Inputs(lambda x: x, (torch.empty(3, device="meta"),), {}, CPU)
+    with pytest.raises(CaptureError, match="dense"):
+        Inputs(lambda x: x, (torch.randn(3, 3).to_sparse(),), {}, CPU)
+
+
+def test_outputs_clone_policy_on_cpu_and_structure() -> None:
+    t = torch.randn(3)
+    ext = torch.randn(2)
+    out = {"a": t, "b": [ext, 5]}
+    o = Outputs(out, "checked", "f", owned=lambda x: x is t)
+    assert o.policy == "clone"  # no checked outputs without CUDA's storage bindings
+    got = o.emit()
+    assert torch.equal(got["a"], t) and got["a"].data_ptr() != t.data_ptr()
+    assert got["b"][0] is ext and got["b"][1] == 5
+    s = Outputs(t, "static", "f", owned=lambda x: True)
+    assert s.emit() is t
+
+
+def test_error_hierarchy_keeps_builtin_bases() -> None:
+    for cls, base in [
+        (CaptureError, RuntimeError),
+        (ReplayInputError, ValueError),
+        (StaleOutputError, RuntimeError),
+        (UnsupportedError, RuntimeError),
+        (CacheError, RuntimeError),
+    ]:
+        assert issubclass(cls, TorchReplayError) and issubclass(cls, base)
+
+
+def test_config_validation_and_presets() -> None:
+    with pytest.raises(ValueError, match="outputs must be one of"):
+        trconfig.GraphConfig(outputs="fast")
+    with pytest.raises(ValueError, match="num_warmup_iters"):
+        trconfig.GraphConfig(num_warmup_iters=-1)
+    with pytest.raises(ValueError, match="capture_error_mode"):
+        trconfig.GraphConfig(capture_error_mode="strict")
+    assert trconfig.SAFE.outputs == "checked" and trconfig.FAST.outputs == "static"
+    with pytest.raises(Exception):
+        trconfig.SAFE.outputs = "clone"  # frozen
+
+
+def test_stats_counters_and_explain() -> None:
+    s = GraphStats(lambda: 3 * 2**20)
+    s.captures, s.replays, s.real_rows, s.padded_rows = 2, 10, 30, 10
+    s.size_hits[8] = 4
+    d = s.as_dict()
+    assert d["pool_bytes"] == 3 * 2**20 and d["pad_waste"] == 0.25
+    assert "3.0 MiB" in s.explain() and "8:4" in s.explain()

@@ -1,0 +1,425 @@
+"""tr.graph on a real GPU: replay equals eager on fresh random inputs, guards, output policies,
+failed captures that leave the process usable, and memory that comes back."""
+
+from __future__ import annotations
+
+import gc
+import linecache
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchreplay as tr
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+DEV = "cuda"
+
+
+def line_of(marker: str) -> int:
+    """The line number in this file of the line that carries ``marker``."""
+    for i, line in enumerate(open(__file__).read().splitlines(), start=1):
+        if marker in line and "line_of(" not in line:
+            return i
+    raise AssertionError(marker)
+
+
+def mlp(depth: int = 6, width: int = 256) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers).to(DEV).eval()
+
+
+def reserved() -> int:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+# -- correctness ------------------------------------------------------------------------------
+
+
+def test_replay_equals_eager_bitwise_over_100_fresh_inputs() -> None:
+    model = mlp()
+    g = tr.graph(model, torch.randn(8, 256, device=DEV))
+    for _ in range(100):
+        x = torch.randn(8, 256, device=DEV)
+        y = g(x)
+        with torch.no_grad():
+            ref = model(x)
+        assert torch.equal(y, ref)
+    assert g.stats.replays == 100
+    assert g.stats.captures == 1
+    assert g.stats.pool_bytes > 0
+
+
+def test_kwargs_and_nested_pytree_inputs_and_outputs() -> None:
+    w = torch.randn(16, 16, device=DEV)
+
+    def fn(x, pair, *, cfg, scale=1.0, mode="sum"):
+        a, b = pair
+        h = (x @ w + a) * cfg["gain"] + cfg["bias"][0]
+        out = {"h": h * scale, "parts": [h.sum(-1), b * 2]}
+        return out if mode == "sum" else None
+
+    def args():
+        return (
+            torch.randn(4, 16, device=DEV),
+            (torch.randn(4, 16, device=DEV), torch.randn(3, device=DEV)),
+        ), {
+            "cfg": {"gain": torch.randn(16, device=DEV), "bias": [torch.randn(16, device=DEV)]},
+            "scale": 0.5,
+            "mode": "sum",
+        }
+
+    a0, k0 = args()
+    g = tr.graph(fn, *a0, **k0)
+    for _ in range(50):
+        a, k = args()
+        got = g(*a, **k)
+        ref = fn(*a, **k)
+        assert set(got) == {"h", "parts"}
+        assert torch.equal(got["h"], ref["h"])
+        assert torch.equal(got["parts"][0], ref["parts"][0])
+        assert torch.equal(got["parts"][1], ref["parts"][1])
+    # keyword order does not matter
+    a, k = args()
+    got = g(*a, mode="sum", scale=0.5, cfg=k["cfg"])
+    assert torch.allclose(got["h"], fn(*a, **k)["h"])
+
+
+def test_constant_guard_names_the_argument_and_both_values() -> None:
+    def fn(x, *, mask_mode="causal"):
+        return x * 2 if mask_mode == "causal" else x * 3
+
+    g = tr.graph(fn, torch.randn(4, device=DEV), mask_mode="causal")
+    with pytest.raises(tr.ReplayInputError) as e:
+        g(torch.randn(4, device=DEV), mask_mode="full")
+    msg = str(e.value)
+    assert "kwargs['mask_mode']" in msg and "'full'" in msg and "'causal'" in msg
+    # a bool is not the int it equals
+    g2 = tr.graph(lambda x, n: x * n, torch.randn(4, device=DEV), 1)
+    with pytest.raises(tr.ReplayInputError, match=r"args\[1\].*True.*constant 1"):
+        g2(torch.randn(4, device=DEV), True)
+
+
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (lambda: torch.randn(9, 16, device=DEV), ["args[0] 'x'", "(9, 16)", "(8, 16)", "sizes="]),
+        (lambda: torch.randn(8, 16, device=DEV, dtype=torch.float16), ["float16", ".to(torch.float32)"]),
+        (lambda: torch.randn(8, 16), ["cpu", ".to('cuda:0')"]),
+        (lambda: torch.randn(16, device=DEV).expand(8, 16)[:, :15], ["(8, 15)"]),
+        (lambda: torch.randn(8, 16, device=DEV).to_sparse(), ["sparse", "dense"]),
+        (lambda: 3.0, ["expected a tensor", "float"]),
+    ],
+)
+def test_each_tensor_mismatch_is_a_replay_input_error(bad, words) -> None:
+    def fn(x):
+        return x + 1
+
+    g = tr.graph(fn, torch.randn(8, 16, device=DEV))
+    with pytest.raises(tr.ReplayInputError) as e:
+        g(bad())
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    # the graph still works after a rejected call
+    x = torch.randn(8, 16, device=DEV)
+    assert torch.equal(g(x), x + 1)
+
+
+def test_broadcastable_shape_is_rejected_not_broadcast() -> None:
+    g = tr.graph(lambda x: x * 2, torch.randn(4, 8, device=DEV))
+    with pytest.raises(tr.ReplayInputError):
+        g(torch.randn(1, 8, device=DEV))
+
+
+def test_structure_mismatch_names_what_differs() -> None:
+    def fn(x, *, y):
+        return x + y
+
+    g = tr.graph(fn, torch.randn(3, device=DEV), y=torch.randn(3, device=DEV))
+    with pytest.raises(tr.ReplayInputError, match="positional"):
+        g(torch.randn(3, device=DEV), torch.randn(3, device=DEV), y=torch.randn(3, device=DEV))
+    with pytest.raises(tr.ReplayInputError, match="missing"):
+        g(torch.randn(3, device=DEV))
+
+
+def test_non_contiguous_input_of_the_right_shape_is_copied() -> None:
+    g = tr.graph(lambda x: x.sum(0), torch.randn(8, 4, device=DEV))
+    base = torch.randn(4, 8, device=DEV)
+    assert torch.allclose(g(base.t()), base.t().sum(0))
+
+
+def test_passing_the_static_buffers_skips_the_copy() -> None:
+    g = tr.graph(lambda x: x * 3, torch.randn(5, device=DEV))
+    (sx,) = g.static_args
+    sx.copy_(torch.arange(5.0, device=DEV))
+    assert torch.equal(g(*g.static_args), torch.arange(5.0, device=DEV) * 3)
+
+
+def test_output_fed_back_as_input_matches_eager() -> None:
+    lin = nn.Linear(32, 32).to(DEV)
+
+    def step(h):
+        return torch.tanh(lin(h))
+
+    h0 = torch.randn(2, 32, device=DEV)
+    g = tr.graph(step, h0)
+    h, ref = h0, h0
+    for _ in range(20):
+        h = g(h)
+        with torch.no_grad():
+            ref = step(ref)
+    assert torch.allclose(h, ref)
+
+
+# -- output policy ------------------------------------------------------------------------------
+
+
+def test_checked_outputs_raise_when_read_after_overwrite() -> None:
+    model = mlp(depth=2, width=64)
+    g = tr.graph(model, torch.randn(4, 64, device=DEV))
+    x1, x2 = torch.randn(4, 64, device=DEV), torch.randn(4, 64, device=DEV)
+    y1 = g(x1)
+    view1 = y1[1:]
+    kept = y1.clone()
+    y2 = g(x2)
+    assert y1.shape == (4, 64)  # metadata is still readable
+    for stale in (y1, view1):
+        with pytest.raises(RuntimeError, match="StaleOutputError.*clone"):
+            stale.sum().item()
+    with torch.no_grad():
+        assert torch.equal(kept, model(x1))
+        assert torch.equal(y2, model(x2))
+
+
+def test_clone_policy_keeps_every_output() -> None:
+    model = mlp(depth=2, width=64)
+    g = tr.graph(model, torch.randn(4, 64, device=DEV), outputs="clone")
+    xs = [torch.randn(4, 64, device=DEV) for _ in range(10)]
+    ys = [g(x) for x in xs]
+    with torch.no_grad():
+        for x, y in zip(xs, ys):
+            assert torch.equal(y, model(x))
+
+
+def test_static_policy_returns_the_graph_buffers() -> None:
+    g = tr.graph(lambda x: x + 1, torch.randn(4, device=DEV), outputs="static")
+    y1 = g(torch.zeros(4, device=DEV))
+    y2 = g(torch.ones(4, device=DEV))
+    assert y1.data_ptr() == y2.data_ptr()
+    assert torch.equal(y1, torch.full((4,), 2.0, device=DEV))  # overwritten, as documented
+
+
+def test_outputs_that_are_module_buffers_alias_like_eager() -> None:
+    class Counter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("acc", torch.zeros(4, device=DEV))
+
+        def forward(self, x):
+            self.acc.add_(x)
+            return self.acc, x * 2
+
+    m = Counter()
+    g = tr.graph(m, torch.randn(4, device=DEV))
+    assert torch.equal(m.acc, torch.zeros(4, device=DEV)), "building the graph changed state"
+    total = torch.zeros(4, device=DEV)
+    for _ in range(10):
+        x = torch.randn(4, device=DEV)
+        acc, y = g(x)
+        total += x
+        assert acc is m.acc
+        assert torch.allclose(acc, total)
+        assert torch.equal(y, x * 2)
+
+
+# -- modules ----------------------------------------------------------------------------------
+
+
+def test_in_place_kv_cache_updates_replay_like_eager() -> None:
+    class Cache(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.register_buffer("k", torch.zeros(2, 16, 8))
+
+        def forward(self, x, pos):  # x: [B, 8], pos: [B]
+            self.k.index_put_((torch.arange(x.shape[0], device=x.device), pos), self.proj(x))
+            return self.k.sum(1)
+
+    torch.manual_seed(1)
+    eager, graphed = Cache().to(DEV), Cache().to(DEV)
+    graphed.load_state_dict(eager.state_dict())
+    g = tr.graph(graphed, torch.randn(2, 8, device=DEV), torch.tensor([0, 0], device=DEV))
+    assert torch.equal(graphed.k, eager.k), "warm-up left writes in the cache"
+    for step in range(16):
+        x = torch.randn(2, 8, device=DEV)
+        pos = torch.tensor([step, 15 - step], device=DEV)
+        with torch.no_grad():
+            ref = eager(x, pos)
+        assert torch.allclose(g(x, pos), ref)
+    assert torch.allclose(graphed.k, eager.k)
+
+
+def test_train_eval_switch_falls_back_to_eager_and_counts() -> None:
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16)).to(DEV).eval()
+    g = tr.graph(model, torch.randn(8, 16, device=DEV))
+    model.train()
+    x = torch.randn(8, 16, device=DEV)
+    before = model[1].running_mean.clone()
+    y = g(x)
+    assert g.stats.fallbacks == 1 and g.stats.replays == 0
+    assert not torch.equal(model[1].running_mean, before)  # ran eagerly in training mode
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(g(x), model(x))
+    assert g.stats.replays == 1
+    assert y.shape == (8, 16)
+
+
+# -- failures ---------------------------------------------------------------------------------
+
+
+def _item_inside(x):
+    s = x.sum().item()  # capture-breaks-here
+    return x * s
+
+
+def test_failed_capture_names_the_line_and_leaves_the_process_usable() -> None:
+    x = torch.randn(64, 64, device=DEV)
+    base = reserved()
+    with pytest.raises(tr.CaptureError) as e:
+        tr.graph(_item_inside, x)
+    msg = str(e.value)
+    assert f"{__file__}:{line_of('# capture-breaks-here')}" in msg, msg
+    assert e.value.__cause__ is not None  # CUDA's own error is chained, not lost
+    assert not torch.cuda.is_current_stream_capturing()
+    del e
+    # eager still works, a fresh capture still works, memory came back
+    assert torch.allclose(_item_inside(x), x * x.sum())
+    g = tr.graph(lambda t: t @ t, x)
+    assert torch.allclose(g(x), x @ x)
+    del g
+    assert reserved() == base
+
+
+def test_exception_raised_during_capture_is_undone() -> None:
+    def fn(x):
+        y = x * 2
+        if torch.cuda.is_current_stream_capturing():
+            raise KeyError("boom")  # raises-in-capture
+        return y
+
+    x = torch.randn(128, 128, device=DEV)
+    base = reserved()
+    with pytest.raises(tr.CaptureError, match="KeyError") as e:
+        tr.graph(fn, x)
+    assert f":{line_of('# raises-in-capture')}" in str(e.value)
+    del e
+    assert not torch.cuda.is_current_stream_capturing()
+    assert torch.equal(fn(x), x * 2)
+    assert reserved() == base
+
+
+def test_out_of_memory_during_capture_is_undone() -> None:
+    free, _ = torch.cuda.mem_get_info()
+
+    def fn(x):
+        y = x * 2
+        if torch.cuda.is_current_stream_capturing():
+            big = torch.empty(free * 4, dtype=torch.uint8, device=DEV)
+            y = y + big[:1].float()
+        return y
+
+    x = torch.randn(256, 256, device=DEV)
+    base = reserved()
+    with pytest.raises(tr.CaptureError, match="out of memory") as e:
+        tr.graph(fn, x)
+    del e
+    assert not torch.cuda.is_current_stream_capturing()
+    assert torch.equal(fn(x), x * 2)
+    g = tr.graph(lambda t: t.relu(), x)
+    assert torch.equal(g(x), x.relu())
+    del g
+    assert reserved() == base
+
+
+def test_empty_graph_is_a_capture_error() -> None:
+    with pytest.raises(tr.CaptureError, match="empty graph"):
+        tr.graph(lambda x: torch.ones(3) + 1, torch.randn(3, device=DEV))
+
+
+def test_warmup_exception_is_a_capture_error_naming_the_line() -> None:
+    def fn(x):
+        return x.view(7, 7)  # bad-view
+
+    with pytest.raises(tr.CaptureError) as e:
+        tr.graph(fn, torch.randn(10, device=DEV))
+    assert f":{line_of('# bad-view')}" in str(e.value)
+
+
+def test_capture_and_release_does_not_leak() -> None:
+    model = mlp(depth=4, width=512)
+    x = torch.randn(32, 512, device=DEV)
+    base_reserved, base_alloc = reserved(), torch.cuda.memory_allocated()
+    for _ in range(5):
+        g = tr.graph(model, x)
+        y = g(x)
+        del g, y
+    assert reserved() == base_reserved
+    assert torch.cuda.memory_allocated() == base_alloc
+
+
+# -- pools ------------------------------------------------------------------------------------
+
+
+def test_shared_pool_marks_later_graphs_outputs_stale() -> None:
+    a, b = mlp(depth=2, width=128), mlp(depth=3, width=128)
+    x = torch.randn(4, 128, device=DEV)
+    ga = tr.graph(a, x)
+    gb = tr.graph(b, x, pool=ga)
+    assert gb.pool is ga.pool
+    yb = gb(x)
+    ya = ga(x)  # may reuse memory that gb's outputs live in
+    with pytest.raises(RuntimeError, match="StaleOutputError"):
+        yb.sum().item()
+    with torch.no_grad():
+        assert torch.equal(ya, a(x))
+        assert torch.equal(gb(x), b(x))
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    scale: float
+
+
+_HAS_REGISTER_DATACLASS = hasattr(torch.utils._pytree, "register_dataclass")
+if _HAS_REGISTER_DATACLASS:
+    torch.utils._pytree.register_dataclass(Batch)
+
+
+@pytest.mark.skipif(not _HAS_REGISTER_DATACLASS, reason="this torch has no register_dataclass")
+def test_registered_dataclass_argument() -> None:
+    g = tr.graph(lambda b: b.x * b.scale, Batch(torch.randn(3, device=DEV), 2.0))
+    x = torch.randn(3, device=DEV)
+    assert torch.equal(g(Batch(x, 2.0)), x * 2.0)
+    with pytest.raises(tr.ReplayInputError, match="scale"):
+        g(Batch(x, 3.0))
+
+
+def test_line_helper_finds_markers() -> None:
+    assert linecache.getline(__file__, line_of("# capture-breaks-here")).strip().endswith(
+        "# capture-breaks-here"
+    )

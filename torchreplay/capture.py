@@ -1,0 +1,288 @@
+"""Warm-up on a side stream, capture into ``torch.cuda.CUDAGraph``, and undo on failure.
+
+The invariants this module keeps (DESIGN.md):
+
+- Warm-up and capture run on one persistent side stream on the inputs' device, joined to the
+  caller's stream before and after, so per-stream library handles (cuBLAS, cuDNN) are created
+  during warm-up and never first inside capture.
+- A capture that fails is undone: the stream is no longer capturing, the partial graph and what
+  it allocated are released, device and stream are restored, module state and RNG are put back,
+  and the error names the op and the user's line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from torchreplay import _compat
+from torchreplay.config import GraphConfig
+from torchreplay.errors import CaptureError
+from torchreplay.pool import Pool
+
+__all__ = ["Captured", "capture", "StateSnapshot", "user_frame", "fn_name"]
+
+log = logging.getLogger(__name__)
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OUR_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def fn_name(fn: Callable[..., Any]) -> str:
+    """A short name for ``fn`` in messages: ``'MLP'``, ``'decode_step'``."""
+    if isinstance(fn, torch.nn.Module):
+        return type(fn).__name__
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def owning_module(fn: Callable[..., Any]) -> torch.nn.Module | None:
+    """The module whose state ``fn`` uses: ``fn`` itself, or the ``self`` of a bound method."""
+    if isinstance(fn, torch.nn.Module):
+        return fn
+    owner = getattr(fn, "__self__", None)
+    return owner if isinstance(owner, torch.nn.Module) else None
+
+
+def user_frame(tb: Any) -> tuple[str, int, str] | None:
+    """Return ``(filename, lineno, line)`` of the innermost traceback frame outside torch and us."""
+    found = None
+    for frame in traceback.extract_tb(tb):
+        fname = os.path.abspath(frame.filename)
+        if fname.startswith(_TORCH_DIR) or fname.startswith(_OUR_DIR) or fname.startswith("<"):
+            continue
+        found = (frame.filename, frame.lineno or 0, (frame.line or "").strip())
+    return found
+
+
+class StateSnapshot:
+    """Module buffers (and optionally parameters) and RNG state, saved to be put back.
+
+    Warm-up runs the callable for real; a KV-cache write or a BatchNorm statistics update would
+    otherwise happen ``num_warmup_iters`` extra times just because a graph was built.
+    """
+
+    def __init__(
+        self, module: torch.nn.Module | None, device: torch.device, params: bool = False
+    ) -> None:
+        tensors: list[torch.Tensor] = []
+        if module is not None:
+            tensors += [b for b in module.buffers() if b is not None]
+            if params:
+                tensors += list(module.parameters())
+        with torch.no_grad():
+            self._saved = [(t, t.detach().clone()) for t in tensors]
+        self._device = device
+        self._cpu_rng = torch.get_rng_state()
+        self._cuda_rng = torch.cuda.get_rng_state(device)
+
+    def restore(self) -> None:
+        """Put every saved tensor and the RNG state back."""
+        with torch.no_grad():
+            for t, saved in self._saved:
+                t.copy_(saved)
+        torch.set_rng_state(self._cpu_rng)
+        torch.cuda.set_rng_state(self._cuda_rng, self._device)
+
+
+@dataclass
+class Captured:
+    """The result of one successful capture."""
+
+    graph: torch.cuda.CUDAGraph
+    out: Any
+    seconds: float
+
+
+@contextlib.contextmanager
+def _on_side_stream(stream: torch.cuda.Stream, device: torch.device) -> Iterator[None]:
+    """Run the block on ``stream``, joined to the caller's stream before and after."""
+    with torch.cuda.device(device):
+        caller = torch.cuda.current_stream(device)
+        stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            caller.wait_stream(stream)
+
+
+def capture(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    device: torch.device,
+    stream: torch.cuda.Stream,
+    pool: Pool,
+    config: GraphConfig,
+    grad: bool = False,
+    warmup: bool = True,
+    snapshot: StateSnapshot | None = None,
+) -> Captured:
+    """Warm ``fn`` up on ``stream`` and capture one call of it into a new graph in ``pool``.
+
+    Args:
+        fn, args, kwargs: the call to capture; tensors in ``args``/``kwargs`` are the graph's
+            static inputs.
+        device: the CUDA device of the inputs.
+        stream: the persistent side stream used for warm-up and capture.
+        pool: the memory pool the graph allocates from.
+        config: warm-up count, capture error mode, diagnosis.
+        grad: run with autograd enabled (training) instead of under ``torch.no_grad()``.
+        warmup: run ``config.num_warmup_iters`` eager calls first (False when an earlier
+            capture of the same callable already did, e.g. smaller sizes of a bucketed graph).
+        snapshot: restored after a failure (the caller restores it after success).
+
+    Returns:
+        the graph, the output of the captured call (living in the pool), and the seconds taken.
+
+    Raises:
+        CaptureError: warm-up or capture failed; everything was undone first.
+    """
+    pool.bind_device(device)
+    start = time.perf_counter()
+    grad_ctx = torch.enable_grad if grad else torch.no_grad
+    with _on_side_stream(stream, device), grad_ctx():
+        if warmup:
+            for i in range(config.num_warmup_iters):
+                try:
+                    fn(*args, **kwargs)
+                except Exception as exc:
+                    _undo(None, device, pool, snapshot, exc)
+                    raise _warmup_error(fn, i, exc) from exc
+            stream.synchronize()  # surface asynchronous warm-up errors before capture begins
+
+        graph = torch.cuda.CUDAGraph()
+        out = None
+        began = ended = False
+        caught: list[warnings.WarningMessage] = []
+        try:
+            graph.capture_begin(pool=pool.handle, capture_error_mode=config.capture_error_mode)
+            began = True
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                # Always end the capture, even when fn raised: a stream left capturing breaks
+                # every later CUDA call in the process.
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    graph.capture_end()
+                ended = True
+        except BaseException as exc:
+            out = None
+            _undo(graph, device, pool, snapshot, exc, began=began, ended=ended)
+            del graph
+            if isinstance(exc, CaptureError) or not isinstance(exc, Exception):
+                raise
+            raise _capture_error(fn, args, kwargs, exc, config, snapshot) from exc
+        if any("empty" in str(w.message).lower() for w in caught) or not _touches_cuda(
+            out, args, kwargs
+        ):
+            err = CaptureError(
+                f"capturing '{fn_name(fn)}' recorded no CUDA work (an empty graph): it ran on "
+                "the CPU or on another device; move the module and its tensor arguments to "
+                f"{device} before graphing"
+            )
+            out = None
+            _undo(graph, device, pool, snapshot, err, began=True, ended=True)
+            raise err
+    seconds = time.perf_counter() - start
+    log.debug("captured %s on %s in %.4f s", fn_name(fn), device, seconds)
+    return Captured(graph, out, seconds)
+
+
+def _touches_cuda(out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    leaves = _compat.tree_flatten((out, args, kwargs))[0]
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in leaves)
+
+
+def _undo(
+    graph: torch.cuda.CUDAGraph | None,
+    device: torch.device,
+    pool: Pool,
+    snapshot: StateSnapshot | None,
+    exc: BaseException,
+    *,
+    began: bool = False,
+    ended: bool = False,
+) -> None:
+    """Release what a failed warm-up or capture holds, so the process stays usable."""
+    # The traceback's frames hold the user's locals, tensors in the graph's pool among them.
+    for e in (exc, exc.__cause__, exc.__context__):
+        if e is not None:
+            traceback.clear_frames(e.__traceback__)
+    if graph is not None and began:
+        if ended:
+            # A finished capture (fn raised a Python error, or recorded nothing): reset()
+            # destroys the partial graph and gives back its reference on the pool.
+            with contextlib.suppress(Exception):
+                graph.reset()
+        else:
+            # CUDA invalidated the capture and capture_end raised before it stopped routing
+            # allocations into the pool or could give the pool back; do both here.
+            _compat.abandon_pool(device.index, pool.handle)
+    with contextlib.suppress(Exception):
+        torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    if snapshot is not None:
+        snapshot.restore()
+
+
+def _warmup_error(fn: Callable[..., Any], i: int, exc: Exception) -> CaptureError:
+    where = user_frame(exc.__traceback__)
+    at = f" at {where[0]}:{where[1]} ({where[2]})" if where else ""
+    return CaptureError(
+        f"warm-up call {i + 1} of '{fn_name(fn)}' raised {type(exc).__name__}: "
+        f"{_first_line(exc)}{at}; it fails eagerly too: fix the call before graphing it"
+    )
+
+
+def _capture_error(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    exc: Exception,
+    config: GraphConfig,
+    snapshot: StateSnapshot | None,
+) -> CaptureError:
+    name = fn_name(fn)
+    if isinstance(exc, torch.OutOfMemoryError):
+        return CaptureError(
+            f"out of memory while capturing '{name}': {_first_line(exc)}; the capture was undone "
+            "and its memory released. Free memory, capture a smaller size, or share a pool "
+            "between graphs (pool=)"
+        )
+    finding = None
+    if config.diagnose:
+        from torchreplay.check import diagnose  # check.py imports nothing of capture
+
+        try:
+            report = diagnose(fn, args, kwargs)
+            finding = report.first()
+        finally:
+            if snapshot is not None:
+                snapshot.restore()
+    if finding is not None:
+        return CaptureError(
+            f"capture of '{name}' failed at {finding.location} ({finding.code}): {finding.op} "
+            f"{finding.reason}; fix: {finding.fix}. CUDA said: {_first_line(exc)}"
+        )
+    where = user_frame(exc.__traceback__)
+    at = f" at {where[0]}:{where[1]} ({where[2]})" if where else ""
+    return CaptureError(
+        f"capture of '{name}' failed{at}: {type(exc).__name__}: {_first_line(exc)}; run "
+        "torchreplay.check(fn, *args) to list what breaks capture"
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,331 @@
+"""Arguments in, outputs out: pytree flattening, static buffers, guards, copy-in, output policy.
+
+Data flows one way through this module: the caller's ``(args, kwargs)`` are flattened and checked
+against what the graph was captured with, tensors are copied into the graph's static input
+buffers (one launch for many), the graph replays, and :class:`Outputs` hands the results back
+under the output policy.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Sequence
+
+import torch
+
+from torchreplay import _compat
+from torchreplay.errors import CaptureError, ReplayInputError
+
+__all__ = ["Inputs", "Outputs", "describe_tensor"]
+
+_Tensor = torch.Tensor
+
+
+def describe_tensor(t: torch.Tensor) -> str:
+    """Return ``'shape (8, 512) float32 on cuda:0'`` for error messages."""
+    dtype = str(t.dtype).removeprefix("torch.")
+    return f"shape {tuple(t.shape)} {dtype} on {t.device}"
+
+
+def _param_names(fn: Callable[..., Any]) -> list[str]:
+    """Positional parameter names of ``fn`` (for naming ``args[0]`` as ``x`` in messages)."""
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [
+        p.name
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+
+
+def _format_path(path: Sequence[Any], names: Sequence[str]) -> str:
+    """Format a pytree key path of ``(args, kwargs)`` as ``args[0] 'x'`` or ``kwargs['mode']``."""
+    head, rest = path[0], path[1:]
+    if getattr(head, "idx", 0) == 1:
+        return "kwargs" + _compat.keystr(rest)
+    text = "args" + _compat.keystr(rest)
+    idx = getattr(rest[0], "idx", None) if rest else None
+    if isinstance(idx, int) and idx < len(names):
+        text += f" '{names[idx]}'"
+    return text
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # an object whose == raises or is ambiguous: only identity counts
+        return False
+
+
+class _Slot:
+    """One flattened input leaf: a tensor with its static buffer, or a constant."""
+
+    __slots__ = ("path", "static", "value", "shape", "dtype", "device")
+
+    def __init__(self, path: str, leaf: Any, device: torch.device) -> None:
+        self.path = path
+        if isinstance(leaf, _Tensor):
+            if leaf.device != device:
+                raise CaptureError(
+                    f"{path}: {describe_tensor(leaf)} but the graph runs on {device}; "
+                    f"move every tensor argument to {device} before graphing"
+                )
+            if leaf.layout is not torch.strided:
+                raise CaptureError(
+                    f"{path}: layout {leaf.layout} is not supported; pass a dense tensor "
+                    "(e.g. .to_dense())"
+                )
+            # Our own buffer, not the caller's sample: replays must not write into a tensor the
+            # caller still owns.
+            self.static: torch.Tensor | None = torch.empty_like(
+                leaf, memory_format=torch.preserve_format
+            ).copy_(leaf)
+            self.value = None
+            self.shape = leaf.shape
+            self.dtype = leaf.dtype
+            self.device = leaf.device
+        else:
+            self.static = None
+            self.value = leaf
+            self.shape = self.dtype = self.device = None
+
+
+class Inputs:
+    """The captured arguments of one graph: their structure, static buffers and constants.
+
+    Args:
+        fn: the callable (used only to name positional arguments in messages).
+        args, kwargs: the sample arguments; tensors must be on ``device``.
+        device: the graph's CUDA device.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        device: torch.device,
+    ) -> None:
+        names = _param_names(fn)
+        flat, spec = _compat.tree_flatten_with_path((tuple(args), dict(kwargs)))
+        self.spec = spec
+        self.slots = [_Slot(_format_path(p, names), leaf, device) for p, leaf in flat]
+        self.device = device
+        self.nargs = len(args)
+        self.kw_keys = tuple(kwargs)
+        # Fast path: every positional and keyword argument is itself a leaf (no containers), so
+        # flattening is a list build instead of a pytree walk.
+        self.flat = len(flat) == len(args) + len(kwargs)
+        self.static_args, self.static_kwargs = _compat.tree_unflatten(
+            [s.static if s.static is not None else s.value for s in self.slots], spec
+        )
+        self.tensor_slots = [s for s in self.slots if s.static is not None]
+
+    # -- replay path -------------------------------------------------------------------------
+
+    def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """Return the call's leaves in capture order; raise on a different structure."""
+        if self.flat and len(args) == self.nargs and len(kwargs) == len(self.kw_keys):
+            try:
+                return [*args, *[kwargs[k] for k in self.kw_keys]]
+            except KeyError:
+                pass  # a different keyword: the slow path names it
+        return self._flatten_slow(args, kwargs)
+
+    def copy_in(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Check every argument against the capture and copy tensors into the static buffers."""
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for leaf, slot in zip(self.flatten(args, kwargs), self.slots):
+            static = slot.static
+            if static is None:
+                if leaf is not slot.value and not _same_constant(leaf, slot.value):
+                    raise self.constant_error(slot, leaf)
+            elif leaf is not static:
+                if (
+                    type(leaf) is not _Tensor and not isinstance(leaf, _Tensor)
+                ) or leaf.shape != slot.shape or leaf.dtype != slot.dtype or (
+                    leaf.device != slot.device
+                ) or leaf.layout is not torch.strided:
+                    raise self.tensor_error(slot, leaf)
+                dsts.append(static)
+                srcs.append(leaf)
+        if len(dsts) == 1:
+            dsts[0].copy_(srcs[0])
+        elif dsts:
+            _compat.foreach_copy_(dsts, srcs)
+
+    # -- errors --------------------------------------------------------------------------------
+
+    def tensor_error(self, slot: _Slot, leaf: Any) -> ReplayInputError:
+        """Build the error for a tensor argument that does not match its capture."""
+        assert slot.static is not None
+        captured = describe_tensor(slot.static)
+        if not isinstance(leaf, _Tensor):
+            return ReplayInputError(
+                f"{slot.path}: expected a tensor ({captured}) as at capture, "
+                f"got {type(leaf).__name__}; pass a tensor of the captured shape and dtype"
+            )
+        seen = describe_tensor(leaf)
+        if leaf.shape != slot.shape:
+            fix = (
+                "pass a tensor of the captured shape, or graph with sizes=[...] "
+                "so that several sizes are captured"
+            )
+        elif leaf.dtype != slot.dtype:
+            fix = f"cast it with .to({slot.dtype})"
+        elif leaf.device != slot.device:
+            fix = f"move it with .to('{slot.device}')"
+        else:
+            fix = "pass a dense tensor (e.g. .to_dense())"
+        return ReplayInputError(
+            f"{slot.path}: {seen}, but the graph was captured with {captured}; {fix} "
+            "(a graph never broadcasts or converts its inputs)"
+        )
+
+    def constant_error(self, slot: _Slot, leaf: Any) -> ReplayInputError:
+        """Build the error for a non-tensor argument that differs from the captured constant."""
+        return ReplayInputError(
+            f"{slot.path}: {leaf!r} but the graph was captured with the constant "
+            f"{slot.value!r}; non-tensor arguments are baked into the graph: pass "
+            f"{slot.value!r}, graph again for this value, or pass it as a tensor so it can "
+            "change between calls"
+        )
+
+    def _flatten_slow(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        if set(kwargs) == set(self.kw_keys):
+            kwargs = {k: kwargs[k] for k in self.kw_keys}  # capture order, not call order
+        leaves, spec = _compat.tree_flatten((tuple(args), dict(kwargs)))
+        if spec == self.spec:
+            return leaves
+        raise ReplayInputError(self._structure_mismatch(args, kwargs))
+
+    def _structure_mismatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        if len(args) != self.nargs:
+            return (
+                f"{len(args)} positional arguments but the graph was captured with "
+                f"{self.nargs}; call it with the same arguments as at capture"
+            )
+        missing = [k for k in self.kw_keys if k not in kwargs]
+        extra = [k for k in kwargs if k not in self.kw_keys]
+        if missing or extra:
+            return (
+                f"keyword arguments differ from the capture: missing {missing}, "
+                f"unexpected {extra}; call it with the same keywords as at capture"
+            )
+        for i, (a, b) in enumerate(zip(args, self.static_args)):
+            if _compat.tree_flatten(a)[1] != _compat.tree_flatten(b)[1]:
+                return (
+                    f"args[{i}]: its structure {_compat.tree_flatten(a)[1]} differs from the "
+                    f"captured {_compat.tree_flatten(b)[1]}; pass the same nesting of "
+                    "containers as at capture"
+                )
+        for k in self.kw_keys:
+            a, b = kwargs[k], self.static_kwargs[k]
+            if _compat.tree_flatten(a)[1] != _compat.tree_flatten(b)[1]:
+                return (
+                    f"kwargs['{k}']: its structure differs from the capture; pass the same "
+                    "nesting of containers as at capture"
+                )
+        return "the arguments' structure differs from the capture"
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class Outputs:
+    """The outputs of one graph and the policy that hands them out.
+
+    Each output leaf is one of: a constant (returned as is); an *external* tensor, one the graph
+    did not allocate, like a module buffer it updates in place (returned as is, like eager); or a
+    tensor in memory the graph owns (its pool or its static inputs), handed out per policy.
+
+    Args:
+        out: what ``fn`` returned during capture.
+        policy: ``"checked"``, ``"clone"`` or ``"static"`` (see :class:`~torchreplay.config.GraphConfig`).
+        name: the graph's name, for messages.
+        owned: returns True for a tensor whose memory the graph owns.
+    """
+
+    def __init__(
+        self,
+        out: Any,
+        policy: str,
+        name: str,
+        owned: Callable[[torch.Tensor], bool],
+    ) -> None:
+        leaves, spec = _compat.tree_flatten(out)
+        self.static = leaves
+        self.spec = spec
+        if policy == "checked" and not _compat.HAS_CHECKED_OUTPUTS:
+            policy = "clone"  # this torch cannot mark storages stale: fresh tensors are safe
+        self.policy = policy
+        self.owned_idx = [
+            i for i, t in enumerate(leaves) if isinstance(t, _Tensor) and owned(t)
+        ]
+        self.is_leaf = _compat.is_leaf_treespec(spec)
+        # Checked policy: one alias storage per distinct owned storage, shared by the outputs
+        # that view it (so y and y.view(-1) stay aliases of each other, as in eager).
+        groups: dict[int, list[int]] = {}
+        for i in self.owned_idx:
+            groups.setdefault(_storage_key(leaves[i]), []).append(i)
+        self.groups: list[tuple[int, int, list[tuple[int, dict[str, Any]]]]] = []
+        for ptr, idxs in groups.items():
+            nbytes = leaves[idxs[0]].untyped_storage().nbytes()
+            metas = [(i, _tensor_meta(leaves[i])) for i in idxs]
+            self.groups.append((ptr, nbytes, metas))
+        self.device = leaves[self.owned_idx[0]].device if self.owned_idx else None
+        self.live: list[torch.UntypedStorage] = []
+        self.stale_message = (
+            f"StaleOutputError: this tensor is an output of the torchreplay graph '{name}', "
+            "and a later replay of that graph overwrote its memory. Call .clone() on outputs "
+            "you keep across calls, or create the graph with outputs='clone'."
+        )
+
+    def invalidate(self) -> None:
+        """Mark the outputs handed out by the last :meth:`emit` as stale."""
+        if self.live:
+            for storage in self.live:
+                _compat.invalidate_storage(storage, self.stale_message)
+            self.live = []
+
+    def emit(self) -> Any:
+        """Return this replay's outputs, in the captured structure, under the policy."""
+        leaves = self.static
+        if self.policy == "checked" and self.groups:
+            self.invalidate()
+            leaves = list(leaves)
+            live = self.live
+            for ptr, nbytes, metas in self.groups:
+                storage = _compat.alias_storage(ptr, self.device, nbytes)
+                live.append(storage)
+                for i, meta in metas:
+                    leaves[i] = _compat.tensor_from_storage(meta, storage)
+        elif self.policy == "clone" and self.owned_idx:
+            leaves = list(leaves)
+            for i in self.owned_idx:
+                leaves[i] = leaves[i].clone()
+        if self.is_leaf:
+            return leaves[0]
+        return _compat.tree_unflatten(leaves, self.spec)
+
+
+def _tensor_meta(t: torch.Tensor) -> dict[str, Any]:
+    storage = t.untyped_storage()
+    return {
+        "nbytes": storage.nbytes(),
+        "data_ptr": storage.data_ptr(),
+        "size": t.shape,
+        "stride": t.stride(),
+        "dtype": t.dtype,
+        "device": t.device,
+        "storage_offset": t.storage_offset(),
+    }

@@ -1,0 +1,120 @@
+"""Memory pools shared by graphs, the replay order that keeps them safe, and memory accounting.
+
+Why order matters: graphs captured into one pool, in order g0, g1, ..., may place the memory of a
+later graph's outputs where an earlier graph keeps its intermediates (freed at the end of that
+earlier capture, so the allocator hands it out again). Replaying g_i can therefore overwrite the
+outputs of every g_j captured after it (j > i), never those captured before it (their outputs
+were still held when g_i was captured). A :class:`Pool` keeps the capture order and, before g_i
+replays, marks the outputs that g_j (j >= i) handed out as stale, so they raise when read instead
+of returning overwritten data.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+
+__all__ = ["Pool"]
+
+log = logging.getLogger(__name__)
+
+
+class _Member(Protocol):
+    def invalidate_outputs(self) -> None: ...
+
+
+class Pool:
+    """A CUDA graph memory pool that several graphs can share.
+
+    Pass the same ``Pool`` (or ``g.pool`` of an existing graph) as ``pool=`` to share memory
+    between graphs that never run at the same time.
+
+    Args:
+        device: the CUDA device of the pool; default: the device of the first graph captured in it.
+
+    .. warning::
+        Graphs that share a pool must not run concurrently on different streams.
+    """
+
+    def __init__(self, device: torch.device | int | str | None = None) -> None:
+        self.device: torch.device | None = _as_cuda_device(device) if device is not None else None
+        self._handle: tuple[int, int] | None = None
+        self._members: list[_Member] = []
+
+    @property
+    def handle(self) -> tuple[int, int]:
+        """The torch pool id (as returned by ``torch.cuda.graph_pool_handle()``)."""
+        if self._handle is None:
+            self._handle = torch.cuda.graph_pool_handle()
+        return self._handle
+
+    @classmethod
+    def from_handle(cls, handle: tuple[int, int], device: torch.device | None = None) -> Pool:
+        """Wrap a raw torch pool handle.
+
+        .. warning::
+            Only graphs that share the same ``Pool`` object are ordered against each other;
+            graphs made by other tools in that raw pool are not.
+        """
+        pool = cls(device)
+        pool._handle = tuple(handle)  # type: ignore[assignment]
+        return pool
+
+    def bind_device(self, device: torch.device) -> None:
+        """Fix the pool's device at the first capture; refuse a graph on another device."""
+        if self.device is None:
+            self.device = device
+        elif self.device != device:
+            from torchreplay.errors import CaptureError
+
+            raise CaptureError(
+                f"pool is on {self.device} but this graph's inputs are on {device}; "
+                "graphs can share a pool only on one device: pass pool=None or a Pool per device"
+            )
+
+    def register(self, member: _Member) -> int:
+        """Add a graph in capture order; return its position."""
+        self._members.append(member)
+        return len(self._members) - 1
+
+    @property
+    def shared(self) -> bool:
+        """True once more than one graph has been captured into this pool."""
+        return len(self._members) > 1
+
+    def before_replay(self, position: int) -> None:
+        """Mark stale the outputs of every graph captured after ``position``."""
+        for member in self._members[position + 1 :]:
+            member.invalidate_outputs()
+
+    def reserved_bytes(self) -> int:
+        """Bytes of device memory the allocator holds for this pool right now."""
+        if self._handle is None or not torch.cuda.is_initialized():
+            return 0
+        return sum(
+            seg["total_size"]
+            for seg in torch.cuda.memory_snapshot()
+            if tuple(seg.get("segment_pool_id", ())) == self._handle
+        )
+
+    def segment_ranges(self) -> list[tuple[int, int]]:
+        """Return the ``[start, end)`` address ranges of this pool's segments."""
+        if self._handle is None:
+            return []
+        return [
+            (seg["address"], seg["address"] + seg["total_size"])
+            for seg in torch.cuda.memory_snapshot()
+            if tuple(seg.get("segment_pool_id", ())) == self._handle
+        ]
+
+    def __repr__(self) -> str:
+        return f"Pool(device={self.device}, handle={self._handle}, graphs={len(self._members)})"
+
+
+def _as_cuda_device(device: torch.device | int | str) -> torch.device:
+    d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d

@@ -1,0 +1,87 @@
+"""Counters of a graphed callable, and the report that explains them.
+
+Counters are plain attributes incremented on the replay path; anything that costs more than an
+increment (memory held by a pool) is computed when it is read.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+__all__ = ["GraphStats"]
+
+
+class GraphStats:
+    """What a graphed callable did: captures, replays, fallbacks, padding, memory.
+
+    Attributes:
+        captures: graphs captured.
+        replays: calls answered by replaying a graph.
+        fallbacks: calls that ran eagerly instead (e.g. ``module.training`` changed, a size above
+            the largest captured one).
+        capture_seconds: wall time spent in warm-up and capture, all graphs together.
+        size_hits: for graphs with ``sizes=``, replays per captured size.
+        real_rows / padded_rows: rows the callers asked for, and rows added as padding.
+    """
+
+    __slots__ = (
+        "captures",
+        "replays",
+        "fallbacks",
+        "capture_seconds",
+        "size_hits",
+        "real_rows",
+        "padded_rows",
+        "_pool_bytes",
+    )
+
+    def __init__(self, pool_bytes: Callable[[], int] | None = None) -> None:
+        self.captures = 0
+        self.replays = 0
+        self.fallbacks = 0
+        self.capture_seconds = 0.0
+        self.size_hits: dict[int, int] = {}
+        self.real_rows = 0
+        self.padded_rows = 0
+        self._pool_bytes = pool_bytes
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of device memory reserved by the graphs' memory pool (0 before any capture)."""
+        return self._pool_bytes() if self._pool_bytes is not None else 0
+
+    @property
+    def pad_waste(self) -> float:
+        """Fraction of replayed rows that were padding (0.0 when nothing was padded)."""
+        total = self.real_rows + self.padded_rows
+        return self.padded_rows / total if total else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        """Return every counter as a plain dict (for logging and JSON)."""
+        return {
+            "captures": self.captures,
+            "replays": self.replays,
+            "fallbacks": self.fallbacks,
+            "capture_seconds": round(self.capture_seconds, 6),
+            "size_hits": dict(self.size_hits),
+            "real_rows": self.real_rows,
+            "padded_rows": self.padded_rows,
+            "pad_waste": round(self.pad_waste, 4),
+            "pool_bytes": self.pool_bytes,
+        }
+
+    def explain(self) -> str:
+        """Return a short human-readable summary of the counters."""
+        d = self.as_dict()
+        lines = [
+            f"captures={d['captures']} ({d['capture_seconds']:.3f} s)",
+            f"replays={d['replays']} fallbacks={d['fallbacks']}",
+            f"pool={d['pool_bytes'] / 2**20:.1f} MiB",
+        ]
+        if self.size_hits:
+            hits = ", ".join(f"{k}:{v}" for k, v in sorted(self.size_hits.items()))
+            lines.append(f"size hits {{{hits}}}; padding {self.pad_waste:.1%} of rows")
+        return "; ".join(lines)
+
+    def __repr__(self) -> str:
+        return f"GraphStats({self.explain()})"
