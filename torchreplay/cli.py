@@ -1,0 +1,312 @@
+"""The ``torchreplay`` command line: ``bench`` and ``check``.
+
+The only module that prints and the only one that configures logging handlers. Importing it
+initialises no CUDA; CUDA is first touched when a benchmark runs.
+
+Exit codes:
+
+- ``torchreplay check module:factory``: 0 when the report is clean, 1 when it has findings, 2 when
+  the factory cannot be loaded, returns something else than ``(fn, args[, kwargs])`` or raises.
+  On a machine without CUDA every call touches only CPU tensors, so the ``(no CUDA tensor)``
+  finding is printed but does not make the exit code 1 there.
+- ``torchreplay bench``: 0 when the table was produced (a method that failed is a row that says
+  ``failed: <reason>``); 2 for a factory that cannot be loaded. Without CUDA it says so, runs
+  ``torchreplay check`` on the built-in model (or on ``--factory``) instead and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import logging
+import os
+import sys
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import torch
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+from rich.text import Text
+
+import torchreplay
+from torchreplay import bench
+
+__all__ = ["main", "build_parser", "load_factory", "results_table", "FactoryError", "BUILTIN_FACTORY"]
+
+log = logging.getLogger(__name__)
+
+#: What ``torchreplay bench`` checks instead of timing on a machine without CUDA.
+BUILTIN_FACTORY = "torchreplay.models.factories:mlp_factory"
+
+_NO_CUDA = (
+    "CUDA is not available on this machine (torch {torch}), so there is nothing to time: "
+    "`torchreplay bench` compares CUDA graphs on a GPU. Running `torchreplay check {spec}` "
+    "on the built-in model instead."
+)
+
+
+class FactoryError(Exception):
+    """A ``module:factory`` that cannot be imported, found, called or unpacked."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the parser of ``torchreplay [-v] {bench,check} ...``."""
+    parser = argparse.ArgumentParser(
+        prog="torchreplay",
+        description="Run PyTorch callables as CUDA graphs: benchmark them, or check what would "
+        "break capture.",
+    )
+    parser.add_argument(
+        "--version", action="version",
+        version=f"torchreplay {torchreplay.__version__} (torch {torch.__version__})",
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0,
+        help="log torchreplay's INFO lines (-v) or DEBUG lines (-vv) to stderr",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{bench,check}")
+    sub.required = True
+
+    b = sub.add_parser(
+        "bench",
+        help="time eager vs hand-written CUDA graph vs torch.compile vs tr.graph",
+        description="Time each built-in model (or --factory) eagerly, as a hand-written "
+        "torch.cuda.CUDAGraph (the floor), with torch.compile(mode='reduce-overhead') and with "
+        "tr.graph. Without CUDA, run `torchreplay check` on the built-in model instead.",
+    )
+    b.add_argument(
+        "--model", choices=[*bench.ROWS, "all"], default="all",
+        help="which built-in row to run (default: all)",
+    )
+    b.add_argument(
+        "--factory", metavar="MODULE:FACTORY",
+        help="time your own workload: FACTORY() returns (fn, args) or (fn, args, kwargs) on the GPU",
+    )
+    defaults = bench.BenchOptions()
+    b.add_argument("--repeats", type=_positive_int, default=defaults.repeats,
+                   help=f"timed samples per method, median reported (default {defaults.repeats})")
+    b.add_argument("--calls", type=_positive_int, default=defaults.calls,
+                   help=f"calls per timed sample (default {defaults.calls})")
+    b.add_argument("--no-compile", action="store_true",
+                   help="skip torch.compile(mode='reduce-overhead'), which takes a while to compile")
+    b.add_argument("--json", metavar="PATH", help="also write the numbers to PATH as JSON")
+    b.set_defaults(run=_cmd_bench)
+
+    c = sub.add_parser(
+        "check",
+        help="report what in a callable would break CUDA graph capture, with file:line",
+        description="Import MODULE, call FACTORY() -> (fn, args) or (fn, args, kwargs), run "
+        "tr.check(fn, *args, **kwargs) and print the report. Exit 0 when clean, 1 with findings, "
+        "2 when the factory fails.",
+    )
+    c.add_argument("target", metavar="MODULE:FACTORY",
+                   help="e.g. torchreplay.models.factories:mlp_factory")
+    c.set_defaults(run=_cmd_check)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
+    ns = build_parser().parse_args(argv)
+    out, err = Console(), Console(stderr=True)
+    with _logging_to(err, ns.verbose):
+        return ns.run(ns, out, err)
+
+
+@contextlib.contextmanager
+def _logging_to(console: Console, verbose: int) -> Iterator[None]:
+    # The handler lives as long as the command, so main() can run many times in one process
+    # (tests) without stacking handlers.
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logger = logging.getLogger("torchreplay")
+    handler = RichHandler(console=console, show_path=verbose > 1, rich_tracebacks=True)
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+
+
+# ---------------------------------------------------------------------------------------------
+# check
+
+
+def load_factory(spec: str) -> Callable[[], Any]:
+    """Import ``"module:factory"`` (``factory`` may be dotted) and return the callable.
+
+    The current directory is importable, as with ``python -m``.
+
+    Raises:
+        FactoryError: saying what is wrong and how to fix it.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise FactoryError(
+            f"expected MODULE:FACTORY, got {spec!r}; e.g. {BUILTIN_FACTORY}"
+        )
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise FactoryError(
+            f"cannot import {module_name!r}: {exc}; run from the directory that contains it or "
+            "add that directory to PYTHONPATH"
+        ) from exc
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise FactoryError(f"{module_name!r} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise FactoryError(f"{spec} is a {type(obj).__name__}, not a callable factory")
+    return obj
+
+
+def _call_factory(spec: str) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    factory = load_factory(spec)
+    try:
+        result = factory()
+    except Exception as exc:
+        raise FactoryError(f"{spec}() raised {type(exc).__name__}: {exc}") from exc
+    try:
+        return bench.unpack_factory_result(result, spec)
+    except TypeError as exc:
+        raise FactoryError(str(exc)) from exc
+
+
+def _run_check(spec: str, out: Console, err: Console) -> int:
+    try:
+        fn, args, kwargs = _call_factory(spec)
+    except FactoryError as exc:
+        err.print(Text(f"torchreplay check: {exc}"), soft_wrap=True)
+        return 2
+    try:
+        report = torchreplay.check(fn, *args, **kwargs)
+    except Exception as exc:
+        err.print_exception()
+        err.print(Text(f"torchreplay check: the call from {spec} raised {type(exc).__name__}; "
+                       "fix it so that it runs eagerly, then check again"), soft_wrap=True)
+        return 2
+    # A table on a terminal; the plain text (every file:line in full, greppable) in logs and pipes.
+    if out.is_terminal and (hasattr(report, "__rich__") or hasattr(report, "__rich_console__")):
+        out.print(report)
+    else:
+        out.print(Text(str(report)), soft_wrap=True)
+    return 1 if _blocking(report) else 0
+
+
+def _blocking(report: Iterable[Any]) -> list[Any]:
+    # Without CUDA nothing can touch a CUDA tensor; that finding says nothing about the code.
+    from torchreplay.check import NO_CUDA_OP
+
+    cuda = torch.cuda.is_available()
+    return [f for f in report if cuda or getattr(f, "op", None) != NO_CUDA_OP]
+
+
+def _cmd_check(ns: argparse.Namespace, out: Console, err: Console) -> int:
+    return _run_check(ns.target, out, err)
+
+
+# ---------------------------------------------------------------------------------------------
+# bench
+
+
+def _cmd_bench(ns: argparse.Namespace, out: Console, err: Console) -> int:
+    if not torch.cuda.is_available():
+        spec = ns.factory or BUILTIN_FACTORY
+        out.print(Text(_NO_CUDA.format(torch=torch.__version__, spec=spec)), soft_wrap=True)
+        status = _run_check(spec, out, err)
+        if status != 2:
+            out.print(Text("Without CUDA every tensor is on the CPU, so a `(no CUDA tensor)` finding is "
+                           "expected here; any other finding would break capture on a GPU."),
+                      soft_wrap=True)
+        return 2 if status == 2 else 0
+
+    opts = bench.BenchOptions(repeats=ns.repeats, calls=ns.calls, compile=not ns.no_compile)
+    env = bench.environment()
+    out.print(Text(f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}; "
+                   f"median of {opts.repeats} x {opts.calls} calls"), soft_wrap=True)
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=out, transient=True) as progress:
+        task = progress.add_task("starting", total=None)
+
+        def on_step(workload: str, method: str) -> None:
+            progress.update(task, description=f"{workload}: {method}")
+
+        if ns.factory:
+            try:
+                fn, args, kwargs = _call_factory(ns.factory)
+            except FactoryError as exc:
+                err.print(Text(f"torchreplay bench: {exc}"), soft_wrap=True)
+                return 2
+            results = bench.run_factory(lambda: (fn, args, kwargs), ns.factory, opts, on_step)
+        else:
+            names = list(bench.ROWS) if ns.model == "all" else [ns.model]
+            results = bench.run(names, opts, on_step)
+
+    out.print(results_table(dataclasses.asdict(m) for m in results))
+    if ns.json:
+        bench.write_json(ns.json, results, opts)
+        out.print(Text(f"wrote {ns.json}"))
+    return 0
+
+
+def results_table(rows: Iterable[Mapping[str, Any]], title: str | None = None) -> Table:
+    """Return a rich Table of benchmark measurements (``dataclasses.asdict`` of each, or JSON)."""
+    table = Table(title=title or "eager vs graphs: time per call (median), lower is better")
+    table.add_column("workload", overflow="fold")
+    table.add_column("method")
+    table.add_column("per call (us)", justify="right")
+    table.add_column("vs hand-written", justify="right")
+    table.add_column("speed-up vs eager", justify="right")
+    table.add_column("host (us/call)", justify="right")
+    table.add_column("host - floor (us)", justify="right")
+    previous = None
+    for r in rows:
+        first = r["workload"] != previous
+        if first and previous is not None:
+            table.add_section()
+        previous = r["workload"]
+        name = Text(r["workload"]) if first else Text("")
+        if r.get("error"):
+            table.add_row(name, Text(r["method"]), Text(r["error"], style="red"), "", "", "", "")
+            continue
+        table.add_row(
+            name,
+            Text(r["method"]),
+            _fmt(r.get("per_call_us"), "{:.1f}"),
+            _fmt(r.get("vs_floor"), "{:.2f}x"),
+            _fmt(r.get("speedup"), "{:.2f}x"),
+            _fmt(r.get("host_us"), "{:.1f}"),
+            _fmt(r.get("host_delta_us"), "{:+.1f}"),
+        )
+    return table
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else spec.format(value)
