@@ -28,12 +28,27 @@ from torchreplay.config import GraphConfig
 from torchreplay.errors import CaptureError
 from torchreplay.pool import Pool
 
-__all__ = ["Captured", "capture", "StateSnapshot", "user_frame", "fn_name"]
+__all__ = ["Captured", "capture", "side_stream", "StateSnapshot", "user_frame", "fn_name"]
 
 log = logging.getLogger(__name__)
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OUR_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+# One side stream per device for every warm-up and capture in the process. A resource cache, not
+# state: torch gives each stream that runs a cuBLAS call its own workspace (32 MiB and more on
+# Hopper) and never frees it, so a stream per graph would cost that much memory per graph.
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """Return the persistent side stream that warm-up and capture use on ``device``."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+    return stream
 
 
 def fn_name(fn: Callable[..., Any]) -> str:

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 
 from torchreplay import _compat
-from torchreplay.capture import StateSnapshot, capture, fn_name, owning_module
+from torchreplay.capture import StateSnapshot, capture, fn_name, owning_module, side_stream
 from torchreplay.config import SAFE, GraphConfig
 from torchreplay.errors import CaptureError, UnsupportedError
 from torchreplay.io import Inputs, Outputs
@@ -60,7 +60,7 @@ class Graphed:
         self._inputs = Inputs(fn, args, kwargs, device)
         self.static_args = self._inputs.static_args
         self.static_kwargs = self._inputs.static_kwargs
-        self._stream = torch.cuda.Stream(device)
+        self._stream = side_stream(device)
 
         snapshot = (
             StateSnapshot(self._module, device) if config.restore_state else None

@@ -24,7 +24,8 @@ _Tensor = torch.Tensor
 def describe_tensor(t: torch.Tensor) -> str:
     """Return ``'shape (8, 512) float32 on cuda:0'`` for error messages."""
     dtype = str(t.dtype).removeprefix("torch.")
-    return f"shape {tuple(t.shape)} {dtype} on {t.device}"
+    layout = "" if t.layout is torch.strided else f" {str(t.layout).removeprefix('torch.')}"
+    return f"shape {tuple(t.shape)} {dtype}{layout} on {t.device}"
 
 
 def _param_names(fn: Callable[..., Any]) -> list[str]:
