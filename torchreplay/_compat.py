@@ -28,6 +28,7 @@ __all__ = [
     "invalidate_storage",
     "set_sequence_nr",
     "abandon_pool",
+    "LightDispatchMode",
 ]
 
 
@@ -139,3 +140,18 @@ def abandon_pool(device: int, pool: tuple[int, int]) -> None:
             return
     if release is not None:
         release(device, pool)
+
+
+class LightDispatchMode(TorchDispatchMode):
+    """A TorchDispatchMode whose ``__torch_dispatch__`` torch does not wrap for torch.compile.
+
+    TorchDispatchMode wraps each subclass's ``__torch_dispatch__`` in ``torch._disable_dynamo``,
+    whose first call imports torch._dynamo (1-3 s) only so that compile will not trace into the
+    mode. check.py's mode is never run under compile, so it opts out through the documented
+    ``_should_skip_dynamo`` class hook. A torch without that hook ignores the override and pays
+    the import, nothing else changes.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False

@@ -1,0 +1,495 @@
+"""check.py on CPU tensors: every finding with its exact file:line, the report, and cleanup.
+
+Each function under test marks the line a finding must point at with a ``# at:<name>`` comment;
+:func:`line_of` finds it, so the tests survive edits above them.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import io
+import sys
+
+import pytest
+import torch
+
+import torchreplay as tr
+from torchreplay.check import KINDS, NO_CUDA_OP, Finding, Report, check, diagnose
+
+with open(__file__, encoding="utf-8") as _f:
+    _SOURCE = _f.read().splitlines()
+
+
+def line_of(name: str) -> int:
+    """Return the 1-based line of this file that ends with the marker ``# at:<name>``."""
+    marker = f"# at:{name}"
+    hits = [i for i, line in enumerate(_SOURCE, 1) if line.rstrip().endswith(marker)]
+    assert len(hits) == 1, f"marker {marker!r} found on lines {hits}"
+    return hits[0]
+
+
+def only(report: Report, kind: str) -> Finding:
+    """Return the single finding of ``kind`` in ``report``."""
+    found = [f for f in report if f.kind == kind]
+    assert len(found) == 1, str(report)
+    return found[0]
+
+
+def assert_at(finding: Finding, name: str, *, kind: str, op: str) -> None:
+    assert (finding.kind, finding.op) == (kind, op), str(finding)
+    assert finding.filename == __file__
+    assert finding.lineno == line_of(name)
+    assert finding.code == _SOURCE[finding.lineno - 1].strip()
+    assert finding.location == f"{__file__}:{line_of(name)}"
+
+
+def x4() -> torch.Tensor:
+    return torch.tensor([1.0, -2.0, 3.0, -4.0])
+
+
+# --- host syncs -----------------------------------------------------------------------------------
+
+
+def f_item(x):
+    y = x * 2
+    return y.sum().item()  # at:item
+
+
+def f_tolist(x):
+    return x.tolist()  # at:tolist
+
+
+def f_cpu(x):
+    return x.cpu()  # at:cpu
+
+
+def f_numpy(x):
+    return x.numpy()  # at:numpy
+
+
+def f_print(x):
+    print(x)  # at:print
+    return x
+
+
+def f_repr(x):
+    return repr(x)  # at:repr
+
+
+def f_bool(x):
+    if x.sum() > 0:  # at:bool
+        return x
+    return -x
+
+
+def f_float(x):
+    return float(x.max())  # at:float
+
+
+@pytest.mark.parametrize(
+    "fn, name, op",
+    [
+        (f_item, "item", "Tensor.item"),
+        (f_tolist, "tolist", "Tensor.tolist"),
+        (f_cpu, "cpu", "Tensor.cpu"),
+        (f_numpy, "numpy", "Tensor.numpy"),
+        (f_print, "print", "Tensor.__repr__"),
+        (f_repr, "repr", "Tensor.__repr__"),
+        (f_bool, "bool", "aten._local_scalar_dense"),
+        (f_float, "float", "aten._local_scalar_dense"),
+    ],
+)
+def test_host_sync(fn, name, op):
+    report = check(fn, x4())
+    assert_at(only(report, "host-sync"), name, kind="host-sync", op=op)
+
+
+def f_cuda_sync(x):
+    y = x + 1
+    torch.cuda.synchronize()  # at:cuda-sync
+    return y
+
+
+def test_cuda_synchronize_is_seen_before_it_fails_without_cuda():
+    # torch.cuda.synchronize raises on a machine without CUDA; diagnose keeps what it saw.
+    report = diagnose(f_cuda_sync, (x4(),), {})
+    assert_at(report[0], "cuda-sync", kind="host-sync", op="torch.cuda.synchronize")
+
+
+# --- data-dependent shapes ------------------------------------------------------------------------
+
+
+def f_nonzero(x):
+    return x.nonzero()  # at:nonzero
+
+
+def f_mask(x):
+    mask = x > 0
+    return x[mask]  # at:mask
+
+
+def f_masked_select(x):
+    return torch.masked_select(x, x > 0)  # at:masked-select
+
+
+def f_unique(x):
+    return torch.unique(x)  # at:unique
+
+
+def f_unique_consecutive(x):
+    return torch.unique_consecutive(x)  # at:unique-consecutive
+
+
+def f_where_one_arg(x):
+    return torch.where(x > 0)  # at:where
+
+
+def f_repeat_interleave(x, repeats):
+    return torch.repeat_interleave(x, repeats)  # at:repeat
+
+
+def f_mask_assign(x):
+    x = x.clone()
+    x[x > 0] = torch.zeros(2)  # at:mask-assign
+    return x
+
+
+@pytest.mark.parametrize(
+    "fn, name, op",
+    [
+        (f_nonzero, "nonzero", "aten.nonzero"),
+        (f_mask, "mask", "aten.index"),
+        (f_masked_select, "masked-select", "aten.masked_select"),
+        (f_unique, "unique", "aten._unique2"),
+        (f_unique_consecutive, "unique-consecutive", "aten.unique_consecutive"),
+        (f_where_one_arg, "where", "aten.nonzero"),
+        (f_mask_assign, "mask-assign", "aten.index_put_"),
+    ],
+)
+def test_dynamic_shape(fn, name, op):
+    report = check(fn, x4())
+    assert_at(only(report, "dynamic-shape"), name, kind="dynamic-shape", op=op)
+
+
+def test_repeat_interleave_with_tensor_repeats():
+    report = check(f_repeat_interleave, x4(), torch.tensor([1, 2, 1, 1]))
+    assert_at(only(report, "dynamic-shape"), "repeat", kind="dynamic-shape",
+              op="aten.repeat_interleave")
+
+
+def test_fixed_shape_forms_are_clean():
+    def fn(x):
+        mask = x > 0
+        y = torch.where(mask, x, 0.0) + x.masked_fill(~mask, 0.0)
+        x = x.clone()
+        x[mask] = 0.0  # one value through a mask becomes masked_fill_: no sync
+        return y.repeat_interleave(2) + x.repeat_interleave(2)
+
+    report = check(fn, x4())
+    assert [f.op for f in report] == [NO_CUDA_OP]
+
+
+# --- host-to-device copies, devices ---------------------------------------------------------------
+
+
+def f_tensor_from_list(x):
+    scale = torch.tensor(0.5)  # 0-dim CPU constant: torch passes it by value, not reported
+    offsets = torch.tensor([1.0, 2.0, 3.0, 4.0], device=x.device)  # at:tensor-list
+    return x * scale + offsets
+
+
+def test_tensor_from_python_list_is_a_per_call_copy():
+    # Reported on CPU too: the code is meant for CUDA, where it copies to the device every call,
+    # and a graph would freeze the values it saw at capture.
+    report = check(f_tensor_from_list, x4())
+    assert_at(only(report, "host-to-device"), "tensor-list", kind="host-to-device",
+              op="aten.lift_fresh")
+
+
+def f_to_cuda(x):
+    return x.cuda()  # at:to-cuda
+
+
+def test_cpu_tensor_moved_to_cuda_inside():
+    # Without CUDA .cuda() raises after the call was seen; with CUDA it is a per-call copy.
+    report = diagnose(f_to_cuda, (x4(),), {})
+    assert_at(report[0], "to-cuda", kind="host-to-device", op="Tensor.cuda")
+
+
+def test_clean_cpu_function_has_only_the_no_cuda_finding():
+    def fn(x, *, bias):
+        return torch.relu(x * 2 + bias)  # at:clean
+
+    report = check(fn, x4(), bias=torch.ones(4))
+    assert len(report) == 1
+    assert_at(report[0], "clean", kind="cpu-tensor", op=NO_CUDA_OP)
+
+
+def test_no_op_at_all_points_at_the_caller():
+    report = check(lambda: None)  # at:no-op
+    assert_at(report[0], "no-op", kind="cpu-tensor", op=NO_CUDA_OP)
+
+
+# --- RNG, pinned memory ---------------------------------------------------------------------------
+
+
+def f_get_rng(x):
+    state = torch.get_rng_state()  # at:get-rng
+    return x, state
+
+
+def f_set_rng(x, state):
+    torch.set_rng_state(state)  # at:set-rng
+    return x
+
+
+def f_manual_seed(x):
+    torch.manual_seed(0)  # at:manual-seed
+    return x + torch.randn(4)
+
+
+def f_generator(x):
+    g = torch.Generator()
+    return x + torch.randn(4, generator=g)  # at:generator
+
+
+def f_generator_seed(x, g):
+    g.manual_seed(1)  # at:generator-seed
+    return x
+
+
+@pytest.mark.parametrize(
+    "fn, extra, name, op",
+    [
+        (f_get_rng, (), "get-rng", "torch.get_rng_state"),
+        (f_set_rng, (torch.get_rng_state(),), "set-rng", "torch.set_rng_state"),
+        (f_manual_seed, (), "manual-seed", "torch.manual_seed"),
+        (f_generator, (), "generator", "torch.Generator"),
+        (f_generator_seed, (torch.Generator(),), "generator-seed", "Generator.manual_seed"),
+    ],
+)
+def test_rng(fn, extra, name, op):
+    state = torch.get_rng_state()
+    try:
+        report = check(fn, x4(), *extra)
+    finally:
+        torch.set_rng_state(state)
+    assert_at(only(report, "rng"), name, kind="rng", op=op)
+
+
+def f_pin(x):
+    return x.pin_memory()  # at:pin
+
+
+def f_empty_pinned(x):
+    return torch.empty(4, pin_memory=True)  # at:empty-pinned
+
+
+@pytest.mark.parametrize(
+    "fn, name, op",
+    [(f_pin, "pin", "Tensor.pin_memory"), (f_empty_pinned, "empty-pinned", "aten.empty")],
+)
+def test_pinned_memory(fn, name, op):
+    # Pinning needs an accelerator; without one it raises, after the op was recorded.
+    report = diagnose(fn, (x4(),), {})
+    assert_at(only(report, "pinned-memory"), name, kind="pinned-memory", op=op)
+
+
+# --- locations, order, dedupe ---------------------------------------------------------------------
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, y.sum().item()  # at:module
+
+
+def test_module_forward_is_located_past_torch_frames():
+    report = check(Net(), torch.randn(2, 4))
+    assert_at(report[0], "module", kind="host-sync", op="Tensor.item")
+
+
+def f_loop(x):
+    total = 0.0
+    for row in x:
+        total += row.item()  # at:loop
+    return total
+
+
+def test_one_line_is_reported_once():
+    report = check(f_loop, x4())
+    assert [f.kind for f in report] == ["host-sync", "cpu-tensor"]
+    assert_at(report[0], "loop", kind="host-sync", op="Tensor.item")
+
+
+def f_several(x):
+    n = x.nonzero()  # at:several-1
+    torch.manual_seed(3)  # at:several-2
+    return n, x.tolist()  # at:several-3
+
+
+def test_findings_come_in_the_order_they_happened():
+    report = check(f_several, x4())
+    assert [(f.kind, f.lineno) for f in report[:3]] == [
+        ("dynamic-shape", line_of("several-1")),
+        ("rng", line_of("several-2")),
+        ("host-sync", line_of("several-3")),
+    ]
+    assert report[-1].op == NO_CUDA_OP
+    assert {f.kind for f in report} <= set(KINDS)
+
+
+# --- errors and cleanup ---------------------------------------------------------------------------
+
+
+class Boom(Exception):
+    pass
+
+
+def f_raises(x):
+    x.sum().item()  # at:before-raise
+    raise Boom("user error")
+
+
+def dispatch_modes() -> int:
+    return torch._C._len_torch_dispatch_stack()
+
+
+def test_check_reraises_and_cleans_up():
+    profiler, modes = sys.getprofile(), dispatch_modes()
+    with pytest.raises(Boom, match="user error"):
+        check(f_raises, x4())
+    assert sys.getprofile() is profiler
+    assert dispatch_modes() == modes
+    assert_at(check(f_item, x4())[0], "item", kind="host-sync", op="Tensor.item")
+
+
+def test_diagnose_swallows_and_keeps_findings_seen_before():
+    modes = dispatch_modes()
+    report = diagnose(f_raises, (x4(),), {})
+    assert dispatch_modes() == modes
+    assert_at(report[0], "before-raise", kind="host-sync", op="Tensor.item")
+
+
+def test_a_python_profiler_already_set_keeps_running_and_is_restored():
+    seen = []
+
+    def profiler(frame, event, arg):
+        seen.append(event)
+
+    sys.setprofile(profiler)
+    try:
+        report = check(f_tolist, x4())
+        assert sys.getprofile() is profiler
+    finally:
+        sys.setprofile(None)
+    assert "c_call" in seen
+    assert_at(report[0], "tolist", kind="host-sync", op="Tensor.tolist")
+
+
+def test_check_passes_keyword_arguments_named_fn():
+    def fn(x, *, fn):
+        return fn(x)
+
+    assert len(check(fn, x4(), fn=torch.relu)) == 1
+
+
+# --- the report -----------------------------------------------------------------------------------
+
+
+def test_report_is_a_sequence():
+    report = check(f_several, x4())
+    assert isinstance(report, collections.abc.Sequence)
+    assert report and len(report) == 4 and len(report.findings) == 4
+    assert list(report) == report.findings
+    assert report.first() is report[0]
+    assert isinstance(report[1:], Report) and len(report[1:]) == 3
+    assert report[0] in report
+    empty = Report()
+    assert not empty and len(empty) == 0 and empty.first() is None
+
+
+def test_report_prints_op_location_and_fix():
+    report = check(f_mask, x4())
+    text = str(report)
+    finding = report[0]
+    for part in (finding.op, finding.kind, finding.location, finding.fix, finding.reason,
+                 finding.code):
+        assert part in text
+    assert "no findings" in str(Report())
+
+
+def test_report_renders_with_rich():
+    rich_console = pytest.importorskip("rich.console")
+    out = io.StringIO()
+    rich_console.Console(file=out, width=200).print(check(f_mask, x4()))
+    assert "aten.index" in out.getvalue() and "x[mask]" in out.getvalue()
+
+
+def test_public_names():
+    assert tr.check is check and tr.Report is Report and tr.Finding is Finding
+
+
+# --- CUDA-only paths, on fake CUDA tensors (no GPU needed) ----------------------------------------
+
+
+@pytest.fixture
+def fake_cuda():
+    """Yield a function making fake CUDA tensors (metadata only, no GPU), or skip."""
+    fake_tensor = pytest.importorskip("torch._subclasses.fake_tensor")
+    mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        try:
+            torch.empty(1, device="cuda")
+        except Exception as exc:  # pragma: no cover - depends on the torch build
+            pytest.skip(f"fake CUDA tensors unavailable: {exc}")
+        yield lambda *shape, device="cuda:0": torch.empty(*shape, device=device)
+
+
+def f_to_host(x):
+    return x.to("cpu")  # at:to-host
+
+
+def f_mix(x, c):
+    return x + c  # at:mix
+
+
+def f_cuda_scalar(x):
+    return x * torch.tensor(2.0)
+
+
+def f_cuda_list(x):
+    return x + torch.tensor([1.0, 2.0, 3.0, 4.0], device="cuda")  # at:cuda-list
+
+
+def test_fake_cuda_device_to_host_copy(fake_cuda):
+    report = check(f_to_host, fake_cuda(4))
+    assert len(report) == 1
+    assert_at(report[0], "to-host", kind="host-sync", op="aten._to_copy")
+
+
+def test_fake_cuda_cpu_tensor_in_a_cuda_op(fake_cuda):
+    # Fake tensors raise on the device mismatch, after the op was recorded.
+    report = diagnose(f_mix, (fake_cuda(4), torch.ones(4)), {})
+    assert_at(report[0], "mix", kind="cpu-tensor", op="aten.add")
+    assert len(report) == 1
+
+
+def test_fake_cuda_several_devices(fake_cuda):
+    try:
+        other = fake_cuda(4, device="cuda:1")
+    except Exception as exc:  # a machine with one real GPU validates the index
+        pytest.skip(f"no fake cuda:1 here: {exc}")
+    report = diagnose(f_mix, (fake_cuda(4), other), {})
+    assert_at(report[0], "mix", kind="multi-device", op="aten.add")
+
+
+def test_fake_cuda_cpu_scalar_and_tensor_from_list(fake_cuda):
+    assert len(check(f_cuda_scalar, fake_cuda(4))) == 0
+    report = check(f_cuda_list, fake_cuda(4))
+    assert len(report) == 1
+    assert report[0].kind == "host-to-device" and report[0].lineno == line_of("cuda-list")

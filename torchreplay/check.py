@@ -1,0 +1,482 @@
+"""Find what in a callable would break CUDA graph capture, each with the user's file:line.
+
+:func:`check` runs the callable eagerly once and watches it from two sides:
+
+- a ``TorchDispatchMode`` sees every aten op with its arguments: values read on the host
+  (``aten._local_scalar_dense``), data-dependent output sizes, copies between host and device,
+  tensors on the CPU or on several devices, explicit generators, pinned allocations;
+- a ``sys.setprofile`` hook sees Python-level calls that never reach aten on CPU tensors
+  (``.tolist()``, ``.cpu()`` on a CPU tensor, printing, ``torch.cuda.synchronize``, RNG state).
+
+It works on CPU tensors, so CI can check code that is meant to run on CUDA. Findings that are a
+problem only on CUDA (``.item()``, ``.cpu()``, printing, ``torch.tensor(list)``) are therefore
+reported whatever device the tensor is on. Each finding is located at the first stack frame
+outside torch and torchreplay (torchreplay's built-in ``models/`` count as user code).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import linecache
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from types import CodeType, FrameType
+from typing import Any, Callable, Iterator, overload
+
+import torch
+
+from torchreplay._compat import LightDispatchMode
+
+__all__ = ["Finding", "Report", "check", "diagnose", "KINDS", "NO_CUDA_OP"]
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("host-sync", "dynamic-shape", "host-to-device", "cpu-tensor", "multi-device", "rng",
+         "pinned-memory")
+
+# The op name of the one finding made when the whole call touched no CUDA tensor.
+NO_CUDA_OP = "(no CUDA tensor)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One thing the callable did that would break (or silently freeze in) a CUDA graph."""
+
+    op: str
+    kind: str
+    reason: str
+    fix: str
+    filename: str
+    lineno: int
+    code: str
+
+    @property
+    def location(self) -> str:
+        """Return ``"path/to/file.py:123"``."""
+        return f"{self.filename}:{self.lineno}"
+
+
+class Report(Sequence[Finding]):
+    """The findings of one check run, in the order they happened; prints as a table."""
+
+    def __init__(self, findings: Sequence[Finding] = ()) -> None:
+        self.findings: list[Finding] = list(findings)
+
+    def __len__(self) -> int:
+        return len(self.findings)
+
+    def __iter__(self) -> Iterator[Finding]:
+        return iter(self.findings)
+
+    @overload
+    def __getitem__(self, index: int) -> Finding: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Report: ...
+
+    def __getitem__(self, index: int | slice) -> Finding | Report:
+        if isinstance(index, slice):
+            return Report(self.findings[index])
+        return self.findings[index]
+
+    def __bool__(self) -> bool:
+        return bool(self.findings)
+
+    def __repr__(self) -> str:
+        return f"Report({self.findings!r})"
+
+    def first(self) -> Finding | None:
+        """Return the earliest finding, or None when there are none."""
+        return self.findings[0] if self.findings else None
+
+    def __str__(self) -> str:
+        if not self.findings:
+            return "torchreplay.check: no findings"
+        head = ("#", "op", "kind", "location")
+        rows = [(str(i), f.op, f.kind, f.location) for i, f in enumerate(self.findings, 1)]
+        widths = [max(len(row[c]) for row in (head, *rows)) for c in range(len(head))]
+
+        def line(row: tuple[str, ...]) -> str:
+            return "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+
+        n = len(self.findings)
+        out = [f"torchreplay.check: {n} finding{'s' if n != 1 else ''} that would break CUDA "
+               "graph capture", line(head)]
+        indent = " " * (widths[0] + 2)
+        for finding, row in zip(self.findings, rows):
+            out.append(line(row))
+            if finding.code:
+                out.append(f"{indent}code: {finding.code}")
+            out.append(f"{indent}why:  {finding.reason}")
+            out.append(f"{indent}fix:  {finding.fix}")
+        return "\n".join(out)
+
+    def __rich__(self) -> Any:
+        """Return a rich Table of the findings (rich is imported only here)."""
+        from rich.table import Table
+        from rich.text import Text
+
+        if not self.findings:
+            return Text("torchreplay.check: no findings")
+        table = Table(title="torchreplay.check: what would break CUDA graph capture",
+                      show_lines=True)
+        for column in ("#", "op", "kind", "location", "why / fix"):
+            table.add_column(column)
+        for i, f in enumerate(self.findings, 1):
+            # Text, not str: rich would read "x[mask]" in a line of code as markup.
+            where = f.location + (f"\n{f.code}" if f.code else "")
+            why = Text(f"{f.reason}\nfix: {f.fix}")
+            table.add_row(str(i), Text(f.op), f.kind, Text(where), why)
+        return table
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    kind: str
+    reason: str  # a verb phrase: capture.py prints it right after the op name
+    fix: str
+
+
+_HOST, _DYN, _H2D, _RNG = "host-sync", "dynamic-shape", "host-to-device", "rng"
+_SYNC_VALUE = _Rule(_HOST, "copies a tensor value to the host, which waits for the GPU and is not "
+                    "allowed while capturing", "keep the value on the device (torch.where, masked "
+                    "ops) or move this line out of the graphed function")
+_SYNC_COPY = _Rule(_HOST, "copies a CUDA tensor to host memory, which waits for the GPU",
+                   "return the tensor and copy it to the host after the graph has replayed")
+_SYNC_PRINT = _Rule(_HOST, "formats a tensor, which reads its values on the host and waits for "
+                    "the GPU", "print outside the graphed function, or drop the print")
+_SYNC_WAIT = _Rule(_HOST, "makes the host wait for the GPU, which is not allowed while a stream is "
+                   "capturing", "remove it and synchronize before or after calling the graph")
+_DYN_SIZE = _Rule(_DYN, "has an output size that depends on the data, so the host waits for the "
+                  "GPU to learn it", "use a fixed-size form: torch.nonzero_static(x, size=n), or "
+                  "a mask with torch.where(cond, a, b)")
+_DYN_DATA = _Rule(_DYN, _DYN_SIZE.reason, "compute it outside the graphed function, or replace it "
+                  "with a fixed-size computation")
+_DYN_MASK = _Rule(_DYN, "selects with a boolean mask, whose output size depends on the data",
+                  "keep the shape fixed: torch.where(mask, x, 0) or x.masked_fill(~mask, 0)")
+_DYN_MASK_SET = _Rule(_DYN, "assigns a tensor through a boolean mask, which runs a nonzero inside "
+                      "and syncs", "use torch.where(mask, value, x), or x.masked_fill_(mask, v)")
+_DYN_REPEAT = _Rule(_DYN, "repeats by a tensor without output_size, so its output size depends on "
+                    "the data", "pass output_size= (a Python int known ahead of time)")
+_H2D_DATA = _Rule(_H2D, "builds a tensor from Python data on every call: a host-to-device copy "
+                  "on CUDA, whose value a graph would freeze at capture", "build the tensor once "
+                  "outside the function and pass it in (or register it as a buffer)")
+_H2D_COPY = _Rule(_H2D, "copies a CPU tensor to the GPU on every call, which a graph would replay "
+                  "from host memory read once at capture", "move the tensor to the GPU once, "
+                  "before the graphed function, and pass the CUDA tensor in")
+_CPU_MIX = _Rule("cpu-tensor", "mixes a CPU tensor with CUDA tensors, which copies it to the GPU "
+                 "on every call", "move the tensor to the GPU once, outside the function (0-dim "
+                 "CPU scalars are fine)")
+_NO_CUDA = _Rule("cpu-tensor", "the call touched no CUDA tensor, so a CUDA graph would capture "
+                 "nothing", "pass CUDA tensors and move the module to the GPU before graphing")
+_MULTI = _Rule("multi-device", "uses tensors on several CUDA devices, but a graph is captured on "
+               "one device", "keep the graphed function on one device, or graph each device's "
+               "part separately")
+_RNG_STATE = _Rule(_RNG, "reads or writes the RNG state on the host, which a graph does not "
+                   "replay", "seed once before capture; random ops inside the graph draw fresh "
+                   "numbers on every replay")
+_RNG_GENERATOR = _Rule(_RNG, "draws from an explicit torch.Generator, which a CUDA graph replays "
+                       "only if it was registered with the graph", "use the default generator "
+                       "inside the graphed function and seed it once outside")
+_PINNED = _Rule("pinned-memory", "allocates pinned host memory, which calls into the CUDA driver "
+                "while capturing", "allocate pinned buffers once outside the graphed function")
+
+# aten ops that are a finding whatever their arguments (keyed by "aten.<name>").
+_ATEN_RULES: dict[str, _Rule] = {
+    **dict.fromkeys(("aten._local_scalar_dense", "aten.is_nonzero", "aten.equal"), _SYNC_VALUE),
+    "aten.nonzero": _DYN_SIZE,
+    "aten.masked_select": _DYN_MASK,
+    **dict.fromkeys(("aten._unique", "aten._unique2", "aten.unique_dim", "aten.bincount",
+                     "aten.unique_consecutive", "aten.unique_dim_consecutive"), _DYN_DATA),
+    "aten._pin_memory": _PINNED,
+}
+_INDEX_PUT_OPS = frozenset({"aten.index_put", "aten.index_put_", "aten._index_put_impl_"})
+_LIFT_OPS = frozenset({"aten.lift_fresh", "aten.lift_fresh_copy"})
+# Copies are judged by direction, not by the generic device-mixing rule.
+_COPY_OPS = frozenset({"aten._to_copy", "aten.copy_"}) | _LIFT_OPS
+
+# Python functions, matched by code object identity at 'call' events (names can be shadowed).
+_PY_FUNCTIONS: dict[str, _Rule] = {
+    "torch.cuda.synchronize": _SYNC_WAIT,
+    "torch.cuda.Stream.synchronize": _SYNC_WAIT,
+    "torch.cuda.Event.synchronize": _SYNC_WAIT,
+    "torch.accelerator.synchronize": _SYNC_WAIT,
+    "Tensor.__repr__": _SYNC_PRINT,
+    "Tensor.__format__": _SYNC_PRINT,
+    "Tensor.__array__": _SYNC_COPY,
+    **dict.fromkeys(("torch.get_rng_state", "torch.set_rng_state", "torch.manual_seed",
+                     "torch.seed", "torch.cuda.get_rng_state", "torch.cuda.get_rng_state_all",
+                     "torch.cuda.set_rng_state", "torch.cuda.set_rng_state_all",
+                     "torch.cuda.manual_seed", "torch.cuda.manual_seed_all", "torch.cuda.seed",
+                     "torch.cuda.seed_all"), _RNG_STATE),
+}
+# Builtin methods, matched at 'c_call' events by the type of their bound ``self`` and their name.
+_TENSOR_METHODS = {"item": _SYNC_VALUE, "tolist": _SYNC_VALUE, "cpu": _SYNC_COPY,
+                   "numpy": _SYNC_COPY, "pin_memory": _PINNED}
+_GENERATOR_METHODS = dict.fromkeys(("manual_seed", "seed", "get_state", "set_state"), _RNG_STATE)
+
+
+def _code_of(name: str) -> CodeType | None:
+    obj: Any = torch.Tensor if name.startswith("Tensor.") else torch
+    for part in name.split(".")[1:]:
+        obj = getattr(obj, part, None)
+    # A torch without the function (torch.accelerator is recent), or a C implementation, is simply
+    # not matched here; C methods are still seen as 'c_call' events or aten ops.
+    return getattr(obj, "__code__", None)
+
+
+_CODE_RULES: dict[CodeType, tuple[str, _Rule]] = {
+    code: (name, rule) for name, rule in _PY_FUNCTIONS.items() if (code := _code_of(name))}
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# Built-in benchmark models are what `torchreplay check` runs on: point at their lines.
+_OWN_USER_DIR = _OWN_DIR + "models" + os.sep
+_STDLIB_WRAPPERS = frozenset(os.path.abspath(m.__file__) for m in (contextlib, functools))
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_library_file(filename: str) -> bool:
+    if filename.startswith("<"):
+        return filename.startswith("<frozen")
+    path = os.path.abspath(filename)
+    if path.startswith(_OWN_DIR):
+        return not path.startswith(_OWN_USER_DIR)
+    return path.startswith(_TORCH_DIR) or path in _STDLIB_WRAPPERS
+
+
+def _user_location(frame: FrameType | None) -> tuple[str, int] | None:
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not _is_library_file(filename):
+            return filename, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _op_name(func: Any) -> str:
+    return str(getattr(func, "overloadpacket", func))
+
+
+def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """Return the tensor arguments of an aten op (TensorList arguments are one level deep)."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(t for t in a if isinstance(t, torch.Tensor))
+    return out
+
+
+def _has_bool_index(indices: Any) -> bool:
+    return isinstance(indices, (list, tuple)) and any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
+    )
+
+
+def _classify(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+              tensors: list[torch.Tensor]) -> list[_Rule]:
+    """Return the rules that one aten op breaks, most specific first."""
+    rules = []
+    rule = _ATEN_RULES.get(name)
+    if rule is not None:
+        rules.append(rule)
+    elif name == "aten.index" and len(args) > 1 and _has_bool_index(args[1]):
+        rules.append(_DYN_MASK)
+    # A single bool mask with a one-element value becomes masked_fill_ inside ATen: no sync.
+    elif (name in _INDEX_PUT_OPS and len(args) > 2 and _has_bool_index(args[1])
+          and isinstance(args[2], torch.Tensor) and args[2].numel() != 1):
+        rules.append(_DYN_MASK_SET)
+    elif name == "aten.repeat_interleave" and kwargs.get("output_size") is None:
+        rules.append(_DYN_REPEAT)
+    elif name in _LIFT_OPS and args and isinstance(args[0], torch.Tensor):
+        # A 0-dim CPU tensor (torch.tensor(0.5)) is a constant torch passes by value: fine.
+        if args[0].dim() > 0 or args[0].device.type != "cpu":
+            rules.append(_H2D_DATA)
+    elif name in _COPY_OPS and args and isinstance(args[0], torch.Tensor):
+        if name == "aten._to_copy":
+            src, dst = args[0].device, torch.device(kwargs.get("device") or args[0].device)
+        elif len(args) > 1 and isinstance(args[1], torch.Tensor):  # copy_(dst, src)
+            src, dst = args[1].device, args[0].device
+        else:
+            src = dst = args[0].device
+        if src.type == "cpu" and dst.type == "cuda":
+            rules.append(_H2D_COPY)
+        elif src.type == "cuda" and dst.type == "cpu":
+            rules.append(_SYNC_COPY)
+        elif src.type == dst.type == "cuda" and src.index != dst.index:
+            rules.append(_MULTI)
+    if kwargs.get("generator") is not None:
+        rules.append(_RNG_GENERATOR)
+    if kwargs.get("pin_memory"):
+        rules.append(_PINNED)
+    if name not in _COPY_OPS:
+        cuda_devices = {t.device.index for t in tensors if t.device.type == "cuda"}
+        if len(cuda_devices) > 1:
+            rules.append(_MULTI)
+        if cuda_devices and any(t.device.type == "cpu" and t.dim() > 0 for t in tensors):
+            rules.append(_CPU_MIX)
+    return rules
+
+
+def _touches_cuda(tensors: list[torch.Tensor], kwargs: dict[str, Any], out: Any) -> bool:
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "cuda":
+        return True
+    outs = out if isinstance(out, (list, tuple)) else (out,)
+    return any(t.device.type == "cuda" for t in (*tensors, *_tensors(tuple(outs), {})))
+
+
+class _Recorder:
+    """Collect findings from both hooks, deduplicated, in the order they happen."""
+
+    def __init__(self, fallback: tuple[str, int], previous: Callable[..., Any] | None) -> None:
+        self.findings: list[Finding] = []
+        self._seen: set[tuple[str, str, int]] = set()
+        self.fallback = fallback
+        self.previous = previous  # the profiler that was set before check, chained to
+        self.saw_cuda = False
+        self.first_op_at: tuple[str, int] | None = None
+
+    def add(self, op: str, rule: _Rule, at: tuple[str, int] | None) -> None:
+        filename, lineno = at or self.fallback
+        # One line is reported once per kind: `.item()` is both a Python call and an aten op.
+        key = (rule.kind, filename, lineno)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        code = linecache.getline(filename, lineno).strip()
+        self.findings.append(Finding(op, rule.kind, rule.reason, rule.fix, filename, lineno, code))
+
+    def on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+              tensors: list[torch.Tensor]) -> None:
+        name = _op_name(func)
+        rules = _classify(name, args, kwargs, tensors)
+        if rules or self.first_op_at is None:
+            at = _user_location(sys._getframe())
+            self.first_op_at = self.first_op_at or at
+            for rule in rules:
+                op = "torch.Generator" if rule is _RNG_GENERATOR else name
+                self.add(op, rule, at)
+
+    def profile(self, frame: FrameType, event: str, arg: Any) -> None:
+        """Watch Python-level calls (a ``sys.setprofile`` hook), then pass them on."""
+        try:
+            self._on_python_event(frame, event, arg)
+        except Exception:  # a profile hook that raises is removed and aborts the user's call
+            logger.debug("check: profile hook failed on %s event", event, exc_info=True)
+        if self.previous is not None:
+            self.previous(frame, event, arg)
+
+    def _on_python_event(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call":
+            hit = _CODE_RULES.get(frame.f_code)
+            if hit is not None:
+                self.add(hit[0], hit[1], _user_location(frame))
+        elif event == "c_call":
+            owner = getattr(arg, "__self__", None)
+            if isinstance(owner, torch.Tensor):
+                method = arg.__name__
+                rule = _TENSOR_METHODS.get(method)
+                if rule is None and method == "cuda" and owner.device.type == "cpu":
+                    rule = _H2D_COPY
+                if rule is not None:
+                    self.add(f"Tensor.{method}", rule, _user_location(frame))
+            elif isinstance(owner, torch.Generator) and arg.__name__ in _GENERATOR_METHODS:
+                self.add(f"Generator.{arg.__name__}", _RNG_STATE, _user_location(frame))
+
+    def report(self) -> Report:
+        if not self.saw_cuda:  # a property of the whole call: reported once, last
+            self.add(NO_CUDA_OP, _NO_CUDA, self.first_op_at)
+        return Report(self.findings)
+
+
+class _CheckMode(LightDispatchMode):
+    """Show every aten op to a recorder, then run it unchanged."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self._recorder = recorder
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        tensors = _tensors(args, kwargs)
+        # Record before running, so an op that raises (pin_memory without CUDA) is still seen.
+        recorder = self._recorder
+        recorder.on_op(func, args, kwargs, tensors)
+        recorder.saw_cuda = recorder.saw_cuda or _touches_cuda(tensors, kwargs, None)
+        out = func(*args, **kwargs)
+        recorder.saw_cuda = recorder.saw_cuda or _touches_cuda((), {}, out)
+        return out
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__)
+
+
+def _run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+         swallow: bool) -> Report:
+    previous = sys.getprofile()
+    recorder = _Recorder(_user_location(sys._getframe()) or ("<unknown>", 0), previous)
+    # A C-level profiler (cProfile before Python 3.12) is not callable and could not be restored
+    # through sys.setprofile, so leave it alone and see aten ops only.
+    hook_python = previous is None or callable(previous)
+    if not hook_python:
+        logger.warning("torchreplay.check: a C-level profiler is active, so Python-level calls "
+                       "(.tolist(), printing, torch.cuda.synchronize, RNG state) are not checked; "
+                       "run check without the profiler to see them")
+    # Any lazy import on a mode's first op (torch._dynamo on a torch that ignores
+    # LightDispatchMode's opt-out) happens here, not under the profile hook, which slows it 3x.
+    with _CheckMode(_Recorder(recorder.fallback, None)):
+        torch.empty(0)
+    try:
+        with _CheckMode(recorder):
+            if hook_python:
+                sys.setprofile(recorder.profile)
+            try:
+                fn(*args, **kwargs)
+            finally:
+                if hook_python:
+                    sys.setprofile(previous)
+    except Exception as exc:
+        if not swallow:
+            raise
+        logger.debug("check: %s raised %s: %s; reporting the %d findings seen before it",
+                     _name(fn), type(exc).__name__, exc, len(recorder.findings))
+    report = recorder.report()
+    logger.debug("check: %s: %d findings", _name(fn), len(report))
+    return report
+
+
+def check(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Report:
+    """Run ``fn(*args, **kwargs)`` eagerly once and report what would break CUDA graph capture.
+
+    Args:
+        fn: a function or ``nn.Module``, called exactly as it would be graphed.
+        *args, **kwargs: its arguments; CPU tensors work too (findings that matter only on CUDA
+            are reported anyway, plus one ``"cpu-tensor"`` finding saying no CUDA tensor was seen).
+
+    Returns:
+        A :class:`Report`: the findings in the order they happened, each with the user's
+        file:line. Empty when nothing was found.
+
+    .. warning:: ``fn`` really runs, with all its side effects (in-place updates, RNG draws).
+    .. warning:: An exception from ``fn`` propagates, after the hooks are removed; use
+        :func:`diagnose` to get the findings seen before it instead.
+    """
+    return _run(fn, args, kwargs, swallow=False)
+
+
+def diagnose(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Report:
+    """Run ``fn(*args, **kwargs)`` like :func:`check`, but return the findings if ``fn`` raises.
+
+    Used after a failed capture to name the op and the line that broke it.
+    """
+    return _run(fn, args, kwargs, swallow=True)
