@@ -18,6 +18,7 @@ from torchreplay.errors import (
     TorchReplayError,
     UnsupportedError,
 )
+from torchreplay.buckets import BucketedGraph, default_sizes
 from torchreplay.graphed import Graphed, graph
 from torchreplay.pool import Pool
 from torchreplay.stats import GraphStats
@@ -29,6 +30,9 @@ __all__ = [
     "graph",
     "Graphed",
     "Pool",
+    # many sizes
+    "BucketedGraph",
+    "default_sizes",
     # diagnosis
     "check",
     "Report",

@@ -10,13 +10,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-__all__ = ["GraphConfig", "OutputPolicy", "SAFE", "FAST", "DEBUG"]
+__all__ = ["GraphConfig", "OutputPolicy", "SAFE", "FAST", "DEBUG", "BucketConfig"]
 
 OutputPolicy = Literal["checked", "clone", "static"]
 CaptureErrorMode = Literal["global", "thread_local", "relaxed"]
 
 _OUTPUT_POLICIES = ("checked", "clone", "static")
 _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+_CAPTURE_MODES = ("ahead", "lazy")
+_FALLBACKS = ("eager", "error")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,3 +71,71 @@ SAFE = GraphConfig()
 FAST = GraphConfig(outputs="static", diagnose=False)
 #: Fresh tensors every call; the simplest contract, one copy per output.
 DEBUG = GraphConfig(outputs="clone")
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketConfig:
+    """Which sizes a many-size graph captures, when, and what happens to the other sizes.
+
+    Args:
+        sizes: the captured sizes of the varying dimension; stored sorted and without
+            duplicates (``[8, 1, 4, 4]`` becomes ``(1, 4, 8)``).
+        capture: ``"ahead"`` (default): every size at construction, largest first.
+            ``"lazy"``: the largest size at construction, each other size the first time a call
+            needs it.
+        fallback: what a call whose size no graph can hold does (above the largest size, or
+            size 0): ``"eager"`` (default) runs it eagerly with one warning per new size,
+            ``"error"`` raises :class:`~torchreplay.ReplayInputError`.
+        max_graphs: at most this many graphs are held (``capture="lazy"`` only); a call that
+            would need another one is handled by ``fallback``. ``None``: no cap.
+    """
+
+    sizes: tuple[int, ...]
+    capture: Literal["ahead", "lazy"] = "ahead"
+    fallback: Literal["eager", "error"] = "eager"
+    max_graphs: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sizes", _normalize_sizes(self.sizes))
+        if self.capture not in _CAPTURE_MODES:
+            raise ValueError(f"capture must be one of {_CAPTURE_MODES}, got {self.capture!r}")
+        if self.fallback not in _FALLBACKS:
+            raise ValueError(f"fallback must be one of {_FALLBACKS}, got {self.fallback!r}")
+        if self.max_graphs is not None:
+            if isinstance(self.max_graphs, bool) or not isinstance(self.max_graphs, int) or (
+                self.max_graphs < 1
+            ):
+                raise ValueError(f"max_graphs must be an int >= 1 or None, got {self.max_graphs!r}")
+            if self.capture == "ahead" and self.max_graphs < len(self.sizes):
+                raise ValueError(
+                    f"max_graphs={self.max_graphs} but capture='ahead' captures all "
+                    f"{len(self.sizes)} sizes at once; pass fewer sizes, a larger max_graphs, "
+                    "or capture='lazy'"
+                )
+
+
+def _normalize_sizes(sizes: object) -> tuple[int, ...]:
+    """Return ``sizes`` as a sorted tuple of distinct ints >= 1; raise ``ValueError`` otherwise."""
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise ValueError(
+            f"sizes must be a list of ints >= 1 (e.g. [1, 2, 4, 8]), got {sizes!r}; "
+            "torchreplay.default_sizes(max_size) gives the usual ones"
+        )
+    items = list(sizes)  # type: ignore[call-overload]
+    out: set[int] = set()
+    for s in items:
+        if isinstance(s, bool) or not hasattr(s, "__index__"):
+            raise ValueError(f"sizes must be ints, got {s!r} in {items!r}")
+        value = s.__index__()
+        if value < 1:
+            raise ValueError(
+                f"sizes must be >= 1, got {value} in {items!r}; "
+                "a call with 0 rows has nothing to replay"
+            )
+        out.add(value)
+    if not out:
+        raise ValueError(
+            "sizes is empty: give at least one size to capture, e.g. "
+            "sizes=torchreplay.default_sizes(512), or sizes=None for one shape"
+        )
+    return tuple(sorted(out))

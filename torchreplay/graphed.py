@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, overload
 
 import torch
 
@@ -15,6 +16,9 @@ from torchreplay.errors import CaptureError, UnsupportedError
 from torchreplay.io import Inputs, Outputs
 from torchreplay.pool import Pool
 from torchreplay.stats import GraphStats
+
+if TYPE_CHECKING:  # buckets.py imports this module
+    from torchreplay.buckets import BucketedGraph
 
 __all__ = ["graph", "Graphed", "resolve_config", "resolve_pool", "infer_device"]
 
@@ -191,9 +195,11 @@ def resolve_pool(pool: Pool | tuple[int, int] | Any | None) -> Pool | None:
     )
 
 
+@overload
 def graph(
     fn: Callable[..., Any],
     *sample_args: Any,
+    sizes: None = None,
     outputs: str | None = None,
     num_warmup_iters: int | None = None,
     pool: Pool | tuple[int, int] | Any | None = None,
@@ -201,7 +207,46 @@ def graph(
     config: GraphConfig | None = None,
     sample_kwargs: dict[str, Any] | None = None,
     **kwargs: Any,
-) -> Graphed:
+) -> Graphed: ...
+
+
+@overload
+def graph(
+    fn: Callable[..., Any],
+    *sample_args: Any,
+    sizes: Iterable[int],
+    dim: Any = None,
+    fill_value: Any = None,
+    capture: Literal["ahead", "lazy"] | None = None,
+    fallback: Literal["eager", "error"] | None = None,
+    max_graphs: int | None = None,
+    outputs: str | None = None,
+    num_warmup_iters: int | None = None,
+    pool: Pool | tuple[int, int] | Any | None = None,
+    capture_error_mode: str | None = None,
+    config: GraphConfig | None = None,
+    sample_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> BucketedGraph: ...
+
+
+def graph(
+    fn: Callable[..., Any],
+    *sample_args: Any,
+    sizes: Iterable[int] | None = None,
+    dim: Any = None,
+    fill_value: Any = None,
+    capture: Literal["ahead", "lazy"] | None = None,
+    fallback: Literal["eager", "error"] | None = None,
+    max_graphs: int | None = None,
+    outputs: str | None = None,
+    num_warmup_iters: int | None = None,
+    pool: Pool | tuple[int, int] | Any | None = None,
+    capture_error_mode: str | None = None,
+    config: GraphConfig | None = None,
+    sample_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Graphed | BucketedGraph:
     """Capture ``fn(*sample_args, **sample_kwargs)`` as a CUDA graph and return the replayer.
 
     ``fn`` is a function or an ``nn.Module``; arguments are any pytree of tensors and other
@@ -209,9 +254,28 @@ def graph(
     stream first, under ``torch.no_grad()``; building the graph leaves the module's buffers and
     the RNG state as it found them.
 
+    With ``sizes=[...]``, one graph is captured per size of a varying dimension (``dim``) and a
+    call is padded to the smallest captured size that holds it (see
+    :class:`~torchreplay.buckets.BucketedGraph`).
+
     Args:
         fn: the callable to graph.
         *sample_args: positional arguments of a representative call.
+        sizes: capture one graph per size (e.g. ``torchreplay.default_sizes(512)``); ``None``
+            (default): one graph for the sample's shapes.
+        dim: with ``sizes``: the varying dimension, one int for every tensor argument (default
+            0), or a dict keyed by parameter name (or positional index) whose values are an int,
+            ``None`` for a static argument, or a nested spec for a container argument, e.g.
+            ``dim={"input_ids": 0, "positions": 0, "cache": None}``. Arguments a dict leaves out
+            are static.
+        fill_value: with ``sizes``: the value of the padding rows (default 0), one number or a
+            dict keyed like ``dim``.
+        capture: with ``sizes``: ``"ahead"`` (default; every size now, largest first) or
+            ``"lazy"`` (the largest now, each other size on its first call).
+        fallback: with ``sizes``: a call above the largest size (or of size 0) runs
+            ``"eager"``ly with one warning per size (default), or raises (``"error"``).
+        max_graphs: with ``sizes`` and ``capture="lazy"``: hold at most this many graphs; a size
+            that would need another one is handled by ``fallback``.
         outputs: output policy: ``"checked"`` (default, zero-copy; an output read after a later
             replay overwrote it raises), ``"clone"`` (fresh tensors each call) or ``"static"``
             (the graph's own buffers, overwritten by the next replay without any check).
@@ -224,7 +288,8 @@ def graph(
         **kwargs: keyword arguments of the sample call.
 
     Returns:
-        a :class:`Graphed` callable.
+        a :class:`Graphed` callable; with ``sizes``, a
+        :class:`~torchreplay.buckets.BucketedGraph`.
 
     .. warning::
         Tensor arguments are copied into static buffers; non-tensor arguments are captured as
@@ -239,7 +304,29 @@ def graph(
         With ``outputs="checked"``, an output you keep across calls raises when read after the
         next replay (a ``RuntimeError`` whose message starts with ``StaleOutputError``);
         ``.clone()`` it to keep it.
+
+    .. warning::
+        With ``sizes``, padding is correct only when the rows of the varying dimension are
+        independent (no batch statistics, no reduction across rows): see
+        :class:`~torchreplay.buckets.BucketedGraph`.
     """
+    bucket_options = {
+        "dim": dim,
+        "fill_value": fill_value,
+        "capture": capture,
+        "fallback": fallback,
+        "max_graphs": max_graphs,
+    }
+    if sizes is None:
+        given = [k for k, v in bucket_options.items() if v is not None]
+        if given:
+            raise TypeError(
+                f"{', '.join(k + '=' for k in given)} only apply with sizes=[...]; to graph many "
+                "sizes pass sizes (e.g. sizes=torchreplay.default_sizes(512)). If it is an "
+                f"argument of the callable, pass it as sample_kwargs={{'{given[0]}': ...}}"
+            )
+    elif "dims" in kwargs and not _accepts_keyword(fn, "dims"):
+        raise TypeError("graph() got dims=; the option is spelled dim= (an int or a dict)")
     if sample_kwargs:
         clash = set(sample_kwargs) & set(kwargs)
         if clash:
@@ -251,4 +338,34 @@ def graph(
         num_warmup_iters=num_warmup_iters,
         capture_error_mode=capture_error_mode,
     )
+    if sizes is not None:
+        from torchreplay.buckets import BucketedGraph  # buckets.py imports this module
+        from torchreplay.config import BucketConfig
+
+        options = BucketConfig(
+            sizes,  # type: ignore[arg-type]  # validated and made a sorted tuple there
+            capture=capture or "ahead",
+            fallback=fallback or "eager",
+            max_graphs=max_graphs,
+        )
+        return BucketedGraph(
+            fn,
+            sample_args,
+            kwargs,
+            options=options,
+            dim=0 if dim is None else dim,
+            fill_value=0 if fill_value is None else fill_value,
+            config=cfg,
+            pool=resolve_pool(pool),
+        )
     return Graphed(fn, sample_args, kwargs, config=cfg, pool=resolve_pool(pool))
+
+
+def _accepts_keyword(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` (or a module's ``forward``) takes a keyword argument ``name``."""
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)

@@ -1,0 +1,714 @@
+"""Many sizes: one graph per captured size, calls padded to the next captured size.
+
+``tr.graph(fn, *sample_args, sizes=[...], dim=0)`` returns a :class:`BucketedGraph`. Its memory
+layout is what makes it cheap:
+
+- one set of static input buffers at the largest size; a graph of size ``s`` reads their leading
+  ``s`` rows (``narrow(dim, 0, s)``);
+- one set of static output buffers at the largest size; each graph copies its outputs into their
+  leading slice *inside the capture*, so what the callable allocated for its outputs is freed when
+  the capture ends and the next (smaller) capture reuses it;
+- one memory pool for every graph, captured largest first, so the pool grows with the largest
+  size, not with the number of sizes.
+
+The planning (which size a call goes to, what varies, what is sliced back, what a call without a
+graph does) is in :mod:`torchreplay.bucket_plan` and runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+import traceback
+from typing import Any, Callable, Iterator
+
+import torch
+
+from torchreplay import _compat
+from torchreplay.bucket_plan import (
+    DimSpec,
+    FillSpec,
+    InputPlan,
+    OutputPlan,
+    decide,
+    default_sizes,
+    disagreement_message,
+    format_sizes,
+    narrow_leading,
+    plan_inputs,
+    plan_outputs,
+)
+from torchreplay.capture import (
+    StateSnapshot,
+    _on_side_stream,
+    capture,
+    fn_name,
+    owning_module,
+    side_stream,
+    user_frame,
+)
+from torchreplay.config import SAFE, BucketConfig, GraphConfig
+from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
+from torchreplay.graphed import infer_device
+from torchreplay.io import Inputs, Outputs, _same_constant, describe_tensor
+from torchreplay.pool import Pool
+from torchreplay.stats import GraphStats
+
+__all__ = ["BucketedGraph", "default_sizes"]
+
+log = logging.getLogger(__name__)
+
+_Tensor = torch.Tensor
+
+# Norm layers whose training-mode statistics mix the rows of a batch: padding rows would change
+# the real rows' results (and the running statistics). Public classes only (the common base,
+# ``_BatchNorm``, is private).
+_ROW_MIXING = (
+    torch.nn.BatchNorm1d,
+    torch.nn.BatchNorm2d,
+    torch.nn.BatchNorm3d,
+    torch.nn.LazyBatchNorm1d,
+    torch.nn.LazyBatchNorm2d,
+    torch.nn.LazyBatchNorm3d,
+    torch.nn.SyncBatchNorm,
+)
+_INSTANCE_NORMS = (
+    torch.nn.InstanceNorm1d,
+    torch.nn.InstanceNorm2d,
+    torch.nn.InstanceNorm3d,
+    torch.nn.LazyInstanceNorm1d,
+    torch.nn.LazyInstanceNorm2d,
+    torch.nn.LazyInstanceNorm3d,
+)
+
+
+class _SizeGraph:
+    """One captured size: its graph and the external outputs (module state) it returned."""
+
+    __slots__ = ("size", "graph", "externals", "seconds")
+
+    def __init__(self, size: int, graph: Any, externals: dict[int, torch.Tensor], seconds: float):
+        self.size = size
+        self.graph = graph
+        self.externals = externals
+        self.seconds = seconds
+
+
+class _Route:
+    """Everything a call of ``n`` rows needs, built the first time that size comes.
+
+    ``dsts[i]``/``shapes[i]``: where leaf i is copied and the shape it must have (the leading
+    ``n`` rows of a varying buffer, the whole buffer of a static one, None for a constant).
+    """
+
+    __slots__ = ("n", "size", "pad", "replay", "dsts", "shapes", "outputs", "clean_after")
+
+    def __init__(
+        self,
+        n: int,
+        size: int,
+        replay: Callable[[], None],
+        dsts: list[torch.Tensor | None],
+        shapes: list[torch.Size | None],
+        outputs: Outputs,
+        clean_after: int,
+    ) -> None:
+        self.n = n
+        self.size = size
+        self.pad = size - n
+        self.replay = replay
+        self.dsts = dsts
+        self.shapes = shapes
+        self.outputs = outputs
+        self.clean_after = clean_after
+
+
+class BucketedGraph:
+    """A callable captured as one CUDA graph per size, with calls padded to the next size.
+
+    A call of size ``n`` (the length of its varying dimensions) replays the graph of the smallest
+    captured size ``s >= n``: the ``n`` real rows are copied into the static input buffers, rows
+    ``n .. s-1`` hold the fill value, and the outputs come back sliced to ``n`` rows under the
+    output policy. All sizes share one memory pool and one set of input and output buffers.
+
+    Build it with ``torchreplay.graph(fn, *sample_args, sizes=[...], dim=0)``.
+
+    Attributes:
+        stats: counters: captures, replays, fallbacks, capture seconds, per-size hits
+            (``size_hits``), real and padded rows (``pad_waste``), pool bytes.
+        pool: the memory pool of every size's graph.
+        sizes: the sizes it may capture (ascending); ``captured_sizes``: those captured so far.
+        static_args, static_kwargs: the static input buffers at the largest size.
+        buffer_bytes: bytes of the static input and output buffers (outside the pool).
+
+    .. warning::
+        Padding is correct only for a callable whose rows are independent: row ``i`` of each
+        output depends only on row ``i`` of the varying inputs (and on static arguments and
+        module state). Batch statistics (BatchNorm in training mode), reductions over the batch
+        (``x.sum(0)``, a softmax across rows) and anything that reads "the other rows" see the
+        padding rows and give different results. A BatchNorm in training mode is refused at
+        construction; the rest cannot be detected.
+
+    .. warning::
+        All sizes share one set of output buffers: with ``outputs="checked"``, any call (of any
+        size) makes the outputs of earlier calls stale; ``.clone()`` what you keep.
+
+    .. warning::
+        Padding rows run through the callable like real ones. A callable that writes state per
+        row (a KV cache row per batch entry) also writes the padding rows' state: rows ``n ..
+        s-1`` of such state hold junk after a call of size ``n``.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        options: BucketConfig,
+        dim: DimSpec = 0,
+        fill_value: FillSpec = 0,
+        config: GraphConfig = SAFE,
+        pool: Pool | None = None,
+    ) -> None:
+        self.fn = fn
+        self.name = fn_name(fn)
+        self.config = config
+        self.options = options
+        self.sizes = options.sizes
+        self._max = options.sizes[-1]
+        self._module = owning_module(fn)
+        if self._module is not None:
+            _refuse_row_mixing(self._module, self.name)
+        self._training = self._module.training if self._module is not None else False
+        self._plan: InputPlan = plan_inputs(fn, args, kwargs, dim, fill_value)
+        device = infer_device(fn, args, kwargs)
+        self.device = device
+        self.pool = pool if pool is not None else Pool(device)
+        self.stats = GraphStats(self.pool.reserved_bytes)
+        self._warned_mode = False
+        self._warned_sizes: set[int] = set()
+        self._graphs: dict[int, _SizeGraph] = {}
+        self._routes: list[_Route | None] = [None] * (self._max + 1)
+        self._last: Outputs | None = None
+
+        # Static inputs at the largest size: the sample's rows, then the fill value.
+        flat, spec = _compat.tree_flatten((tuple(args), dict(kwargs)))
+        padded = [
+            _pad_sample(leaf, d, self._max, f) if d is not None else leaf
+            for leaf, d, f in zip(flat, self._plan.dims, self._plan.fills)
+        ]
+        big_args, big_kwargs = _compat.tree_unflatten(padded, spec)
+        self._inputs = Inputs(fn, big_args, big_kwargs, device)
+        del flat, padded, big_args, big_kwargs
+        self.static_args = self._inputs.static_args
+        self.static_kwargs = self._inputs.static_kwargs
+        self._slots = self._inputs.slots
+        self._varying = [
+            (self._slots[i].static, self._plan.dims[i], self._plan.fills[i])
+            for i in self._plan.varying
+        ]
+        self._lead = self._plan.lead
+        self._lead_dim = self._plan.dims[self._lead]
+        self._stream = side_stream(device)
+        self._device_index = device.index
+        self._check_device = torch.cuda.device_count() > 1
+
+        start = time.perf_counter()
+        snapshot = StateSnapshot(self._module, device) if config.restore_state else None
+        versions = _versions([buf for buf, _, _ in self._varying])
+        self._out_plan = self._probe(snapshot)
+        self._outs = {
+            i: torch.empty(self._out_plan.leaves[i].shape, dtype=self._out_plan.leaves[i].dtype,
+                           device=device)
+            for i in self._out_plan.owned
+        }
+        self.buffer_bytes = sum(s.static.nbytes for s in self._inputs.tensor_slots) + sum(
+            t.nbytes for t in self._outs.values()
+        )
+        probe_seconds = time.perf_counter() - start
+        self._capture_size(self._max, warmup=True, snapshot=snapshot)
+        if snapshot is not None:
+            snapshot.restore()
+        del snapshot  # its copies of the module's buffers (a KV cache) are not needed any more
+        # A callable that writes into its inputs leaves the padding rows dirty after a replay.
+        after = _versions([buf for buf, _, _ in self._varying])
+        self._writes_inputs = versions is None or after != versions
+        # Rows >= _clean_from of every varying buffer hold the fill value.
+        self._clean_from = self._max
+        self.stats.capture_seconds += probe_seconds
+        self._position = self.pool.register(self)
+
+        if options.capture == "ahead":
+            rest = self.sizes[-2::-1]  # largest first: smaller graphs fit in the pool's blocks
+            with _progress(f"capturing '{self.name}'", len(self.sizes)) as advance:
+                advance()
+                for s in rest:
+                    self._capture_size(s, warmup=False, snapshot=None)
+                    advance()
+            log.info(
+                "torchreplay: captured '%s' at %d sizes (%s) on %s in %.2f s; pool %.1f MiB, "
+                "buffers %.1f MiB (outputs=%s)",
+                self.name,
+                len(self.sizes),
+                format_sizes(self.sizes),
+                device,
+                self.stats.capture_seconds,
+                self.pool.reserved_bytes() / 2**20,
+                self.buffer_bytes / 2**20,
+                config.outputs,
+            )
+        else:
+            log.info(
+                "torchreplay: captured '%s' at its largest size %d on %s in %.2f s; the other "
+                "%d sizes are captured on first use (capture='lazy'); pool %.1f MiB, buffers "
+                "%.1f MiB",
+                self.name,
+                self._max,
+                device,
+                self.stats.capture_seconds,
+                len(self.sizes) - 1,
+                self.pool.reserved_bytes() / 2**20,
+                self.buffer_bytes / 2**20,
+            )
+
+    # -- capture --------------------------------------------------------------------------------
+
+    def _args_at(self, s: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The static arguments with every varying buffer narrowed to its leading ``s`` rows."""
+        leaves = [
+            slot.static if slot.static is not None else slot.value for slot in self._slots
+        ]
+        if s != self._max:
+            for i in self._plan.varying:
+                leaves[i] = leaves[i].narrow(self._plan.dims[i], 0, s)
+        return _compat.tree_unflatten(leaves, self._inputs.spec)
+
+    def _probe(self, snapshot: StateSnapshot | None) -> OutputPlan:
+        """Call ``fn`` eagerly at the largest size and one other, and learn how outputs slice."""
+        big = self._max
+        small: int | None
+        if len(self.sizes) > 1:
+            small = self.sizes[-2]
+        elif big > 1:
+            small = big // 2
+        else:
+            small = None  # only size 1: every call has exactly one row, nothing is sliced
+        state_ptrs = {t.untyped_storage().data_ptr() for t in self._state_storages()}
+        outs: dict[int, Any] = {}
+        with _on_side_stream(self._stream, self.device), torch.no_grad():
+            for s in (big, small):
+                if s is None:
+                    continue
+                a, k = self._args_at(s)
+                try:
+                    out = self.fn(*a, **k)
+                except Exception as exc:
+                    self._probe_failed(s, exc, snapshot)
+                outs[s] = out
+                del out, a, k
+
+        def is_external(t: torch.Tensor) -> bool:
+            return t.untyped_storage().data_ptr() in state_ptrs
+
+        return plan_outputs(outs[big], big, outs.get(small) if small else None, small, is_external)
+
+    def _state_storages(self) -> list[torch.Tensor]:
+        """Tensors an output may alias without being new: module state and static arguments."""
+        tensors: list[torch.Tensor] = []
+        if self._module is not None:
+            tensors += list(self._module.parameters()) + list(self._module.buffers())
+        tensors += [
+            self._slots[i].static
+            for i, d in enumerate(self._plan.dims)
+            if d is None and self._slots[i].static is not None
+        ]
+        return tensors
+
+    def _probe_failed(self, s: int, exc: Exception, snapshot: StateSnapshot | None) -> None:
+        where = user_frame(exc.__traceback__)
+        at = f" at {where[0]}:{where[1]} ({where[2]})" if where else ""
+        traceback.clear_frames(exc.__traceback__)
+        if snapshot is not None:
+            snapshot.restore()
+        raise CaptureError(
+            f"eager call of '{self.name}' at size {s} ({self._plan.where()}) raised "
+            f"{type(exc).__name__}: {_first_line(exc)}{at}; with sizes= the callable must accept "
+            "every size in sizes (padding rows hold the fill value): fix the call, or change "
+            "sizes or fill_value"
+        ) from exc
+
+    def _capture_size(self, s: int, *, warmup: bool, snapshot: StateSnapshot | None) -> _SizeGraph:
+        """Capture the graph of size ``s``; its outputs are copied into the shared buffers."""
+        plan = self._out_plan
+        fn = self.fn
+        copies = [
+            (i, narrow_leading(self._outs[i], plan.leaves[i].dims, s)) for i in plan.owned
+        ]
+
+        def body(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            why = plan.mismatch(out, s)
+            if why is not None:
+                raise CaptureError(
+                    f"'{self.name}' at size {s}: {why}; with sizes= every output must have the "
+                    "same structure at every size, with size-dependent dimensions equal to the size"
+                )
+            leaves = _compat.tree_flatten(out)[0]
+            for i, dst in copies:
+                dst.copy_(leaves[i])
+            return out
+
+        # capture() names the callable in its messages by __qualname__.
+        body.__qualname__ = body.__name__ = self.name
+        a, k = self._args_at(s)
+        captured = capture(
+            body,
+            a,
+            k,
+            device=self.device,
+            stream=self._stream,
+            pool=self.pool,
+            config=self.config,
+            warmup=warmup,
+            snapshot=snapshot,
+        )
+        leaves = _compat.tree_flatten(captured.out)[0]
+        externals = {i: leaves[i] for i in plan.external}
+        # Drop the callable's own outputs: their memory goes back to the pool for smaller sizes.
+        graph, seconds = captured.graph, captured.seconds
+        del captured, leaves
+        entry = _SizeGraph(s, graph, externals, seconds)
+        self._graphs[s] = entry
+        self.stats.captures += 1
+        self.stats.capture_seconds += seconds
+        self.stats.size_hits.setdefault(s, 0)
+        return entry
+
+    # -- replay ---------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module
+        if module is not None and module.training != self._training:
+            return self._mode_fallback(args, kwargs)
+        if self._check_device and torch.cuda.current_device() != self._device_index:
+            with torch.cuda.device(self._device_index):
+                return self._run(args, kwargs)
+        return self._run(args, kwargs)
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        leaves = self._inputs.flatten(args, kwargs)
+        try:
+            n = leaves[self._lead].shape[self._lead_dim]
+        except (AttributeError, IndexError, TypeError):
+            raise self._input_error(leaves, None) from None
+        route = self._routes[n] if n <= self._max else None
+        if route is None:
+            return self._new_size(n, leaves, args, kwargs)
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for leaf, slot, dst, shape in zip(leaves, self._slots, route.dsts, route.shapes):
+            if dst is None:
+                value = slot.value
+                if leaf is not value and not _same_constant(leaf, value):
+                    raise self._inputs.constant_error(slot, leaf)
+            elif leaf is not dst:
+                if (
+                    type(leaf) is not _Tensor and not isinstance(leaf, _Tensor)
+                ) or leaf.shape != shape or leaf.dtype != slot.dtype or (
+                    leaf.device != slot.device
+                ) or leaf.layout is not torch.strided:
+                    raise self._input_error(leaves, n)
+                dsts.append(dst)
+                srcs.append(leaf)
+        if n < self._clean_from:
+            self._pad(n)
+        # Copy-in before the old outputs are invalidated: an argument may be one of them.
+        if len(dsts) == 1:
+            dsts[0].copy_(srcs[0])
+        elif dsts:
+            _compat.foreach_copy_(dsts, srcs)
+        self._clean_from = route.clean_after
+        if self.pool.shared:
+            self.pool.before_replay(self._position)
+        outputs = route.outputs
+        last = self._last
+        if last is not outputs and last is not None:
+            last.invalidate()  # every size writes the same output buffers
+        route.replay()
+        stats = self.stats
+        stats.replays += 1
+        stats.size_hits[route.size] += 1
+        stats.real_rows += n
+        stats.padded_rows += route.pad
+        self._last = outputs
+        return outputs.emit()
+
+    def _pad(self, n: int) -> None:
+        """Write the fill value into rows ``n .. _clean_from-1`` of every varying buffer."""
+        rows = self._clean_from - n
+        for buf, d, fill in self._varying:
+            buf.narrow(d, n, rows).fill_(fill)
+        self._clean_from = n
+
+    def _new_size(
+        self, n: int, leaves: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A size without a route yet: check the call, then capture, build the route, or fall back."""
+        self._check_call(leaves, n)
+        decision = decide(
+            self.options, n, self._graphs, name=self.name, where=self._plan.where()
+        )
+        if decision.action == "error":
+            raise ReplayInputError(decision.message)
+        if decision.action == "eager":
+            self.stats.fallbacks += 1
+            if n not in self._warned_sizes:
+                self._warned_sizes.add(n)
+                log.warning("%s", decision.message)
+            with torch.no_grad():  # what the graph would have computed, without autograd
+                return self.fn(*args, **kwargs)
+        assert decision.size is not None
+        if decision.action == "capture":
+            log.debug("torchreplay: capturing '%s' at size %d (first call of size %d)",
+                      self.name, decision.size, n)
+            self._capture_size(decision.size, warmup=False, snapshot=None)
+        self._routes[n] = self._build_route(n, self._graphs[decision.size])
+        return self._run(args, kwargs)
+
+    def _build_route(self, n: int, entry: _SizeGraph) -> _Route:
+        s = entry.size
+        dsts: list[torch.Tensor | None] = []
+        shapes: list[torch.Size | None] = []
+        for i, slot in enumerate(self._slots):
+            d = self._plan.dims[i]
+            if slot.static is None:
+                dsts.append(None)
+                shapes.append(None)
+            elif d is None or n == self._max:
+                dsts.append(slot.static)
+                shapes.append(slot.static.shape)
+            else:
+                view = slot.static.narrow(d, 0, n)
+                dsts.append(view)
+                shapes.append(view.shape)
+        plan = self._out_plan
+        leaves: list[Any] = []
+        owned_ids: set[int] = set()
+        for i, leaf in enumerate(plan.leaves):
+            if leaf.kind == "owned":
+                t = narrow_leading(self._outs[i], leaf.dims, n)
+                owned_ids.add(id(t))
+                leaves.append(t)
+            elif leaf.kind == "external":
+                leaves.append(narrow_leading(entry.externals[i], leaf.dims, n))
+            elif leaf.kind == "size":
+                leaves.append(n)
+            else:
+                leaves.append(leaf.value)
+        outputs = Outputs(
+            _compat.tree_unflatten(leaves, plan.spec),
+            self.config.outputs,
+            self.name,
+            lambda t: id(t) in owned_ids,
+        )
+        clean_after = s if self._writes_inputs else n
+        return _Route(n, s, entry.graph.replay, dsts, shapes, outputs, clean_after)
+
+    def invalidate_outputs(self) -> None:
+        """Mark the outputs handed out so far as stale (another graph may overwrite them)."""
+        if self._last is not None:
+            self._last.invalidate()
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        """The sizes that have a graph now, ascending."""
+        return sorted(self._graphs)
+
+    # -- fallbacks and errors -------------------------------------------------------------------
+
+    def _mode_fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.stats.fallbacks += 1
+        if not self._warned_mode:
+            self._warned_mode = True
+            mode = "training" if self._training else "eval"
+            log.warning(
+                "torchreplay: '%s' was captured in %s mode but the module is now in %s mode; "
+                "running eagerly (counted in stats.fallbacks). Graph it again in this mode.",
+                self.name,
+                mode,
+                "eval" if self._training else "training",
+            )
+        return self.fn(*args, **kwargs)
+
+    def _check_call(self, leaves: list[Any], n: int) -> None:
+        """Raise the input error of a call whose arguments do not fit any size."""
+        for i, (leaf, slot) in enumerate(zip(leaves, self._slots)):
+            if slot.static is None:
+                if leaf is not slot.value and not _same_constant(leaf, slot.value):
+                    raise self._inputs.constant_error(slot, leaf)
+            elif not _fits(leaf, slot, self._plan, i, n):
+                raise self._input_error(leaves, n)
+
+    def _input_error(self, leaves: list[Any], n: int | None) -> ReplayInputError:
+        """Build the error that names the first argument that does not fit a call of size ``n``."""
+        plan = self._plan
+        lead = leaves[self._lead]
+        if n is None:
+            if isinstance(lead, _Tensor):
+                return ReplayInputError(
+                    f"{plan.paths[self._lead]}: {describe_tensor(lead)} has no dim "
+                    f"{self._lead_dim}, the dimension that varies; pass a tensor shaped like "
+                    f"{_pattern(self._slots[self._lead].static, self._lead_dim, self._max)}"
+                )
+            return ReplayInputError(
+                f"{plan.paths[self._lead]}: expected a tensor, got {type(lead).__name__}; it is "
+                "the argument whose size picks the graph"
+            )
+        for i, (leaf, slot) in enumerate(zip(leaves, self._slots)):
+            if slot.static is None:
+                if leaf is not slot.value and not _same_constant(leaf, slot.value):
+                    return self._inputs.constant_error(slot, leaf)
+                continue
+            if _fits(leaf, slot, plan, i, n):
+                continue
+            d = plan.dims[i]
+            if d is None:
+                if isinstance(leaf, _Tensor) and leaf.shape != slot.shape:
+                    return ReplayInputError(
+                        f"{plan.paths[i]}: {describe_tensor(leaf)}, but it is static (its dim is "
+                        f"None) and was captured with shape {tuple(slot.shape)}; pass that shape, "
+                        "or give its varying dimension in dim={...}"
+                    )
+                return self._inputs.tensor_error(slot, leaf)
+            if not isinstance(leaf, _Tensor):
+                return ReplayInputError(
+                    f"{plan.paths[i]}: expected a tensor shaped like "
+                    f"{_pattern(slot.static, d, self._max)}, got {type(leaf).__name__}"
+                )
+            pattern = _pattern(slot.static, d, self._max)
+            if leaf.dim() != slot.static.dim() or any(
+                a != b for j, (a, b) in enumerate(zip(leaf.shape, slot.static.shape)) if j != d
+            ):
+                return ReplayInputError(
+                    f"{plan.paths[i]}: {describe_tensor(leaf)}, but the graph was captured for "
+                    f"shape {pattern}, where only dim {d} varies; pass a tensor of that shape "
+                    "(a graph never broadcasts or converts its inputs)"
+                )
+            if leaf.shape[d] != n:
+                return ReplayInputError(
+                    disagreement_message(
+                        plan.paths[self._lead], self._lead_dim, n, plan.paths[i], d, leaf.shape[d]
+                    )
+                )
+            if leaf.dtype != slot.dtype:
+                fix = f"cast it with .to({slot.dtype})"
+            elif leaf.device != slot.device:
+                fix = f"move it with .to('{slot.device}')"
+            else:
+                fix = "pass a dense tensor (e.g. .to_dense())"
+            return ReplayInputError(
+                f"{plan.paths[i]}: {describe_tensor(leaf)}, but the graph was captured with "
+                f"{describe_tensor(slot.static)} (dim {d} varies); {fix} (a graph never "
+                "broadcasts or converts its inputs)"
+            )
+        return ReplayInputError(f"the arguments do not fit a call of size {n}")  # pragma: no cover
+
+    def __repr__(self) -> str:
+        return (
+            f"BucketedGraph({self.name}, sizes=[{format_sizes(self.sizes)}], "
+            f"device={self.device}, {self.stats.explain()})"
+        )
+
+
+def _fits(leaf: Any, slot: Any, plan: InputPlan, i: int, n: int) -> bool:
+    if not isinstance(leaf, _Tensor):
+        return False
+    d = plan.dims[i]
+    shape = slot.shape if d is None else plan.shape_at(slot.shape, i, n)
+    return (
+        leaf.shape == shape
+        and leaf.dtype == slot.dtype
+        and leaf.device == slot.device
+        and leaf.layout is torch.strided
+    )
+
+
+def _pattern(t: torch.Tensor, d: int | None, largest: int) -> str:
+    """``'(N, 4096) float32 (N <= 16)'``: a varying buffer's shape with its varying dim named."""
+    dims = [str(x) for x in t.shape]
+    if d is not None:
+        dims[d] = "N"
+    inner = ", ".join(dims) + ("," if len(dims) == 1 else "")
+    return f"({inner}) {str(t.dtype).removeprefix('torch.')} with N <= {largest}"
+
+
+def _pad_sample(leaf: torch.Tensor, d: int, size: int, fill: Any) -> torch.Tensor:
+    """The sample argument grown (or cut) to ``size`` along ``d``, the new rows set to ``fill``."""
+    shape = list(leaf.shape)
+    shape[d] = size
+    channels_last = (
+        leaf.dim() == 4
+        and not leaf.is_contiguous()
+        and leaf.is_contiguous(memory_format=torch.channels_last)
+    )
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    out = torch.empty(shape, dtype=leaf.dtype, device=leaf.device, memory_format=fmt)
+    rows = min(leaf.shape[d], size)
+    out.narrow(d, 0, rows).copy_(leaf.narrow(d, 0, rows))
+    if rows < size:
+        out.narrow(d, rows, size - rows).fill_(fill)
+    return out
+
+
+def _versions(tensors: list[torch.Tensor]) -> list[int] | None:
+    """Version counters (bumped by in-place writes); None where torch keeps none (inference mode)."""
+    try:
+        return [t._version for t in tensors]
+    except RuntimeError:  # inference tensors have no version counter: assume they are written
+        return None
+
+
+def _refuse_row_mixing(module: torch.nn.Module, name: str) -> None:
+    for sub_name, sub in module.named_modules():
+        if not sub.training:
+            continue
+        mixes = isinstance(sub, _ROW_MIXING) or (
+            isinstance(sub, _INSTANCE_NORMS) and sub.track_running_stats
+        )
+        if mixes:
+            label = f"'{sub_name}' " if sub_name else ""
+            raise UnsupportedError(
+                f"'{name}' has {type(sub).__name__} {label}in training mode: its batch "
+                "statistics mix the rows of a call, so the padding rows that sizes= adds would "
+                "change the results; call .eval() before graphing with sizes=, or graph each "
+                "batch size exactly (without sizes=)"
+            )
+
+
+@contextlib.contextmanager
+def _progress(description: str, total: int) -> Iterator[Callable[[], None]]:
+    """Yield ``advance()`` of a progress bar on stderr, shown only when stderr is a terminal."""
+    isatty = getattr(sys.stderr, "isatty", None)
+    bar = None
+    if total > 1 and isatty is not None and isatty():
+        try:
+            from rich.console import Console
+            from rich.progress import Progress
+        except ImportError:  # rich is a dependency, but a missing bar must not stop a capture
+            Progress = None  # type: ignore[assignment,misc]
+        if Progress is not None:
+            bar = Progress(console=Console(stderr=True), transient=True)
+    if bar is None:
+        yield lambda: None
+        return
+    with bar:
+        task = bar.add_task(description, total=total)
+        yield lambda: bar.advance(task)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
