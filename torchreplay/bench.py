@@ -11,6 +11,9 @@ process and on the same tensors, every method:
   and cudagraph trees). A failure is reported as ``failed: <reason>``, never raised.
 - ``tr.graph``: ``tr.graph(fn, *args)`` with the default (checked) output policy, and
   ``tr.graph outputs="static"``, the zero-copy policy without checks.
+- Many-size rows (``llama-sizes``): ``tr.graph sizes=`` (and its ``outputs="static"``) graph every
+  size of :attr:`Workload.sizes`, and the floor is :func:`handwritten_padded`: one graph at the
+  padded size (the smallest size that holds the batch), ``static[:n].copy_(x); g.replay()``.
 
 Every inference workload runs under ``torch.no_grad()``.
 
@@ -20,12 +23,16 @@ How time is measured (:func:`time_call`):
   calls, each sample from a ``torch.cuda.synchronize()`` to a ``torch.cuda.synchronize()`` before
   the clock (``time.perf_counter``) is read; the median sample divided by ``calls``.
 - Host-side time per call, with no sync in the loop: after a synchronize (not timed), the clock
-  around issuing ``host_calls`` calls back-to-back, divided by ``host_calls``; the median of
-  ``3 * repeats`` samples. It is what a call costs the CPU: Python, argument checks, copy-in and
-  the launch. ``host_calls`` is small (10) so the GPU's launch queue (about a thousand pending
-  launches) never fills: a graph replay is one launch and the GPU runs it far slower than the CPU
-  issues it, so with a long loop the host would block on a full queue and measure GPU time again.
-  For eager calls the GPU keeps up with the host anyway (that is what launch-bound means).
+  around issuing ``host_calls`` calls back-to-back, divided by ``host_calls``; the minimum of
+  ``max(20, 3 * repeats)`` samples (the median is kept too, as ``host_median_us``). It is what a
+  call costs the CPU: Python, argument checks, copy-in and the launch. ``host_calls`` is small
+  (10) so the GPU's launch queue never fills: a graph replay is one launch that the GPU runs far
+  slower than the CPU issues it, so with a long loop the host would block on a full queue and
+  measure GPU time again. For eager calls the GPU keeps up with the host anyway (that is what
+  launch-bound means). The minimum, not the median: on an H100 the launch of a graph of a few
+  hundred kernels costs the host 40 or 60 us from one sample to the next (driver noise that
+  interference only adds to), so the minimum is the stable estimate of a call's own cost, as in
+  ``timeit``; the synchronized time per call stays a median.
 
 Rows live in :data:`ROWS` (name -> function); later rows (padded sizes, training) add entries there.
 Nothing here prints: :mod:`torchreplay.cli` renders the :class:`Measurement` list.
@@ -57,6 +64,7 @@ __all__ = [
     "run_factory",
     "time_call",
     "handwritten_graph",
+    "handwritten_padded",
     "environment",
     "write_json",
 ]
@@ -68,8 +76,10 @@ FLOOR = "hand-written CUDAGraph"
 COMPILE = "torch.compile reduce-overhead"
 TR_GRAPH = "tr.graph"
 TR_STATIC = 'tr.graph outputs="static"'
+TR_SIZES = "tr.graph sizes="
+TR_SIZES_STATIC = 'tr.graph sizes= outputs="static"'
 #: Every method, in table order.
-METHODS: tuple[str, ...] = (EAGER, FLOOR, COMPILE, TR_GRAPH, TR_STATIC)
+METHODS: tuple[str, ...] = (EAGER, FLOOR, COMPILE, TR_GRAPH, TR_STATIC, TR_SIZES, TR_SIZES_STATIC)
 
 #: Called with (workload name, method) before each method is built and timed.
 StepCallback = Callable[[str, str], None]
@@ -118,7 +128,8 @@ class Measurement:
         workload: what ran, with batch and dtype.
         method: one of :data:`METHODS`.
         per_call_us: median synchronized time per call, or None when the method failed.
-        host_us: median host-side time per call without a sync in the loop.
+        host_us: host-side time per call without a sync in the loop (minimum over samples).
+        host_median_us: the same, median over samples.
         vs_floor: ``per_call_us`` over the hand-written graph's (1.0 is the floor).
         speedup: eager's ``per_call_us`` over this one.
         host_delta_us: ``host_us`` minus the hand-written graph's.
@@ -130,6 +141,7 @@ class Measurement:
     method: str
     per_call_us: float | None = None
     host_us: float | None = None
+    host_median_us: float | None = None
     vs_floor: float | None = None
     speedup: float | None = None
     host_delta_us: float | None = None
@@ -146,6 +158,9 @@ class Workload:
         fn: the callable; an ``nn.Module`` in eval mode for inference rows.
         args, kwargs: one call's arguments (any pytree).
         methods: which of :data:`METHODS` to time.
+        sizes: for many-size rows: the ``tr.graph sizes=`` methods graph these sizes (dim 0 of
+            every tensor argument varies), and the hand-written floor is one graph at the padded
+            size, the smallest of ``sizes`` that holds the batch.
     """
 
     row: str
@@ -154,14 +169,15 @@ class Workload:
     args: tuple[Any, ...]
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     methods: tuple[str, ...] = METHODS
+    sizes: tuple[int, ...] = ()
 
 
 # ---------------------------------------------------------------------------------------------
 # Timing
 
 
-def time_call(call: Callable[[], Any], opts: BenchOptions) -> tuple[float, float]:
-    """Time ``call()``; return (synchronized us per call, host-side us per call), both medians.
+def time_call(call: Callable[[], Any], opts: BenchOptions) -> tuple[float, float, float]:
+    """Time ``call()``; return us per call: synchronized median, host-side min and median.
 
     See the module docstring for the method.
     """
@@ -178,14 +194,19 @@ def time_call(call: Callable[[], Any], opts: BenchOptions) -> tuple[float, float
         sync()
         samples.append((clock() - t0) / opts.calls)
     host = []
-    for _ in range(3 * opts.repeats):
+    for _ in range(host_samples(opts)):
         sync()  # an empty queue before each sample, so it never fills (module doc)
         t0 = clock()
         for _ in range(opts.host_calls):
             call()
         host.append((clock() - t0) / opts.host_calls)
     sync()
-    return statistics.median(samples) * 1e6, statistics.median(host) * 1e6
+    return statistics.median(samples) * 1e6, min(host) * 1e6, statistics.median(host) * 1e6
+
+
+def host_samples(opts: BenchOptions) -> int:
+    """Return how many host-side samples :func:`time_call` takes."""
+    return max(20, 3 * opts.repeats)
 
 
 def handwritten_graph(
@@ -232,10 +253,65 @@ def handwritten_graph(
     return call_many
 
 
+def handwritten_padded(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    size: int,
+    num_warmup_iters: int = 3,
+) -> Callable[[], Any]:
+    """Capture ``fn`` at ``size`` rows and return a padded call, as a hand-written server does.
+
+    Every tensor argument's dim 0 is the batch. The static buffers have ``size`` rows (padding
+    rows zero); per call: ``static[:n].copy_(x)`` per tensor, ``g.replay()``, and the output's
+    first ``n`` rows. With ``n == size`` it does what :func:`handwritten_graph` does.
+    """
+    from torchreplay._compat import tree_flatten, tree_unflatten
+
+    leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
+    static: list[Any] = []
+    pairs = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            buf = x.new_zeros((size, *x.shape[1:]))
+            buf[: x.shape[0]].copy_(x)
+            pairs.append((buf[: x.shape[0]], x))
+            static.append(buf)
+        else:
+            static.append(x)
+    static_args, static_kwargs = tree_unflatten(static, spec)
+    n = pairs[0][1].shape[0]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(num_warmup_iters):
+            fn(*static_args, **static_kwargs)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_out = fn(*static_args, **static_kwargs)
+    replay = g.replay
+
+    def call() -> Any:
+        for dst, x in pairs:
+            dst.copy_(x)
+        replay()
+        return static_out[:n]
+
+    return call
+
+
 def _build(method: str, w: Workload) -> Callable[[], Any]:
     fn, args, kwargs = w.fn, w.args, dict(w.kwargs)
     if method == EAGER:
         return lambda: fn(*args, **kwargs)
+    if method == FLOOR and w.sizes:
+        from torchreplay.bucket_plan import target_size
+
+        padded = target_size(w.sizes, args[0].shape[0])
+        assert padded is not None, "a many-size row's batch must fit its largest size"
+        return handwritten_padded(fn, args, kwargs, padded)
     if method == FLOOR:
         return handwritten_graph(fn, args, kwargs)
     if method == COMPILE:
@@ -243,7 +319,10 @@ def _build(method: str, w: Workload) -> Callable[[], Any]:
         return lambda: compiled(*args, **kwargs)
     import torchreplay as tr
 
-    outputs = "static" if method == TR_STATIC else None
+    outputs = "static" if method in (TR_STATIC, TR_SIZES_STATIC) else None
+    if method in (TR_SIZES, TR_SIZES_STATIC):
+        gs = tr.graph(fn, *args, sizes=w.sizes, outputs=outputs, **kwargs)
+        return lambda: gs(*args, **kwargs)
     g = tr.graph(fn, *args, outputs=outputs, **kwargs)
     return lambda: g(*args, **kwargs)
 
@@ -276,8 +355,8 @@ def measure_workload(
                 call = _build(method, w)
                 for _ in range(opts.compile_warmup if method == COMPILE else 0):
                     call()
-                per_call, host = time_call(call, opts)
-            raw.append(Measurement(w.row, w.name, method, per_call, host))
+                per_call, host, host_median = time_call(call, opts)
+            raw.append(Measurement(w.row, w.name, method, per_call, host, host_median))
         except Exception as exc:  # noqa: BLE001 - one failing method must not end the table
             log.warning("%s / %s failed", w.name, method, exc_info=True)
             raw.append(Measurement(w.row, w.name, method, error=_short_reason(exc)))
@@ -360,6 +439,34 @@ def _llama_workloads() -> Iterator[Workload]:
         )
 
 
+#: Batches of the ``llama-sizes`` row: exact sizes, then 13, which pads to 16.
+LLAMA_SIZES_BATCHES: tuple[int, ...] = (1, 8, 32, 13)
+#: Sizes the ``llama-sizes`` row graphs: ``default_sizes(32)``, i.e. 1, 2, 4, 8, 16, 24, 32.
+LLAMA_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)
+
+
+def _llama_sizes_workloads() -> Iterator[Workload]:
+    from torchreplay.bucket_plan import target_size
+    from torchreplay.models.llama import LlamaConfig, build_llama
+
+    cfg = LlamaConfig(max_batch=max(LLAMA_SIZES))
+    model = build_llama(cfg, "cuda")  # bf16
+    gen = _cuda_generator()
+    for batch in LLAMA_SIZES_BATCHES:
+        input_ids = torch.randint(0, cfg.vocab_size, (batch, 1), device="cuda", generator=gen)  # [B, 1]
+        positions = torch.full((batch,), cfg.max_seq_len // 2, dtype=torch.long, device="cuda")  # [B]
+        padded = target_size(LLAMA_SIZES, batch)
+        shown = f"batch {batch}" if padded == batch else f"batch {batch} padded to {padded}"
+        name = (
+            f"Llama decode ({cfg.n_layers} layers, hidden {cfg.dim}, bf16), {shown}, "
+            f"sizes {', '.join(map(str, LLAMA_SIZES))}"
+        )
+        yield Workload(
+            "llama-sizes", name, model, (input_ids, positions),
+            methods=(EAGER, FLOOR, TR_SIZES, TR_SIZES_STATIC), sizes=LLAMA_SIZES,
+        )
+
+
 def _cuda_generator(seed: int = 0) -> torch.Generator:
     # Inputs from a private generator: the bench leaves the global RNG alone.
     return torch.Generator(device="cuda").manual_seed(seed)
@@ -375,6 +482,7 @@ ROWS: Mapping[str, RowFn] = MappingProxyType(
         "mlp": lambda opts, on_step: _inference_row(_mlp_workloads(), opts, on_step),
         "resnet50": lambda opts, on_step: _inference_row(_resnet50_workloads(), opts, on_step),
         "llama": lambda opts, on_step: _inference_row(_llama_workloads(), opts, on_step),
+        "llama-sizes": lambda opts, on_step: _inference_row(_llama_sizes_workloads(), opts, on_step),
     }
 )
 

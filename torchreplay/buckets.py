@@ -248,17 +248,24 @@ class BucketedGraph:
                 for s in rest:
                     self._capture_size(s, warmup=False, snapshot=None)
                     advance()
+        self._log_summary()
+
+    def _log_summary(self) -> None:
+        if not log.isEnabledFor(logging.INFO):
+            return  # reserved_bytes() walks the allocator's segments: only when it is logged
+        pool_mib = self.pool.reserved_bytes() / 2**20
+        if self.options.capture == "ahead":
             log.info(
                 "torchreplay: captured '%s' at %d sizes (%s) on %s in %.2f s; pool %.1f MiB, "
                 "buffers %.1f MiB (outputs=%s)",
                 self.name,
                 len(self.sizes),
                 format_sizes(self.sizes),
-                device,
+                self.device,
                 self.stats.capture_seconds,
-                self.pool.reserved_bytes() / 2**20,
+                pool_mib,
                 self.buffer_bytes / 2**20,
-                config.outputs,
+                self.config.outputs,
             )
         else:
             log.info(
@@ -267,10 +274,10 @@ class BucketedGraph:
                 "%.1f MiB",
                 self.name,
                 self._max,
-                device,
+                self.device,
                 self.stats.capture_seconds,
                 len(self.sizes) - 1,
-                self.pool.reserved_bytes() / 2**20,
+                pool_mib,
                 self.buffer_bytes / 2**20,
             )
 

@@ -15,7 +15,7 @@ from torchreplay.cli import results_table
 
 
 def test_rows_registry() -> None:
-    assert list(bench.ROWS) == ["mlp", "resnet50", "llama"]
+    assert list(bench.ROWS) == ["mlp", "resnet50", "llama", "llama-sizes"]
     with pytest.raises(TypeError):
         bench.ROWS["x"] = None  # type: ignore[index]  # read-only: rows are defined in bench.py
 
@@ -53,11 +53,13 @@ def test_time_call_counts_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
     calls = []
     opts = BenchOptions(repeats=3, calls=5, host_calls=2, warmup=4)
-    per_call, host = bench.time_call(lambda: calls.append(1), opts)
-    assert len(calls) == 4 + 3 * 5 + 3 * 3 * 2
+    per_call, host, host_median = bench.time_call(lambda: calls.append(1), opts)
+    n_host = bench.host_samples(opts)
+    assert n_host == 20
+    assert len(calls) == 4 + 3 * 5 + n_host * 2
     # one sync after warm-up, one per synchronized sample, one before each host sample, one at the end
-    assert len(syncs) == 1 + 3 + 9 + 1
-    assert per_call >= 0 and host >= 0
+    assert len(syncs) == 1 + 3 + n_host + 1
+    assert per_call >= 0 and 0 <= host <= host_median
 
 
 @pytest.mark.parametrize("field", ["repeats", "calls", "host_calls"])

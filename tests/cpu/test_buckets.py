@@ -604,3 +604,12 @@ def test_graph_options_need_sizes() -> None:
         tr.graph(lambda x, dim=0: x, x, dim=1)
     with pytest.raises(TypeError, match="spelled dim="):
         tr.graph(lambda x: x, x, sizes=[1, 2], dims={"x": 0})
+
+
+def test_llama_sizes_bench_row_pads_13_to_16() -> None:
+    from torchreplay import bench
+
+    assert list(bench.LLAMA_SIZES) == default_sizes(32)
+    padded = {b: target_size(bench.LLAMA_SIZES, b) for b in bench.LLAMA_SIZES_BATCHES}
+    assert padded == {1: 1, 8: 8, 32: 32, 13: 16}
+    assert {bench.TR_SIZES, bench.TR_SIZES_STATIC} <= set(bench.METHODS)
