@@ -108,4 +108,4 @@ def test_results_table_renders_numbers_and_failures() -> None:
     text = console.export_text()
     assert "failed: RuntimeError: boom" in text
     assert "1.04x" in text and "7.69x" in text and "+3.5" in text
-    assert text.count("MLP b8") == 1  # the workload is named once per group
+    assert text.count("MLP b8") == 1  # the workload is a heading, once per group
