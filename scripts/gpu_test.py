@@ -31,7 +31,17 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_ROWS = ("mlp", "resnet50", "llama")
+
+
+def default_rows() -> list[str]:
+    """Every row of ``torchreplay.bench.ROWS``; the first three if torchreplay does not import."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from torchreplay.bench import ROWS
+    except Exception as exc:  # report the tests anyway; the bench rows will show the error
+        print(f"cannot import torchreplay.bench ({type(exc).__name__}: {exc})", flush=True)
+        return ["mlp", "resnet50", "llama"]
+    return list(ROWS)
 
 
 class Log:
@@ -91,7 +101,7 @@ def environment_line() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="comma-separated bench rows")
+    parser.add_argument("--rows", help="comma-separated bench rows (default: every row)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile rows")
@@ -125,7 +135,7 @@ def main() -> int:
     if not args.skip_bench:
         emit("\n== benchmark rows (quick)")
         with tempfile.TemporaryDirectory() as tmp:
-            for row in [r for r in args.rows.split(",") if r]:
+            for row in args.rows.split(",") if args.rows else default_rows():
                 path = Path(tmp) / f"{row}.json"
                 cmd = [sys.executable, "-m", "torchreplay", "bench", "--model", row,
                        "--repeats", str(args.repeats), "--calls", str(args.calls), "--json", str(path)]

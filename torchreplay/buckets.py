@@ -196,10 +196,11 @@ class BucketedGraph:
 
         # Static inputs at the largest size: the sample's rows, then the fill value.
         flat, spec = _compat.tree_flatten((tuple(args), dict(kwargs)))
-        padded = [
-            _pad_sample(leaf, d, self._max, f) if d is not None else leaf
-            for leaf, d, f in zip(flat, self._plan.dims, self._plan.fills)
-        ]
+        with torch.no_grad():  # buffers, not part of an autograd graph
+            padded = [
+                _pad_sample(leaf, d, self._max, f) if d is not None else leaf
+                for leaf, d, f in zip(flat, self._plan.dims, self._plan.fills)
+            ]
         big_args, big_kwargs = _compat.tree_unflatten(padded, spec)
         self._inputs = Inputs(fn, big_args, big_kwargs, device)
         del flat, padded, big_args, big_kwargs

@@ -82,7 +82,9 @@ class BucketConfig:
             duplicates (``[8, 1, 4, 4]`` becomes ``(1, 4, 8)``).
         capture: ``"ahead"`` (default): every size at construction, largest first.
             ``"lazy"``: the largest size at construction, each other size the first time a call
-            needs it.
+            needs it. The largest comes first in both: the pool then grows to the largest size's
+            blocks once and every smaller graph fits in them; captured smallest first, each
+            larger size would add blocks that the smaller ones cannot reuse.
         fallback: what a call whose size no graph can hold does (above the largest size, or
             size 0): ``"eager"`` (default) runs it eagerly with one warning per new size,
             ``"error"`` raises :class:`~torchreplay.ReplayInputError`.
