@@ -7,7 +7,8 @@ torch version that lacks it. Everything else in torchreplay imports from here, n
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -29,6 +30,9 @@ __all__ = [
     "set_sequence_nr",
     "abandon_pool",
     "LightDispatchMode",
+    "sequence_nr",
+    "foreach_clone",
+    "autocast_cache_disabled",
 ]
 
 
@@ -120,6 +124,49 @@ def set_sequence_nr(grad_fn: Any, seq: int) -> None:
     if setter is None:  # pragma: no cover - old torch
         raise RuntimeError("this torch has no grad_fn._set_sequence_nr; torchreplay needs >= 2.6")
     setter(seq)
+
+
+def sequence_nr(grad_fn: Any) -> int:
+    """Return an autograd node's sequence number (``Node._sequence_nr``, since torch 1.x)."""
+    return int(grad_fn._sequence_nr())
+
+
+# Fresh copies of many tensors in one multi-tensor launch instead of one clone per tensor:
+# training hands these to autograd as parameter gradients that AccumulateGrad may keep as
+# ``.grad`` (x * 1.0 is exact for every floating value). torch._foreach_mul exists since 1.7; on a
+# torch without it, one clone per tensor (correct, more launches).
+_foreach_mul = getattr(torch, "_foreach_mul", None)
+
+
+def foreach_clone(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Return new tensors equal to ``tensors`` (same dtype, device and strides)."""
+    if _foreach_mul is not None and tensors:
+        return list(_foreach_mul(list(tensors), 1.0))
+    return [t.clone() for t in tensors]  # pragma: no cover - old torch
+
+
+@contextlib.contextmanager
+def autocast_cache_disabled() -> Iterator[None]:
+    """Turn autocast's cache of cast weights off for the block, then restore the setting.
+
+    With the cache on, a weight cast during capture is cached: the graph reads that cached
+    copy (allocated in the graph's pool, or before capture by warm-up) and the cast is not part
+    of the graph, so replays after an optimizer step read stale or freed weights. Without the
+    cache every cast is recorded. ``torch.is_autocast_cache_enabled`` and
+    ``torch.set_autocast_cache_enabled`` are re-exports of ``torch._C`` bindings that exist since
+    torch 1.10; on a torch without them the block runs unchanged.
+    """
+    getter = getattr(torch, "is_autocast_cache_enabled", None)
+    setter = getattr(torch, "set_autocast_cache_enabled", None)
+    if getter is None or setter is None:  # pragma: no cover - old torch
+        yield
+        return
+    before = getter()
+    setter(False)
+    try:
+        yield
+    finally:
+        setter(before)
 
 
 def abandon_pool(device: int, pool: tuple[int, int]) -> None:

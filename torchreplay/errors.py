@@ -14,6 +14,7 @@ __all__ = [
     "StaleOutputError",
     "UnsupportedError",
     "CacheError",
+    "VerifyError",
 ]
 
 
@@ -39,3 +40,19 @@ class UnsupportedError(TorchReplayError, RuntimeError):
 
 class CacheError(TorchReplayError, RuntimeError):
     """A compiled-graph cache entry is missing, corrupt or from an incompatible version."""
+
+
+class VerifyError(TorchReplayError, RuntimeError):
+    """With ``verify=K``: a graphed call's result differs from the same call run eagerly.
+
+    Attributes:
+        what: the tensor that differs (``"output[0]"``, ``"grad of parameter '0.weight'"``).
+        call: the 1-based number of the verified call.
+        max_error: the largest absolute difference.
+    """
+
+    def __init__(self, message: str, *, what: str = "", call: int = 0, max_error: float = 0.0):
+        super().__init__(message)
+        self.what = what
+        self.call = call
+        self.max_error = max_error

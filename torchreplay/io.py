@@ -140,11 +140,16 @@ class Inputs:
                 pass  # a different keyword: the slow path names it
         return self._flatten_slow(args, kwargs)
 
-    def copy_in(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Check every argument against the capture and copy tensors into the static buffers."""
+    def copy_in(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """Check every argument against the capture and copy tensors into the static buffers.
+
+        Returns the call's leaves in capture order (training passes the caller's tensors on to
+        autograd, so that gradients reach them).
+        """
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        for leaf, slot in zip(self.flatten(args, kwargs), self.slots):
+        leaves = self.flatten(args, kwargs)
+        for leaf, slot in zip(leaves, self.slots):
             static = slot.static
             if static is None:
                 if leaf is not slot.value and not _same_constant(leaf, slot.value):
@@ -162,6 +167,7 @@ class Inputs:
             dsts[0].copy_(srcs[0])
         elif dsts:
             _compat.foreach_copy_(dsts, srcs)
+        return leaves
 
     # -- errors --------------------------------------------------------------------------------
 

@@ -7,22 +7,47 @@ outputs of every g_j captured after it (j > i), never those captured before it (
 were still held when g_i was captured). A :class:`Pool` keeps the capture order and, before g_i
 replays, marks the outputs that g_j (j >= i) handed out as stale, so they raise when read instead
 of returning overwritten data.
+
+Training adds data that lives between two replays: a forward graph's replay leaves its saved
+activations for its backward graph. Graphs captured before that forward, or after that backward,
+may use the same memory as scratch. A :class:`LiveWindow` records such data; any replay at a
+position outside ``(start, end)`` marks it clobbered, and its reader raises instead of reading.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Protocol
 
 import torch
 
-__all__ = ["Pool"]
+__all__ = ["Pool", "LiveWindow"]
 
 log = logging.getLogger(__name__)
 
 
 class _Member(Protocol):
     def invalidate_outputs(self) -> None: ...
+
+
+class LiveWindow:
+    """Data that the replay at position ``start`` leaves for the replay at ``end`` to read.
+
+    Attributes:
+        start, end: capture positions of the writer and the reader (``start < end``).
+        name: the reader's name, for messages.
+        clobbered_by: the name of the first graph whose replay may have overwritten the data
+            (``None`` while it is intact).
+    """
+
+    __slots__ = ("start", "end", "name", "clobbered_by", "__weakref__")
+
+    def __init__(self, start: int, end: int, name: str) -> None:
+        self.start = start
+        self.end = end
+        self.name = name
+        self.clobbered_by: str | None = None
 
 
 class Pool:
@@ -42,6 +67,9 @@ class Pool:
         self.device: torch.device | None = _as_cuda_device(device) if device is not None else None
         self._handle: tuple[int, int] | None = None
         self._members: list[_Member] = []
+        # One live window per writer position: a new replay of the writer clobbers the old one.
+        # Weak: a window whose reader was dropped (an autograd graph freed) needs no tracking.
+        self._windows: dict[int, weakref.ReferenceType[LiveWindow]] = {}
 
     @property
     def handle(self) -> tuple[int, int]:
@@ -84,10 +112,42 @@ class Pool:
         """True once more than one graph has been captured into this pool."""
         return len(self._members) > 1
 
-    def before_replay(self, position: int) -> None:
-        """Mark stale the outputs of every graph captured after ``position``."""
+    def before_replay(self, position: int, reader: LiveWindow | None = None) -> None:
+        """Mark stale the outputs of every graph captured after ``position``, and clobber the
+        live windows that the replay at ``position`` may overwrite (all but ``reader``)."""
         for member in self._members[position + 1 :]:
             member.invalidate_outputs()
+        if self._windows:
+            self._clobber(position, reader)
+
+    def open_window(self, start: int, end: int, name: str) -> LiveWindow:
+        """Record that what the replay at ``start`` just left is needed by the replay at ``end``.
+
+        The caller keeps the returned window with the reader (e.g. on the autograd node) and
+        checks ``clobbered_by`` before the reader replays.
+        """
+        window = LiveWindow(start, end, name)
+        self._windows[start] = weakref.ref(window)
+        return window
+
+    def close_window(self, window: LiveWindow) -> None:
+        """Stop tracking ``window`` (its reader has run)."""
+        ref = self._windows.get(window.start)
+        if ref is not None and ref() is window:
+            del self._windows[window.start]
+
+    def _clobber(self, position: int, reader: LiveWindow | None) -> None:
+        member = self._members[position] if position < len(self._members) else None
+        by = getattr(member, "name", None) or f"graph #{position} of the pool"
+        for start, ref in list(self._windows.items()):
+            window = ref()
+            if window is None:
+                del self._windows[start]
+            elif window is not reader and not window.start < position < window.end:
+                # Captured before the writer or after the reader: its scratch may lie where
+                # the window's data is.
+                window.clobbered_by = by
+                del self._windows[start]
 
     def reserved_bytes(self) -> int:
         """Bytes of device memory the allocator holds for this pool right now."""
