@@ -17,11 +17,14 @@ from torchreplay.errors import (
     StaleOutputError,
     TorchReplayError,
     UnsupportedError,
+    VerifyError,
 )
 from torchreplay.buckets import BucketedGraph, default_sizes
 from torchreplay.graphed import Graphed, graph
 from torchreplay.pool import Pool
 from torchreplay.stats import GraphStats
+from torchreplay.step import GraphedStep, graph_step
+from torchreplay.training import GraphedCallable, make_graphed_callables
 
 __version__ = "0.1.0"
 
@@ -33,6 +36,11 @@ __all__ = [
     # many sizes
     "BucketedGraph",
     "default_sizes",
+    # training
+    "make_graphed_callables",
+    "GraphedCallable",
+    "graph_step",
+    "GraphedStep",
     # diagnosis
     "check",
     "Report",
@@ -47,4 +55,5 @@ __all__ = [
     "StaleOutputError",
     "UnsupportedError",
     "CacheError",
+    "VerifyError",
 ]

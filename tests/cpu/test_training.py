@@ -1,0 +1,1011 @@
+"""Training on CPU: argument handling and error messages of make_graphed_callables and graph_step,
+optimizer checks, verify's comparison, state save/restore, live windows, and the whole
+make_graphed_callables / graph_step machinery around the graphs, run through an eager emulation
+of capture and replay (same static buffers, same replay order) so that it runs without a GPU."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchreplay as tr
+from torchreplay import _compat
+from torchreplay import step as step_mod
+from torchreplay import training
+from torchreplay.config import GraphConfig
+from torchreplay.errors import (
+    ReplayInputError,
+    StaleOutputError,
+    TorchReplayError,
+    UnsupportedError,
+    VerifyError,
+)
+from torchreplay.pool import Pool
+from torchreplay.state import StateKeeper, find_instances, reset_fresh_state
+from torchreplay.verify import Tolerance, check_close, check_tree, resolve_tolerance
+
+CPU = torch.device("cpu")
+
+
+# -- argument handling (runs before any device is needed) ---------------------------------------
+
+
+def test_sample_args_must_be_a_tuple_for_one_callable() -> None:
+    with pytest.raises(TypeError, match=r"sample_args must be a tuple .* e\.g\. \(x,\), got Tensor"):
+        tr.make_graphed_callables(nn.Linear(2, 2), torch.randn(2, 2))
+
+
+def test_sample_args_must_have_one_tuple_per_callable() -> None:
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"with 2 callables, sample_args must be a tuple of 2 tuples .* got 1 entries"):
+        tr.make_graphed_callables((a, b), ((torch.randn(1, 2),),))
+    with pytest.raises(TypeError, match=r"sample_args\[1\] must be a tuple of callables\[1\]'s"):
+        tr.make_graphed_callables((a, b), ((torch.randn(1, 2),), torch.randn(1, 2)))
+
+
+def test_sample_kwargs_shape_is_checked() -> None:
+    with pytest.raises(TypeError, match="sample_kwargs must be a dict"):
+        tr.make_graphed_callables(nn.Linear(2, 2), (torch.randn(1, 2),), sample_kwargs=[1])
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"sample_kwargs must be a tuple of 2 dicts"):
+        tr.make_graphed_callables((a, b), ((torch.randn(1, 2),), (torch.randn(1, 2),)), sample_kwargs={})
+
+
+def test_callables_must_be_callable_and_distinct() -> None:
+    with pytest.raises(TypeError, match=r"callables\[1\] is a int, which is not callable"):
+        tr.make_graphed_callables((nn.Linear(2, 2), 3), ((torch.randn(1, 2),), (torch.randn(1, 2),)))
+    m = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"callables\[0\] and callables\[1\] are the same module"):
+        tr.make_graphed_callables((m, m), ((torch.randn(1, 2),), (torch.randn(1, 2),)))
+    with pytest.raises(ValueError, match="callables is empty"):
+        tr.make_graphed_callables((), ())
+
+
+@pytest.mark.parametrize("verify", [-1, True, 1.5, "2"])
+def test_verify_must_be_a_count(verify) -> None:
+    with pytest.raises(ValueError, match="verify must be an int >= 0"):
+        tr.make_graphed_callables(nn.Linear(2, 2), (torch.randn(1, 2),), verify=verify)
+    with pytest.raises(ValueError, match="verify must be an int >= 0"):
+        tr.graph_step(lambda x: x, torch.randn(2), verify=verify)
+
+
+def test_verify_tol_is_validated() -> None:
+    assert resolve_tolerance((1e-3, 1e-4)) == Tolerance(1e-3, 1e-4)
+    assert resolve_tolerance(None) is None
+    with pytest.raises(ValueError, match="verify_tol must be None"):
+        resolve_tolerance(0.1)
+    with pytest.raises(ValueError, match="rtol must be a number >= 0"):
+        Tolerance(-1.0, 0.0)
+
+
+def test_without_cuda_the_error_says_so_after_arguments_are_checked() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(UnsupportedError, match="CUDA is not available"):
+        tr.make_graphed_callables(nn.Linear(2, 2), (torch.randn(1, 2),))
+    with pytest.raises(UnsupportedError, match="CUDA is not available"):
+        tr.graph_step(lambda x: x.sum(), torch.randn(2))
+
+
+def test_graph_step_arguments() -> None:
+    with pytest.raises(TypeError, match="step_fn must be callable"):
+        tr.graph_step(3)
+    with pytest.raises(TypeError, match=r"optimizers\[0\] is a int, not a torch.optim.Optimizer"):
+        tr.graph_step(lambda x: x, torch.randn(2), optimizers=[3])
+    with pytest.raises(TypeError, match="scaler must be a torch.amp.GradScaler"):
+        tr.graph_step(lambda x: x, torch.randn(2), scaler=object())
+    with pytest.raises(ValueError, match="graph_step needs num_warmup_iters >= 1"):
+        tr.graph_step(lambda x: x, torch.randn(2), num_warmup_iters=0)
+    with pytest.raises(TypeError, match=r"keyword arguments given twice: \['a'\]"):
+        tr.graph_step(lambda x, a: x, torch.randn(2), a=1, sample_kwargs={"a": 2})
+
+
+# -- optimizers -------------------------------------------------------------------------------
+
+
+def _params() -> list[nn.Parameter]:
+    return [nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(2))]
+
+
+def test_non_capturable_adam_is_refused_naming_the_flag() -> None:
+    opt = torch.optim.AdamW(_params(), lr=1e-3)
+    with pytest.raises(UnsupportedError, match=r"AdamW has capturable=False in every param group.*AdamW\(\.\.\., capturable=True\)"):
+        step_mod.check_optimizer(opt)
+    # graph_step checks given optimizers before anything runs (before even looking for CUDA)
+    with pytest.raises(UnsupportedError, match="capturable=True"):
+        tr.graph_step(lambda x: x.sum(), torch.randn(2), optimizers=opt)
+
+
+def test_capturable_in_only_some_groups_names_them() -> None:
+    a, b = _params()
+    opt = torch.optim.Adam([{"params": [a], "capturable": True}, {"params": [b]}])
+    with pytest.raises(UnsupportedError, match=r"capturable=False in param_groups \[1\]"):
+        step_mod.check_optimizer(opt)
+
+
+def test_capturable_and_sgd_pass() -> None:
+    step_mod.check_optimizer(torch.optim.Adam(_params(), capturable=True))
+    step_mod.check_optimizer(torch.optim.RMSprop(_params(), capturable=True))
+    step_mod.check_optimizer(torch.optim.SGD(_params(), lr=0.1, momentum=0.9))
+
+
+def test_optimizer_without_capturable_flag_is_refused() -> None:
+    with pytest.raises(UnsupportedError, match=r"Adagrad has no capturable=True option.*make_graphed_callables"):
+        step_mod.check_optimizer(torch.optim.Adagrad(_params()))
+
+
+def test_sgd_with_dampening_needs_existing_momentum_buffers() -> None:
+    params = _params()
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.1)
+    with pytest.raises(UnsupportedError, match=r"dampening=0.1 and no momentum buffers yet.*Take one eager step"):
+        step_mod.check_optimizer(opt)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    step_mod.check_optimizer(opt)  # buffers exist now: the graph's formula is torch's
+
+
+def test_grad_scaler_needs_a_fused_optimizer() -> None:
+    opt = torch.optim.SGD(_params(), lr=0.1)
+    with pytest.raises(UnsupportedError, match=r"GradScaler.step\(SGD\) checks the gradients.*fused=True"):
+        step_mod.check_scaler_support(opt)
+    step_mod.check_scaler_support(torch.optim.SGD(_params(), lr=0.1, fused=True))
+
+
+_GLOBAL_SCALER = torch.amp.GradScaler("cpu")
+
+
+def test_a_grad_scaler_is_found_by_name() -> None:
+    local = torch.amp.GradScaler("cpu")
+
+    def step_closure(x):
+        return local.scale(x)
+
+    def step_global(x):
+        return _GLOBAL_SCALER.scale(x)
+
+    class Trainer:
+        def __init__(self) -> None:
+            self.scaler = local
+
+        def step(self, x):
+            return self.scaler.scale(x)
+
+    assert find_instances(step_closure, torch.amp.GradScaler) == [local]
+    assert find_instances(step_global, torch.amp.GradScaler) == [_GLOBAL_SCALER]
+    assert find_instances(Trainer().step, torch.amp.GradScaler) == [local]
+    # ... and then refused with an unfused optimizer, before anything runs
+    opt = torch.optim.SGD(_params(), lr=0.1)
+    with pytest.raises(UnsupportedError, match="GradScaler.step"):
+        tr.graph_step(step_closure, torch.randn(2), optimizers=opt)
+
+
+_OPTIMIZERS = [
+    ("Adam", {"lr": 0.01}),
+    ("AdamW", {"lr": 0.01, "amsgrad": True}),
+    ("Adamax", {"lr": 0.01}),
+    ("NAdam", {"lr": 0.01}),
+    ("RAdam", {"lr": 0.01}),
+    ("ASGD", {"lr": 0.01}),
+    ("Rprop", {"lr": 0.01}),
+    ("Adadelta", {"lr": 0.5}),
+    ("RMSprop", {"lr": 0.01, "momentum": 0.9, "centered": True}),
+    ("SGD", {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+]
+
+
+@pytest.mark.parametrize("name,kw", _OPTIMIZERS, ids=[n for n, _ in _OPTIMIZERS])
+def test_reset_state_equals_a_fresh_optimizer(name: str, kw: dict) -> None:
+    """State created by a warm-up step, reset in place, steps exactly like a fresh optimizer
+    (what a graph captured after warm-up needs: the same tensors, fresh values)."""
+    cls = getattr(torch.optim, name)
+    torch.manual_seed(0)
+    p_fresh = [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(3))]
+    p_reset = [nn.Parameter(p.detach().clone()) for p in p_fresh]
+    fresh, reset = cls(p_fresh, **kw), cls(p_reset, **kw)
+    for p in p_reset:  # a warm-up step that creates the state
+        p.grad = torch.randn_like(p)
+    reset.step()
+    tensors_before = {k: id(v) for k, v in reset.state[p_reset[0]].items()}
+    with torch.no_grad():
+        for a, b in zip(p_reset, p_fresh):
+            a.copy_(b)
+    for group in reset.param_groups:
+        for p in group["params"]:
+            reset_fresh_state(reset, group, reset.state[p])
+    assert {k: id(v) for k, v in reset.state[p_reset[0]].items()} == tensors_before  # in place
+    for _ in range(3):
+        g = [torch.randn_like(p) for p in p_fresh]
+        for p, gi in zip(p_fresh, g):
+            p.grad = gi.clone()
+        for p, gi in zip(p_reset, g):
+            p.grad = gi.clone()
+        fresh.step()
+        reset.step()
+        for a, b in zip(p_reset, p_fresh):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+# -- verify's comparison ------------------------------------------------------------------------
+
+
+def test_check_close_passes_within_tolerance_and_on_matching_nans() -> None:
+    a = torch.tensor([1.0, float("nan"), float("inf"), 0.0])
+    check_close("output", a, a.clone(), call=1, name="f")
+    check_close("output", a + 1e-7 * a.nan_to_num(), a, call=1, name="f")
+    check_close("x", 3, 3, call=1, name="f")
+    check_close("x", None, None, call=1, name="f")
+
+
+def test_check_close_names_the_tensor_the_max_error_and_the_call() -> None:
+    want = torch.zeros(2, 3)
+    got = want.clone()
+    got[1, 2] = 0.5
+    got[0, 0] = 0.25
+    with pytest.raises(VerifyError) as info:
+        check_close("grad of parameter '0.weight'", got, want, call=3, name="MLP")
+    e = info.value
+    assert isinstance(e, TorchReplayError) and isinstance(e, RuntimeError)
+    assert e.call == 3 and e.max_error == 0.5 and e.what == "grad of parameter '0.weight'"
+    msg = str(e)
+    assert msg.startswith("verify: call 3 of graphed 'MLP': grad of parameter '0.weight' differs")
+    assert "by up to 0.5 at index (1, 2) (graph 0.5, eager 0)" in msg
+    assert "1e-05 + 0.0001 * |eager| for float32" in msg
+    assert "verify_tol=(rtol, atol)" in msg
+
+
+def test_check_close_nan_on_one_side_is_an_infinite_error() -> None:
+    with pytest.raises(VerifyError, match="differs from eager by up to inf") as info:
+        check_close("output[0]", torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0]), call=1, name="f")
+    assert math.isinf(info.value.max_error)
+
+
+def test_check_close_tolerance_by_dtype_and_override() -> None:
+    want = torch.ones(4, dtype=torch.bfloat16)
+    check_close("y", want * 1.0078125, want, call=1, name="f")  # one bf16 ulp at 1.0
+    with pytest.raises(VerifyError):
+        check_close("y", torch.ones(4) * (1 + 1e-3), torch.ones(4), call=1, name="f")
+    check_close("y", torch.ones(4) * (1 + 1e-3), torch.ones(4), call=1, name="f", tol=Tolerance(1e-2, 0))
+    with pytest.raises(VerifyError, match="differs from eager by up to 1"):
+        check_close("idx", torch.tensor([1, 2]), torch.tensor([1, 3]), call=1, name="f")
+
+
+def test_check_close_shape_dtype_and_value_mismatches() -> None:
+    with pytest.raises(VerifyError, match=r"is shape \(2,\) float32 in the graph but shape \(3,\) float32 eagerly"):
+        check_close("output", torch.zeros(2), torch.zeros(3), call=1, name="f")
+    with pytest.raises(VerifyError, match=r"is 'a' in the graph but 'b' eagerly"):
+        check_close("output[1]", "a", "b", call=2, name="f")
+
+
+def test_check_tree_names_leaves_by_path() -> None:
+    got = {"logits": torch.zeros(2), "aux": [torch.ones(1), 3]}
+    want = {"logits": torch.zeros(2), "aux": [torch.full((1,), 2.0), 3]}
+    with pytest.raises(VerifyError, match=r"output\['aux'\]\[0\] differs"):
+        check_tree("output", got, want, call=1, name="f")
+    with pytest.raises(VerifyError, match="has structure"):
+        check_tree("output", got, [1], call=1, name="f")
+
+
+# -- state saved before warm-up and restored after ----------------------------------------------
+
+
+class Net(nn.Module):
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(dropout)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.bn(self.fc1(x)))))
+
+
+def _snapshot(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> dict:
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if opt is not None:
+        state["opt"] = copy.deepcopy(opt.state_dict())
+    return state
+
+
+def test_state_keeper_restores_what_a_discovered_training_step_changed() -> None:
+    torch.manual_seed(0)
+    model = Net(dropout=0.5)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = torch.randn(5, 6), torch.randn(5, 3)
+
+    def train_step():
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    before = _snapshot(model)
+    rng = torch.get_rng_state()
+    keeper = StateKeeper(CPU)
+    with keeper.discovering():
+        train_step()
+    train_step()
+    assert keeper.optimizers == [opt]
+    assert model.bn in keeper.modules and model.fc1 in keeper.modules
+    keeper.restore()
+    after = _snapshot(model)
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+    st = opt.state[model.fc1.weight]
+    assert float(st["step"]) == 0 and not st["exp_avg"].any() and not st["exp_avg_sq"].any()
+
+    # From the restored state, two steps equal two steps of a copy that never warmed up.
+    torch.manual_seed(1)
+    ref_model = copy.deepcopy(model)
+    ref_opt = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+    for p in ref_model.parameters():
+        assert p.grad is None
+    losses = [train_step() for _ in range(2)]
+    torch.manual_seed(1)
+    for _ in range(2):
+        ref_opt.zero_grad()
+        ref_loss = ((ref_model(x) - y) ** 2).mean()
+        ref_loss.backward()
+        ref_opt.step()
+    for (n, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(a, b), n
+    assert torch.equal(losses[1], ref_loss)
+
+
+def test_state_keeper_refusal_runs_before_the_optimizer_steps() -> None:
+    model = nn.Linear(3, 3)
+    opt = torch.optim.Adam(model.parameters())
+    before = _snapshot(model)
+
+    def refuse(o):
+        raise UnsupportedError("no")
+
+    keeper = StateKeeper(CPU, on_optimizer=refuse)
+    with pytest.raises(UnsupportedError):
+        with keeper.discovering():
+            model(torch.randn(2, 3)).sum().backward()
+            opt.step()
+    keeper.restore()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not opt.state
+
+
+# -- the learning rate and frozen hyperparameters ---------------------------------------------
+
+
+def test_lr_slot_follows_floats_and_tensors_changed_in_place_or_replaced() -> None:
+    group = {"lr": 0.1, "params": []}
+    slot = step_mod._LrSlot(group, CPU)
+    assert slot.tensor.item() == pytest.approx(0.1)
+    slot.install()
+    assert group["lr"] is slot.tensor
+    slot.uninstall()
+    assert group["lr"] == 0.1
+    group["lr"] = 0.05  # a scheduler assigning a float
+    slot.sync()
+    assert slot.tensor.item() == pytest.approx(0.05)
+    cpu_lr = torch.tensor(0.02)
+    group["lr"] = cpu_lr  # replaced by a tensor
+    slot.sync()
+    assert slot.tensor.item() == pytest.approx(0.02)
+    cpu_lr.fill_(0.01)  # updated in place, as torch's schedulers do for a tensor lr
+    slot.sync()
+    assert slot.tensor.item() == pytest.approx(0.01)
+
+
+def test_group_guard_names_a_frozen_hyperparameter_that_changed() -> None:
+    opt = torch.optim.Adam(_params(), lr=0.1, betas=(0.9, 0.99), capturable=True)
+    group = opt.param_groups[0]
+    guard = step_mod._GroupGuard(opt, 0, group, lr_live=True)
+    assert guard.changed() == []
+    group["lr"] = 0.05  # live: not guarded
+    assert guard.changed() == []
+    group["betas"] = (0.85, 0.99)
+    assert guard.changed() == ["betas"]
+    msg = guard.error(["betas"])
+    assert "Adam.param_groups[0] changed 'betas' from (0.9, 0.99) to (0.85, 0.99)" in msg
+    sgd = torch.optim.SGD(_params(), lr=0.1)
+    g2 = step_mod._GroupGuard(sgd, 0, sgd.param_groups[0], lr_live=False)
+    sgd.param_groups[0]["lr"] = 0.01
+    assert g2.changed() == ["lr"]
+    assert "SGD(fused=True), which read it from the device" in g2.error(["lr"])
+
+
+# -- live windows in a shared pool --------------------------------------------------------------
+
+
+class _M:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.invalidated = 0
+
+    def invalidate_outputs(self) -> None:
+        self.invalidated += 1
+
+
+def test_live_windows_are_clobbered_by_replays_outside_them() -> None:
+    pool = Pool(CPU)
+    names = ["f1 (forward)", "f2 (forward)", "f2 (backward)", "f1 (backward)"]
+    members = [_M(n) for n in names]
+    for m in members:
+        pool.register(m)
+    w1 = pool.open_window(0, 3, "f1")
+    pool.before_replay(1)  # f2 forward: inside (0, 3)
+    w2 = pool.open_window(1, 2, "f2")
+    assert w1.clobbered_by is None and w2.clobbered_by is None
+    assert members[2].invalidated == 1 and members[0].invalidated == 0
+    pool.before_replay(2, w2)  # f2 backward reads w2, inside w1
+    pool.close_window(w2)
+    pool.before_replay(3, w1)
+    assert w1.clobbered_by is None and w2.clobbered_by is None
+    pool.close_window(w1)
+
+    # f1 forward again while f2's backward is pending: f2's activations may be overwritten
+    w1 = pool.open_window(0, 3, "f1")
+    pool.before_replay(1)
+    w2 = pool.open_window(1, 2, "f2")
+    pool.before_replay(0)
+    assert w2.clobbered_by == "f1 (forward)"
+    assert w1.clobbered_by == "f1 (forward)"  # its own forward replayed again
+
+    # backward out of order: f1's backward while f2's is pending
+    w1 = pool.open_window(0, 3, "f1")
+    pool.before_replay(1)
+    w2 = pool.open_window(1, 2, "f2")
+    pool.before_replay(3, w1)
+    assert w2.clobbered_by == "f1 (backward)" and w1.clobbered_by is None
+
+
+def test_a_dropped_window_is_forgotten() -> None:
+    pool = Pool(CPU)
+    for n in ("a", "b"):
+        pool.register(_M(n))
+    pool.open_window(0, 1, "a")  # nobody keeps it
+    pool.before_replay(0)
+    assert not pool._windows
+
+
+# -- make_graphed_callables end to end, with capture and replay emulated on the CPU -------------
+
+
+def _emulated_capture_pairs(runners, *, device, pool, config):
+    """What _capture_pairs does, with each "graph" run eagerly on the same static buffers:
+    the forward writes into fixed output buffers, the backward reads the latest forward's
+    autograd graph (as a real backward graph reads the latest activations) and writes into
+    fixed gradient buffers."""
+    pairs = []
+    for r in runners:
+        sa, sk = r._inputs.static_args, r._inputs.static_kwargs
+        for _ in range(config.num_warmup_iters):
+            r._warm_fn(*sa, **sk)
+        external = {id(t) for t in r._surface}
+        if r._module is not None:
+            external |= {id(b) for b in r._module.buffers()}
+
+        def run_on_static(r=r):
+            leaves = [s.static if s.static is not None else s.value for s in r._inputs.slots]
+            grad_in = []
+            for k, i in enumerate(r._tensor_idx):
+                if r._sample_req[k]:
+                    leaves[i] = leaves[i].detach().requires_grad_(True)
+                    grad_in.append(leaves[i])
+            a, kw = _compat.tree_unflatten(leaves, r._inputs.spec)
+            with torch.enable_grad():
+                out = r._run_fn(*a, **kw)
+            return out, grad_in + [t for t in r._surface if t.requires_grad]
+
+        out0, _ = run_on_static()
+        leaves0, spec = _compat.tree_flatten(out0)
+        owned_pos = [isinstance(o, torch.Tensor) and id(o) not in external for o in leaves0]
+        kept = [o.detach().clone() if own else o for o, own in zip(leaves0, owned_pos)]
+        kept_ids = {id(t) for t, own in zip(kept, owned_pos) if own}
+        diff_idx = [j for j, o in enumerate(leaves0) if owned_pos[j] and o.requires_grad]
+        gouts = [torch.zeros_like(leaves0[j]) for j in diff_idx]
+        gins = []
+        if diff_idx and r._grad_inputs:  # the "backward capture": None where unused, like torch
+            outs0, ins0 = run_on_static()
+            ls0 = _compat.tree_flatten(outs0)[0]
+            g0 = torch.autograd.grad([ls0[j] for j in diff_idx], ins0, grad_outputs=gouts, allow_unused=True)
+            gins = [None if g is None else torch.zeros_like(g) for g in g0]
+        latest = {}
+
+        def fwd_replay(run=run_on_static, kept=kept, owned_pos=owned_pos, diff_idx=diff_idx, latest=latest):
+            out, ins = run()
+            ls = _compat.tree_flatten(out)[0]
+            with torch.no_grad():
+                for j, own in enumerate(owned_pos):
+                    if own:
+                        kept[j].copy_(ls[j])
+            latest["g"] = ([ls[j] for j in diff_idx], ins)
+
+        def bwd_replay(latest=latest, gouts=gouts, gins=gins):
+            outs, ins = latest.pop("g")
+            gs = torch.autograd.grad(outs, ins, grad_outputs=gouts, allow_unused=True)
+            with torch.no_grad():
+                for dst, g in zip(gins, gs):
+                    if dst is not None:
+                        dst.copy_(g)
+
+        pairs.append(
+            training._Pair(
+                fwd_replay=fwd_replay,
+                bwd_replay=bwd_replay if diff_idx and r._grad_inputs else None,
+                leaves=kept,
+                spec=spec,
+                diff_idx=diff_idx,
+                owned=lambda t, ids=kept_ids: id(t) in ids,
+                static_grad_outputs=gouts,
+                static_grad_inputs=gins,
+            )
+        )
+    return pairs
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(training, "_capture_pairs", _emulated_capture_pairs)
+    monkeypatch.setattr(training, "infer_device", lambda fn, args, kwargs: CPU)
+    yield
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+
+
+def test_emulated_gradient_accumulation_is_g1_plus_g2(emulated) -> None:
+    model, ref = _mlp(), _mlp()
+    g = tr.make_graphed_callables(model, (torch.randn(3, 6),))
+    assert g is model and isinstance(model.forward, tr.GraphedCallable)
+    x1, x2 = torch.randn(3, 6), torch.randn(3, 6)
+    model(x1).pow(2).sum().backward()
+    model(x2).pow(2).sum().backward()
+    ref(x1).pow(2).sum().backward()
+    ref(x2).pow(2).sum().backward()
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=n)
+    static = {t.data_ptr() for t in model.forward._static_grad_inputs}
+    assert not any(p.grad.data_ptr() in static for p in model.parameters())
+    assert model.forward.stats.replays == 2 and model.forward.stats.backward_replays == 2
+
+
+def test_emulated_steps_equal_eager_with_an_optimizer(emulated) -> None:
+    model, ref = _mlp(), _mlp()
+    tr.make_graphed_callables(model, (torch.randn(3, 6),))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(5):
+        x = torch.randn(3, 6)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            o.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_emulated_warmup_leaves_batchnorm_and_rng_as_it_found_them(emulated) -> None:
+    torch.manual_seed(0)
+    model = Net(dropout=0.5)
+    x = torch.randn(5, 6)
+    before = _snapshot(model)
+    rng = torch.get_rng_state()
+    tr.make_graphed_callables(model, (x,), num_warmup_iters=3)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_emulated_kwargs_non_tensor_flag_and_pytree_outputs(emulated) -> None:
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+
+    def fn(x, *, scale, mode="sum"):
+        h = x @ w * scale
+        return {"h": h, "argmax": h.argmax(-1), "mode": mode}
+
+    g = tr.make_graphed_callables(fn, (torch.randn(2, 4),), sample_kwargs={"scale": torch.tensor(2.0), "mode": "sum"})
+    x = torch.randn(2, 4)
+    out = g(x, scale=torch.tensor(3.0), mode="sum")
+    assert out["mode"] == "sum" and out["argmax"].dtype == torch.long
+    assert out["h"].requires_grad and not out["argmax"].requires_grad
+    torch.testing.assert_close(out["h"], x @ w * 3.0)
+    out["h"].sum().backward()  # w is reached through the closure: it gets a gradient
+    torch.testing.assert_close(w.grad, (x * 3.0).sum(0, keepdim=True).T.expand(4, 4))
+    with pytest.raises(ReplayInputError, match=r"kwargs\['mode'\]: 'max' but the graph was captured with the constant 'sum'"):
+        g(x, scale=torch.tensor(3.0), mode="max")
+    with pytest.raises(ReplayInputError, match=r"args\[0\] 'x': shape \(3, 4\)"):
+        g(torch.randn(3, 4), scale=torch.tensor(3.0), mode="sum")
+
+
+def test_emulated_input_gradients_and_requires_grad_mismatch(emulated) -> None:
+    model = _mlp()
+    x = torch.randn(3, 6, requires_grad=True)
+    g = tr.make_graphed_callables(model, (x,))
+    x2 = torch.randn(3, 6, requires_grad=True)
+    model(x2).sum().backward()
+    ref = _mlp()
+    x3 = x2.detach().clone().requires_grad_(True)
+    ref(x3).sum().backward()
+    torch.testing.assert_close(x2.grad, x3.grad)
+
+    g2 = tr.make_graphed_callables(_mlp(), (torch.randn(3, 6),))  # sample does not require grad
+    with pytest.raises(ReplayInputError, match=r"args\[0\] 'input': requires grad, but its sample argument did not"):
+        g2(torch.randn(3, 6, requires_grad=True))
+    g2(torch.randn(3, 6, requires_grad=True).detach())
+
+
+def test_emulated_double_and_second_backward_are_refused(emulated) -> None:
+    model = _mlp()
+    tr.make_graphed_callables(model, (torch.randn(3, 6),))
+    y = model(torch.randn(3, 6)).pow(2).sum()
+    with pytest.raises(UnsupportedError, match="double backward through graphed 'Sequential'"):
+        torch.autograd.grad(y, list(model.parameters()), create_graph=True)
+    y = model(torch.randn(3, 6)).pow(2).sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(UnsupportedError, match="ran a second time for one forward"):
+        y.backward()
+
+
+def test_emulated_two_callables_share_a_pool_and_out_of_order_backward_raises(emulated) -> None:
+    torch.manual_seed(0)
+    f1, f2 = nn.Linear(4, 4), nn.Linear(4, 4)
+    r1, r2 = nn.Linear(4, 4), nn.Linear(4, 4)
+    r1.load_state_dict(f1.state_dict())
+    r2.load_state_dict(f2.state_dict())
+    h = torch.randn(2, 4, requires_grad=True)
+    tr.make_graphed_callables((f1, f2), ((torch.randn(2, 4),), (h,)))
+    assert f1.forward.pool is f2.forward.pool
+    assert [f1.forward._fwd_pos, f2.forward._fwd_pos, f2.forward._bwd_pos, f1.forward._bwd_pos] == [0, 1, 2, 3]
+
+    # chained, in order: equal to eager
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        f2(f1(x)).pow(2).sum().backward()
+        r2(r1(x)).pow(2).sum().backward()
+    for a, b in zip([*f1.parameters(), *f2.parameters()], [*r1.parameters(), *r2.parameters()]):
+        torch.testing.assert_close(a.grad, b.grad)
+
+    # forward of callable 1 again while callable 2's backward is pending
+    y2 = f2(f1(torch.randn(2, 4)))
+    f1(torch.randn(2, 4))
+    with pytest.raises(StaleOutputError, match=r"backward of graphed 'Linear' cannot run: after its forward, a replay of 'Linear \(forward\)'"):
+        y2.sum().backward()
+
+    # backward out of order: callable 1's backward first, callable 2's afterwards
+    y1 = f1(torch.randn(2, 4))
+    y2 = f2(torch.randn(2, 4, requires_grad=True))
+    y1.sum().backward()
+    with pytest.raises(StaleOutputError, match=r"replay of 'Linear \(backward\)'"):
+        y2.sum().backward()
+
+    # the safe order still works afterwards
+    x = torch.randn(2, 4)
+    f2(f1(x)).sum().backward()
+
+
+def test_emulated_forward_twice_before_backward_raises_at_the_stale_backward(emulated) -> None:
+    model = _mlp()
+    tr.make_graphed_callables(model, (torch.randn(3, 6),))
+    l1 = model(torch.randn(3, 6)).sum()
+    l2 = model(torch.randn(3, 6)).sum()
+    with pytest.raises(StaleOutputError, match=r"call backward once per forward"):
+        (l1 + l2).backward()
+    # a forward whose output is dropped without backward does not matter
+    model(torch.randn(3, 6))
+    model(torch.randn(3, 6)).sum().backward()
+
+
+def test_emulated_train_eval_switch_falls_back_and_counts(emulated) -> None:
+    model = Net()
+    tr.make_graphed_callables(model, (torch.randn(5, 6),))
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(5, 6))
+    assert model.forward.stats.fallbacks == 1
+    model.train()
+    model(torch.randn(5, 6))
+    assert model.forward.stats.replays == 1
+
+
+def test_emulated_module_hooks_run_eagerly_around_each_call(emulated) -> None:
+    model = _mlp()
+    calls = []
+    model.register_forward_hook(lambda m, a, out: calls.append(1) or out * 2)
+    tr.make_graphed_callables(model, (torch.randn(3, 6),))
+    assert calls == []  # warm-up and capture ran the forward itself
+    ref = _mlp()
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(model(x), ref(x) * 2)
+    model(x)
+    assert calls == [1, 1]
+
+
+def test_emulated_a_closure_over_an_activation_is_refused(emulated) -> None:
+    w = nn.Parameter(torch.randn(4, 4))
+    h = torch.randn(2, 4, requires_grad=True) * 2  # computed outside, requires grad
+
+    with pytest.raises(Exception, match="was computed before the call"):
+        tr.make_graphed_callables(lambda x: x @ w + h, (torch.randn(2, 4),))
+
+
+def test_emulated_unused_parameter_needs_allow_unused_input(emulated) -> None:
+    class Half(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.used(x)
+
+    with pytest.raises(Exception, match="allow_unused_input=True"):
+        tr.make_graphed_callables(Half(), (torch.randn(2, 3),))
+    m = Half()
+    tr.make_graphed_callables(m, (torch.randn(2, 3),), allow_unused_input=True)
+    m(torch.randn(2, 3)).sum().backward()
+    assert m.unused.weight.grad is None and m.used.weight.grad is not None
+
+
+def test_emulated_verify_catches_outputs_that_differ_from_eager(emulated) -> None:
+    w = nn.Parameter(torch.randn(3, 3))
+
+    def scaled(x):
+        return {"y": x @ w}
+
+    g = tr.make_graphed_callables(scaled, (torch.randn(2, 3),), verify=2)
+    g(torch.randn(2, 3))["y"].sum().backward()  # call 1 agrees
+    assert g.stats.verified == 1
+    real = g._fwd_replay
+
+    def planted():  # what a frozen Python value would do: the graph computes something else
+        real()
+        g._pair.leaves[0].mul_(2.0)
+
+    g._fwd_replay = planted
+    with pytest.raises(VerifyError) as info:
+        g(torch.randn(2, 3))
+    assert info.value.call == 2 and info.value.what == "output['y']"
+    assert "scaled': output['y'] differs from eager by up to" in str(info.value)
+    g(torch.randn(2, 3))  # verify=2 is used up: no more comparisons
+    assert g.stats.verified == 1
+
+
+def test_emulated_verify_compares_gradients(emulated) -> None:
+    model = _mlp()
+    tr.make_graphed_callables(model, (torch.randn(3, 6),), verify=1)
+    # Corrupt the backward "graph": verify names the first parameter gradient that differs.
+    runner = model.forward
+    real = runner._bwd_replay
+
+    def corrupted():
+        real()
+        runner._static_grad_inputs[0].add_(1.0)
+
+    runner._bwd_replay = corrupted
+    with pytest.raises(VerifyError, match=r"call 1 of graphed 'Sequential': grad of parameter '0.weight' differs"):
+        model(torch.randn(3, 6)).sum().backward()
+
+
+# -- graph_step end to end, with capture and replay emulated on the CPU -------------------------
+
+
+class _FakeGraph:
+    def __init__(self, replay):
+        self.replay = replay
+
+
+def _emulated_step_capture(fn, args, kwargs, *, device, stream, pool, config, grad, warmup, snapshot):
+    """capture() for graph_step, emulated: warm-up runs for real; the "graph" re-runs the step
+    eagerly on the static inputs with the learning-rate tensors installed (what the captured
+    step reads) and writes its outputs into the captured output tensors."""
+    step = fn.owner
+    try:
+        for _ in range(config.num_warmup_iters if warmup else 0):
+            fn(*args, **kwargs)
+        step_mod._capturing = lambda: True
+        try:
+            out = fn(*args, **kwargs)  # the capture call: records parameters and .grad
+        finally:
+            step_mod._capturing = _capturing
+    except Exception as exc:
+        snapshot.restore()
+        raise tr.CaptureError(f"warm-up failed: {exc}") from exc
+    leaves = _compat.tree_flatten(out)[0]
+
+    def replay():
+        for slot in step._lr_slots:
+            slot.install()
+        try:
+            with torch.enable_grad():
+                new = step.fn(*args, **kwargs)
+        finally:
+            step._uninstall()
+        with torch.no_grad():
+            for a, b in zip(leaves, _compat.tree_flatten(new)[0]):
+                if isinstance(a, torch.Tensor):
+                    a.copy_(b)
+
+    @dataclasses.dataclass
+    class Captured:
+        graph: object
+        out: object
+        seconds: float
+
+    return Captured(_FakeGraph(replay), out, 0.0)
+
+
+_capturing = step_mod._capturing
+
+
+@pytest.fixture
+def emulated_step(monkeypatch):
+    monkeypatch.setattr(step_mod, "capture", _emulated_step_capture)
+    monkeypatch.setattr(step_mod, "infer_device", lambda fn, args, kwargs: CPU)
+    monkeypatch.setattr(step_mod, "side_stream", lambda device: None)
+    yield
+
+
+def _make_training(seed=0, dropout=0.0):
+    # On the CPU, SGD(fused=True) is the optimizer whose step reads a tensor learning rate
+    # (AdamW(capturable=True) needs CUDA); tests/gpu covers AdamW.
+    torch.manual_seed(seed)
+    model = Net(dropout=dropout)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, weight_decay=0.01, fused=True)
+    return model, opt
+
+
+def test_emulated_graph_step_n_steps_equal_n_eager_steps(emulated_step) -> None:
+    model, opt = _make_training(dropout=0.3)
+    ref_model, ref_opt = _make_training(dropout=0.3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+
+    def train_step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    x, y = torch.randn(5, 6), torch.randn(5, 3)
+    torch.manual_seed(123)
+    step = tr.graph_step(train_step, x, y)
+    assert step.optimizers == [opt] and step.stats.captures == 1
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(opt.state[p]["momentum_buffer"].any() for p in model.parameters())
+    assert isinstance(opt.param_groups[0]["lr"], float)  # the user's lr is left as it was
+    losses, ref_losses = [], []
+    gen = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)) for _ in range(6)]
+    torch.manual_seed(123)
+    for bx, by in batches:
+        losses.append(step(bx, by).clone())
+        sched.step()
+    torch.manual_seed(123)
+    for bx, by in batches:
+        ref_opt.zero_grad(set_to_none=True)
+        loss = ((ref_model(bx) - by) ** 2).mean()
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.detach())
+        ref_sched.step()
+    for a, b in zip(losses, ref_losses):
+        torch.testing.assert_close(a, b)
+    for (n, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, msg=n)
+    for a, b in zip(model.buffers(), ref_model.buffers()):
+        torch.testing.assert_close(a, b)
+    assert step.stats.replays == 6
+
+
+def test_emulated_graph_step_frozen_hyperparameter_raises(emulated_step) -> None:
+    model, opt = _make_training()
+
+    def train_step(x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step = tr.graph_step(train_step, torch.randn(5, 6))
+    step(torch.randn(5, 6))
+    opt.param_groups[0]["weight_decay"] = 0.5
+    with pytest.raises(ReplayInputError, match=r"SGD.param_groups\[0\] changed 'weight_decay' from 0.01 to 0.5"):
+        step(torch.randn(5, 6))
+    opt.param_groups[0]["weight_decay"] = 0.01
+    opt.load_state_dict(opt.state_dict())
+    with pytest.raises(ReplayInputError, match="load_state_dict"):
+        step(torch.randn(5, 6))
+
+
+def test_emulated_graph_step_scheduler_inside_the_step_is_refused(emulated_step) -> None:
+    model, opt = _make_training()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def train_step(x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        return loss
+
+    before = _snapshot(model)
+    with pytest.raises(UnsupportedError, match=r"scheduler.step\(\) outside the graphed step"):
+        tr.graph_step(train_step, torch.randn(5, 6))
+    assert isinstance(opt.param_groups[0]["lr"], float)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_emulated_graph_step_discovers_a_non_capturable_optimizer(emulated_step) -> None:
+    model = nn.Linear(3, 3)
+    opt = torch.optim.Adagrad(model.parameters())
+    before = _snapshot(model)
+
+    def train_step(x):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with pytest.raises(UnsupportedError, match="Adagrad has no capturable=True option"):
+        tr.graph_step(train_step, torch.randn(2, 3))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_emulated_graph_step_grad_accumulation_across_calls_follows_eager(emulated_step) -> None:
+    """A step without zero_grad accumulates into .grad across calls, as eagerly."""
+    model, opt = _make_training()
+    ref, _ = _make_training()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def accumulate(x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        sgd.step()
+        return loss
+
+    step = tr.graph_step(accumulate, torch.randn(5, 6))
+    xs = [torch.randn(5, 6) for _ in range(3)]
+    for x in xs:
+        step(x)
+        ref(x).pow(2).mean().backward()
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=n)
+
+
+def test_emulated_graph_step_verify_names_the_parameter(emulated_step) -> None:
+    model, opt = _make_training()
+
+    def train_step(x):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = tr.graph_step(train_step, torch.randn(5, 6), verify=2)
+    step(torch.randn(5, 6))
+    assert step.stats.verified == 1
+    real = step._replay
+
+    def corrupted():
+        real()
+        with torch.no_grad():
+            model.fc2.bias.add_(1.0)
+
+    step._replay = corrupted
+    with pytest.raises(VerifyError, match=r"call 2 of graphed '[^']*train_step': parameter 'fc2.bias' after the step differs"):
+        step(torch.randn(5, 6))

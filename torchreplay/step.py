@@ -1,0 +1,719 @@
+"""``tr.graph_step``: a whole training iteration (forward, backward, optimizer step, zero_grad) as
+one CUDA graph.
+
+``step_fn`` is ordinary training code that returns the loss (and anything else). Graphing it
+takes ``num_warmup_iters`` eager steps (they create the optimizer's state and the per-stream
+library handles) and one captured step; afterwards parameters, buffers, gradients, optimizer
+state (state that warm-up created is reset to what a fresh first step expects), ``GradScaler``
+state and RNG are back where they were, so N graphed steps equal N eager steps from there.
+
+What the graph reads at every call, and what it freezes:
+
+- The learning rate is read at every call. For ``Adam``/``AdamW`` (``capturable=True`` or
+  ``fused=True``) and ``SGD(fused=True)`` the captured step reads it from a one-element tensor
+  on the device; each call copies ``param_groups[i]["lr"]`` into that tensor when it changed
+  (a float set by a scheduler, or a tensor updated in place or replaced), so LR schedulers work
+  unchanged: call ``scheduler.step()`` outside the graphed step, as usual.
+- Every other hyperparameter (betas, weight decay, momentum, and the learning rate of optimizers
+  that read it as a Python number, such as ``SGD`` without ``fused=True``) is frozen into the
+  graph; a call after it changed raises :class:`~torchreplay.ReplayInputError`.
+- ``.grad`` follows eager semantics: after each call ``p.grad`` is the tensor the captured step
+  left there (or None, for a step that ends with ``zero_grad()``).
+
+Which modules and optimizers the step touches is found while warm-up runs (torch's global
+module and optimizer pre-hooks); pass ``optimizers=`` to have them checked before anything runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from torchreplay import _compat
+from torchreplay.capture import capture, fn_name, owning_module, side_stream
+from torchreplay.config import GraphConfig
+from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
+from torchreplay.graphed import _owned_by, infer_device, resolve_config, resolve_pool
+from torchreplay.io import Inputs, Outputs
+from torchreplay.pool import Pool
+from torchreplay.state import StateKeeper, find_instances
+from torchreplay.training import TrainingStats, _capturing, check_verify
+from torchreplay.verify import Tolerance, check_close, check_tree, resolve_tolerance
+
+__all__ = ["graph_step", "GraphedStep", "check_optimizer", "check_scaler_support"]
+
+log = logging.getLogger(__name__)
+
+_Tensor = torch.Tensor
+
+
+# -- what can be captured ----------------------------------------------------------------------
+
+
+def check_optimizer(opt: torch.optim.Optimizer) -> None:
+    """Raise :class:`~torchreplay.UnsupportedError` unless ``opt.step()`` can be captured.
+
+    Capturable: optimizers with a ``capturable`` flag that is on in every param group (Adam,
+    AdamW, and torch's other optimizers that have the flag keep the step count on the device),
+    and ``SGD``. ``SGD`` with momentum and ``dampening != 0`` is refused while it has no momentum
+    buffers yet: torch's first step sets the buffer to the gradient and later steps to
+    ``momentum * buf + (1 - dampening) * grad``, and a graph holds only the latter.
+    """
+    name = type(opt).__name__
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"optimizers must be torch.optim.Optimizer instances, got {name}")
+    if "capturable" in opt.defaults:
+        off = [i for i, g in enumerate(opt.param_groups) if not g.get("capturable", False)]
+        if off:
+            groups = "every param group" if len(off) == len(opt.param_groups) else f"param_groups {off}"
+            raise UnsupportedError(
+                f"{name} has capturable=False in {groups}: its step reads the step count on "
+                f"the CPU, which a CUDA graph would freeze. Create it with "
+                f"{name}(..., capturable=True) (with fused=True too if you like; learning rate "
+                "schedulers keep working)"
+            )
+        return
+    if isinstance(opt, torch.optim.SGD):
+        for i, g in enumerate(opt.param_groups):
+            if g.get("momentum", 0) != 0 and g.get("dampening", 0) != 0:
+                fresh = [p for p in g["params"] if not opt.state.get(p)]
+                if fresh:
+                    raise UnsupportedError(
+                        f"SGD param_groups[{i}] has momentum={g['momentum']} and "
+                        f"dampening={g['dampening']} and no momentum buffers yet: torch's first "
+                        "step sets the buffer to the gradient, later steps to momentum * buffer + "
+                        "(1 - dampening) * gradient, and a graph holds only the second. Take one "
+                        "eager step before graph_step, or use dampening=0"
+                    )
+        return
+    raise UnsupportedError(
+        f"{name} has no capturable=True option, so its step may read state on the CPU, which a "
+        "CUDA graph would freeze; graph_step supports optimizers with a capturable flag (Adam, "
+        "AdamW, ...: pass capturable=True) and SGD. Graph the forward and backward with "
+        "torchreplay.make_graphed_callables and run this optimizer's step eagerly"
+    )
+
+
+def check_scaler_support(opt: torch.optim.Optimizer) -> None:
+    """Raise :class:`~torchreplay.UnsupportedError` unless ``GradScaler.step(opt)`` can be captured."""
+    if not getattr(opt, "_step_supports_amp_scaling", False):
+        name = type(opt).__name__
+        raise UnsupportedError(
+            f"GradScaler.step({name}) checks the gradients for inf/NaN with .item(), a host sync "
+            "that a CUDA graph cannot capture, unless the optimizer has fused kernels that skip "
+            f"the step on the device. Create it with fused=True ({name}(..., fused=True"
+            + (", capturable=True" if "capturable" in opt.defaults else "")
+            + ")), or train in bfloat16 autocast without a GradScaler"
+        )
+
+
+def _reads_lr_tensor(opt: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    """Does this param group's step read a tensor learning rate on the device (inside a graph)?"""
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        return bool(group.get("capturable") or group.get("fused"))
+    if isinstance(opt, torch.optim.SGD):
+        return bool(group.get("fused"))
+    return False
+
+
+class _LrSlot:
+    """The device tensor a captured step reads its learning rate from, kept equal to
+    ``group["lr"]`` (whatever the user or a scheduler put there) at every call."""
+
+    def __init__(self, group: dict[str, Any], device: torch.device) -> None:
+        self.group = group
+        lr = group["lr"]
+        if isinstance(lr, _Tensor) and lr.device == device and lr.numel() == 1 and (
+            lr.dtype.is_floating_point
+        ):
+            self.tensor = lr  # the user's own device tensor: the graph reads it directly
+        else:
+            dtype = lr.dtype if isinstance(lr, _Tensor) and lr.dtype.is_floating_point else None
+            self.tensor = torch.tensor(float(lr), dtype=dtype or torch.get_default_dtype(), device=device)
+        self.value = float(lr) if not isinstance(lr, _Tensor) or lr.device.type == "cpu" else None
+        #: The value at graphing time; warm-up must not change it (a scheduler inside the step).
+        self.initial = float(self.tensor.item())  # as stored (float32), one sync at graphing
+        self.last: Any = lr
+        self._user: Any = lr
+
+    def install(self) -> None:
+        """Put the device tensor in the group (for warm-up, capture and verify's eager step)."""
+        self._user = self.group["lr"]
+        self.group["lr"] = self.tensor
+
+    def uninstall(self) -> None:
+        """Give the group back what the user had in it."""
+        if self.group["lr"] is self.tensor:
+            self.group["lr"] = self._user
+
+    def sync(self) -> None:
+        """Copy the group's current learning rate into the device tensor if it changed."""
+        cur = self.group["lr"]
+        if cur is self.tensor:
+            return
+        if isinstance(cur, _Tensor):
+            if cur.device.type != "cpu":
+                # Updated in place (a scheduler's fill_) without our seeing it: copy each call.
+                self.tensor.copy_(cur.reshape(()))
+                self.value = None
+                return
+            value = float(cur)
+        elif cur is self.last:
+            return
+        else:
+            self.last = cur
+            value = float(cur)
+        if value != self.value:
+            self.tensor.fill_(value)
+            self.value = value
+
+
+class _GroupGuard:
+    """The hyperparameters of one param group that the graph froze, checked at every call."""
+
+    _SKIP = ("params", "param_names", "initial_lr")
+
+    def __init__(self, opt: torch.optim.Optimizer, index: int, group: dict[str, Any], lr_live: bool) -> None:
+        self.label = f"{type(opt).__name__}.param_groups[{index}]"
+        self.group = group
+        skip = self._SKIP + (("lr",) if lr_live else ())
+        self.keys = tuple(k for k in group if k not in skip)
+        keys = self.keys
+        # itemgetter returns a tuple for two keys or more: one C call per check.
+        self._get: Callable[[dict[str, Any]], tuple[Any, ...]] = (
+            operator.itemgetter(*keys) if len(keys) > 1 else (lambda g: tuple(g[k] for k in keys))
+        )
+        self.values = self._get(group)
+
+    def changed(self) -> list[str]:
+        """Keys whose value differs from capture time (empty when none)."""
+        try:
+            now = self._get(self.group)
+        except KeyError:
+            return [k for k in self.keys if k not in self.group]
+        try:
+            if now == self.values:
+                return []
+        except Exception:  # noqa: BLE001 - tensors that compare ambiguously: check one by one
+            pass
+        out = []
+        for k, old, new in zip(self.keys, self.values, now):
+            if old is new:
+                continue
+            try:
+                same = bool(old == new)
+            except Exception:  # noqa: BLE001
+                same = False
+            if not same:
+                out.append(k)
+        return out
+
+    def error(self, keys: list[str]) -> str:
+        parts = ", ".join(
+            f"'{k}' from {self.values[self.keys.index(k)]!r} to {self.group.get(k)!r}"
+            for k in keys
+            if k in self.keys
+        )
+        lr_hint = (
+            "; the learning rate can change between calls with Adam/AdamW(capturable=True) or "
+            "SGD(fused=True), which read it from the device"
+            if "lr" in keys
+            else ""
+        )
+        return (
+            f"{self.label} changed {parts} after graph_step captured the step, which froze "
+            f"these values into the graph{lr_hint}. Graph the step again after changing them"
+        )
+
+
+# -- the graphed step ----------------------------------------------------------------------------
+
+
+class GraphedStep:
+    """A training iteration captured as one CUDA graph; call it like ``step_fn``.
+
+    Build it with :func:`torchreplay.graph_step`.
+
+    Attributes:
+        name: the step function's name.
+        stats: counters (replays, fallbacks, verified, capture seconds, pool bytes).
+        pool: the memory pool.
+        optimizers: the optimizers the step uses (given or found during warm-up).
+        static_args, static_kwargs: the static input buffers (write into them and call with
+            them to skip the copy).
+    """
+
+    def __init__(
+        self,
+        step_fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        optimizers: Sequence[torch.optim.Optimizer],
+        scalers: Sequence[Any],
+        config: GraphConfig,
+        pool: Pool | None,
+        verify: int,
+        tol: Tolerance | None,
+    ) -> None:
+        self.fn = step_fn
+        self.name = fn_name(step_fn)
+        self.config = config
+        self._verify_left = verify
+        self._verify_total = verify
+        self._tol = tol
+        self._scalers = list(scalers)
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self._lr_slots: list[_LrSlot] = []
+        self._guards: list[_GroupGuard] = []
+        self._warned_fallback = False
+        for opt in optimizers:  # before anything runs: refuse what cannot be captured
+            check_optimizer(opt)
+            if self._scalers:
+                check_scaler_support(opt)
+        device = _step_device(step_fn, args, kwargs, optimizers)
+        self.device = device
+        self.pool = pool if pool is not None else Pool(device)
+        self.stats = TrainingStats(self.pool.reserved_bytes)
+        with torch.no_grad():
+            self._inputs = Inputs(step_fn, args, kwargs, device)
+        self.static_args = self._inputs.static_args
+        self.static_kwargs = self._inputs.static_kwargs
+
+        module = owning_module(step_fn)
+        keeper = StateKeeper(
+            device,
+            modules=[module] if module is not None else [],
+            scalers=self._scalers,
+            on_optimizer=self._adopt_optimizer,
+        )
+        self._keeper = keeper
+        self._discovered = False
+        self._grads_before: list[torch.Tensor | None] = []
+        self._grads_after: list[torch.Tensor | None] = []
+        self._params: list[torch.Tensor] = []
+
+        def call(*a: Any, **k: Any) -> Any:
+            return self._capture_fn(*a, **k)
+
+        call.__qualname__ = self.name  # capture() names the callable in its messages
+        call.owner = self  # type: ignore[attr-defined]
+        self._capture_call = call
+        try:
+            for opt in optimizers:
+                keeper.add_optimizer(opt)
+            with _compat.autocast_cache_disabled():
+                captured = capture(
+                    self._capture_call,
+                    self.static_args,
+                    self.static_kwargs,
+                    device=device,
+                    stream=side_stream(device),
+                    pool=self.pool,
+                    config=config,
+                    grad=True,
+                    warmup=True,
+                    snapshot=keeper,  # type: ignore[arg-type]
+                )
+        except CaptureError as exc:
+            self._uninstall()
+            if isinstance(exc.__cause__, (UnsupportedError, ReplayInputError)):
+                raise exc.__cause__ from None
+            raise
+        except BaseException:
+            self._uninstall()
+            keeper.restore()
+            raise
+        keeper.restore()
+        self._uninstall()
+        self._keeper = None  # type: ignore[assignment]
+        self._modules = keeper.modules
+
+        # .grad after each call must be what the captured step left there (see _sync_grads).
+        self._end_grads = self._grads_after
+        self._reads_grad = [
+            a is not None and a is b for a, b in zip(self._grads_after, self._grads_before)
+        ]
+        self._get_grad = operator.attrgetter("grad")
+        self._identity = [
+            (opt, opt.state, opt.param_groups, len(opt.param_groups)) for opt in self.optimizers
+        ]
+        roots = _roots(keeper.modules)
+        self._roots = roots
+        self._modes = [(m, m.training) for m in roots]
+        self._param_names = _param_names(self._params, roots, self.optimizers)
+
+        leaves, spec = _compat.tree_flatten(captured.out)
+        owned = _owned_by(self.pool, self._inputs)
+        out = _compat.tree_unflatten(
+            [t.detach() if isinstance(t, _Tensor) and owned(t) else t for t in leaves], spec
+        )
+        self._outputs = Outputs(out, config.outputs, self.name, owned)
+        self._graph = captured.graph
+        self._replay = captured.graph.replay
+        self._position = self.pool.register(self)
+        self.stats.captures = 1
+        self.stats.capture_seconds = captured.seconds
+        self._device_index = device.index
+        self._check_device = torch.cuda.device_count() > 1
+        log.info(
+            "torchreplay: captured training step '%s' on %s in %.3f s (%d optimizer(s), %d "
+            "parameters, outputs=%s)",
+            self.name,
+            device,
+            captured.seconds,
+            len(self.optimizers),
+            len(self._params),
+            self._outputs.policy,
+        )
+
+    # -- capture -------------------------------------------------------------------------------
+
+    def _adopt_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        """Check an optimizer the step uses, and make its learning rate live (before its first
+        step runs)."""
+        check_optimizer(opt)
+        if self._scalers:
+            check_scaler_support(opt)
+        self.optimizers.append(opt)
+        for i, group in enumerate(opt.param_groups):
+            live = _reads_lr_tensor(opt, group)
+            if live:
+                slot = _LrSlot(group, self.device)
+                slot.install()
+                self._lr_slots.append(slot)
+            self._guards.append(_GroupGuard(opt, i, group, lr_live=live))
+
+    def _capture_fn(self, *args: Any, **kwargs: Any) -> Any:
+        keeper = self._keeper
+        if _capturing():
+            params = keeper.params
+            self._params = params
+            self._grads_before = [p.grad for p in params]
+            out = self.fn(*args, **kwargs)
+            self._grads_after = [p.grad for p in params]
+            return out
+        with keeper.discovering() if not self._discovered else contextlib.nullcontext():
+            out = self.fn(*args, **kwargs)
+        self._discovered = True
+        self._check_unchanged_in_warmup()
+        return out
+
+    def _check_unchanged_in_warmup(self) -> None:
+        for slot in self._lr_slots:
+            if slot.group["lr"] is not slot.tensor or float(slot.tensor.item()) != slot.initial:
+                raise UnsupportedError(
+                    f"'{self.name}' replaced a learning rate while it ran (a scheduler.step() "
+                    "inside the step?): a graph would replay the value it had at capture. Call "
+                    "scheduler.step() outside the graphed step; graph_step reads the learning "
+                    "rate at every call"
+                )
+        for guard in self._guards:
+            keys = guard.changed()
+            if keys:
+                raise UnsupportedError(
+                    f"'{self.name}' changed {guard.label} {keys} while it ran (a scheduler "
+                    "inside the step?): a graph would replay the values it had at capture. "
+                    "Change hyperparameters outside the graphed step"
+                )
+
+    def _uninstall(self) -> None:
+        for slot in self._lr_slots:
+            slot.uninstall()
+
+    # -- replay --------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for module, training in self._modes:
+            if module.training != training:
+                return self._fallback(args, kwargs)
+        if self._check_device and torch.cuda.current_device() != self._device_index:
+            with torch.cuda.device(self._device_index):
+                return self._dispatch(args, kwargs)
+        return self._dispatch(args, kwargs)
+
+    def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._verify_left:
+            return self._verified_call(args, kwargs)
+        return self._run(args, kwargs)
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._inputs.copy_in(args, kwargs)
+        self._sync_optimizers()
+        self._sync_grads()
+        if self.pool.shared:
+            self.pool.before_replay(self._position)
+        self._replay()
+        self.stats.replays += 1
+        return self._outputs.emit()
+
+    def _sync_optimizers(self) -> None:
+        for opt, state, groups, n in self._identity:
+            if opt.state is not state or opt.param_groups is not groups or len(groups) != n:
+                raise ReplayInputError(
+                    f"{type(opt).__name__}'s state or param groups were replaced or extended "
+                    "after graph_step captured the step (optimizer.load_state_dict or "
+                    "add_param_group?); the graph still updates the tensors it captured. Change "
+                    "the optimizer before graphing, or graph the step again"
+                )
+        for guard in self._guards:
+            keys = guard.changed()
+            if keys:
+                raise ReplayInputError(guard.error(keys))
+        for slot in self._lr_slots:
+            slot.sync()
+
+    def _sync_grads(self) -> None:
+        """Make every ``p.grad`` the tensor the captured step uses, as after an eager step.
+
+        Where the captured step accumulates into the existing ``.grad`` (no ``zero_grad``, or
+        ``zero_grad(set_to_none=False)``), a ``.grad`` the caller replaced is copied in first.
+        """
+        params, ends = self._params, self._end_grads
+        if all(map(operator.is_, map(self._get_grad, params), ends)):
+            return
+        with torch.no_grad():
+            for p, end, reads in zip(params, ends, self._reads_grad):
+                g = p.grad
+                if g is end:
+                    continue
+                if reads and end is not None:
+                    if g is None:
+                        end.zero_()
+                    else:
+                        end.copy_(g)
+                p.grad = end
+
+    def invalidate_outputs(self) -> None:
+        """Mark the outputs handed out so far as stale (another graph may overwrite them)."""
+        self._outputs.invalidate()
+
+    # -- verify --------------------------------------------------------------------------------
+
+    def _verified_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # The first K calls are compared, whatever their outcome: count this one now.
+        self._verify_left -= 1
+        call = self._verify_total - self._verify_left
+        self._sync_optimizers()
+        self._sync_grads()
+        keeper = StateKeeper(
+            self.device, modules=self._roots, optimizers=self.optimizers, scalers=self._scalers
+        )
+        keeper.add_params(self._params)  # parameters outside the modules (optimizer-only) too
+        leaves, spec = _compat.tree_flatten((tuple(args), dict(kwargs)))
+        ref_args, ref_kwargs = _compat.tree_unflatten(
+            [t.detach().clone() if isinstance(t, _Tensor) else t for t in leaves], spec
+        )
+        for slot in self._lr_slots:
+            slot.install()
+        try:
+            with torch.enable_grad():
+                ref_out = self.fn(*ref_args, **ref_kwargs)
+        finally:
+            self._uninstall()
+        ref_leaves, ref_spec = _compat.tree_flatten(ref_out)
+        ref_out = _compat.tree_unflatten(
+            [t.detach().clone() if isinstance(t, _Tensor) else t for t in ref_leaves], ref_spec
+        )
+        ref_params = [p.detach().clone() for p in self._params]
+        keeper.restore()  # the graph steps from the state eager started from
+        out = self._run(args, kwargs)
+        check_tree("output", out, ref_out, call=call, name=self.name, tol=self._tol)
+        for label, p, want in zip(self._param_names, self._params, ref_params):
+            check_close(
+                f"parameter '{label}' after the step", p, want, call=call, name=self.name, tol=self._tol
+            )
+        self.stats.verified += 1
+        return out
+
+    def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.stats.fallbacks += 1
+        if not self._warned_fallback:
+            self._warned_fallback = True
+            log.warning(
+                "torchreplay: a module of training step '%s' changed train/eval mode since "
+                "capture; running the step eagerly (counted in stats.fallbacks)",
+                self.name,
+            )
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"GraphedStep({self.name}, device={self.device}, {self.stats.explain()})"
+
+
+def _roots(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The modules that are not a submodule of another one in ``modules``."""
+    inner: set[int] = set()
+    for m in modules:
+        for sub in m.modules():
+            if sub is not m:
+                inner.add(id(sub))
+    return [m for m in modules if id(m) not in inner]
+
+
+def _param_names(
+    params: Sequence[torch.Tensor],
+    roots: Sequence[torch.nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+) -> list[str]:
+    names: dict[int, str] = {}
+    for m in roots:
+        for n, p in m.named_parameters():
+            names.setdefault(id(p), n)
+    for opt in optimizers:
+        for gi, group in enumerate(opt.param_groups):
+            given = group.get("param_names")
+            for k, p in enumerate(group["params"]):
+                label = given[k] if given and k < len(given) else f"param_groups[{gi}]['params'][{k}]"
+                names.setdefault(id(p), label)
+    return [names.get(id(p), f"parameter {i} {tuple(p.shape)}") for i, p in enumerate(params)]
+
+
+def _step_device(
+    step_fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    optimizers: Iterable[torch.optim.Optimizer],
+) -> torch.device:
+    try:
+        return infer_device(step_fn, args, kwargs)
+    except CaptureError:
+        for opt in optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p.is_cuda:
+                        return p.device
+        raise
+
+
+def _as_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
+    if optimizers is None:
+        return []
+    items = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers
+    if not isinstance(items, (list, tuple)):
+        raise TypeError(
+            f"optimizers must be an optimizer or a list of them, got {type(optimizers).__name__}"
+        )
+    for i, opt in enumerate(items):
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizers[{i}] is a {type(opt).__name__}, not a torch.optim.Optimizer"
+            )
+    return list(items)
+
+
+def _as_scalers(scaler: Any, step_fn: Callable[..., Any]) -> list[Any]:
+    grad_scaler = torch.amp.GradScaler
+    given = [] if scaler is None else [scaler]
+    for s in given:
+        if not isinstance(s, grad_scaler):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(s).__name__}")
+    found = find_instances(step_fn, grad_scaler)
+    out: list[Any] = []
+    for s in given + found:
+        if s.is_enabled() and not any(o is s for o in out):
+            out.append(s)
+    return out
+
+
+def graph_step(
+    step_fn: Callable[..., Any],
+    *sample_args: Any,
+    optimizers: Any = None,
+    scaler: Any = None,
+    outputs: str | None = None,
+    num_warmup_iters: int | None = None,
+    pool: Any = None,
+    capture_error_mode: str | None = None,
+    config: GraphConfig | None = None,
+    verify: int = 0,
+    verify_tol: Any = None,
+    sample_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> GraphedStep:
+    """Capture one training iteration ``step_fn(*sample_args, **sample_kwargs)`` as a CUDA graph.
+
+    ``step_fn`` is ordinary code: forward, loss, ``backward()``, ``optimizer.step()``,
+    ``zero_grad()`` (at its start or end), optionally under ``torch.autocast`` and with a
+    ``GradScaler``; it returns the loss and whatever else, as tensors. The returned
+    :class:`GraphedStep` replays the whole iteration in one launch.
+
+    Args:
+        step_fn: the training step.
+        *sample_args: positional arguments of one step (e.g. a batch ``x, y``).
+        optimizers: the optimizer(s) the step uses, checked before anything runs. Optional:
+            the ones the step calls are found during warm-up anyway.
+        scaler: the ``GradScaler`` the step uses; one the step reaches by name (a global, a
+            closure variable, ``self.scaler``) is found without it.
+        outputs: output policy, as for :func:`torchreplay.graph` (default ``"checked"``).
+        num_warmup_iters: eager steps before capture (default 3; at least 1, since optimizers
+            create their state in their first step). They do not count: state is restored.
+        pool: a :class:`~torchreplay.Pool` (or graphed object, or raw handle) to capture into.
+        capture_error_mode: passed to the capture.
+        config: a :class:`~torchreplay.config.GraphConfig`; explicit keywords override it.
+        verify: the first ``verify`` calls also run the step eagerly from the same state and
+            compare outputs and parameters after the step (:class:`~torchreplay.VerifyError`).
+        verify_tol: ``(rtol, atol)`` for ``verify`` (default: per dtype).
+        sample_kwargs: keyword arguments of the step, for names that clash with the options.
+        **kwargs: keyword arguments of the step.
+
+    Returns:
+        a :class:`GraphedStep`.
+
+    .. warning::
+        Optimizers must be capturable: ``Adam``/``AdamW`` (and torch's other optimizers with the
+        flag) with ``capturable=True``, or ``SGD``. Others raise
+        :class:`~torchreplay.UnsupportedError` naming the flag.
+
+    .. warning::
+        Call ``scheduler.step()`` outside the graphed step. The learning rate is read at every
+        call (Adam/AdamW with ``capturable=True`` or ``fused=True``, ``SGD(fused=True)``); other
+        hyperparameters, and the learning rate of other optimizers, are frozen into the graph and
+        a call after they changed raises :class:`~torchreplay.ReplayInputError`.
+
+    .. warning::
+        With a ``GradScaler``, the optimizer must be fused (``fused=True``): the unfused
+        ``GradScaler.step`` syncs with the host. bfloat16 autocast needs no scaler.
+
+    .. warning::
+        Tensors the step changes that belong to no module, optimizer or ``GradScaler`` (a global
+        step counter tensor, say) are not restored after warm-up.
+    """
+    if not callable(step_fn):
+        raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
+    if sample_kwargs:
+        clash = set(sample_kwargs) & set(kwargs)
+        if clash:
+            raise TypeError(f"keyword arguments given twice: {sorted(clash)}")
+        kwargs = {**kwargs, **sample_kwargs}
+    opts = _as_optimizers(optimizers)
+    scalers = _as_scalers(scaler, step_fn)
+    verify = check_verify(verify)
+    tol = resolve_tolerance(verify_tol)
+    cfg = resolve_config(
+        config,
+        outputs=outputs,
+        num_warmup_iters=num_warmup_iters,
+        capture_error_mode=capture_error_mode,
+    )
+    if cfg.num_warmup_iters < 1:
+        raise ValueError(
+            f"graph_step needs num_warmup_iters >= 1, got {cfg.num_warmup_iters}: optimizers "
+            "create their state (Adam's exp_avg, step) in their first step, which must run "
+            "before capture"
+        )
+    return GraphedStep(
+        step_fn,
+        sample_args,
+        kwargs,
+        optimizers=opts,
+        scalers=scalers,
+        config=cfg,
+        pool=resolve_pool(pool),
+        verify=verify,
+        tol=tol,
+    )
