@@ -348,6 +348,8 @@ def measure_workload(
     for method in METHODS:
         if method not in w.methods or (method == COMPILE and not opts.compile):
             continue
+        if method in (TR_SIZES, TR_SIZES_STATIC) and not w.sizes:
+            continue  # a one-shape workload has no sizes to graph
         if on_step is not None:
             on_step(w.name, method)
         try:
@@ -358,7 +360,9 @@ def measure_workload(
                 per_call, host, host_median = time_call(call, opts)
             raw.append(Measurement(w.row, w.name, method, per_call, host, host_median))
         except Exception as exc:  # noqa: BLE001 - one failing method must not end the table
-            log.warning("%s / %s failed", w.name, method, exc_info=True)
+            # One line in the table and the log; the traceback only at DEBUG (-vv).
+            log.warning("%s / %s %s", w.name, method, _short_reason(exc))
+            log.debug("%s / %s failed", w.name, method, exc_info=True)
             raw.append(Measurement(w.row, w.name, method, error=_short_reason(exc)))
         finally:
             call = None  # type: ignore[assignment]  # drop the graph and its pool before the next

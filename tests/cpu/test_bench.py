@@ -109,3 +109,17 @@ def test_results_table_renders_numbers_and_failures() -> None:
     assert "failed: RuntimeError: boom" in text
     assert "1.04x" in text and "7.69x" in text and "+3.5" in text
     assert text.count("MLP b8") == 1  # the workload is a heading, once per group
+
+
+def test_one_shape_workloads_skip_the_sizes_methods(monkeypatch: pytest.MonkeyPatch) -> None:
+    built = []
+    monkeypatch.setattr(bench, "_build", lambda method, w: built.append(method) or (lambda: None))
+    monkeypatch.setattr(bench, "time_call", lambda call, opts: (1.0, 1.0, 1.0))
+    monkeypatch.setattr(bench, "_release", lambda: None)
+    w = bench.Workload("r", "w", lambda x: x, (1,))
+    results = bench.measure_workload(w, BenchOptions(compile=False))
+    assert built == [EAGER, FLOOR, TR_GRAPH, bench.TR_STATIC]
+    assert [m.method for m in results] == built
+    built.clear()
+    bench.measure_workload(dataclasses.replace(w, sizes=(1, 2)), BenchOptions(compile=False))
+    assert bench.TR_SIZES in built and bench.TR_SIZES_STATIC in built
