@@ -24,7 +24,7 @@ How time is measured (:func:`time_call`):
   the clock (``time.perf_counter``) is read; the median sample divided by ``calls``.
 - Host-side time per call, with no sync in the loop: after a synchronize (not timed), the clock
   around issuing ``host_calls`` calls back-to-back, divided by ``host_calls``; the minimum of
-  ``max(20, 3 * repeats)`` samples (the median is kept too, as ``host_median_us``). It is what a
+  ``max(40, 3 * repeats)`` samples (the median is kept too, as ``host_median_us``). It is what a
   call costs the CPU: Python, argument checks, copy-in and the launch. ``host_calls`` is small
   (10) so the GPU's launch queue never fills: a graph replay is one launch that the GPU runs far
   slower than the CPU issues it, so with a long loop the host would block on a full queue and
@@ -206,7 +206,7 @@ def time_call(call: Callable[[], Any], opts: BenchOptions) -> tuple[float, float
 
 def host_samples(opts: BenchOptions) -> int:
     """Return how many host-side samples :func:`time_call` takes."""
-    return max(20, 3 * opts.repeats)
+    return max(40, 3 * opts.repeats)
 
 
 def handwritten_graph(

@@ -127,6 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
     ns = build_parser().parse_args(argv)
     out, err = Console(), Console(stderr=True)
+    if not out.is_terminal:
+        # A log or a pipe has no width to respect: keep each table row on one line.
+        out = Console(width=max(out.width, 120))
     with _logging_to(err, ns.verbose):
         return ns.run(ns, out, err)
 
@@ -269,9 +272,7 @@ def _cmd_bench(ns: argparse.Namespace, out: Console, err: Console) -> int:
             names = list(bench.ROWS) if ns.model == "all" else [ns.model]
             results = bench.run(names, opts, on_step)
 
-    # In a log or a pipe there is no terminal width to respect; keep each row on one line.
-    width = None if out.is_terminal else max(out.width, 120)
-    out.print(results_table(dataclasses.asdict(m) for m in results), width=width)
+    out.print(results_table(dataclasses.asdict(m) for m in results))
     if ns.json:
         bench.write_json(ns.json, results, opts)
         out.print(Text(f"wrote {ns.json}"))

@@ -55,7 +55,7 @@ def test_time_call_counts_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     opts = BenchOptions(repeats=3, calls=5, host_calls=2, warmup=4)
     per_call, host, host_median = bench.time_call(lambda: calls.append(1), opts)
     n_host = bench.host_samples(opts)
-    assert n_host == 20
+    assert n_host == 40
     assert len(calls) == 4 + 3 * 5 + n_host * 2
     # one sync after warm-up, one per synchronized sample, one before each host sample, one at the end
     assert len(syncs) == 1 + 3 + n_host + 1
