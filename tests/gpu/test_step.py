@@ -1,0 +1,253 @@
+"""tr.graph_step on a real GPU: whole training iterations graphed vs eager from the same state
+(AdamW(capturable=True) with an LR scheduler, BatchNorm and dropout, bf16 autocast, a GradScaler,
+SGD), state left as found by graphing, guards, output policy, verify=."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchreplay as tr
+from torchreplay.models import CNNConfig, MLPConfig, build_cnn, build_mlp
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+DEV = "cuda"
+STEPS = 20
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def batches(n: int, shape: tuple[int, ...], out: tuple[int, ...], seed: int = 1):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return [
+        (torch.randn(*shape, device=DEV, generator=g), torch.randn(*out, device=DEV, generator=g))
+        for _ in range(n)
+    ]
+
+
+def assert_same_state(a: nn.Module, b: nn.Module, **tol) -> None:
+    for (name, t), u in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(t, u, msg=lambda m: f"{name}: {m}", **(tol or TOL))
+
+
+def make_step(model, opt, *, autocast=None, scaler=None, sched=None):
+    """An ordinary training step: zero_grad, forward, loss, backward, optimizer step."""
+
+    def train_step(x, y):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=autocast) if autocast is not None else contextlib.nullcontext():
+            loss = F.mse_loss(model(x).float(), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        return loss
+
+    return train_step
+
+
+def adamw(model, lr, **kw):
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, capturable=True, **kw)
+
+
+# -- 20 steps graphed vs eager ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lr_kind", ["float", "cuda tensor"])
+def test_adamw_capturable_with_lr_scheduler_20_steps_equal_eager(lr_kind: str) -> None:
+    def lr():
+        return 1e-3 if lr_kind == "float" else torch.tensor(1e-3, device=DEV)
+
+    model = build_mlp(MLPConfig(depth=6, width=256), DEV)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = adamw(model, lr()), adamw(ref, lr())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=4, gamma=0.5)
+    data = batches(STEPS, (8, 256), (8, 256))
+
+    step = tr.graph_step(make_step(model, opt), *data[0], optimizers=opt)
+    assert step.optimizers == [opt]
+    assert not opt.state[next(model.parameters())]["exp_avg"].any()  # fresh, as before graphing
+    ref_step = make_step(ref, ref_opt)
+    lrs = []
+    for x, y in data:
+        loss = step(x, y).clone()
+        ref_loss = ref_step(x, y)
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+        lrs.append(float(opt.param_groups[0]["lr"]))
+        sched.step()
+        ref_sched.step()
+    assert lrs[0] > lrs[-1]  # the schedule moved, and the graph followed it (params equal)
+    assert_same_state(model, ref)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"], **TOL)
+        assert float(opt.state[p]["step"]) == STEPS
+    assert step.stats.replays == STEPS and step.stats.captures == 1
+
+
+def test_graphing_leaves_state_as_found_then_n_steps_equal_n_eager() -> None:
+    """Parameters, BatchNorm statistics, AdamW state (existing: 2 eager steps before), gradients
+    and RNG are as they were after graph_step; N graphed steps then equal N eager steps."""
+    model = build_cnn(CNNConfig(depths=(1, 1), width=8, num_classes=10), DEV)
+    model.fc = nn.Sequential(nn.Dropout(0.2), model.fc)
+    opt = adamw(model, 1e-3)
+    data = batches(2 + 10, (4, 3, 32, 32), (4, 10))
+    train_step = make_step(model, opt)
+    for x, y in data[:2]:
+        train_step(x, y)
+
+    ref = copy.deepcopy(model)
+    ref_opt = adamw(ref, 1e-3)
+    ref_opt.load_state_dict(opt.state_dict())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_before = copy.deepcopy(opt.state_dict()["state"])
+    grads_before = [p.grad.clone() for p in model.parameters()]
+    rng = torch.cuda.get_rng_state()
+
+    step = tr.graph_step(train_step, *data[0])
+
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for i, st in opt.state_dict()["state"].items():
+        for key, v in st.items():
+            assert torch.equal(v, opt_before[i][key]), (i, key)
+    for p, g in zip(model.parameters(), grads_before):
+        assert torch.equal(p.grad, g)
+
+    ref_step = make_step(ref, ref_opt)
+    torch.manual_seed(11)
+    losses = [step(x, y).clone() for x, y in data[2:]]
+    torch.manual_seed(11)
+    ref_losses = [ref_step(x, y).detach() for x, y in data[2:]]
+    for a, b in zip(losses, ref_losses):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+    assert_same_state(model, ref, rtol=1e-3, atol=1e-4)
+    for p, q in zip(model.parameters(), ref.parameters()):  # .grad as after an eager step
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4)
+
+
+def test_bf16_autocast_inside_the_step() -> None:
+    model = build_mlp(MLPConfig(depth=6, width=256), DEV)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = adamw(model, 1e-3), adamw(ref, 1e-3)
+    data = batches(STEPS, (8, 256), (8, 256))
+    step = tr.graph_step(make_step(model, opt, autocast=torch.bfloat16), *data[0])
+    ref_step = make_step(ref, ref_opt, autocast=torch.bfloat16)
+    for x, y in data:
+        torch.testing.assert_close(step(x, y).clone(), ref_step(x, y).detach(), rtol=2e-2, atol=1e-3)
+    assert_same_state(model, ref, rtol=1e-3, atol=1e-4)
+
+
+def test_fp16_with_grad_scaler_and_fused_adamw() -> None:
+    model = build_mlp(MLPConfig(depth=4, width=256), DEV)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = adamw(model, 1e-3, fused=True), adamw(ref, 1e-3, fused=True)
+    scaler, ref_scaler = torch.amp.GradScaler("cuda"), torch.amp.GradScaler("cuda")
+    data = batches(STEPS, (8, 256), (8, 256))
+    step = tr.graph_step(make_step(model, opt, autocast=torch.float16, scaler=scaler), *data[0])
+    assert scaler.get_scale() == ref_scaler.get_scale()  # warm-up left the scale as it was
+    ref_step = make_step(ref, ref_opt, autocast=torch.float16, scaler=ref_scaler)
+    for x, y in data:
+        torch.testing.assert_close(step(x, y).clone(), ref_step(x, y).detach(), rtol=2e-2, atol=1e-3)
+    assert scaler.get_scale() == ref_scaler.get_scale()
+    assert_same_state(model, ref, rtol=1e-3, atol=1e-4)
+
+
+def test_grad_scaler_with_an_unfused_optimizer_is_refused() -> None:
+    model = build_mlp(MLPConfig(depth=2, width=64), DEV)
+    opt = adamw(model, 1e-3)
+    scaler = torch.amp.GradScaler("cuda")
+    x, y = batches(1, (4, 64), (4, 64))[0]
+    with pytest.raises(tr.UnsupportedError, match=r"GradScaler.step\(AdamW\).*fused=True"):
+        tr.graph_step(make_step(model, opt, autocast=torch.float16, scaler=scaler), x, y)
+
+
+def test_sgd_momentum_20_steps_equal_eager() -> None:
+    model = build_mlp(MLPConfig(depth=6, width=256), DEV)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-2, momentum=0.9)
+    data = batches(STEPS, (8, 256), (8, 256))
+    step = tr.graph_step(make_step(model, opt), *data[0])
+    ref_step = make_step(ref, ref_opt)
+    for x, y in data:
+        torch.testing.assert_close(step(x, y).clone(), ref_step(x, y).detach(), **TOL)
+    assert_same_state(model, ref)
+    opt.param_groups[0]["lr"] = 1e-3  # SGD without fused=True reads lr as a Python number
+    with pytest.raises(tr.ReplayInputError, match=r"SGD.param_groups\[0\] changed 'lr' from 0.01 to 0.001"):
+        step(*data[0])
+
+
+# -- refusals, guards and outputs --------------------------------------------------------------
+
+
+def test_non_capturable_adamw_found_during_warmup_is_refused_and_nothing_changed() -> None:
+    model = build_mlp(MLPConfig(depth=2, width=64), DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = batches(1, (4, 64), (4, 64))[0]
+    with pytest.raises(tr.UnsupportedError, match=r"AdamW\(\.\.\., capturable=True\)"):
+        tr.graph_step(make_step(model, opt), x, y)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert not opt.state
+
+
+def test_inputs_are_guarded_and_outputs_checked() -> None:
+    model = build_mlp(MLPConfig(depth=2, width=64), DEV)
+    opt = adamw(model, 1e-3)
+    x, y = batches(1, (4, 64), (4, 64))[0]
+    step = tr.graph_step(make_step(model, opt), x, y)
+    with pytest.raises(tr.ReplayInputError, match=r"args\[0\] 'x': shape \(5, 64\)"):
+        step(torch.randn(5, 64, device=DEV), y)
+    loss1 = step(x, y)
+    kept = loss1.clone()
+    step(x, y)
+    with pytest.raises(RuntimeError, match="StaleOutputError"):
+        loss1 + 0
+    assert torch.isfinite(kept)
+    opt.param_groups[0]["betas"] = (0.8, 0.999)
+    with pytest.raises(tr.ReplayInputError, match=r"changed 'betas'"):
+        step(x, y)
+
+
+LOSS_SCALE = 1.0
+
+
+def test_verify_catches_a_python_global_baked_in_at_capture() -> None:
+    global LOSS_SCALE
+    LOSS_SCALE = 1.0
+    model = build_mlp(MLPConfig(depth=2, width=64), DEV)
+    opt = adamw(model, 1e-3)
+
+    def train_step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y) * LOSS_SCALE  # a Python float: frozen into the graph
+        loss.backward()
+        opt.step()
+        return loss
+
+    data = batches(3, (4, 64), (4, 64))
+    step = tr.graph_step(train_step, *data[0], verify=3)
+    step(*data[1])  # call 1: graph and eager agree (outputs and every parameter)
+    assert step.stats.verified == 1
+    LOSS_SCALE = 2.0
+    try:
+        with pytest.raises(tr.VerifyError) as info:
+            step(*data[2])
+    finally:
+        LOSS_SCALE = 1.0
+    assert info.value.call == 2 and info.value.what == "output"
+    assert "differs from eager by up to" in str(info.value)

@@ -1,0 +1,458 @@
+"""tr.make_graphed_callables on a real GPU: 20 training steps graphed vs eager from the same seed
+(MLP, dropout, BatchNorm CNN, bf16 autocast, gradient accumulation, two chained callables in one
+pool, keyword and constant arguments), drop-in compatibility with torch's, replay-order detection,
+verify=, and warm-up that leaves the model and the RNG as it found them."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import itertools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchreplay as tr
+from torchreplay.models import CNNConfig, MLPConfig, build_cnn, build_mlp
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+DEV = "cuda"
+STEPS = 20
+# Graph and eager run the same kernels; cuBLAS may still pick another algorithm for a stream
+# with another workspace, so compare within a small tolerance rather than bitwise.
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def batches(n: int, shape: tuple[int, ...], out: tuple[int, ...], seed: int = 1):
+    """``n`` (input, target) pairs from a private generator (the global RNG stays untouched)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return [
+        (torch.randn(*shape, device=DEV, generator=g), torch.randn(*out, device=DEV, generator=g))
+        for _ in range(n)
+    ]
+
+
+def assert_same_params(a: nn.Module, b: nn.Module, **tol) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, msg=lambda m: f"{name}: {m}", **(tol or TOL))
+
+
+def assert_same_state(a: nn.Module, b: nn.Module, **tol) -> None:
+    for (name, t), u in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(t, u, msg=lambda m: f"{name}: {m}", **(tol or TOL))
+
+
+def train(model, opt, data, *, autocast: bool = False, seed: int = 123) -> list[torch.Tensor]:
+    """``len(data)`` steps of MSE training; returns the losses. ``model`` may be graphed."""
+    torch.manual_seed(seed)
+    losses = []
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = model(x)
+            loss = F.mse_loss(out.float(), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach().clone())
+    return losses
+
+
+def twin(model: nn.Module, lr: float = 1e-2):
+    """The model and an identical copy, each with its own SGD(momentum) optimizer."""
+    ref = copy.deepcopy(model)
+    return (
+        (model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)),
+        (ref, torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)),
+    )
+
+
+# -- 20 steps graphed vs eager --------------------------------------------------------------------
+
+
+def test_mlp_20_steps_equal_eager() -> None:
+    (model, opt), (ref, ref_opt) = twin(build_mlp(MLPConfig(depth=24, width=512), DEV))
+    data = batches(STEPS, (8, 512), (8, 512))
+    graphed = tr.make_graphed_callables(model, (torch.randn(8, 512, device=DEV),))
+    assert graphed is model and isinstance(model.forward, tr.GraphedCallable)
+    losses = train(model, opt, data)
+    ref_losses = train(ref, ref_opt, data)
+    for a, b in zip(losses, ref_losses):
+        torch.testing.assert_close(a, b, **TOL)
+    assert_same_params(model, ref)
+    stats = model.forward.stats
+    assert (stats.replays, stats.backward_replays, stats.captures) == (STEPS, STEPS, 2)
+    assert stats.pool_bytes > 0
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self, width: int = 256, depth: int = 4, p: float = 0.5) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = self.drop(torch.relu(layer(x)))
+        return x
+
+
+def test_dropout_fresh_masks_and_the_same_masks_as_eager() -> None:
+    torch.manual_seed(0)
+    (model, opt), (ref, ref_opt) = twin(DropoutMLP().to(DEV))
+    data = batches(STEPS, (16, 256), (16, 256))
+    sample = torch.randn(16, 256, device=DEV)
+    rng = torch.cuda.get_rng_state()
+    tr.make_graphed_callables(model, (sample,))
+    assert torch.equal(torch.cuda.get_rng_state(), rng), "warm-up and capture moved the RNG"
+
+    losses = train(model, opt, data, seed=7)
+    ref_losses = train(ref, ref_opt, data, seed=7)
+    for a, b in zip(losses, ref_losses):
+        torch.testing.assert_close(a, b, **TOL)
+    assert_same_params(model, ref)
+
+    x = torch.randn(16, 256, device=DEV)
+    with torch.no_grad():
+        y1 = model(x).clone()
+        y2 = model(x)
+    assert not torch.equal(y1, y2), "the same dropout mask twice"
+
+
+def test_cnn_with_batchnorm_20_steps_and_running_stats_once_per_call() -> None:
+    cfg = CNNConfig(depths=(1, 1), width=8, num_classes=10)
+    (model, opt), (ref, ref_opt) = twin(build_cnn(cfg, DEV), lr=1e-3)
+    data = batches(STEPS, (4, 3, 32, 32), (4, 10))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tr.make_graphed_callables(model, (torch.randn(4, 3, 32, 32, device=DEV),), num_warmup_iters=3)
+    for k, v in model.state_dict().items():  # warm-up left parameters and statistics alone
+        assert torch.equal(v, before[k]), k
+    losses = train(model, opt, data)
+    ref_losses = train(ref, ref_opt, data)
+    for a, b in zip(losses, ref_losses):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+    assert_same_state(model, ref, rtol=1e-3, atol=1e-4)
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert bns and all(int(m.num_batches_tracked) == STEPS for m in bns)
+
+
+def test_bf16_autocast_with_the_autocast_cache_on() -> None:
+    (model, opt), (ref, ref_opt) = twin(build_mlp(MLPConfig(depth=6, width=256), DEV))
+    data = batches(STEPS, (8, 256), (8, 256))
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # cache_enabled=True: torch's refuses it
+        assert torch.is_autocast_cache_enabled()
+        tr.make_graphed_callables(model, (torch.randn(8, 256, device=DEV),))
+    losses = train(model, opt, data, autocast=True)
+    ref_losses = train(ref, ref_opt, data, autocast=True)
+    for a, b in zip(losses, ref_losses):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)
+    assert_same_params(model, ref, rtol=1e-3, atol=1e-4)
+    with pytest.raises(tr.ReplayInputError, match=r"graphed under autocast\(bfloat16\) but is called under no autocast"):
+        model(torch.randn(8, 256, device=DEV))
+
+
+def test_gradient_accumulation_two_micro_batches_is_g1_plus_g2(record_property) -> None:
+    base = build_mlp(MLPConfig(depth=4, width=128), DEV)
+    model, ref, theirs = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    sample = torch.randn(8, 128, device=DEV)
+    tr.make_graphed_callables(model, (sample,))
+    torch_graphed = torch.cuda.make_graphed_callables(theirs, (sample.clone(),))
+    (x1, t1), (x2, t2) = batches(2, (8, 128), (8, 128))
+    for m in (model, ref, torch_graphed):
+        F.mse_loss(m(x1), t1).backward()
+        F.mse_loss(m(x2), t2).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}", **TOL)
+    # .grad is the model's own memory, not the graph's
+    static = {t.data_ptr() for t in model.forward._static_grad_inputs if t is not None}
+    assert all(p.grad.data_ptr() not in static for p in model.parameters())
+    # Documentation, not an assertion: torch's make_graphed_callables keeps the static gradient
+    # buffer as .grad, so the second micro-batch overwrites the first (pytorch#181723).
+    err = max(
+        (p.grad - q.grad).abs().max().item() for p, q in zip(theirs.parameters(), ref.parameters())
+    )
+    record_property("torch_make_graphed_callables_accumulation_max_error", err)
+
+
+def test_two_callables_chained_in_one_pool_20_steps() -> None:
+    torch.manual_seed(0)
+    f1 = nn.Sequential(nn.Linear(64, 128), nn.ReLU()).to(DEV)
+    f2 = nn.Sequential(nn.Linear(128, 32), nn.Tanh()).to(DEV)
+    r1, r2 = copy.deepcopy(f1), copy.deepcopy(f2)
+    x = torch.randn(8, 64, device=DEV)
+    h = torch.randn(8, 128, device=DEV, requires_grad=True)
+    g1, g2 = tr.make_graphed_callables((f1, f2), ((x,), (h,)))
+    assert g1 is f1 and g2 is f2 and f1.forward.pool is f2.forward.pool
+    opt = torch.optim.SGD(itertools.chain(f1.parameters(), f2.parameters()), lr=0.05)
+    ref_opt = torch.optim.SGD(itertools.chain(r1.parameters(), r2.parameters()), lr=0.05)
+    data = batches(STEPS, (8, 64), (8, 32))
+    losses = train(lambda t: f2(f1(t)), opt, data)
+    ref_losses = train(lambda t: r2(r1(t)), ref_opt, data)
+    for a, b in zip(losses, ref_losses):
+        torch.testing.assert_close(a, b, **TOL)
+    assert_same_params(f1, r1)
+    assert_same_params(f2, r2)
+
+
+def test_parallel_callables_backward_in_the_safe_order() -> None:
+    """Both backward nodes are ready at once; their sequence numbers make the engine run them
+    in reverse capture order, so nothing raises and the gradients are eager's."""
+    torch.manual_seed(0)
+    f1, f2 = nn.Linear(32, 32).to(DEV), nn.Linear(32, 32).to(DEV)
+    r1, r2 = copy.deepcopy(f1), copy.deepcopy(f2)
+    tr.make_graphed_callables((f1, f2), ((torch.randn(4, 32, device=DEV),), (torch.randn(4, 32, device=DEV),)))
+    for _ in range(5):
+        x, z = torch.randn(4, 32, device=DEV), torch.randn(4, 32, device=DEV)
+        (f1(x).pow(2).sum() + f2(z).pow(2).sum()).backward()
+        (r1(x).pow(2).sum() + r2(z).pow(2).sum()).backward()
+    for m, r in ((f1, r1), (f2, r2)):
+        for p, q in zip(m.parameters(), r.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **TOL)
+
+
+def test_out_of_order_replay_is_detected_naming_both_graphs() -> None:
+    torch.manual_seed(0)
+    f1 = nn.Linear(16, 16).to(DEV)
+    f2 = nn.Linear(16, 16).to(DEV)
+    r1, r2 = copy.deepcopy(f1), copy.deepcopy(f2)  # eager twins, made before graphing
+    h = torch.randn(4, 16, device=DEV, requires_grad=True)
+    tr.make_graphed_callables((f1, f2), ((torch.randn(4, 16, device=DEV),), (h,)))
+
+    # forward of callable 1 again while callable 2's backward is pending
+    y = f2(f1(torch.randn(4, 16, device=DEV)))
+    f1(torch.randn(4, 16, device=DEV))
+    with pytest.raises(tr.StaleOutputError, match=r"backward of graphed 'Linear' cannot run: after its forward, a replay of 'Linear \(forward\)'"):
+        y.sum().backward()
+
+    # callable 1's backward before callable 2's
+    y1 = f1(torch.randn(4, 16, device=DEV))
+    y2 = f2(torch.randn(4, 16, device=DEV, requires_grad=True))
+    y1.sum().backward()
+    with pytest.raises(tr.StaleOutputError, match=r"a replay of 'Linear \(backward\)'"):
+        y2.sum().backward()
+
+    # one callable, two forwards before one backward over both
+    l1 = f1(torch.randn(4, 16, device=DEV)).sum()
+    l2 = f1(torch.randn(4, 16, device=DEV)).sum()
+    with pytest.raises(tr.StaleOutputError, match="call backward once per forward"):
+        (l1 + l2).backward()
+
+    # the captured order still works, and matches eager
+    for m in (f1, f2, r1, r2):
+        m.zero_grad(set_to_none=True)
+    x = torch.randn(4, 16, device=DEV)
+    f2(f1(x)).sum().backward()
+    r2(r1(x)).sum().backward()
+    for p, q in zip([*f1.parameters(), *f2.parameters()], [*r1.parameters(), *r2.parameters()]):
+        torch.testing.assert_close(p.grad, q.grad, **TOL)
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x, *, gate, activation="relu", residual=True):
+        h = self.lin(x) * gate
+        h = torch.relu(h) if activation == "relu" else torch.tanh(h)
+        return {"out": h + x if residual else h, "norm": h.norm(dim=-1), "n": 3}
+
+
+def test_keyword_arguments_and_a_constant_flag_20_steps() -> None:
+    torch.manual_seed(0)
+    model = Gated().to(DEV)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-2)
+    gate = torch.rand(64, device=DEV)
+    tr.make_graphed_callables(model, (torch.randn(8, 64, device=DEV),), sample_kwargs={"gate": gate, "activation": "tanh"})
+    g = torch.Generator(device=DEV).manual_seed(3)
+    for _ in range(STEPS):
+        x, gate = torch.randn(8, 64, device=DEV, generator=g), torch.rand(64, device=DEV, generator=g)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            out = m(x, gate=gate, activation="tanh")
+            assert out["n"] == 3
+            (out["out"].pow(2).mean() + out["norm"].mean()).backward()
+            o.step()
+    assert_same_params(model, ref)
+    with pytest.raises(tr.ReplayInputError, match=r"kwargs\['activation'\]: 'relu' but the graph was captured with the constant 'tanh'"):
+        model(torch.randn(8, 64, device=DEV), gate=gate, activation="relu")
+    with pytest.raises(tr.ReplayInputError, match=r"args\[0\] 'x': shape \(1, 64\)"):
+        model(torch.randn(1, 64, device=DEV), gate=gate, activation="tanh")
+
+
+# -- drop-in compatibility ------------------------------------------------------------------------
+
+
+def _torch_docs_loop(make_graphed, seed: int = 0) -> list[torch.Tensor]:
+    """The partial-network example of torch's CUDA graphs documentation, verbatim but for the
+    make_graphed function; returns the parameters after training."""
+    N, D_in, H, D_out = 64, 256, 128, 16
+    torch.manual_seed(seed)
+    module1 = torch.nn.Linear(D_in, H).cuda()
+    module2 = torch.nn.Linear(H, D_out).cuda()
+    module3 = torch.nn.Linear(H, D_out).cuda()
+    loss_fn = torch.nn.MSELoss()
+    optimizer = torch.optim.SGD(
+        itertools.chain(module1.parameters(), module2.parameters(), module3.parameters()), lr=0.1
+    )
+    x = torch.randn(N, D_in, device="cuda")
+    h = torch.randn(N, H, device="cuda", requires_grad=True)
+    module1 = make_graphed(module1, (x,), 3, False, None)  # torch's positional arguments
+    module2 = make_graphed(module2, (h,))
+    module3 = make_graphed(module3, (h,))
+    g = torch.Generator(device="cuda").manual_seed(5)
+    real_inputs = [torch.rand_like(x, generator=g) for _ in range(10)]
+    real_targets = [torch.randn(N, D_out, device="cuda", generator=g) for _ in range(10)]
+    for data, target in zip(real_inputs, real_targets):
+        optimizer.zero_grad(set_to_none=True)
+        tmp = module1(data)
+        if tmp.sum().item() > 0:
+            tmp = module2(tmp)
+        else:
+            tmp = module3(tmp)
+        loss = loss_fn(tmp, target)
+        loss.backward()
+        optimizer.step()
+    return [p.detach().clone() for m in (module1, module2, module3) for p in m.parameters()]
+
+
+def test_drop_in_for_torch_make_graphed_callables() -> None:
+    theirs = _torch_docs_loop(torch.cuda.make_graphed_callables)
+    ours = _torch_docs_loop(tr.make_graphed_callables)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_function_callable_gets_parameter_gradients_through_its_closure() -> None:
+    """torch's passes only a module's parameters to autograd; a function over a module (or a
+    closure over a Parameter) gets no gradients there. Ours finds them."""
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 32).to(DEV)
+    ref = copy.deepcopy(lin)
+    f = tr.make_graphed_callables(lambda x: torch.tanh(lin(x)), (torch.randn(4, 32, device=DEV),))
+    x = torch.randn(4, 32, device=DEV)
+    f(x).sum().backward()
+    torch.tanh(ref(x)).sum().backward()
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, **TOL)
+
+
+# -- module hooks, modes, errors ------------------------------------------------------------------
+
+
+def test_module_hooks_registered_before_run_eagerly_each_call() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16).to(DEV)
+    ref = copy.deepcopy(model)
+    calls = []
+    model.register_forward_hook(lambda m, a, out: calls.append(1) or out * 2)
+    ref.register_forward_hook(lambda m, a, out: out * 2)
+    tr.make_graphed_callables(model, (torch.randn(4, 16, device=DEV),))
+    assert calls == []
+    for _ in range(3):
+        x = torch.randn(4, 16, device=DEV)
+        model(x).sum().backward()
+        ref(x).sum().backward()
+    assert calls == [1, 1, 1]
+    torch.testing.assert_close(model.weight.grad, ref.weight.grad, **TOL)
+
+
+def test_eval_mode_runs_eagerly_and_is_counted() -> None:
+    model = build_cnn(CNNConfig(depths=(1,), width=8, num_classes=10), DEV)
+    ref = copy.deepcopy(model).eval()
+    tr.make_graphed_callables(model, (torch.randn(2, 3, 32, 32, device=DEV),))
+    model.eval()
+    x = torch.randn(2, 3, 32, 32, device=DEV)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x))
+    assert model.forward.stats.fallbacks == 1 and model.forward.stats.replays == 0
+
+
+def test_double_backward_second_backward_and_requires_grad_mismatch() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh()).to(DEV)
+    tr.make_graphed_callables(model, (torch.randn(2, 8, device=DEV),))
+    loss = model(torch.randn(2, 8, device=DEV)).pow(2).sum()
+    with pytest.raises(tr.UnsupportedError, match="double backward"):
+        torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+    loss = model(torch.randn(2, 8, device=DEV)).pow(2).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(tr.UnsupportedError, match="a second time for one forward"):
+        loss.backward()
+    with pytest.raises(tr.ReplayInputError, match="requires grad, but its sample argument did not"):
+        model(torch.randn(2, 8, device=DEV, requires_grad=True))
+
+
+# -- verify= -------------------------------------------------------------------------------------
+
+SCALE = 2.0
+
+
+def test_verify_catches_a_python_global_baked_in_at_capture() -> None:
+    global SCALE
+    SCALE = 2.0
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16).to(DEV)
+
+    def scaled(x):
+        return lin(x) * SCALE  # a Python float: the graph keeps 2.0
+
+    f = tr.make_graphed_callables(scaled, (torch.randn(4, 16, device=DEV),), verify=3)
+    f(torch.randn(4, 16, device=DEV)).sum().backward()  # call 1 agrees, outputs and gradients
+    assert f.stats.verified == 1
+    SCALE = 3.0
+    try:
+        with pytest.raises(tr.VerifyError) as info:
+            f(torch.randn(4, 16, device=DEV))
+    finally:
+        SCALE = 2.0
+    assert info.value.call == 2 and info.value.what == "output"
+    assert "call 2 of graphed" in str(info.value) and "differs from eager by up to" in str(info.value)
+
+
+def test_verify_catches_a_parameter_replaced_after_capture() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).to(DEV)
+    tr.make_graphed_callables(model, (torch.randn(4, 16, device=DEV),), verify=1)
+    model[2].weight = nn.Parameter(torch.randn(4, 16, device=DEV))  # the graph keeps the old one
+    with pytest.raises(tr.VerifyError, match=r"call 1 of graphed 'Sequential': output differs"):
+        model(torch.randn(4, 16, device=DEV))
+
+
+def test_verify_passes_over_steps_with_dropout_and_batchnorm() -> None:
+    model = build_cnn(CNNConfig(depths=(1, 1), width=8, num_classes=10), DEV)
+    model.fc = nn.Sequential(nn.Dropout(0.3), model.fc)
+    tr.make_graphed_callables(model, (torch.randn(4, 3, 32, 32, device=DEV),), verify=3, verify_tol=(1e-3, 1e-4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    train(model, opt, batches(5, (4, 3, 32, 32), (4, 10)))
+    assert model.forward.stats.verified == 3
+
+
+# -- memory -------------------------------------------------------------------------------------
+
+
+def test_graphs_release_their_memory() -> None:
+    def reserved() -> int:
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved()
+
+    model = build_mlp(MLPConfig(depth=4, width=256), DEV)
+    x = torch.randn(8, 256, device=DEV)
+    warm = copy.deepcopy(model)  # the first capture creates the side stream's library handles
+    tr.make_graphed_callables(warm, (x,))
+    warm(x).sum().backward()
+    del warm
+    base = reserved()
+    for _ in range(3):
+        m = copy.deepcopy(model)
+        tr.make_graphed_callables(m, (x,))
+        m(x).sum().backward()
+        del m
+    assert reserved() <= base + 8 * 2**20
