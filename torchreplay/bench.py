@@ -487,8 +487,19 @@ ROWS: Mapping[str, RowFn] = MappingProxyType(
         "resnet50": lambda opts, on_step: _inference_row(_resnet50_workloads(), opts, on_step),
         "llama": lambda opts, on_step: _inference_row(_llama_workloads(), opts, on_step),
         "llama-sizes": lambda opts, on_step: _inference_row(_llama_sizes_workloads(), opts, on_step),
+        # Training rows live in bench_training.py (it imports this module, hence the late import).
+        "mlp-train": lambda opts, on_step: _training_row("mlp_train_row", opts, on_step),
+        "resnet50-train": lambda opts, on_step: _training_row("resnet50_train_row", opts, on_step),
     }
 )
+
+
+def _training_row(
+    name: str, opts: BenchOptions, on_step: StepCallback | None
+) -> Iterator[Measurement]:
+    from torchreplay import bench_training
+
+    yield from getattr(bench_training, name)(opts, on_step)
 
 
 def _require_cuda() -> None:

@@ -15,7 +15,7 @@ from torchreplay.cli import results_table
 
 
 def test_rows_registry() -> None:
-    assert list(bench.ROWS) == ["mlp", "resnet50", "llama", "llama-sizes"]
+    assert list(bench.ROWS) == ["mlp", "resnet50", "llama", "llama-sizes", "mlp-train", "resnet50-train"]
     with pytest.raises(TypeError):
         bench.ROWS["x"] = None  # type: ignore[index]  # read-only: rows are defined in bench.py
 
