@@ -65,6 +65,19 @@ def _same_constant(a: Any, b: Any) -> bool:
         return False
 
 
+def _device_index(device: torch.device) -> int:
+    """``Tensor.get_device()``'s number for ``device``: -1 for the CPU, else the index."""
+    return -1 if device.type == "cpu" else (device.index or 0)
+
+
+def _matches(leaf: Any, shape: torch.Size, dtype: torch.dtype, device: int) -> bool:
+    """Is ``leaf`` a tensor of exactly this shape, dtype and device (``get_device()`` number)?"""
+    try:
+        return leaf.shape == shape and leaf.dtype is dtype and leaf.get_device() == device
+    except AttributeError:  # not a tensor
+        return False
+
+
 class _Slot:
     """One flattened input leaf: a tensor with its static buffer, or a constant."""
 
@@ -128,11 +141,29 @@ class Inputs:
             [s.static if s.static is not None else s.value for s in self.slots], spec
         )
         self.tensor_slots = [s for s in self.slots if s.static is not None]
+        # What copy_in checks, precomputed as tuples: attribute lookups on the hot path cost
+        # as much as the checks themselves.
+        self._tensor_checks = [
+            (i, s.static, s.shape, s.dtype, _device_index(s.device), s)
+            for i, s in enumerate(self.slots)
+            if s.static is not None
+        ]
+        self._constant_checks = [
+            (i, s.value, s) for i, s in enumerate(self.slots) if s.static is None
+        ]
+        self._only_args = self.flat and not self.kw_keys
+        self._one = (
+            self._tensor_checks[0]
+            if len(self._tensor_checks) == 1 and not self._constant_checks
+            else None
+        )
 
     # -- replay path -------------------------------------------------------------------------
 
-    def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Sequence[Any]:
         """Return the call's leaves in capture order; raise on a different structure."""
+        if self._only_args and not kwargs and len(args) == self.nargs:
+            return args
         if self.flat and len(args) == self.nargs and len(kwargs) == len(self.kw_keys):
             try:
                 return [*args, *[kwargs[k] for k in self.kw_keys]]
@@ -140,33 +171,52 @@ class Inputs:
                 pass  # a different keyword: the slow path names it
         return self._flatten_slow(args, kwargs)
 
-    def copy_in(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    def copy_in(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Sequence[Any]:
         """Check every argument against the capture and copy tensors into the static buffers.
+
+        Shape, dtype and device are checked here, before anything is written: those are the
+        mismatches ``copy_`` would silently broadcast or convert. Anything else ``copy_`` refuses
+        (a sparse tensor) is turned into the same error when it raises.
 
         Returns the call's leaves in capture order (training passes the caller's tensors on to
         autograd, so that gradients reach them).
         """
+        leaves = self.flatten(args, kwargs)
+        one = self._one
+        if one is not None:  # the common case: one tensor argument, no constants
+            i, static, shape, dtype, device, slot = one
+            leaf = leaves[i]
+            if leaf is not static:
+                if not _matches(leaf, shape, dtype, device):
+                    raise self.tensor_error(slot, leaf)
+                try:
+                    static.copy_(leaf)
+                except RuntimeError:
+                    raise self.tensor_error(slot, leaf) from None
+            return leaves
+        for i, value, slot in self._constant_checks:
+            leaf = leaves[i]
+            if leaf is not value and not _same_constant(leaf, value):
+                raise self.constant_error(slot, leaf)
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        leaves = self.flatten(args, kwargs)
-        for leaf, slot in zip(leaves, self.slots):
-            static = slot.static
-            if static is None:
-                if leaf is not slot.value and not _same_constant(leaf, slot.value):
-                    raise self.constant_error(slot, leaf)
-            elif leaf is not static:
-                if (
-                    type(leaf) is not _Tensor and not isinstance(leaf, _Tensor)
-                ) or leaf.shape != slot.shape or leaf.dtype != slot.dtype or (
-                    leaf.device != slot.device
-                ) or leaf.layout is not torch.strided:
+        for i, static, shape, dtype, device, slot in self._tensor_checks:
+            leaf = leaves[i]
+            if leaf is not static:
+                if not _matches(leaf, shape, dtype, device):
                     raise self.tensor_error(slot, leaf)
                 dsts.append(static)
                 srcs.append(leaf)
-        if len(dsts) == 1:
-            dsts[0].copy_(srcs[0])
-        elif dsts:
-            _compat.foreach_copy_(dsts, srcs)
+        try:
+            if len(dsts) == 1:
+                dsts[0].copy_(srcs[0])
+            elif dsts:
+                _compat.foreach_copy_(dsts, srcs)
+        except RuntimeError:
+            for i, static, _, _, _, slot in self._tensor_checks:
+                if leaves[i] is not static and leaves[i].layout is not torch.strided:
+                    raise self.tensor_error(slot, leaves[i]) from None
+            raise
         return leaves
 
     # -- errors --------------------------------------------------------------------------------

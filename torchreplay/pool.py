@@ -67,6 +67,9 @@ class Pool:
         self.device: torch.device | None = _as_cuda_device(device) if device is not None else None
         self._handle: tuple[int, int] | None = None
         self._members: list[_Member] = []
+        #: True once more than one graph was captured into this pool (a plain attribute: it is
+        #: read on every replay).
+        self.shared = False
         # One live window per writer position: a new replay of the writer clobbers the old one.
         # Weak: a window whose reader was dropped (an autograd graph freed) needs no tracking.
         self._windows: dict[int, weakref.ReferenceType[LiveWindow]] = {}
@@ -105,12 +108,8 @@ class Pool:
     def register(self, member: _Member) -> int:
         """Add a graph in capture order; return its position."""
         self._members.append(member)
+        self.shared = len(self._members) > 1
         return len(self._members) - 1
-
-    @property
-    def shared(self) -> bool:
-        """True once more than one graph has been captured into this pool."""
-        return len(self._members) > 1
 
     def before_replay(self, position: int, reader: LiveWindow | None = None) -> None:
         """Mark stale the outputs of every graph captured after ``position``, and clobber the
