@@ -171,6 +171,8 @@ class StateKeeper:
         self._grads: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
         self.modules: list[torch.nn.Module] = []
         self._module_ids: set[int] = set()
+        #: Modules whose forward ran inside :meth:`discovering`, in call order.
+        self.called_modules: list[torch.nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self._optimizer_states: list[_OptimizerState] = []
         self._on_optimizer = on_optimizer
@@ -249,6 +251,8 @@ class StateKeeper:
     def _module_hook(self, module: torch.nn.Module, args: Any) -> None:
         # Not recursive: each submodule reports itself before its own forward, and a
         # submodule that is never called keeps its state anyway.
+        if not any(m is module for m in self.called_modules):
+            self.called_modules.append(module)
         self.add_module(module, recurse=False)
 
     def _optimizer_hook(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -15,9 +15,9 @@ import torch.nn as nn
 
 import torchreplay as tr
 from torchreplay import _compat
+from torchreplay import optimizers as optim_mod
 from torchreplay import step as step_mod
 from torchreplay import training
-from torchreplay.config import GraphConfig
 from torchreplay.errors import (
     ReplayInputError,
     StaleOutputError,
@@ -115,7 +115,7 @@ def _params() -> list[nn.Parameter]:
 def test_non_capturable_adam_is_refused_naming_the_flag() -> None:
     opt = torch.optim.AdamW(_params(), lr=1e-3)
     with pytest.raises(UnsupportedError, match=r"AdamW has capturable=False in every param group.*AdamW\(\.\.\., capturable=True\)"):
-        step_mod.check_optimizer(opt)
+        optim_mod.check_optimizer(opt)
     # graph_step checks given optimizers before anything runs (before even looking for CUDA)
     with pytest.raises(UnsupportedError, match="capturable=True"):
         tr.graph_step(lambda x: x.sum(), torch.randn(2), optimizers=opt)
@@ -125,36 +125,36 @@ def test_capturable_in_only_some_groups_names_them() -> None:
     a, b = _params()
     opt = torch.optim.Adam([{"params": [a], "capturable": True}, {"params": [b]}])
     with pytest.raises(UnsupportedError, match=r"capturable=False in param_groups \[1\]"):
-        step_mod.check_optimizer(opt)
+        optim_mod.check_optimizer(opt)
 
 
 def test_capturable_and_sgd_pass() -> None:
-    step_mod.check_optimizer(torch.optim.Adam(_params(), capturable=True))
-    step_mod.check_optimizer(torch.optim.RMSprop(_params(), capturable=True))
-    step_mod.check_optimizer(torch.optim.SGD(_params(), lr=0.1, momentum=0.9))
+    optim_mod.check_optimizer(torch.optim.Adam(_params(), capturable=True))
+    optim_mod.check_optimizer(torch.optim.RMSprop(_params(), capturable=True))
+    optim_mod.check_optimizer(torch.optim.SGD(_params(), lr=0.1, momentum=0.9))
 
 
 def test_optimizer_without_capturable_flag_is_refused() -> None:
     with pytest.raises(UnsupportedError, match=r"Adagrad has no capturable=True option.*make_graphed_callables"):
-        step_mod.check_optimizer(torch.optim.Adagrad(_params()))
+        optim_mod.check_optimizer(torch.optim.Adagrad(_params()))
 
 
 def test_sgd_with_dampening_needs_existing_momentum_buffers() -> None:
     params = _params()
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.1)
     with pytest.raises(UnsupportedError, match=r"dampening=0.1 and no momentum buffers yet.*Take one eager step"):
-        step_mod.check_optimizer(opt)
+        optim_mod.check_optimizer(opt)
     for p in params:
         p.grad = torch.ones_like(p)
     opt.step()
-    step_mod.check_optimizer(opt)  # buffers exist now: the graph's formula is torch's
+    optim_mod.check_optimizer(opt)  # buffers exist now: the graph's formula is torch's
 
 
 def test_grad_scaler_needs_a_fused_optimizer() -> None:
     opt = torch.optim.SGD(_params(), lr=0.1)
     with pytest.raises(UnsupportedError, match=r"GradScaler.step\(SGD\) checks the gradients.*fused=True"):
-        step_mod.check_scaler_support(opt)
-    step_mod.check_scaler_support(torch.optim.SGD(_params(), lr=0.1, fused=True))
+        optim_mod.check_scaler_support(opt)
+    optim_mod.check_scaler_support(torch.optim.SGD(_params(), lr=0.1, fused=True))
 
 
 _GLOBAL_SCALER = torch.amp.GradScaler("cpu")
@@ -384,7 +384,7 @@ def test_state_keeper_refusal_runs_before_the_optimizer_steps() -> None:
 
 def test_lr_slot_follows_floats_and_tensors_changed_in_place_or_replaced() -> None:
     group = {"lr": 0.1, "params": []}
-    slot = step_mod._LrSlot(group, CPU)
+    slot = optim_mod.LrSlot(group, CPU)
     assert slot.tensor.item() == pytest.approx(0.1)
     slot.install()
     assert group["lr"] is slot.tensor
@@ -405,7 +405,7 @@ def test_lr_slot_follows_floats_and_tensors_changed_in_place_or_replaced() -> No
 def test_group_guard_names_a_frozen_hyperparameter_that_changed() -> None:
     opt = torch.optim.Adam(_params(), lr=0.1, betas=(0.9, 0.99), capturable=True)
     group = opt.param_groups[0]
-    guard = step_mod._GroupGuard(opt, 0, group, lr_live=True)
+    guard = optim_mod.GroupGuard(opt, 0, group, lr_live=True)
     assert guard.changed() == []
     group["lr"] = 0.05  # live: not guarded
     assert guard.changed() == []
@@ -414,7 +414,7 @@ def test_group_guard_names_a_frozen_hyperparameter_that_changed() -> None:
     msg = guard.error(["betas"])
     assert "Adam.param_groups[0] changed 'betas' from (0.9, 0.99) to (0.85, 0.99)" in msg
     sgd = torch.optim.SGD(_params(), lr=0.1)
-    g2 = step_mod._GroupGuard(sgd, 0, sgd.param_groups[0], lr_live=False)
+    g2 = optim_mod.GroupGuard(sgd, 0, sgd.param_groups[0], lr_live=False)
     sgd.param_groups[0]["lr"] = 0.01
     assert g2.changed() == ["lr"]
     assert "SGD(fused=True), which read it from the device" in g2.error(["lr"])
@@ -631,7 +631,7 @@ def test_emulated_kwargs_non_tensor_flag_and_pytree_outputs(emulated) -> None:
 def test_emulated_input_gradients_and_requires_grad_mismatch(emulated) -> None:
     model = _mlp()
     x = torch.randn(3, 6, requires_grad=True)
-    g = tr.make_graphed_callables(model, (x,))
+    assert tr.make_graphed_callables(model, (x,)) is model
     x2 = torch.randn(3, 6, requires_grad=True)
     model(x2).sum().backward()
     ref = _mlp()
@@ -878,10 +878,13 @@ def test_emulated_graph_step_n_steps_equal_n_eager_steps(emulated_step) -> None:
         return loss
 
     x, y = torch.randn(5, 6), torch.randn(5, 3)
+    for p in model.parameters():  # gradients left over from before: graphing keeps them
+        p.grad = torch.full_like(p, 0.5)
     torch.manual_seed(123)
     step = tr.graph_step(train_step, x, y)
     assert step.optimizers == [opt] and step.stats.captures == 1
-    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
+    assert len(step._params) == len(list(model.parameters()))
     assert not any(opt.state[p]["momentum_buffer"].any() for p in model.parameters())
     assert isinstance(opt.param_groups[0]["lr"], float)  # the user's lr is left as it was
     losses, ref_losses = [], []

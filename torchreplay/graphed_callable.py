@@ -1,0 +1,643 @@
+"""The replay side of :func:`torchreplay.make_graphed_callables`: :class:`GraphedCallable`, one
+callable's forward and backward graphs, and the autograd node that joins them.
+
+A call ``y = f(x)`` of a graphed callable:
+
+1. checks the arguments against the capture and copies tensors into static buffers (io.Inputs);
+2. replays the forward graph and hands the outputs out under the output policy (io.Outputs);
+3. attaches one ``torch.autograd.Function`` node to the differentiable outputs, whose inputs are
+   the caller's tensors and every tensor the callable differentiates into (its module's
+   parameters, and any other leaf found in its autograd graph at capture);
+4. when autograd reaches that node: copies the incoming gradients into static buffers, replays
+   the backward graph and hands the gradients to autograd. A parameter whose ``.grad`` is None
+   gets a fresh tensor (one multi-tensor copy for all of them), one whose ``.grad`` exists gets
+   the static buffer, which ``AccumulateGrad`` adds in place: ``.grad`` accumulates g1 + g2 over
+   micro-batches as in eager mode and never aliases the graph's memory (torch's returns the
+   static buffer itself, which becomes ``.grad``; the next replay overwrites it: pytorch#181723).
+
+Replay order. Graphs captured into one pool (the callables of one call share one, like torch's)
+are captured forward 1..N, then backward N..1. A forward's saved activations live in the pool
+from its replay until its backward reads them; a graph captured before that forward or after that
+backward may use the same memory as scratch. Each forward replay therefore opens a
+:class:`~torchreplay.pool.LiveWindow`; a replay at any position outside it marks it clobbered,
+and the backward that would read clobbered activations raises
+:class:`~torchreplay.StaleOutputError` naming both graphs instead of computing wrong gradients.
+The replay that clobbers is not itself an error: the pending backward may never run (its outputs
+dropped, a forward under evaluation). Backward nodes get sequence numbers in creation order,
+enforced per pool, so the engine runs ready graphed backwards newest-first: the reverse of the
+capture order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import torch
+
+from torchreplay import _compat
+from torchreplay.capture import fn_name, owning_module
+from torchreplay.config import GraphConfig
+from torchreplay.errors import ReplayInputError, StaleOutputError, UnsupportedError
+from torchreplay.io import Inputs, Outputs
+from torchreplay.pool import LiveWindow, Pool
+from torchreplay.state import StateKeeper
+from torchreplay.stats import GraphStats
+from torchreplay.verify import Tolerance, check_close, check_tree
+
+__all__ = ["GraphedCallable", "TrainingStats"]
+
+log = logging.getLogger(__name__)
+
+_Tensor = torch.Tensor
+
+
+class TrainingStats(GraphStats):
+    """:class:`~torchreplay.GraphStats` plus training counters.
+
+    Attributes:
+        backward_replays: backward graph replays.
+        verified: calls compared against eager (``verify=K``).
+    """
+
+    __slots__ = ("backward_replays", "verified")
+
+    def __init__(self, pool_bytes: Callable[[], int] | None = None) -> None:
+        super().__init__(pool_bytes)
+        self.backward_replays = 0
+        self.verified = 0
+
+    def as_dict(self) -> dict[str, object]:
+        d = super().as_dict()
+        d["backward_replays"] = self.backward_replays
+        d["verified"] = self.verified
+        return d
+
+    def explain(self) -> str:
+        text = super().explain()
+        extra = f"backward_replays={self.backward_replays}"
+        if self.verified:
+            extra += f" verified={self.verified}"
+        return f"{text}; {extra}"
+
+    def __repr__(self) -> str:
+        return f"TrainingStats({self.explain()})"
+
+
+class _Member:
+    """A graph's entry in its pool's capture order (named, for ordering messages)."""
+
+    __slots__ = ("name", "_invalidate")
+
+    def __init__(self, name: str, invalidate: Callable[[], None] | None = None) -> None:
+        self.name = name
+        self._invalidate = invalidate
+
+    def invalidate_outputs(self) -> None:
+        if self._invalidate is not None:
+            self._invalidate()
+
+
+class _Order:
+    """The last backward sequence number given out among callables sharing one pool."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last = -1
+
+
+@dataclasses.dataclass
+class _Pair:
+    """The captured forward and backward of one callable (what replay needs from capture).
+
+    Attributes:
+        fwd_replay / bwd_replay: replay the forward / backward graph (bwd None: nothing to
+            differentiate).
+        leaves, spec: the forward's outputs, flattened; tensors the graph owns are detached.
+        diff_idx: positions in ``leaves`` of the differentiable outputs.
+        owned: does the graph own this tensor's memory (pool or static inputs)?
+        static_grad_outputs: one buffer per differentiable output, outside the pool.
+        static_grad_inputs: the backward's results, one per ``GraphedCallable._grad_inputs``.
+        graphs: keeps the graph objects alive.
+        seconds: warm-up and capture time.
+    """
+
+    fwd_replay: Callable[[], Any]
+    bwd_replay: Callable[[], Any] | None
+    leaves: list[Any]
+    spec: Any
+    diff_idx: list[int]
+    owned: Callable[[torch.Tensor], bool]
+    static_grad_outputs: list[torch.Tensor]
+    static_grad_inputs: list[torch.Tensor | None]
+    graphs: tuple[Any, ...] = ()
+    seconds: float = 0.0
+
+
+class GraphedCallable:
+    """One callable of :func:`make_graphed_callables`: forward and backward graphs.
+
+    Calling it (or the module whose ``forward`` it replaced) replays the forward graph and
+    attaches one autograd node whose backward replays the backward graph.
+
+    Attributes:
+        name: the callable's name.
+        stats: counters (forward ``replays``, ``backward_replays``, ``fallbacks``, ``verified``).
+        pool: the memory pool the graphs live in.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        device: torch.device,
+        config: GraphConfig,
+        order: _Order,
+        allow_unused: bool,
+        verify: int,
+        tol: Tolerance | None,
+    ) -> None:
+        self.fn = fn
+        self.name = fn_name(fn)
+        self.device = device
+        self.config = config
+        self._module = owning_module(fn)
+        # Capture and eager fallback run the forward itself: a module's own hooks stay outside
+        # the graph and run eagerly around every call, as they do for an eager module.
+        self._run_fn: Callable[..., Any] = _original_forward(fn)
+        self._training = self._module.training if self._module is not None else False
+        self._order = order
+        self._allow_unused = allow_unused
+        self._verify_left = verify
+        self._verify_total = verify
+        self._tol = tol
+        self._warned_fallback = False
+        self.pool: Pool | None = None
+        self.stats = TrainingStats()
+
+        with torch.no_grad():  # static buffers are fresh leaves, not copies tracked by autograd
+            self._inputs = Inputs(self._run_fn, args, kwargs, device)
+        sample_leaves = _compat.tree_flatten((tuple(args), dict(kwargs)))[0]
+        slots = self._inputs.slots
+        self._tensor_idx = [i for i, s in enumerate(slots) if s.static is not None]
+        self._sample_req = [
+            bool(sample_leaves[i].requires_grad) and _differentiable(sample_leaves[i])
+            for i in self._tensor_idx
+        ]
+        for i, req in zip(self._tensor_idx, self._sample_req):
+            if req:
+                slots[i].static.requires_grad_(True)  # type: ignore[union-attr]
+        # A tensor argument that does not require grad at capture must not require it at replay.
+        self._no_grad_slots = [
+            slots[i] for i, req in zip(self._tensor_idx, self._sample_req) if not req
+        ]
+        self._no_grad_pos = [k for k, req in enumerate(self._sample_req) if not req]
+        self._module_params = list(self._module.parameters()) if self._module is not None else []
+        self._surface: list[torch.Tensor] | None = None
+        self._grad_inputs: list[torch.Tensor] = []
+        self._grad_pos: list[int] = []  # per _grad_inputs entry: its position among apply inputs
+        self._keeper: StateKeeper | None = None
+        self._discovering_done = False
+        self._autocast = (
+            torch.is_autocast_enabled("cuda"),
+            torch.get_autocast_dtype("cuda"),
+        )
+
+        def warm(*a: Any, **k: Any) -> Any:
+            return self._warm(a, k)
+
+        warm.__qualname__ = self.name
+        self._warm_fn = warm
+
+    # -- capture ----------------------------------------------------------------------------
+
+    def _warm(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The call that capture() warms up and captures: the forward, plus, when not
+        capturing, the backward (so that backward kernels initialise before capture too)."""
+        capturing = _capturing()
+        keeper = self._keeper
+        discover = keeper is not None and not capturing and not self._discovering_done
+        probe = _next_sequence_nr() if self._surface is None else 0
+        with keeper.discovering() if discover else contextlib.nullcontext():  # type: ignore[union-attr]
+            out = self._run_fn(*args, **kwargs)
+        self._discovering_done = self._discovering_done or discover
+        if self._surface is None:
+            self._discover(out, probe)
+        if capturing:
+            return out
+        diff = [o for o in _compat.tree_flatten(out)[0] if isinstance(o, _Tensor) and o.requires_grad]
+        if diff and self._grad_inputs:
+            try:
+                torch.autograd.grad(
+                    diff,
+                    self._grad_inputs,
+                    grad_outputs=[torch.zeros_like(o) for o in diff],
+                    allow_unused=self._allow_unused,
+                )
+            except RuntimeError as exc:
+                if "not have been used" in str(exc):
+                    raise RuntimeError(
+                        f"'{self.name}': some of its tensor arguments or parameters are not used "
+                        "to compute its outputs, so they get no gradient; pass "
+                        "allow_unused_input=True (their gradient is then None), or stop "
+                        "passing them / set requires_grad=False on them"
+                    ) from exc
+                raise
+        return out
+
+    def _discover(self, out: Any, probe: int) -> None:
+        """Find every tensor the outputs differentiate into: the module's parameters, plus
+        leaves reached through the autograd graph (closures over parameters, other modules)."""
+        known = {id(s.static) for s in self._inputs.tensor_slots}
+        known |= {id(p) for p in self._module_params}
+        extra: list[torch.Tensor] = []
+        seen: dict[int, Any] = {}
+        stack = [o.grad_fn for o in _compat.tree_flatten(out)[0] if isinstance(o, _Tensor)]
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen[id(node)] = node  # keep the object: its id must not be reused meanwhile
+            variable = getattr(node, "variable", None)
+            if variable is not None:  # AccumulateGrad: a leaf
+                if id(variable) not in known:
+                    known.add(id(variable))
+                    extra.append(variable)
+                continue
+            if _compat.sequence_nr(node) <= probe:
+                raise UnsupportedError(
+                    f"'{self.name}' uses a tensor that requires grad but was computed before "
+                    f"the call (autograd node {type(node).__name__}); a graph cannot "
+                    "backpropagate into work done outside it. Pass that tensor as an argument "
+                    "(a sample with requires_grad=True), or .detach() it"
+                )
+            stack.extend(n for n, _ in node.next_functions)
+        self._surface = self._module_params + extra
+        n_leaves = len(self._tensor_idx)
+        self._grad_inputs = []
+        self._grad_pos = []
+        for k, req in enumerate(self._sample_req):
+            if req:
+                self._grad_inputs.append(self._inputs.slots[self._tensor_idx[k]].static)  # type: ignore[arg-type]
+                self._grad_pos.append(k)
+        for k, t in enumerate(self._surface):
+            if t.requires_grad:
+                self._grad_inputs.append(t)
+                self._grad_pos.append(n_leaves + k)
+        self._grad_names = self._names_of_grad_inputs()
+
+    def _names_of_grad_inputs(self) -> list[str]:
+        names: dict[int, str] = {}
+        if self._module is not None:
+            names = {id(p): n for n, p in self._module.named_parameters()}
+        out = []
+        n_leaves = len(self._tensor_idx)
+        assert self._surface is not None
+        for pos in self._grad_pos:
+            if pos < n_leaves:
+                out.append(f"grad of {self._inputs.slots[self._tensor_idx[pos]].path}")
+            else:
+                t = self._surface[pos - n_leaves]
+                label = names.get(id(t))
+                out.append(
+                    f"grad of parameter '{label}'"
+                    if label is not None
+                    else f"grad of captured tensor {pos - n_leaves} ({tuple(t.shape)})"
+                )
+        return out
+
+    def _adopt(self, pair: _Pair, pool: Pool) -> None:
+        """Take the captured graphs; from here on calls replay."""
+        self.pool = pool
+        self.stats = TrainingStats(pool.reserved_bytes)
+        self.stats.captures = 1 + (pair.bwd_replay is not None)
+        self.stats.capture_seconds = pair.seconds
+        self._pair = pair
+        self._fwd_replay = pair.fwd_replay
+        self._bwd_replay = pair.bwd_replay
+        self._outputs = Outputs(tuple(pair.leaves), self.config.outputs, self.name, pair.owned)
+        self._detach_diff = self._outputs.policy == "static"
+        self._spec = pair.spec
+        self._single = _compat.is_leaf_treespec(pair.spec)
+        self._diff_idx = pair.diff_idx
+        self._has_backward = pair.bwd_replay is not None
+        self._static_grad_outputs = pair.static_grad_outputs
+        self._static_grad_inputs = pair.static_grad_inputs
+        for s in self._inputs.tensor_slots:
+            s.static.requires_grad_(False)  # type: ignore[union-attr]  # copy_in writes into them
+        self._surface_t = tuple(self._surface or ())
+        self.fwd_member = _Member(f"{self.name} (forward)", self._outputs.invalidate)
+        self.bwd_member = _Member(f"{self.name} (backward)")
+        self._fwd_pos = -1
+        self._bwd_pos = -1
+        self._device_index = self.device.index
+        self._check_device = self.device.type == "cuda" and torch.cuda.device_count() > 1
+
+    # -- replay ----------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module
+        if module is not None and module.training != self._training:
+            return self._fallback(args, kwargs)
+        enabled, dtype = self._autocast
+        if torch.is_autocast_enabled("cuda") != enabled or (
+            enabled and torch.get_autocast_dtype("cuda") != dtype
+        ):
+            raise ReplayInputError(self._autocast_message())
+        if self._check_device and torch.cuda.current_device() != self._device_index:
+            with torch.cuda.device(self._device_index):
+                return self._dispatch(args, kwargs)
+        return self._dispatch(args, kwargs)
+
+    def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._verify_left:
+            return self._verified_call(args, kwargs)
+        return self._run(args, kwargs, None)
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], verify: Any) -> Any:
+        leaves = self._inputs.copy_in(args, kwargs)
+        grad_on = torch.is_grad_enabled()
+        if grad_on and self._no_grad_slots:
+            for k, slot in zip(self._no_grad_pos, self._no_grad_slots):
+                if leaves[self._tensor_idx[k]].requires_grad:
+                    raise ReplayInputError(
+                        f"{slot.path}: requires grad, but its sample argument did not, so the "
+                        "backward graph computes no gradient for it; graph with a sample that "
+                        "has requires_grad=True, or pass it .detach()ed"
+                    )
+        pool = self.pool
+        if pool.shared:  # type: ignore[union-attr]
+            pool.before_replay(self._fwd_pos)  # type: ignore[union-attr]
+        self._fwd_replay()
+        self.stats.replays += 1
+        flat = self._outputs.emit()
+        if grad_on and self._has_backward:
+            flat = list(flat)
+            diff = tuple(
+                flat[i].detach() if self._detach_diff else flat[i] for i in self._diff_idx
+            )
+            tensors = [leaves[i] for i in self._tensor_idx]
+            outs = _GraphedFunction.apply(self, diff, *tensors, *self._surface_t)
+            node = outs[0].grad_fn
+            if node is not None:
+                self._attach(node, verify)
+                for i, o in zip(self._diff_idx, outs):
+                    flat[i] = o
+        if self._single:
+            return flat[0]
+        return _compat.tree_unflatten(list(flat), self._spec)
+
+    def _attach(self, node: Any, verify: Any) -> None:
+        """Give the new backward node its live window and its place in the backward order."""
+        pool = self.pool
+        assert pool is not None
+        node.tr_window = pool.open_window(self._fwd_pos, self._bwd_pos, self.name)
+        if verify is not None:
+            node.tr_verify = verify
+        order = self._order
+        seq = _compat.sequence_nr(node)
+        if seq <= order.last:
+            # Created out of order (another thread): run it before the older ones anyway.
+            seq = order.last + 1
+            _compat.set_sequence_nr(node, seq)
+        order.last = seq
+
+    def _backward(self, ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> list[Any]:
+        if torch.is_grad_enabled():
+            raise UnsupportedError(
+                f"double backward through graphed '{self.name}' is not supported (backward ran "
+                "with create_graph=True): its backward is a CUDA graph replay, which autograd "
+                "cannot differentiate. Compute higher-order terms (gradient penalties) with the "
+                "eager callable, or call backward without create_graph"
+            )
+        if getattr(ctx, "tr_done", False):
+            raise UnsupportedError(
+                f"backward of graphed '{self.name}' ran a second time for one forward "
+                "(retain_graph=True): its backward graph reuses the memory of the activations "
+                "it reads, so a second replay would read overwritten data. Run the forward "
+                "again before each backward"
+            )
+        window: LiveWindow | None = getattr(ctx, "tr_window", None)
+        if window is not None and window.clobbered_by is not None:
+            raise StaleOutputError(
+                f"backward of graphed '{self.name}' cannot run: after its forward, a replay of "
+                f"'{window.clobbered_by}' may have overwritten the activations that forward "
+                "saved (graphs that share a memory pool reuse each other's scratch memory). "
+                "Graphs sharing a pool must run forward 1..N, then backward N..1, the order "
+                f"they were captured in: run this backward before replaying '{window.clobbered_by}',"
+                " call backward once per forward (one micro-batch at a time), or graph the "
+                "callables in separate make_graphed_callables calls (separate pools)"
+            )
+        pool = self.pool
+        assert pool is not None
+        if pool.shared:
+            pool.before_replay(self._bwd_pos, window)
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for static, g in zip(self._static_grad_outputs, grads):
+            if g is None:
+                static.zero_()
+            elif g is not static:
+                dsts.append(static)
+                srcs.append(g)
+        if len(dsts) == 1:
+            dsts[0].copy_(srcs[0])
+        elif dsts:
+            _compat.foreach_copy_(dsts, srcs)
+        assert self._bwd_replay is not None
+        self._bwd_replay()
+        ctx.tr_done = True
+        if window is not None:
+            pool.close_window(window)
+        self.stats.backward_replays += 1
+        verify = getattr(ctx, "tr_verify", None)
+        if verify is not None:
+            ctx.tr_verify = None
+            self._verify_backward(verify, grads)
+
+        result: list[Any] = [None] * (len(self._tensor_idx) + len(self._surface_t))
+        needs = ctx.needs_input_grad
+        n_leaves = len(self._tensor_idx)
+        fresh_pos: list[int] = []
+        fresh_src: list[torch.Tensor] = []
+        for static, pos in zip(self._static_grad_inputs, self._grad_pos):
+            if static is None or not needs[pos + 2]:
+                continue
+            if pos >= n_leaves and self._surface_t[pos - n_leaves].grad is None:
+                # AccumulateGrad would keep the returned tensor as .grad: give it its own copy.
+                fresh_pos.append(pos)
+                fresh_src.append(static)
+            else:
+                # We keep a reference, so autograd never takes this buffer as its own: a leaf's
+                # existing .grad adds it in place, anything else copies or reads it.
+                result[pos] = static
+        if fresh_src:
+            for pos, t in zip(fresh_pos, _compat.foreach_clone(fresh_src)):
+                result[pos] = t
+        return result
+
+    # -- verify ----------------------------------------------------------------------------
+
+    def _verified_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # The first K calls are compared, whatever their outcome: count this one now.
+        self._verify_left -= 1
+        call = self._verify_total - self._verify_left
+        grad_on = torch.is_grad_enabled()
+        module = self._module
+        keeper = StateKeeper(self.device, modules=[module] if module is not None else [], params=False)
+        leaves, spec = _compat.tree_flatten((tuple(args), dict(kwargs)))
+        ref_leaves = list(leaves)
+        for k, i in enumerate(self._tensor_idx):
+            t = leaves[i]
+            if isinstance(t, _Tensor):
+                c = t.detach().clone()
+                if grad_on and self._sample_req[k]:
+                    c.requires_grad_(True)
+                ref_leaves[i] = c
+        ref_args, ref_kwargs = _compat.tree_unflatten(ref_leaves, spec)
+        with keeper.discovering():
+            ref_out = self._run_fn(*ref_args, **ref_kwargs)
+        eager_buffers = [(label, b, b.detach().clone()) for label, b in _named_buffers(keeper, module)]
+        keeper.restore()  # the graph replays from the state eager started from (buffers, RNG)
+
+        verify = None
+        if grad_on and self._has_backward:
+            ref_flat = _compat.tree_flatten(ref_out)[0]
+            if len(ref_flat) == len(self._pair.leaves):
+                ref_diff = [ref_flat[i] for i in self._diff_idx]
+                n_leaves = len(self._tensor_idx)
+                ref_ins: list[Any] = []
+                for pos in self._grad_pos:
+                    if pos < n_leaves:
+                        ref_ins.append(ref_leaves[self._tensor_idx[pos]])
+                    else:
+                        ref_ins.append(self._surface_t[pos - n_leaves])
+                verify = (ref_diff, ref_ins, call)
+        out = self._run(args, kwargs, verify)
+        check_tree("output", out, _detached(ref_out), call=call, name=self.name, tol=self._tol)
+        for label, b, want in eager_buffers:
+            check_close(f"buffer {label}", b, want, call=call, name=self.name, tol=self._tol)
+        self.stats.verified += 1
+        return out
+
+    def _verify_backward(self, verify: Any, grads: tuple[torch.Tensor | None, ...]) -> None:
+        ref_diff, ref_ins, call = verify
+        usable = [
+            (o, g) for o, g in zip(ref_diff, grads) if isinstance(o, _Tensor) and o.requires_grad
+        ]
+        if not usable:
+            return
+        wanted = [i for i, t in enumerate(ref_ins) if isinstance(t, _Tensor) and t.requires_grad]
+        ref_grads = torch.autograd.grad(
+            [o for o, _ in usable],
+            [ref_ins[i] for i in wanted],
+            grad_outputs=[g if g is not None else torch.zeros_like(o) for o, g in usable],
+            allow_unused=True,
+        )
+        for i, want in zip(wanted, ref_grads):
+            got = self._static_grad_inputs[i]
+            if want is None and got is not None:
+                want = torch.zeros_like(got)
+            if got is None and want is not None:
+                got = torch.zeros_like(want)
+            check_close(self._grad_names[i], got, want, call=call, name=self.name, tol=self._tol)
+
+    # -- eager paths -------------------------------------------------------------------------
+
+    def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.stats.fallbacks += 1
+        if not self._warned_fallback:
+            self._warned_fallback = True
+            mode = "training" if self._training else "eval"
+            log.warning(
+                "torchreplay: '%s' was graphed in %s mode but the module is now in %s mode; "
+                "running its forward eagerly (counted in stats.fallbacks)",
+                self.name,
+                mode,
+                "eval" if self._training else "training",
+            )
+        return self._run_fn(*args, **kwargs)
+
+    def _autocast_message(self) -> str:
+        enabled, dtype = self._autocast
+        now = torch.is_autocast_enabled("cuda")
+        captured = f"autocast({str(dtype).removeprefix('torch.')})" if enabled else "no autocast"
+        current = (
+            f"autocast({str(torch.get_autocast_dtype('cuda')).removeprefix('torch.')})"
+            if now
+            else "no autocast"
+        )
+        return (
+            f"'{self.name}' was graphed under {captured} but is called under {current}; the graph "
+            "always computes in the precision it was captured in. Call it under the same "
+            "autocast setting, or graph it again under this one"
+        )
+
+    def __repr__(self) -> str:
+        return f"GraphedCallable({self.name}, device={self.device}, {self.stats.explain()})"
+
+
+class _GraphedFunction(torch.autograd.Function):
+    """The autograd node of one graphed call: the forward already replayed, backward replays."""
+
+    @staticmethod
+    def forward(ctx: Any, runner: GraphedCallable, outs: tuple[torch.Tensor, ...], *tensors: Any) -> Any:  # type: ignore[override]
+        # ``outs`` are this call's outputs, handed out by the replay that just ran; ``tensors``
+        # are the node's inputs (the caller's tensors and the differentiated parameters).
+        ctx.set_materialize_grads(False)  # an unused output's gradient is None: zero it once
+        ctx.runner = runner
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        return (None, None, *ctx.runner._backward(ctx, grads))
+
+
+def _original_forward(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The callable to capture: a module's forward (its own, if it was graphed before)."""
+    if not isinstance(fn, torch.nn.Module):
+        return fn
+    forward = fn.forward
+    return forward._run_fn if isinstance(forward, GraphedCallable) else forward
+
+
+def _capturing() -> bool:
+    """Is the current CUDA stream capturing? (False without CUDA, where torch's check raises.)"""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.dtype.is_floating_point or t.dtype.is_complex
+
+
+def _next_sequence_nr() -> int:
+    """The sequence number that autograd's next node on this thread will exceed."""
+    probe = torch.empty((), device="cpu", requires_grad=True).clone()
+    return _compat.sequence_nr(probe.grad_fn)
+
+
+def _detached(tree: Any) -> Any:
+    leaves, spec = _compat.tree_flatten(tree)
+    return _compat.tree_unflatten(
+        [t.detach() if isinstance(t, _Tensor) else t for t in leaves], spec
+    )
+
+
+def _named_buffers(keeper: StateKeeper, module: torch.nn.Module | None) -> list[tuple[str, torch.Tensor]]:
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    if module is not None:
+        for name, b in module.named_buffers():
+            out.append((f"'{name}'", b))
+            seen.add(id(b))
+    for m in keeper.modules:
+        for name, b in m.named_buffers(recurse=False):
+            if id(b) not in seen:
+                seen.add(id(b))
+                out.append((f"'{name}' of {type(m).__name__}", b))
+    return out
