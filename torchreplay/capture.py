@@ -13,6 +13,7 @@ The invariants this module keeps (DESIGN.md):
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import time
@@ -129,6 +130,23 @@ def _on_side_stream(stream: torch.cuda.Stream, device: torch.device) -> Iterator
             caller.wait_stream(stream)
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside the block.
+
+    A collection during capture may destroy a dead CUDA graph or run a ``__del__`` that
+    synchronizes, both illegal while a stream captures: the capture would be invalidated by code
+    that has nothing to do with the callable.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def capture(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -180,17 +198,20 @@ def capture(
         began = ended = False
         caught: list[warnings.WarningMessage] = []
         try:
-            graph.capture_begin(pool=pool.handle, capture_error_mode=config.capture_error_mode)
-            began = True
-            try:
-                out = fn(*args, **kwargs)
-            finally:
-                # Always end the capture, even when fn raised: a stream left capturing breaks
-                # every later CUDA call in the process.
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    graph.capture_end()
-                ended = True
+            with _gc_paused():
+                graph.capture_begin(
+                    pool=pool.handle, capture_error_mode=config.capture_error_mode
+                )
+                began = True
+                try:
+                    out = fn(*args, **kwargs)
+                finally:
+                    # Always end the capture, even when fn raised: a stream left capturing
+                    # breaks every later CUDA call in the process.
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        graph.capture_end()
+                    ended = True
         except BaseException as exc:
             out = None
             _undo(graph, device, pool, snapshot, exc, began=began, ended=ended)

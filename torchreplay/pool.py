@@ -66,7 +66,10 @@ class Pool:
     def __init__(self, device: torch.device | int | str | None = None) -> None:
         self.device: torch.device | None = _as_cuda_device(device) if device is not None else None
         self._handle: tuple[int, int] | None = None
-        self._members: list[_Member] = []
+        # Weak: a graph must be freed as soon as its owner drops it. A strong list would make
+        # graph <-> pool a reference cycle, and the cyclic GC would then destroy CUDA graphs at
+        # arbitrary moments - during another graph's capture, where that is illegal.
+        self._members: list[weakref.ReferenceType[_Member]] = []
         #: True once more than one graph was captured into this pool (a plain attribute: it is
         #: read on every replay).
         self.shared = False
@@ -107,15 +110,17 @@ class Pool:
 
     def register(self, member: _Member) -> int:
         """Add a graph in capture order; return its position."""
-        self._members.append(member)
+        self._members.append(weakref.ref(member))
         self.shared = len(self._members) > 1
         return len(self._members) - 1
 
     def before_replay(self, position: int, reader: LiveWindow | None = None) -> None:
         """Mark stale the outputs of every graph captured after ``position``, and clobber the
         live windows that the replay at ``position`` may overwrite (all but ``reader``)."""
-        for member in self._members[position + 1 :]:
-            member.invalidate_outputs()
+        for ref in self._members[position + 1 :]:
+            member = ref()
+            if member is not None:
+                member.invalidate_outputs()
         if self._windows:
             self._clobber(position, reader)
 
@@ -136,7 +141,7 @@ class Pool:
             del self._windows[window.start]
 
     def _clobber(self, position: int, reader: LiveWindow | None) -> None:
-        member = self._members[position] if position < len(self._members) else None
+        member = self._members[position]() if position < len(self._members) else None
         by = getattr(member, "name", None) or f"graph #{position} of the pool"
         for start, ref in list(self._windows.items()):
             window = ref()
