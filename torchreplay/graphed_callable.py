@@ -89,7 +89,7 @@ class TrainingStats(GraphStats):
 class _Member:
     """A graph's entry in its pool's capture order (named, for ordering messages)."""
 
-    __slots__ = ("name", "_invalidate")
+    __slots__ = ("name", "_invalidate", "__weakref__")  # the pool holds its members weakly
 
     def __init__(self, name: str, invalidate: Callable[[], None] | None = None) -> None:
         self.name = name
@@ -331,6 +331,8 @@ class GraphedCallable:
         for s in self._inputs.tensor_slots:
             s.static.requires_grad_(False)  # type: ignore[union-attr]  # copy_in writes into them
         self._surface_t = tuple(self._surface or ())
+        self._warm_fn = None  # only capture needs it (and it refers back to self: a cycle)
+        # Kept here: the pool refers to its members weakly.
         self.fwd_member = _Member(f"{self.name} (forward)", self._outputs.invalidate)
         self.bwd_member = _Member(f"{self.name} (backward)")
         self._fwd_pos = -1

@@ -169,6 +169,7 @@ class GraphedStep:
         keeper.restore()
         self._uninstall()
         self._keeper = None  # type: ignore[assignment]
+        self._capture_call = None  # only capture needs it (it refers back to self: a cycle)
 
         # .grad after each call must be what the captured step left there (see _sync_grads).
         self._end_grads = self._grads_after

@@ -287,6 +287,16 @@ def make_graphed_callables(
         at capture (a warning says so).
 
     .. warning::
+        After graphing, do not replace or move the tensors the graphs use (assigning a new
+        ``nn.Parameter``, ``module.to(...)``, ``load_state_dict(..., assign=True)``): the graphs
+        keep reading the captured ones. In-place updates (optimizer steps,
+        ``load_state_dict``) are fine. ``verify=K`` catches a replaced tensor.
+
+    .. warning::
+        A tensor argument whose sample did not require grad must not require grad at a call
+        (:class:`~torchreplay.ReplayInputError`; torch's silently returns no gradient for it).
+
+    .. warning::
         The graph computes in the autocast setting it was captured under; a call under another
         one raises :class:`~torchreplay.ReplayInputError`. The autocast weight cache is turned
         off during warm-up and capture, so casts of weights are part of the graph and follow

@@ -1012,3 +1012,61 @@ def test_emulated_graph_step_verify_names_the_parameter(emulated_step) -> None:
     step._replay = corrupted
     with pytest.raises(VerifyError, match=r"call 2 of graphed '[^']*train_step': parameter 'fc2.bias' after the step differs"):
         step(torch.randn(5, 6))
+
+
+def test_emulated_graph_step_with_a_grad_scaler_equals_eager(emulated_step) -> None:
+    model, opt = _make_training()
+    ref, ref_opt = _make_training()
+    scaler, ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0), torch.amp.GradScaler("cpu", init_scale=1024.0)
+
+    def make(m, o, s):
+        def train_step(x):
+            o.zero_grad()
+            loss = m(x).pow(2).mean()
+            s.scale(loss).backward()
+            s.step(o)
+            s.update()
+            return loss
+
+        return train_step
+
+    xs = [torch.randn(5, 6) for _ in range(4)]
+    step = tr.graph_step(make(model, opt, scaler), xs[0])
+    assert scaler.get_scale() == 1024.0  # warm-up's updates were undone
+    assert int(scaler._growth_tracker) == 0
+    ref_step = make(ref, ref_opt, ref_scaler)
+    for x in xs:
+        torch.testing.assert_close(step(x), ref_step(x).detach())
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b)
+    assert int(scaler._growth_tracker) == int(ref_scaler._growth_tracker) == 4
+
+
+def test_emulated_graph_step_zero_grad_at_the_end_and_eval_fallback(emulated_step) -> None:
+    model, opt = _make_training()
+    ref, ref_opt = _make_training()
+
+    def make(m, o):
+        def train_step(x):
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+            return loss
+
+        return train_step
+
+    xs = [torch.randn(5, 6) for _ in range(3)]
+    step = tr.graph_step(make(model, opt), xs[0])
+    ref_step = make(ref, ref_opt)
+    for x in xs:
+        step(x)
+        ref_step(x)
+        assert all(p.grad is None for p in model.parameters())  # as after the eager step
+    model.eval()
+    ref.eval()
+    step(xs[0])
+    ref_step(xs[0])
+    assert step.stats.fallbacks == 1 and step.stats.replays == 3
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b)
