@@ -8,6 +8,7 @@ torch version that lacks it. Everything else in torchreplay imports from here, n
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -33,6 +34,11 @@ __all__ = [
     "sequence_nr",
     "foreach_clone",
     "autocast_cache_disabled",
+    "GradScalerState",
+    "grad_scaler_state",
+    "set_grad_scaler_state",
+    "supports_amp_scaling",
+    "module_hooks",
 ]
 
 
@@ -167,6 +173,62 @@ def autocast_cache_disabled() -> Iterator[None]:
         yield
     finally:
         setter(before)
+
+
+# A GradScaler's state lives in private attributes (there is no public getter that avoids a sync
+# or a setter for the growth tracker): the scale and growth-tracker tensors, created lazily on
+# the first scale(), and the per-optimizer stage dicts. Names unchanged since torch 1.6; on a
+# torch that renamed them, the getter returns Nones and graph_step restores nothing (the scale
+# then starts where warm-up left it, which is still correct training).
+@dataclasses.dataclass
+class GradScalerState:
+    """What a training warm-up changes in a ``GradScaler``."""
+
+    scale: torch.Tensor | None
+    growth_tracker: torch.Tensor | None
+    init_scale: float
+    init_growth_tracker: int
+    per_optimizer: dict[Any, dict[str, Any]] | None
+
+
+def grad_scaler_state(scaler: Any) -> GradScalerState:
+    """Return ``scaler``'s tensors (the objects themselves) and a copy of its per-optimizer state."""
+    per_opt = getattr(scaler, "_per_optimizer_states", None)
+    return GradScalerState(
+        scale=getattr(scaler, "_scale", None),
+        growth_tracker=getattr(scaler, "_growth_tracker", None),
+        init_scale=float(getattr(scaler, "_init_scale", 2.0**16)),
+        init_growth_tracker=int(getattr(scaler, "_init_growth_tracker", 0)),
+        per_optimizer=None if per_opt is None else {k: dict(v) for k, v in per_opt.items()},
+    )
+
+
+def set_grad_scaler_state(scaler: Any, per_optimizer: dict[Any, dict[str, Any]] | None) -> None:
+    """Put back a per-optimizer state saved by :func:`grad_scaler_state` (a stage that warm-up
+    left as "unscaled" would make the next real ``scaler.step`` skip its unscale)."""
+    current = getattr(scaler, "_per_optimizer_states", None)
+    if per_optimizer is None or not isinstance(current, dict):
+        return
+    current.clear()
+    current.update({k: dict(v) for k, v in per_optimizer.items()})
+
+
+def supports_amp_scaling(opt: Any) -> bool:
+    """Does ``GradScaler.step(opt)`` hand the scale to the optimizer (fused kernels) instead of
+    checking for infs with ``.item()``? torch marks such optimizers with the private flag
+    ``_step_supports_amp_scaling`` (since 1.10); without it, False (graph_step then refuses a
+    GradScaler, which is the safe answer)."""
+    return bool(getattr(opt, "_step_supports_amp_scaling", False))
+
+
+def module_hooks(module: torch.nn.Module) -> bool:
+    """Does ``module`` itself have forward, forward-pre, backward or backward-pre hooks?
+
+    The hook dicts are private attributes of ``nn.Module`` (there is no public query); torch's
+    own make_graphed_callables reads the same ones. A torch without one of them counts it empty.
+    """
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return any(getattr(module, n, None) for n in names)
 
 
 def abandon_pool(device: int, pool: tuple[int, int]) -> None:

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 
+from torchreplay import _compat
 from torchreplay.errors import UnsupportedError
 
 __all__ = ["check_optimizer", "check_scaler_support", "reads_lr_tensor", "LrSlot", "GroupGuard"]
@@ -63,7 +64,7 @@ def check_optimizer(opt: torch.optim.Optimizer) -> None:
 
 def check_scaler_support(opt: torch.optim.Optimizer) -> None:
     """Raise :class:`~torchreplay.UnsupportedError` unless ``GradScaler.step(opt)`` can be captured."""
-    if not getattr(opt, "_step_supports_amp_scaling", False):
+    if not _compat.supports_amp_scaling(opt):
         name = type(opt).__name__
         raise UnsupportedError(
             f"GradScaler.step({name}) checks the gradients for inf/NaN with .item(), a host sync "

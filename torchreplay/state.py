@@ -24,6 +24,8 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from torchreplay import _compat
+
 
 __all__ = ["StateKeeper", "reset_fresh_state", "referenced_objects", "find_instances"]
 
@@ -113,32 +115,32 @@ def reset_fresh_state(
 
 
 class _ScalerState:
-    """A ``GradScaler``'s scale and growth tracker as they were before warm-up."""
+    """A ``GradScaler``'s scale, growth tracker and per-optimizer stages as they were before
+    warm-up."""
 
     def __init__(self, scaler: Any) -> None:
         self.scaler = scaler
-        scale = getattr(scaler, "_scale", None)
-        tracker = getattr(scaler, "_growth_tracker", None)
-        self.scale = scale.detach().clone() if isinstance(scale, torch.Tensor) else None
-        self.tracker = tracker.detach().clone() if isinstance(tracker, torch.Tensor) else None
+        st = _compat.grad_scaler_state(scaler)
+        self.scale = st.scale.detach().clone() if st.scale is not None else None
+        self.tracker = st.growth_tracker.detach().clone() if st.growth_tracker is not None else None
+        self.per_optimizer = st.per_optimizer
 
     def restore(self) -> None:
-        scaler = self.scaler
-        scale = getattr(scaler, "_scale", None)
-        tracker = getattr(scaler, "_growth_tracker", None)
+        st = _compat.grad_scaler_state(self.scaler)
         with torch.no_grad():
             # The tensors that warm-up created lazily stay (the graph reads them); their values
             # go back to what the scaler starts with.
-            if isinstance(scale, torch.Tensor):
+            if st.scale is not None:
                 if self.scale is not None:
-                    scale.copy_(self.scale)
+                    st.scale.copy_(self.scale)
                 else:
-                    scale.fill_(float(getattr(scaler, "_init_scale", 2.0**16)))
-            if isinstance(tracker, torch.Tensor):
+                    st.scale.fill_(st.init_scale)
+            if st.growth_tracker is not None:
                 if self.tracker is not None:
-                    tracker.copy_(self.tracker)
+                    st.growth_tracker.copy_(self.tracker)
                 else:
-                    tracker.fill_(int(getattr(scaler, "_init_growth_tracker", 0)))
+                    st.growth_tracker.fill_(st.init_growth_tracker)
+        _compat.set_grad_scaler_state(self.scaler, self.per_optimizer)
 
 
 class StateKeeper:

@@ -167,9 +167,7 @@ def _warn_inner_hooks(module: torch.nn.Module, name: str) -> None:
     hooked = [
         sub_name
         for sub_name, sub in module.named_modules()
-        if sub is not module
-        and (sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks
-             or getattr(sub, "_backward_pre_hooks", None))
+        if sub is not module and _compat.module_hooks(sub)
     ]
     if hooked:
         log.warning(
