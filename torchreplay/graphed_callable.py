@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -502,9 +502,18 @@ class GraphedCallable:
                     c.requires_grad_(True)
                 ref_leaves[i] = c
         ref_args, ref_kwargs = _compat.tree_unflatten(ref_leaves, spec)
-        with keeper.discovering():
+        # The eager reference runs on clones of the module's buffers: autograd may save a buffer
+        # for backward (cuDNN's BatchNorm saves its running statistics), and restoring the
+        # originals in place afterwards would bump the version of what eager's backward reads.
+        with keeper.discovering(), _buffers_swapped(module) as swapped:
             ref_out = self._run_fn(*ref_args, **ref_kwargs)
-        eager_buffers = [(label, b, b.detach().clone()) for label, b in _named_buffers(keeper, module)]
+        eager_buffers = [(label, orig, clone) for label, orig, clone in swapped]
+        seen = {id(orig) for _, orig, _ in swapped}
+        eager_buffers += [
+            (label, b, b.detach().clone())
+            for label, b in _named_buffers(keeper, None)
+            if id(b) not in seen
+        ]
         keeper.restore()  # the graph replays from the state eager started from (buffers, RNG)
 
         verify = None
@@ -628,6 +637,34 @@ def _detached(tree: Any) -> Any:
     return _compat.tree_unflatten(
         [t.detach() if isinstance(t, _Tensor) else t for t in leaves], spec
     )
+
+
+@contextlib.contextmanager
+def _buffers_swapped(
+    module: torch.nn.Module | None,
+) -> Iterator[list[tuple[str, torch.Tensor, torch.Tensor]]]:
+    """Within the block, every buffer of ``module`` is replaced by a clone of itself.
+
+    Yields ``(label, original, clone)`` triples; afterwards the originals are registered again,
+    untouched (same storage, same version), and each clone holds what the block left in it.
+    """
+    swapped: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    places: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
+    if module is not None:
+        with torch.no_grad():
+            for mname, m in module.named_modules():
+                for bname, b in list(m._buffers.items()):
+                    if b is None:
+                        continue
+                    clone = b.clone()
+                    m._buffers[bname] = clone
+                    places.append((m, bname, b))
+                    swapped.append((f"'{mname + '.' if mname else ''}{bname}'", b, clone))
+    try:
+        yield swapped
+    finally:
+        for m, bname, b in places:
+            m._buffers[bname] = b
 
 
 def _named_buffers(keeper: StateKeeper, module: torch.nn.Module | None) -> list[tuple[str, torch.Tensor]]:

@@ -343,8 +343,9 @@ class Outputs:
         self.live: list[torch.UntypedStorage] = []
         self.stale_message = (
             f"StaleOutputError: this tensor is an output of the torchreplay graph '{name}', "
-            "and a later replay of that graph overwrote its memory. Call .clone() on outputs "
-            "you keep across calls, or create the graph with outputs='clone'."
+            "and a later replay (of that graph, or of a graph sharing its memory pool) "
+            "overwrote its memory. Call .clone() on outputs you keep across calls, or create "
+            "the graph with outputs='clone'."
         )
 
     def invalidate(self) -> None:

@@ -109,7 +109,8 @@ def test_graphing_leaves_state_as_found_then_n_steps_equal_n_eager() -> None:
 
     ref = copy.deepcopy(model)
     ref_opt = adamw(ref, 1e-3)
-    ref_opt.load_state_dict(opt.state_dict())
+    # a deep copy: load_state_dict keeps the very state tensors (step, exp_avg) it is given
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt_before = copy.deepcopy(opt.state_dict()["state"])
     grads_before = [p.grad.clone() for p in model.parameters()]
@@ -147,7 +148,12 @@ def test_bf16_autocast_inside_the_step() -> None:
     ref_step = make_step(ref, ref_opt, autocast=torch.bfloat16)
     for x, y in data:
         torch.testing.assert_close(step(x, y).clone(), ref_step(x, y).detach(), rtol=2e-2, atol=1e-3)
-    assert_same_state(model, ref, rtol=1e-3, atol=1e-4)
+    # Not bitwise: the graph reads the learning rate from a device tensor, which rounds Adam's
+    # update a little differently, and bf16 activations turn that into gradients that differ in
+    # their last bits. Adam normalises each update to about lr, so where a gradient is near zero
+    # such a difference moves a weight by up to ~lr (1e-3). A step that was not applied, or
+    # applied twice, is off by many lr over 20 steps.
+    assert_same_state(model, ref, rtol=1e-2, atol=5e-3)
 
 
 def test_fp16_with_grad_scaler_and_fused_adamw() -> None:

@@ -223,11 +223,18 @@ def test_out_of_order_replay_is_detected_naming_both_graphs() -> None:
     h = torch.randn(4, 16, device=DEV, requires_grad=True)
     tr.make_graphed_callables((f1, f2), ((torch.randn(4, 16, device=DEV),), (h,)))
 
-    # forward of callable 1 again while callable 2's backward is pending
+    # forward of callable 1 again while callable 2's output is alive: callable 1 was captured
+    # first, so its replay may overwrite callable 2's outputs, which now raise when read
     y = f2(f1(torch.randn(4, 16, device=DEV)))
     f1(torch.randn(4, 16, device=DEV))
+    with pytest.raises(RuntimeError, match="StaleOutputError.*sharing its memory pool"):
+        y.sum().item()
+
+    # ... and callable 2's pending backward (what its forward saved) is refused before it runs
+    loss = f2(f1(torch.randn(4, 16, device=DEV))).sum()
+    f1(torch.randn(4, 16, device=DEV))
     with pytest.raises(tr.StaleOutputError, match=r"backward of graphed 'Linear' cannot run: after its forward, a replay of 'Linear \(forward\)'"):
-        y.sum().backward()
+        loss.backward()
 
     # callable 1's backward before callable 2's
     y1 = f1(torch.randn(4, 16, device=DEV))
