@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import linecache
 import logging
 import os
@@ -258,6 +259,17 @@ def _user_location(frame: FrameType | None) -> tuple[str, int] | None:
     return None
 
 
+def _definition_location(fn: Any) -> tuple[str, int] | None:
+    """Where ``fn`` (or a module's class) is defined: the place to point at when no frame of the
+    call is user code (``torchreplay check`` calling a built-in model from the command line)."""
+    target = type(fn) if isinstance(fn, torch.nn.Module) else inspect.unwrap(fn)
+    try:
+        filename = inspect.getsourcefile(target)
+        return (filename, inspect.getsourcelines(target)[1]) if filename else None
+    except (TypeError, OSError):
+        return None
+
+
 @functools.lru_cache(maxsize=None)
 def _op_name(func: Any) -> str:
     return str(getattr(func, "overloadpacket", func))
@@ -424,7 +436,8 @@ def _name(fn: Any) -> str:
 def _run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
          swallow: bool) -> Report:
     previous = sys.getprofile()
-    recorder = _Recorder(_user_location(sys._getframe()) or ("<unknown>", 0), previous)
+    fallback = _user_location(sys._getframe()) or _definition_location(fn) or ("<unknown>", 0)
+    recorder = _Recorder(fallback, previous)
     # A C-level profiler (cProfile before Python 3.12) is not callable and could not be restored
     # through sys.setprofile, so leave it alone and see aten ops only.
     hook_python = previous is None or callable(previous)
