@@ -48,6 +48,7 @@ from torchreplay.capture import (
     owning_module,
     side_stream,
     user_frame,
+    warn_mode_changed,
 )
 from torchreplay.config import SAFE, BucketConfig, GraphConfig
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
@@ -541,14 +542,7 @@ class BucketedGraph:
         self.stats.fallbacks += 1
         if not self._warned_mode:
             self._warned_mode = True
-            mode = "training" if self._training else "eval"
-            log.warning(
-                "torchreplay: '%s' was captured in %s mode but the module is now in %s mode; "
-                "running eagerly (counted in stats.fallbacks). Graph it again in this mode.",
-                self.name,
-                mode,
-                "eval" if self._training else "training",
-            )
+            warn_mode_changed(self.name, self._training)
         return self.fn(*args, **kwargs)
 
     def _check_call(self, leaves: list[Any], n: int) -> None:

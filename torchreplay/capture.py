@@ -29,7 +29,16 @@ from torchreplay.config import GraphConfig
 from torchreplay.errors import CaptureError
 from torchreplay.pool import Pool
 
-__all__ = ["Captured", "capture", "side_stream", "StateSnapshot", "user_frame", "fn_name"]
+__all__ = [
+    "Captured",
+    "capture",
+    "side_stream",
+    "StateSnapshot",
+    "user_frame",
+    "fn_name",
+    "owning_module",
+    "warn_mode_changed",
+]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +66,18 @@ def fn_name(fn: Callable[..., Any]) -> str:
     if isinstance(fn, torch.nn.Module):
         return type(fn).__name__
     return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def warn_mode_changed(name: str, captured_training: bool) -> None:
+    """Log (once per graph: the caller keeps the flag) that a module's train/eval mode changed
+    since capture, so calls run eagerly."""
+    log.warning(
+        "torchreplay: '%s' was captured in %s mode but the module is now in %s mode; running "
+        "eagerly (counted in stats.fallbacks). Graph it again in this mode.",
+        name,
+        "training" if captured_training else "eval",
+        "eval" if captured_training else "training",
+    )
 
 
 def owning_module(fn: Callable[..., Any]) -> torch.nn.Module | None:

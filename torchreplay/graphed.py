@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, overload
 import torch
 
 from torchreplay import _compat
-from torchreplay.capture import StateSnapshot, capture, fn_name, owning_module, side_stream
+from torchreplay.capture import (
+    StateSnapshot,
+    capture,
+    fn_name,
+    owning_module,
+    side_stream,
+    warn_mode_changed,
+)
 from torchreplay.config import SAFE, GraphConfig
 from torchreplay.errors import CaptureError, UnsupportedError
 from torchreplay.io import Inputs, Outputs
@@ -107,18 +114,11 @@ class Graphed:
         if self._check_device and torch.cuda.current_device() != self._device_index:
             with torch.cuda.device(self._device_index):
                 return self._run(args, kwargs)
-        # The hot path, inlined (a Python call costs as much as a check). Copy-in first: an
-        # argument may be a previous output of this graph (y = g(y)), which must be read before
-        # the replay overwrites it and before it is marked stale.
-        self._inputs.copy_in(args, kwargs)
-        pool = self.pool
-        if pool.shared:
-            pool.before_replay(self._position)
-        self._replay()
-        self.stats.replays += 1
-        return self._outputs.emit()
+        return self._run(args, kwargs)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # Copy-in first: an argument may be a previous output of this graph (y = g(y)), which
+        # must be read before the replay overwrites it and before it is marked stale.
         self._inputs.copy_in(args, kwargs)
         if self.pool.shared:
             self.pool.before_replay(self._position)
@@ -134,14 +134,7 @@ class Graphed:
         self.stats.fallbacks += 1
         if not self._warned_fallback:
             self._warned_fallback = True
-            mode = "training" if self._training else "eval"
-            log.warning(
-                "torchreplay: '%s' was captured in %s mode but the module is now in %s mode; "
-                "running eagerly (counted in stats.fallbacks). Graph it again in this mode.",
-                self.name,
-                mode,
-                "eval" if self._training else "training",
-            )
+            warn_mode_changed(self.name, self._training)
         return self.fn(*args, **kwargs)
 
     def __repr__(self) -> str:

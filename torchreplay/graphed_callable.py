@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from torchreplay import _compat
-from torchreplay.capture import fn_name, owning_module
+from torchreplay.capture import fn_name, owning_module, warn_mode_changed
 from torchreplay.config import GraphConfig
 from torchreplay.errors import ReplayInputError, StaleOutputError, UnsupportedError
 from torchreplay.io import Inputs, Outputs
@@ -564,14 +564,7 @@ class GraphedCallable:
         self.stats.fallbacks += 1
         if not self._warned_fallback:
             self._warned_fallback = True
-            mode = "training" if self._training else "eval"
-            log.warning(
-                "torchreplay: '%s' was graphed in %s mode but the module is now in %s mode; "
-                "running its forward eagerly (counted in stats.fallbacks)",
-                self.name,
-                mode,
-                "eval" if self._training else "training",
-            )
+            warn_mode_changed(self.name, self._training)
         return self._run_fn(*args, **kwargs)
 
     def _autocast_message(self) -> str:
