@@ -134,7 +134,11 @@ def test_graphing_leaves_state_as_found_then_n_steps_equal_n_eager() -> None:
     ref_losses = [ref_step(x, y).detach() for x, y in data[2:]]
     for a, b in zip(losses, ref_losses):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
-    assert_same_state(model, ref, rtol=1e-3, atol=1e-4)
+    # cuDNN's convolution backward is not bitwise reproducible, and AdamW normalises each update
+    # to about lr (1e-3): where a gradient is near zero, a last-bit difference moves a weight by
+    # up to ~lr. Measured on an H100: 1 weight of 1176 off by 1.3e-4 after 10 steps. A missed or
+    # doubled step is off by several lr in most weights.
+    assert_same_state(model, ref, rtol=1e-3, atol=1e-3)
     for p, q in zip(model.parameters(), ref.parameters()):  # .grad as after an eager step
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4)
 
