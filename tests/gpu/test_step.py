@@ -139,8 +139,12 @@ def test_graphing_leaves_state_as_found_then_n_steps_equal_n_eager() -> None:
     # up to ~lr. Measured on an H100: 1 weight of 1176 off by 1.3e-4 after 10 steps. A missed or
     # doubled step is off by several lr in most weights.
     assert_same_state(model, ref, rtol=1e-3, atol=1e-3)
-    for p, q in zip(model.parameters(), ref.parameters()):  # .grad as after an eager step
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4)
+    # .grad as after an eager step: the gradient of the last step. The weights differ by up to
+    # ~lr (above), and gradients of a small BatchNorm CNN amplify that, so compare directions
+    # here; test_sgd_momentum_20_steps_equal_eager checks .grad to 1e-5 where steps are exact.
+    for p, q in zip(model.parameters(), ref.parameters()):
+        cos = F.cosine_similarity(p.grad.flatten(), q.grad.flatten(), dim=0)
+        assert cos > 0.99, (cos.item(), p.shape)
 
 
 def test_bf16_autocast_inside_the_step() -> None:
@@ -195,6 +199,8 @@ def test_sgd_momentum_20_steps_equal_eager() -> None:
     for x, y in data:
         torch.testing.assert_close(step(x, y).clone(), ref_step(x, y).detach(), **TOL)
     assert_same_state(model, ref)
+    for p, q in zip(model.parameters(), ref.parameters()):  # .grad is this step's, as in eager
+        torch.testing.assert_close(p.grad, q.grad, **TOL)
     opt.param_groups[0]["lr"] = 1e-3  # SGD without fused=True reads lr as a Python number
     with pytest.raises(tr.ReplayInputError, match=r"SGD.param_groups\[0\] changed 'lr' from 0.01 to 0.001"):
         step(*data[0])
