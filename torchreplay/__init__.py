@@ -19,8 +19,8 @@ from torchreplay.errors import (
     UnsupportedError,
     VerifyError,
 )
-from torchreplay.buckets import BucketedGraph, default_sizes
-from torchreplay.graphed import Graphed, graph
+from torchreplay.buckets import BucketedGraph, default_sizes, graph
+from torchreplay.graphed import Graphed
 from torchreplay.pool import Pool
 from torchreplay.stats import GraphStats
 from torchreplay.step import GraphedStep, graph_step

@@ -37,7 +37,7 @@ from torchreplay import _compat
 from torchreplay.capture import capture, fn_name, owning_module, side_stream
 from torchreplay.config import GraphConfig
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
-from torchreplay.graphed import _owned_by, infer_device, resolve_config, resolve_pool
+from torchreplay.graphed import owned_by, infer_device, resolve_config, resolve_pool
 from torchreplay.io import Inputs, Outputs
 from torchreplay.pool import Pool
 from torchreplay.state import StateKeeper, find_instances, referenced_objects
@@ -186,7 +186,7 @@ class GraphedStep:
         self._param_names = _param_names(self._params, roots, self.optimizers)
 
         leaves, spec = _compat.tree_flatten(captured.out)
-        owned = _owned_by(self.pool, self._inputs)
+        owned = owned_by(self.pool, self._inputs)
         out = _compat.tree_unflatten(
             [t.detach() if isinstance(t, _Tensor) and owned(t) else t for t in leaves], spec
         )

@@ -24,7 +24,7 @@ import torch
 from torchreplay import _compat
 from torchreplay.capture import capture, side_stream
 from torchreplay.config import GraphConfig
-from torchreplay.graphed import _owned_by, infer_device, resolve_config, resolve_pool
+from torchreplay.graphed import owned_by, infer_device, resolve_config, resolve_pool
 from torchreplay.graphed_callable import GraphedCallable, TrainingStats, _Order, _Pair
 from torchreplay.pool import Pool
 from torchreplay.state import StateKeeper
@@ -65,7 +65,7 @@ def _capture_pairs(
     for i in reversed(range(len(runners))):
         r, fwd = runners[i], forwards[i]
         leaves, spec = _compat.tree_flatten(fwd.out)
-        owned = _owned_by(pool, r._inputs)
+        owned = owned_by(pool, r._inputs)
         diff_idx = [
             j
             for j, o in enumerate(leaves)
