@@ -54,7 +54,7 @@ from torchreplay.capture import (
 from torchreplay.config import SAFE, BucketConfig, GraphConfig
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
 from torchreplay.graphed import Graphed, infer_device, resolve_config, resolve_pool
-from torchreplay.io import Inputs, Outputs, _same_constant, describe_tensor
+from torchreplay.io import Inputs, Outputs, _same_constant, conversion_fix, describe_tensor
 from torchreplay.pool import Pool
 from torchreplay.stats import GraphStats
 
@@ -606,12 +606,7 @@ class BucketedGraph:
                         plan.paths[self._lead], self._lead_dim, n, plan.paths[i], d, leaf.shape[d]
                     )
                 )
-            if leaf.dtype != slot.dtype:
-                fix = f"cast it with .to({slot.dtype})"
-            elif leaf.device != slot.device:
-                fix = f"move it with .to('{slot.device}')"
-            else:
-                fix = "pass a dense tensor (e.g. .to_dense())"
+            fix = conversion_fix(leaf, slot)
             return ReplayInputError(
                 f"{plan.paths[i]}: {describe_tensor(leaf)}, but the graph was captured with "
                 f"{describe_tensor(slot.static)} (dim {d} varies); {fix} (a graph never "

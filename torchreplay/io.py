@@ -78,6 +78,15 @@ def _matches(leaf: Any, shape: torch.Size, dtype: torch.dtype, device: int) -> b
         return False
 
 
+def conversion_fix(leaf: torch.Tensor, slot: _Slot) -> str:
+    """The fix for a tensor of the right shape but another dtype, device or layout."""
+    if leaf.dtype != slot.dtype:
+        return f"cast it with .to({slot.dtype})"
+    if leaf.device != slot.device:
+        return f"move it with .to('{slot.device}')"
+    return "pass a dense tensor (e.g. .to_dense())"
+
+
 class _Slot:
     """One flattened input leaf: a tensor with its static buffer, or a constant."""
 
@@ -236,12 +245,8 @@ class Inputs:
                 "pass a tensor of the captured shape, or graph with sizes=[...] "
                 "so that several sizes are captured"
             )
-        elif leaf.dtype != slot.dtype:
-            fix = f"cast it with .to({slot.dtype})"
-        elif leaf.device != slot.device:
-            fix = f"move it with .to('{slot.device}')"
         else:
-            fix = "pass a dense tensor (e.g. .to_dense())"
+            fix = conversion_fix(leaf, slot)
         return ReplayInputError(
             f"{slot.path}: {seen}, but the graph was captured with {captured}; {fix} "
             "(a graph never broadcasts or converts its inputs)"
