@@ -1,9 +1,10 @@
 """torchreplay: run any PyTorch callable as CUDA graphs, as fast as a hand-written graph and safe by
 default.
 
-Not public: every module and name that starts with ``_``, and ``torchreplay.io``,
-``torchreplay.capture``, ``torchreplay.pool``'s internals beyond :class:`Pool`. Importing
-torchreplay initialises no CUDA, writes no global torch config and patches nothing.
+Not public: every module and name that starts with ``_``, and the modules of ``core/``,
+``sizes/`` and ``training/`` beyond the names below (the README's architecture section says what
+each holds). ``torchreplay.bench`` is the benchmark suite of the command line, not the library.
+Importing torchreplay initialises no CUDA, writes no global torch config and patches nothing.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from torchreplay.errors import (
     UnsupportedError,
     VerifyError,
 )
-from torchreplay.buckets import BucketedGraph, default_sizes, graph
-from torchreplay.graphed import Graphed
-from torchreplay.pool import Pool
-from torchreplay.stats import GraphStats
-from torchreplay.step import GraphedStep, graph_step
-from torchreplay.training import GraphedCallable, make_graphed_callables
+from torchreplay.core.graphed import Graphed
+from torchreplay.core.pool import Pool
+from torchreplay.sizes.api import graph
+from torchreplay.sizes.bucketed import BucketedGraph
+from torchreplay.sizes.plan import default_sizes
+from torchreplay.stats import GraphStats, TrainingStats
+from torchreplay.training.callables import GraphedCallable, make_graphed_callables
+from torchreplay.training.step import GraphedStep, graph_step
 
 __version__ = "0.1.0"
 
@@ -46,6 +49,7 @@ __all__ = [
     "Report",
     "Finding",
     "GraphStats",
+    "TrainingStats",
     # options
     "config",
     # errors

@@ -91,7 +91,7 @@ def foreach_copy_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) ->
 # StorageImpl over the graph's output memory; when a later replay overwrites that memory we set an
 # access-error message on that storage, so any later read raises instead of returning stale data.
 # These are the bindings torch's own cudagraph trees use for the same purpose. They exist only in
-# CUDA builds; without them, HAS_CHECKED_OUTPUTS is False and graphed.py uses outputs="clone".
+# CUDA builds; without them, HAS_CHECKED_OUTPUTS is False and core/io.py uses outputs="clone".
 _construct_storage = getattr(torch._C, "_construct_storage_from_data_pointer", None)
 _construct_tensor = getattr(torch._C, "_construct_CUDA_Tensor_From_Storage_And_Metadata", None)
 _set_storage_error = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)

@@ -138,7 +138,7 @@ class Report(Sequence[Finding]):
 @dataclasses.dataclass(frozen=True)
 class _Rule:
     kind: str
-    reason: str  # a verb phrase: capture.py prints it right after the op name
+    reason: str  # a verb phrase: core/capture.py prints it right after the op name
     fix: str
 
 
@@ -234,7 +234,7 @@ _CODE_RULES: dict[CodeType, tuple[str, _Rule]] = {
     code: (name, rule) for name, rule in _PY_FUNCTIONS.items() if (code := _code_of(name))}
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # the package root
 # Built-in benchmark models are what `torchreplay check` runs on: point at their lines.
 _OWN_USER_DIR = _OWN_DIR + "models" + os.sep
 _STDLIB_WRAPPERS = frozenset(os.path.abspath(m.__file__) for m in (contextlib, functools))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-__all__ = ["GraphStats"]
+__all__ = ["GraphStats", "TrainingStats"]
 
 
 class GraphStats:
@@ -85,3 +85,35 @@ class GraphStats:
 
     def __repr__(self) -> str:
         return f"GraphStats({self.explain()})"
+
+
+class TrainingStats(GraphStats):
+    """:class:`~torchreplay.GraphStats` plus training counters.
+
+    Attributes:
+        backward_replays: backward graph replays.
+        verified: calls compared against eager (``verify=K``).
+    """
+
+    __slots__ = ("backward_replays", "verified")
+
+    def __init__(self, pool_bytes: Callable[[], int] | None = None) -> None:
+        super().__init__(pool_bytes)
+        self.backward_replays = 0
+        self.verified = 0
+
+    def as_dict(self) -> dict[str, object]:
+        d = super().as_dict()
+        d["backward_replays"] = self.backward_replays
+        d["verified"] = self.verified
+        return d
+
+    def explain(self) -> str:
+        text = super().explain()
+        extra = f"backward_replays={self.backward_replays}"
+        if self.verified:
+            extra += f" verified={self.verified}"
+        return f"{text}; {extra}"
+
+    def __repr__(self) -> str:
+        return f"TrainingStats({self.explain()})"

@@ -15,21 +15,27 @@ import torch
 import torch.nn as nn
 
 import torchreplay as tr
-from torchreplay import buckets
-from torchreplay.bucket_plan import (
+from torchreplay.core.args import CallArgs
+from torchreplay.core.capture import Captured
+from torchreplay.sizes import bucketed as buckets
+from torchreplay.sizes.outputs import plan_outputs
+from torchreplay.sizes.plan import (
     decide,
     default_sizes,
     format_sizes,
     narrow_leading,
-    plan_inputs,
-    plan_outputs,
     target_size,
 )
-from torchreplay.capture import Captured
+from torchreplay.sizes.plan import plan_inputs as _plan_inputs
 from torchreplay.config import BucketConfig
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
 
 # -- default sizes and size selection -----------------------------------------------------------
+
+
+def plan_inputs(fn, args, kwargs, dim=0, fill_value=0):
+    """The plan of a sample call given as (fn, args, kwargs)."""
+    return _plan_inputs(CallArgs(fn, args, kwargs), dim, fill_value)
 
 
 def test_default_sizes_are_vllms() -> None:
@@ -379,9 +385,9 @@ def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return Captured(_EagerGraph(fn, args, kwargs), out, 0.0)
 
     monkeypatch.setattr(buckets, "capture", fake_capture)
-    monkeypatch.setattr(buckets, "infer_device", lambda fn, a, k: torch.device("cpu"))
+    monkeypatch.setattr(buckets, "infer_device", lambda fn, call, device=None: torch.device("cpu"))
     monkeypatch.setattr(buckets, "side_stream", lambda device: None)
-    monkeypatch.setattr(buckets, "_on_side_stream", lambda s, d: contextlib.nullcontext())
+    monkeypatch.setattr(buckets, "on_side_stream", lambda s, d: contextlib.nullcontext())
     monkeypatch.setattr(buckets, "StateSnapshot", _Snapshot)
     return order
 
@@ -607,7 +613,7 @@ def test_graph_options_need_sizes() -> None:
 
 
 def test_llama_sizes_bench_row_pads_13_to_16() -> None:
-    from torchreplay import bench
+    from torchreplay.bench import inference as bench
 
     assert list(bench.LLAMA_SIZES) == default_sizes(32)
     padded = {b: target_size(bench.LLAMA_SIZES, b) for b in bench.LLAMA_SIZES_BATCHES}

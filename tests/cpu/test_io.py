@@ -1,4 +1,4 @@
-"""io.py on CPU tensors: pytree flattening, guards, copy-in, and every input error message."""
+"""core/io.py on CPU tensors: pytree flattening, guards, copy-in, and every input error message."""
 
 from __future__ import annotations
 
@@ -14,8 +14,13 @@ from torchreplay.errors import (
     TorchReplayError,
     UnsupportedError,
 )
-from torchreplay.io import Inputs, Outputs
+from torchreplay.core.args import CallArgs
+from torchreplay.core.io import Inputs as _Inputs, Outputs
 from torchreplay.stats import GraphStats
+
+
+def Inputs(fn, args, kwargs, device):  # noqa: N802 - the old signature, for these tests
+    return _Inputs(CallArgs(fn, args, kwargs), device)
 
 CPU = torch.device("cpu")
 

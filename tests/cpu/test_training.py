@@ -15,9 +15,9 @@ import torch.nn as nn
 
 import torchreplay as tr
 from torchreplay import _compat
-from torchreplay import optimizers as optim_mod
-from torchreplay import step as step_mod
-from torchreplay import training
+from torchreplay.training import callables as training
+from torchreplay.training import optimizers as optim_mod
+from torchreplay.training import step as step_mod
 from torchreplay.errors import (
     ReplayInputError,
     StaleOutputError,
@@ -25,9 +25,9 @@ from torchreplay.errors import (
     UnsupportedError,
     VerifyError,
 )
-from torchreplay.pool import Pool
-from torchreplay.state import StateKeeper, find_instances, reset_fresh_state
-from torchreplay.verify import Tolerance, check_close, check_tree, resolve_tolerance
+from torchreplay.core.pool import Pool
+from torchreplay.training.state import StateKeeper, find_instances, reset_fresh_state
+from torchreplay.training.verify import Tolerance, check_close, check_tree, resolve_tolerance
 
 CPU = torch.device("cpu")
 
@@ -553,7 +553,7 @@ def _emulated_capture_pairs(runners, *, device, pool, config):
 @pytest.fixture
 def emulated(monkeypatch):
     monkeypatch.setattr(training, "_capture_pairs", _emulated_capture_pairs)
-    monkeypatch.setattr(training, "infer_device", lambda fn, args, kwargs: CPU)
+    monkeypatch.setattr(training, "infer_device", lambda fn, call, device=None: CPU)
     yield
 
 
@@ -850,7 +850,7 @@ _capturing = step_mod._capturing
 @pytest.fixture
 def emulated_step(monkeypatch):
     monkeypatch.setattr(step_mod, "capture", _emulated_step_capture)
-    monkeypatch.setattr(step_mod, "infer_device", lambda fn, args, kwargs: CPU)
+    monkeypatch.setattr(step_mod, "infer_device", lambda fn, call, device=None: CPU)
     monkeypatch.setattr(step_mod, "side_stream", lambda device: None)
     yield
 

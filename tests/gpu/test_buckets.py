@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import torchreplay as tr
 from torchreplay import _compat
-from torchreplay.bucket_plan import target_size
+from torchreplay.sizes.plan import target_size
 from torchreplay.models.llama import LlamaConfig, build_llama
 
 pytestmark = [

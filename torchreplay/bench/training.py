@@ -1,6 +1,7 @@
 """Training benchmark rows (``mlp-train``, ``resnet50-train`` in :data:`torchreplay.bench.ROWS`).
 
-Each workload is one training call on fixed tensors, timed with :func:`torchreplay.bench.time_call`
+Each workload is one training call on fixed tensors, timed with
+:func:`torchreplay.bench.timing.time_call`
 like the inference rows, with autograd on:
 
 - ``fwd+bwd``: ``zero_grad(set_to_none=True)``, forward, loss, ``backward()``;
@@ -25,17 +26,17 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from torchreplay.bench import (
+from torchreplay.bench.timing import (
     EAGER,
     FLOOR,
     BenchOptions,
     Measurement,
     StepCallback,
-    _cuda_generator,
-    _release,
-    _short_reason,
-    _with_ratios,
+    cuda_generator,
+    release,
+    short_reason,
     time_call,
+    with_ratios,
 )
 
 __all__ = ["TORCH_MGC", "TR_MGC", "TR_STEP", "TRAINING_METHODS", "mlp_train_row", "resnet50_train_row"]
@@ -167,18 +168,18 @@ def measure_training(
             per_call, host, host_median = time_call(call, opts)
             raw.append(Measurement(w.row, w.name, shown, per_call, host, host_median))
         except Exception as exc:  # noqa: BLE001 - one failing method must not end the table
-            raw.append(Measurement(w.row, w.name, shown, error=_short_reason(exc)))
+            raw.append(Measurement(w.row, w.name, shown, error=short_reason(exc)))
         finally:
             call = None  # drop the graphs and their pools before the next method
-            _release()
-    return _with_ratios(raw)
+            release()
+    return with_ratios(raw)
 
 
 def _mlp_train_workloads() -> Iterator[TrainingWorkload]:
     from torchreplay.models.mlp import MLPConfig, build_mlp
 
     cfg, batch = MLPConfig(depth=24, width=512), 8
-    gen = _cuda_generator()
+    gen = cuda_generator()
     x = torch.randn(batch, cfg.width, device="cuda", generator=gen)  # [8, 512]
     target = torch.randn(batch, cfg.width, device="cuda", generator=gen)  # [8, 512]
     base = f"MLP {cfg.depth} x Linear({cfg.width}, {cfg.width})+ReLU, batch {batch}, fp32, training"
@@ -197,7 +198,7 @@ def _mlp_train_workloads() -> Iterator[TrainingWorkload]:
 def _resnet50_train_workloads() -> Iterator[TrainingWorkload]:
     from torchreplay.models.cnn import resnet50, resnet50_source
 
-    gen = _cuda_generator()
+    gen = cuda_generator()
     for batch in RESNET_TRAIN_BATCHES:
         x = torch.randn(batch, 3, 224, 224, device="cuda", generator=gen)  # [B, 3, 224, 224]
         labels = torch.randint(0, 1000, (batch,), device="cuda", generator=gen)  # [B]

@@ -1,4 +1,4 @@
-"""Graphed: one captured shape and its replay hot path (``tr.graph`` is in buckets.py)."""
+"""Graphed: one captured shape and its replay hot path (``tr.graph`` is in sizes/api.py)."""
 
 from __future__ import annotations
 
@@ -8,22 +8,14 @@ from typing import Any, Callable
 
 import torch
 
-from torchreplay import _compat
-from torchreplay.capture import (
-    StateSnapshot,
-    capture,
-    fn_name,
-    owning_module,
-    side_stream,
-    warn_mode_changed,
-)
 from torchreplay.config import SAFE, GraphConfig
-from torchreplay.errors import CaptureError, UnsupportedError
-from torchreplay.io import Inputs, Outputs
-from torchreplay.pool import Pool
+from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
+from torchreplay.core.capture import StateSnapshot, capture, side_stream, warn_mode_changed
+from torchreplay.core.io import Inputs, Outputs
+from torchreplay.core.pool import Pool
 from torchreplay.stats import GraphStats
 
-__all__ = ["Graphed", "owned_by", "resolve_config", "resolve_pool", "infer_device"]
+__all__ = ["Graphed", "owned_by", "resolve_config", "resolve_pool"]
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +44,22 @@ class Graphed:
         *,
         config: GraphConfig = SAFE,
         pool: Pool | None = None,
+        device: torch.device | int | str | None = None,
     ) -> None:
         self.fn = fn
         self.name = fn_name(fn)
         self.config = config
         self._module = owning_module(fn)
         self._training = self._module.training if self._module is not None else False
-        device = infer_device(fn, args, kwargs)
+        call = CallArgs(fn, args, kwargs)
+        device = infer_device(fn, call, device)
         self.device = device
         self.pool = pool if pool is not None else Pool(device)
         self.stats = GraphStats(self.pool.reserved_bytes)
         self._warned_fallback = False
 
-        self._inputs = Inputs(fn, args, kwargs, device)
+        self._inputs = Inputs(call, device)
+        del call  # it holds the caller's sample tensors
         self.static_args = self._inputs.static_args
         self.static_kwargs = self._inputs.static_kwargs
         self._stream = side_stream(device)
@@ -147,27 +142,6 @@ def owned_by(pool: Pool, inputs: Inputs) -> Callable[[torch.Tensor], bool]:
         return ptr in static_ptrs or any(lo <= ptr < hi for lo, hi in ranges)
 
     return owned
-
-
-def infer_device(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
-    """Return the CUDA device of the first CUDA tensor argument, else of the module's state."""
-    if not torch.cuda.is_available():
-        raise UnsupportedError(
-            "CUDA is not available: torchreplay captures CUDA graphs and needs a CUDA device; "
-            "on this machine use torchreplay.check(fn, *args) to see what would break capture"
-        )
-    for leaf in _compat.tree_flatten((args, kwargs))[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
-            return leaf.device
-    module = owning_module(fn)
-    if module is not None:
-        for t in [*module.parameters(), *module.buffers()]:
-            if t.is_cuda:
-                return t.device
-    raise CaptureError(
-        f"'{fn_name(fn)}' gets no CUDA tensor (arguments and module state are all on the CPU); "
-        "a graph of it would be empty. Move the module and its inputs to a CUDA device first"
-    )
 
 
 def resolve_config(config: GraphConfig | None, **options: Any) -> GraphConfig:

@@ -10,16 +10,30 @@ the call number.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from torchreplay import _compat
 from torchreplay.errors import VerifyError
+from torchreplay.training.state import StateKeeper
 
-__all__ = ["Tolerance", "resolve_tolerance", "tolerance_for", "check_close", "check_tree"]
+__all__ = [
+    "Tolerance",
+    "resolve_tolerance",
+    "tolerance_for",
+    "check_close",
+    "check_tree",
+    "check_verify",
+    "detached",
+    "buffers_swapped",
+    "named_buffers",
+]
+
+_Tensor = torch.Tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +73,7 @@ def resolve_tolerance(verify_tol: Any) -> Tolerance | None:
     if isinstance(verify_tol, (tuple, list)) and len(verify_tol) == 2:
         return Tolerance(*verify_tol)
     raise ValueError(
-        f"verify_tol must be None, (rtol, atol) or a torchreplay.verify.Tolerance, got {verify_tol!r}"
+        f"verify_tol must be None, (rtol, atol) or a torchreplay.training.verify.Tolerance, got {verify_tol!r}"
     )
 
 
@@ -196,3 +210,65 @@ def check_tree(
         )
     for (path, g), w in zip(got_leaves, want_leaves):
         check_close(prefix + _compat.keystr(path), g, w, call=call, name=name, tol=tol)
+
+
+def check_verify(verify: Any) -> int:
+    """Validate ``verify=`` (an int >= 0) and return it."""
+    if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
+        raise ValueError(
+            f"verify must be an int >= 0 (how many first calls to compare with eager), got {verify!r}"
+        )
+    return verify
+
+
+# -- the eager reference's own copies ------------------------------------------------------------
+
+
+def detached(tree: Any) -> Any:
+    leaves, spec = _compat.tree_flatten(tree)
+    return _compat.tree_unflatten(
+        [t.detach() if isinstance(t, _Tensor) else t for t in leaves], spec
+    )
+
+
+@contextlib.contextmanager
+def buffers_swapped(
+    module: torch.nn.Module | None,
+) -> Iterator[list[tuple[str, torch.Tensor, torch.Tensor]]]:
+    """Within the block, every buffer of ``module`` is replaced by a clone of itself.
+
+    Yields ``(label, original, clone)`` triples; afterwards the originals are registered again,
+    untouched (same storage, same version), and each clone holds what the block left in it.
+    """
+    swapped: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    places: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
+    if module is not None:
+        with torch.no_grad():
+            for mname, m in module.named_modules():
+                for bname, b in list(m._buffers.items()):
+                    if b is None:
+                        continue
+                    clone = b.clone()
+                    m._buffers[bname] = clone
+                    places.append((m, bname, b))
+                    swapped.append((f"'{mname + '.' if mname else ''}{bname}'", b, clone))
+    try:
+        yield swapped
+    finally:
+        for m, bname, b in places:
+            m._buffers[bname] = b
+
+
+def named_buffers(keeper: StateKeeper, module: torch.nn.Module | None) -> list[tuple[str, torch.Tensor]]:
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    if module is not None:
+        for name, b in module.named_buffers():
+            out.append((f"'{name}'", b))
+            seen.add(id(b))
+    for m in keeper.modules:
+        for name, b in m.named_buffers(recurse=False):
+            if id(b) not in seen:
+                seen.add(id(b))
+                out.append((f"'{name}' of {type(m).__name__}", b))
+    return out

@@ -3,8 +3,9 @@ callable's forward and backward graphs, and the autograd node that joins them.
 
 A call ``y = f(x)`` of a graphed callable:
 
-1. checks the arguments against the capture and copies tensors into static buffers (io.Inputs);
-2. replays the forward graph and hands the outputs out under the output policy (io.Outputs);
+1. checks the arguments against the capture and copies tensors into static buffers
+   (core/io.py, Inputs);
+2. replays the forward graph and hands the outputs out under the output policy (Outputs);
 3. attaches one ``torch.autograd.Function`` node to the differentiable outputs, whose inputs are
    the caller's tensors and every tensor the callable differentiates into (its module's
    parameters, and any other leaf found in its autograd graph at capture);
@@ -19,7 +20,7 @@ Replay order. Graphs captured into one pool (the callables of one call share one
 are captured forward 1..N, then backward N..1. A forward's saved activations live in the pool
 from its replay until its backward reads them; a graph captured before that forward or after that
 backward may use the same memory as scratch. Each forward replay therefore opens a
-:class:`~torchreplay.pool.LiveWindow`; a replay at any position outside it marks it clobbered,
+:class:`~torchreplay.core.pool.LiveWindow`; a replay at any position outside it marks it clobbered,
 and the backward that would read clobbered activations raises
 :class:`~torchreplay.StaleOutputError` naming both graphs instead of computing wrong gradients.
 The replay that clobbers is not itself an error: the pending backward may never run (its outputs
@@ -33,57 +34,33 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 from torchreplay import _compat
-from torchreplay.capture import fn_name, owning_module, warn_mode_changed
 from torchreplay.config import GraphConfig
+from torchreplay.core.args import CallArgs, fn_name, owning_module
+from torchreplay.core.capture import warn_mode_changed
+from torchreplay.core.io import Inputs, Outputs
+from torchreplay.core.pool import LiveWindow, Pool
 from torchreplay.errors import ReplayInputError, StaleOutputError, UnsupportedError
-from torchreplay.io import Inputs, Outputs
-from torchreplay.pool import LiveWindow, Pool
-from torchreplay.state import StateKeeper
-from torchreplay.stats import GraphStats
-from torchreplay.verify import Tolerance, check_close, check_tree
+from torchreplay.stats import TrainingStats
+from torchreplay.training.state import StateKeeper
+from torchreplay.training.verify import (
+    Tolerance,
+    buffers_swapped,
+    check_close,
+    check_tree,
+    detached,
+    named_buffers,
+)
 
 __all__ = ["GraphedCallable", "TrainingStats"]
 
 log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
-
-
-class TrainingStats(GraphStats):
-    """:class:`~torchreplay.GraphStats` plus training counters.
-
-    Attributes:
-        backward_replays: backward graph replays.
-        verified: calls compared against eager (``verify=K``).
-    """
-
-    __slots__ = ("backward_replays", "verified")
-
-    def __init__(self, pool_bytes: Callable[[], int] | None = None) -> None:
-        super().__init__(pool_bytes)
-        self.backward_replays = 0
-        self.verified = 0
-
-    def as_dict(self) -> dict[str, object]:
-        d = super().as_dict()
-        d["backward_replays"] = self.backward_replays
-        d["verified"] = self.verified
-        return d
-
-    def explain(self) -> str:
-        text = super().explain()
-        extra = f"backward_replays={self.backward_replays}"
-        if self.verified:
-            extra += f" verified={self.verified}"
-        return f"{text}; {extra}"
-
-    def __repr__(self) -> str:
-        return f"TrainingStats({self.explain()})"
 
 
 class _Member:
@@ -180,9 +157,11 @@ class GraphedCallable:
         self.pool: Pool | None = None
         self.stats = TrainingStats()
 
+        call = CallArgs(self._run_fn, args, kwargs)
         with torch.no_grad():  # static buffers are fresh leaves, not copies tracked by autograd
-            self._inputs = Inputs(self._run_fn, args, kwargs, device)
-        sample_leaves = _compat.tree_flatten((tuple(args), dict(kwargs)))[0]
+            self._inputs = Inputs(call, device)
+        sample_leaves = call.leaves
+        del call
         slots = self._inputs.slots
         self._tensor_idx = [i for i, s in enumerate(slots) if s.static is not None]
         self._sample_req = [
@@ -505,13 +484,13 @@ class GraphedCallable:
         # The eager reference runs on clones of the module's buffers: autograd may save a buffer
         # for backward (cuDNN's BatchNorm saves its running statistics), and restoring the
         # originals in place afterwards would bump the version of what eager's backward reads.
-        with keeper.discovering(), _buffers_swapped(module) as swapped:
+        with keeper.discovering(), buffers_swapped(module) as swapped:
             ref_out = self._run_fn(*ref_args, **ref_kwargs)
         eager_buffers = [(label, orig, clone) for label, orig, clone in swapped]
         seen = {id(orig) for _, orig, _ in swapped}
         eager_buffers += [
             (label, b, b.detach().clone())
-            for label, b in _named_buffers(keeper, None)
+            for label, b in named_buffers(keeper, None)
             if id(b) not in seen
         ]
         keeper.restore()  # the graph replays from the state eager started from (buffers, RNG)
@@ -530,7 +509,7 @@ class GraphedCallable:
                         ref_ins.append(self._surface_t[pos - n_leaves])
                 verify = (ref_diff, ref_ins, call)
         out = self._run(args, kwargs, verify)
-        check_tree("output", out, _detached(ref_out), call=call, name=self.name, tol=self._tol)
+        check_tree("output", out, detached(ref_out), call=call, name=self.name, tol=self._tol)
         for label, b, want in eager_buffers:
             check_close(f"buffer {label}", b, want, call=call, name=self.name, tol=self._tol)
         self.stats.verified += 1
@@ -623,53 +602,3 @@ def _next_sequence_nr() -> int:
     """The sequence number that autograd's next node on this thread will exceed."""
     probe = torch.empty((), device="cpu", requires_grad=True).clone()
     return _compat.sequence_nr(probe.grad_fn)
-
-
-def _detached(tree: Any) -> Any:
-    leaves, spec = _compat.tree_flatten(tree)
-    return _compat.tree_unflatten(
-        [t.detach() if isinstance(t, _Tensor) else t for t in leaves], spec
-    )
-
-
-@contextlib.contextmanager
-def _buffers_swapped(
-    module: torch.nn.Module | None,
-) -> Iterator[list[tuple[str, torch.Tensor, torch.Tensor]]]:
-    """Within the block, every buffer of ``module`` is replaced by a clone of itself.
-
-    Yields ``(label, original, clone)`` triples; afterwards the originals are registered again,
-    untouched (same storage, same version), and each clone holds what the block left in it.
-    """
-    swapped: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-    places: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
-    if module is not None:
-        with torch.no_grad():
-            for mname, m in module.named_modules():
-                for bname, b in list(m._buffers.items()):
-                    if b is None:
-                        continue
-                    clone = b.clone()
-                    m._buffers[bname] = clone
-                    places.append((m, bname, b))
-                    swapped.append((f"'{mname + '.' if mname else ''}{bname}'", b, clone))
-    try:
-        yield swapped
-    finally:
-        for m, bname, b in places:
-            m._buffers[bname] = b
-
-
-def _named_buffers(keeper: StateKeeper, module: torch.nn.Module | None) -> list[tuple[str, torch.Tensor]]:
-    out: list[tuple[str, torch.Tensor]] = []
-    seen: set[int] = set()
-    if module is not None:
-        for name, b in module.named_buffers():
-            out.append((f"'{name}'", b))
-            seen.add(id(b))
-    for m in keeper.modules:
-        for name, b in m.named_buffers(recurse=False):
-            if id(b) not in seen:
-                seen.add(id(b))
-                out.append((f"'{name}' of {type(m).__name__}", b))
-    return out

@@ -2,8 +2,9 @@
 dimensions vary and with what they are padded, which output dimensions are sliced back, and what a
 call whose size has no graph does.
 
-:mod:`torchreplay.buckets` runs these plans on the GPU; everything here works on any tensors, so
-the CPU tests check it exactly.
+:mod:`torchreplay.sizes.bucketed` runs these plans on the GPU; everything here works on any
+tensors, so the CPU tests check it exactly. How outputs are sliced back is in
+:mod:`torchreplay.sizes.outputs`.
 
 Vocabulary: a call's *size* ``n`` is the length of its varying dimensions (all varying dimensions
 share it); the graph that serves it was captured at the *target* size ``s``, the smallest captured
@@ -20,8 +21,8 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.config import BucketConfig
-from torchreplay.errors import ReplayInputError, UnsupportedError
-from torchreplay.io import _format_path, _param_names, _same_constant
+from torchreplay.core.args import CallArgs
+from torchreplay.errors import ReplayInputError
 
 __all__ = [
     "default_sizes",
@@ -30,9 +31,6 @@ __all__ = [
     "DimSpec",
     "InputPlan",
     "plan_inputs",
-    "OutputLeaf",
-    "OutputPlan",
-    "plan_outputs",
     "narrow_leading",
     "Decision",
     "decide",
@@ -101,7 +99,7 @@ def narrow_leading(t: torch.Tensor, dims: Sequence[int], n: int) -> torch.Tensor
 
 @dataclasses.dataclass(frozen=True)
 class InputPlan:
-    """Per flattened argument leaf (in the order of :class:`~torchreplay.io.Inputs`): its name in
+    """Per flattened argument leaf (in the order of :class:`~torchreplay.core.args.CallArgs`): its name in
     messages, its varying dimension and its fill value.
 
     Attributes:
@@ -238,17 +236,14 @@ def _is_fill(v: Any) -> bool:
 
 
 def plan_inputs(
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
+    call: CallArgs,
     dim: DimSpec = 0,
     fill_value: FillSpec = 0,
 ) -> InputPlan:
     """Resolve ``dim`` and ``fill_value`` against the sample call's arguments.
 
     Args:
-        fn: the callable (its signature names positional arguments).
-        args, kwargs: the sample call.
+        call: the sample call, flattened (its parameter names name positional arguments).
         dim: one int for every tensor argument; or a dict keyed by parameter name (or positional
             index) with an int, ``None`` (static) or a nested spec per argument. Arguments a dict
             does not name are static.
@@ -262,12 +257,13 @@ def plan_inputs(
         ReplayInputError: a spec names an unknown argument, a dim is out of range or lands on a
             non-tensor, no argument varies, or the sample's varying dimensions disagree.
     """
-    names = _param_names(fn)
-    flat, _ = _compat.tree_flatten_with_path((tuple(args), dict(kwargs)))
-    paths = tuple(_format_path(p, names) for p, _ in flat)
+    names = call.names
+    nargs, kw_names = call.nargs, list(call.kw_keys)
+    flat = list(zip(call.keypaths, call.leaves))
+    paths = tuple(call.paths)
 
     if isinstance(dim, Mapping):
-        dim_specs = _argument_specs(dim, "dim", len(args), list(kwargs), names)
+        dim_specs = _argument_specs(dim, "dim", nargs, kw_names, names)
     elif dim is None or _is_dim(dim):
         dim_specs = None
     else:
@@ -276,7 +272,7 @@ def plan_inputs(
             f"{{'input_ids': 0, 'cache': None}}), got {dim!r}"
         )
     if isinstance(fill_value, Mapping):
-        fill_specs = _argument_specs(fill_value, "fill_value", len(args), list(kwargs), names)
+        fill_specs = _argument_specs(fill_value, "fill_value", nargs, kw_names, names)
     elif _is_fill(fill_value):
         fill_specs = None
     else:
@@ -382,158 +378,6 @@ def _check_fill(f: Any, leaf: torch.Tensor, where: str) -> int | float | bool:
             "whole number; give an int (a valid index or id, e.g. 0 or a padding token)"
         )
     return int(f)
-
-
-# -- outputs ----------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class OutputLeaf:
-    """How one output leaf is handed back at a size.
-
-    ``kind``:
-        ``"owned"``: a tensor the call computes; each graph copies it into the shared output
-        buffer (``shape`` at the largest size), and calls get its leading slice.
-        ``"external"``: a tensor of the module's state or a static argument's buffer (a KV cache
-        updated in place); returned as it is, sliced along ``dims``.
-        ``"constant"``: a non-tensor value, returned as it is.
-        ``"size"``: a Python int equal to the size; returned as the call's size.
-    """
-
-    kind: Literal["owned", "external", "constant", "size"]
-    path: str
-    dims: tuple[int, ...] = ()
-    shape: tuple[int, ...] = ()
-    dtype: torch.dtype | None = None
-    value: Any = None
-
-    def shape_at(self, n: int) -> tuple[int, ...]:
-        """The leaf's shape in a call of size ``n``."""
-        out = list(self.shape)
-        for d in self.dims:
-            out[d] = n
-        return tuple(out)
-
-
-@dataclasses.dataclass(frozen=True)
-class OutputPlan:
-    """The output structure and how each leaf is handed back (see :class:`OutputLeaf`)."""
-
-    spec: Any
-    leaves: tuple[OutputLeaf, ...]
-    size: int  # the size the shapes are given at
-
-    @property
-    def owned(self) -> list[int]:
-        return [i for i, leaf in enumerate(self.leaves) if leaf.kind == "owned"]
-
-    @property
-    def external(self) -> list[int]:
-        return [i for i, leaf in enumerate(self.leaves) if leaf.kind == "external"]
-
-    def mismatch(self, out: Any, n: int) -> str | None:
-        """Return why ``out`` (the callable's output at size ``n``) does not fit the plan, or None."""
-        leaves, spec = _compat.tree_flatten(out)
-        if spec != self.spec:
-            return f"the output structure {spec} differs from {self.spec} at size {self.size}"
-        for leaf, plan in zip(leaves, self.leaves):
-            if plan.kind in ("owned", "external"):
-                if not isinstance(leaf, _Tensor):
-                    return f"{plan.path} is {type(leaf).__name__}, not a tensor as at size {self.size}"
-                if tuple(leaf.shape) != plan.shape_at(n) or leaf.dtype != plan.dtype:
-                    return (
-                        f"{plan.path} has shape {tuple(leaf.shape)} {leaf.dtype} at size {n}; "
-                        f"expected {plan.shape_at(n)} {plan.dtype} from its shape at size {self.size}"
-                    )
-        return None
-
-
-def plan_outputs(
-    big_out: Any,
-    big: int,
-    small_out: Any,
-    small: int | None,
-    is_external: Callable[[torch.Tensor], bool],
-) -> OutputPlan:
-    """Learn how outputs are sliced from the callable's outputs at two sizes.
-
-    A tensor dimension is sliced when it equals the size at both sizes; every other dimension
-    must be the same at both.
-
-    Args:
-        big_out: the output at size ``big`` (the largest size).
-        small_out, small: the output at another size ``small < big``; ``small=None`` when only
-            one size exists and it is 1 (nothing is ever sliced then).
-        is_external: True for a tensor whose memory is the module's state or a static argument.
-
-    Raises:
-        UnsupportedError: the outputs at the two sizes differ in structure, in a non-tensor value
-            (other than the size itself), or in a dimension that does not equal the size.
-    """
-    flat, spec = _compat.tree_flatten_with_path(big_out)
-    paths = ["output" + _compat.keystr(p) for p, _ in flat]
-    big_leaves = [leaf for _, leaf in flat]
-    if small is not None:
-        small_leaves, small_spec = _compat.tree_flatten(small_out)
-        if small_spec != spec:
-            raise UnsupportedError(
-                f"the output structure differs between size {big} ({spec}) and size {small} "
-                f"({small_spec}); a graph with sizes= needs the same structure at every size"
-            )
-    else:
-        small_leaves = big_leaves
-    leaves: list[OutputLeaf] = []
-    for path, a, b in zip(paths, big_leaves, small_leaves):
-        if isinstance(a, _Tensor):
-            if not isinstance(b, _Tensor) or a.dim() != b.dim() or a.dtype != b.dtype:
-                raise UnsupportedError(
-                    f"{path} is {_describe(a)} at size {big} but {_describe(b)} at size {small}; "
-                    "a graph with sizes= needs the same kind of output at every size"
-                )
-            dims: tuple[int, ...] = ()
-            if small is not None:
-                dims = tuple(
-                    d for d in range(a.dim()) if a.shape[d] == big and b.shape[d] == small
-                )
-                other = [d for d in range(a.dim()) if d not in dims and a.shape[d] != b.shape[d]]
-                if other:
-                    raise UnsupportedError(
-                        f"{path} has shape {tuple(a.shape)} at size {big} but {tuple(b.shape)} at "
-                        f"size {small}: dim {other[0]} changes with the size without being equal "
-                        "to it, so it cannot be sliced back; return outputs whose size-dependent "
-                        "dimensions equal the size (e.g. [B, ...], not flattened to [B * T])"
-                    )
-            external = is_external(a)
-            if small is not None and is_external(b) != external:
-                raise UnsupportedError(
-                    f"{path} is module state at one size and a new tensor at the other; return "
-                    "the same kind of tensor at every size"
-                )
-            leaves.append(
-                OutputLeaf(
-                    "external" if external else "owned",
-                    path,
-                    dims,
-                    tuple(a.shape),
-                    a.dtype,
-                )
-            )
-        elif small is not None and type(a) is int and a == big and type(b) is int and b == small:
-            leaves.append(OutputLeaf("size", path))
-        else:
-            if small is not None and not _same_constant(a, b):
-                raise UnsupportedError(
-                    f"{path} is {a!r} at size {big} but {b!r} at size {small}; a non-tensor output "
-                    "is captured as a constant and must not depend on the size: return a tensor"
-                )
-            leaves.append(OutputLeaf("constant", path, value=a))
-    return OutputPlan(spec, tuple(leaves), big)
-
-
-def _describe(x: Any) -> str:
-    if isinstance(x, _Tensor):
-        return f"a {x.dim()}-dim {str(x.dtype).removeprefix('torch.')} tensor"
-    return type(x).__name__
 
 
 # -- what a call of each size does ------------------------------------------------------------

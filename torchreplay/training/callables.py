@@ -2,7 +2,7 @@
 a drop-in superset of ``torch.cuda.make_graphed_callables``.
 
 This module checks the arguments, captures the graphs and hands them to
-:class:`~torchreplay.graphed_callable.GraphedCallable` (the replay side: argument guards, the
+:class:`~torchreplay.training.graphed_callable.GraphedCallable` (the replay side: argument guards, the
 autograd node, gradient accumulation, replay order).
 
 Capture follows torch's rule for graphs that share a pool: each callable is warmed up (forward and
@@ -22,15 +22,17 @@ from typing import Any, Callable, Sequence, overload
 import torch
 
 from torchreplay import _compat
-from torchreplay.capture import capture, side_stream
 from torchreplay.config import GraphConfig
-from torchreplay.graphed import owned_by, infer_device, resolve_config, resolve_pool
-from torchreplay.graphed_callable import GraphedCallable, TrainingStats, _Order, _Pair
-from torchreplay.pool import Pool
-from torchreplay.state import StateKeeper
-from torchreplay.verify import resolve_tolerance
+from torchreplay.core.args import CallArgs, infer_device
+from torchreplay.core.capture import capture, side_stream
+from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
+from torchreplay.core.pool import Pool
+from torchreplay.stats import TrainingStats
+from torchreplay.training.graphed_callable import GraphedCallable, _Order, _Pair
+from torchreplay.training.state import StateKeeper
+from torchreplay.training.verify import check_verify, resolve_tolerance
 
-__all__ = ["make_graphed_callables", "GraphedCallable", "TrainingStats", "check_verify"]
+__all__ = ["make_graphed_callables", "GraphedCallable", "TrainingStats"]
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +323,7 @@ def make_graphed_callables(
         num_warmup_iters=num_warmup_iters,
         capture_error_mode=capture_error_mode,
     )
-    devices = [infer_device(fn, a, k) for fn, a, k in zip(fns, args_list, kwargs_list)]
+    devices = [infer_device(fn, CallArgs(fn, a, k)) for fn, a, k in zip(fns, args_list, kwargs_list)]
     device = devices[0]
     for i, d in enumerate(devices):
         if d != device:
@@ -356,15 +358,6 @@ def make_graphed_callables(
         else:
             results.append(r)
     return results[0] if single else tuple(results)
-
-
-def check_verify(verify: Any) -> int:
-    """Validate ``verify=`` (an int >= 0) and return it."""
-    if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
-        raise ValueError(
-            f"verify must be an int >= 0 (how many first calls to compare with eager), got {verify!r}"
-        )
-    return verify
 
 
 def _check_distinct_modules(fns: Sequence[Any]) -> None:

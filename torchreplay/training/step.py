@@ -34,23 +34,30 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from torchreplay import _compat
-from torchreplay.capture import capture, fn_name, owning_module, side_stream
 from torchreplay.config import GraphConfig
+from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
+from torchreplay.core.capture import capture, side_stream
+from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
+from torchreplay.core.io import Inputs, Outputs
+from torchreplay.core.pool import Pool
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
-from torchreplay.graphed import owned_by, infer_device, resolve_config, resolve_pool
-from torchreplay.io import Inputs, Outputs
-from torchreplay.pool import Pool
-from torchreplay.state import StateKeeper, find_instances, referenced_objects
-from torchreplay.graphed_callable import TrainingStats, _capturing
-from torchreplay.optimizers import (
+from torchreplay.stats import TrainingStats
+from torchreplay.training.graphed_callable import _capturing
+from torchreplay.training.optimizers import (
     GroupGuard,
     LrSlot,
     check_optimizer,
     check_scaler_support,
     reads_lr_tensor,
 )
-from torchreplay.training import check_verify
-from torchreplay.verify import Tolerance, check_close, check_tree, resolve_tolerance
+from torchreplay.training.state import StateKeeper, find_instances, referenced_objects
+from torchreplay.training.verify import (
+    Tolerance,
+    check_close,
+    check_tree,
+    check_verify,
+    resolve_tolerance,
+)
 
 __all__ = ["graph_step", "GraphedStep", "check_optimizer", "check_scaler_support"]
 
@@ -104,12 +111,14 @@ class GraphedStep:
             check_optimizer(opt)
             if self._scalers:
                 check_scaler_support(opt)
-        device = _step_device(step_fn, args, kwargs, optimizers)
+        call = CallArgs(step_fn, args, kwargs)
+        device = _step_device(step_fn, call, optimizers)
         self.device = device
         self.pool = pool if pool is not None else Pool(device)
         self.stats = TrainingStats(self.pool.reserved_bytes)
         with torch.no_grad():
-            self._inputs = Inputs(step_fn, args, kwargs, device)
+            self._inputs = Inputs(call, device)
+        del call  # it holds the caller's sample tensors
         self.static_args = self._inputs.static_args
         self.static_kwargs = self._inputs.static_kwargs
 
@@ -426,12 +435,11 @@ def _param_names(
 
 def _step_device(
     step_fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    call: CallArgs,
     optimizers: Iterable[torch.optim.Optimizer],
 ) -> torch.device:
     try:
-        return infer_device(step_fn, args, kwargs)
+        return infer_device(step_fn, call)
     except CaptureError:
         for opt in optimizers:
             for group in opt.param_groups:

@@ -26,24 +26,25 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.config import GraphConfig
+from torchreplay.core.args import fn_name
+from torchreplay.core.pool import Pool
 from torchreplay.errors import CaptureError
-from torchreplay.pool import Pool
 
 __all__ = [
     "Captured",
     "capture",
     "side_stream",
+    "on_side_stream",
     "StateSnapshot",
     "user_frame",
-    "fn_name",
-    "owning_module",
     "warn_mode_changed",
 ]
 
 log = logging.getLogger(__name__)
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_OUR_DIR = os.path.dirname(os.path.abspath(__file__))
+# The package root (this file is in torchreplay/core/): frames of ours are not the user's line.
+_OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # One side stream per device for every warm-up and capture in the process. A resource cache, not
@@ -61,13 +62,6 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def fn_name(fn: Callable[..., Any]) -> str:
-    """A short name for ``fn`` in messages: ``'MLP'``, ``'decode_step'``."""
-    if isinstance(fn, torch.nn.Module):
-        return type(fn).__name__
-    return getattr(fn, "__qualname__", None) or type(fn).__name__
-
-
 def warn_mode_changed(name: str, captured_training: bool) -> None:
     """Log (once per graph: the caller keeps the flag) that a module's train/eval mode changed
     since capture, so calls run eagerly."""
@@ -78,14 +72,6 @@ def warn_mode_changed(name: str, captured_training: bool) -> None:
         "training" if captured_training else "eval",
         "eval" if captured_training else "training",
     )
-
-
-def owning_module(fn: Callable[..., Any]) -> torch.nn.Module | None:
-    """The module whose state ``fn`` uses: ``fn`` itself, or the ``self`` of a bound method."""
-    if isinstance(fn, torch.nn.Module):
-        return fn
-    owner = getattr(fn, "__self__", None)
-    return owner if isinstance(owner, torch.nn.Module) else None
 
 
 def user_frame(tb: Any) -> tuple[str, int, str] | None:
@@ -139,7 +125,7 @@ class Captured:
 
 
 @contextlib.contextmanager
-def _on_side_stream(stream: torch.cuda.Stream, device: torch.device) -> Iterator[None]:
+def on_side_stream(stream: torch.cuda.Stream, device: torch.device) -> Iterator[None]:
     """Run the block on ``stream``, joined to the caller's stream before and after."""
     with torch.cuda.device(device):
         caller = torch.cuda.current_stream(device)
@@ -204,7 +190,7 @@ def capture(
     pool.bind_device(device)
     start = time.perf_counter()
     grad_ctx = torch.enable_grad if grad else torch.no_grad
-    with _on_side_stream(stream, device), grad_ctx():
+    with on_side_stream(stream, device), grad_ctx():
         if warmup:
             for i in range(config.num_warmup_iters):
                 try:
@@ -319,7 +305,7 @@ def _capture_error(
         )
     finding = None
     if config.diagnose:
-        from torchreplay.check import diagnose  # check.py imports nothing of capture
+        from torchreplay.check import diagnose  # check.py imports nothing of core/
 
         try:
             report = diagnose(fn, args, kwargs)

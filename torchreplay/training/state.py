@@ -101,7 +101,7 @@ def reset_fresh_state(
     The tensors stay the same objects (a captured graph updates them in place); only their
     values change. Every entry is zero when created except those in ``_FRESH``. SGD's
     momentum buffer is special: torch creates it as a copy of the first gradient, which a zero
-    buffer reproduces only with ``dampening=0`` (:func:`torchreplay.step.check_optimizer` refuses
+    buffer reproduces only with ``dampening=0`` (:func:`torchreplay.training.optimizers.check_optimizer` refuses
     the other case).
     """
     with torch.no_grad():

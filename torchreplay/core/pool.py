@@ -22,6 +22,8 @@ from typing import Protocol
 
 import torch
 
+from torchreplay.errors import CaptureError
+
 __all__ = ["Pool", "LiveWindow"]
 
 log = logging.getLogger(__name__)
@@ -101,8 +103,6 @@ class Pool:
         if self.device is None:
             self.device = device
         elif self.device != device:
-            from torchreplay.errors import CaptureError
-
             raise CaptureError(
                 f"pool is on {self.device} but this graph's inputs are on {device}; "
                 "graphs can share a pool only on one device: pass pool=None or a Pool per device"

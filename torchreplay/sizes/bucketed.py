@@ -12,7 +12,8 @@ layout is what makes it cheap:
   size, not with the number of sizes.
 
 The planning (which size a call goes to, what varies, what is sliced back, what a call without a
-graph does) is in :mod:`torchreplay.bucket_plan` and runs on the CPU.
+graph does) is in :mod:`torchreplay.sizes.plan` and :mod:`torchreplay.sizes.outputs` and runs on
+the CPU.
 """
 
 from __future__ import annotations
@@ -22,68 +23,42 @@ import logging
 import sys
 import time
 import traceback
-import inspect
-from typing import Any, Callable, Iterable, Iterator, Literal, overload
+from typing import Any, Callable, Iterator
 
 import torch
 
 from torchreplay import _compat
-from torchreplay.bucket_plan import (
-    DimSpec,
-    FillSpec,
-    InputPlan,
-    OutputPlan,
-    decide,
-    default_sizes,
-    disagreement_message,
-    format_sizes,
-    narrow_leading,
-    plan_inputs,
-    plan_outputs,
-)
-from torchreplay.capture import (
+from torchreplay.config import SAFE, BucketConfig, GraphConfig
+from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
+from torchreplay.core.capture import (
     StateSnapshot,
-    _on_side_stream,
     capture,
-    fn_name,
-    owning_module,
+    on_side_stream,
     side_stream,
     user_frame,
     warn_mode_changed,
 )
-from torchreplay.config import SAFE, BucketConfig, GraphConfig
-from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
-from torchreplay.graphed import Graphed, infer_device, resolve_config, resolve_pool
-from torchreplay.io import Inputs, Outputs, _same_constant, conversion_fix, describe_tensor
-from torchreplay.pool import Pool
+from torchreplay.core.io import Inputs, Outputs, same_constant
+from torchreplay.core.pool import Pool
+from torchreplay.errors import CaptureError, ReplayInputError
+from torchreplay.sizes.guards import fits, input_error, refuse_row_mixing
+from torchreplay.sizes.outputs import OutputPlan, plan_outputs
+from torchreplay.sizes.plan import (
+    DimSpec,
+    FillSpec,
+    InputPlan,
+    decide,
+    format_sizes,
+    narrow_leading,
+    plan_inputs,
+)
 from torchreplay.stats import GraphStats
 
-__all__ = ["graph", "BucketedGraph", "default_sizes"]
+__all__ = ["BucketedGraph"]
 
 log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
-
-# Norm layers whose training-mode statistics mix the rows of a batch: padding rows would change
-# the real rows' results (and the running statistics). Public classes only (the common base,
-# ``_BatchNorm``, is private).
-_ROW_MIXING = (
-    torch.nn.BatchNorm1d,
-    torch.nn.BatchNorm2d,
-    torch.nn.BatchNorm3d,
-    torch.nn.LazyBatchNorm1d,
-    torch.nn.LazyBatchNorm2d,
-    torch.nn.LazyBatchNorm3d,
-    torch.nn.SyncBatchNorm,
-)
-_INSTANCE_NORMS = (
-    torch.nn.InstanceNorm1d,
-    torch.nn.InstanceNorm2d,
-    torch.nn.InstanceNorm3d,
-    torch.nn.LazyInstanceNorm1d,
-    torch.nn.LazyInstanceNorm2d,
-    torch.nn.LazyInstanceNorm3d,
-)
 
 
 class _SizeGraph:
@@ -174,6 +149,7 @@ class BucketedGraph:
         fill_value: FillSpec = 0,
         config: GraphConfig = SAFE,
         pool: Pool | None = None,
+        device: torch.device | int | str | None = None,
     ) -> None:
         self.fn = fn
         self.name = fn_name(fn)
@@ -183,10 +159,11 @@ class BucketedGraph:
         self._max = options.sizes[-1]
         self._module = owning_module(fn)
         if self._module is not None:
-            _refuse_row_mixing(self._module, self.name)
+            refuse_row_mixing(self._module, self.name)
         self._training = self._module.training if self._module is not None else False
-        self._plan: InputPlan = plan_inputs(fn, args, kwargs, dim, fill_value)
-        device = infer_device(fn, args, kwargs)
+        call = CallArgs(fn, args, kwargs)
+        self._plan: InputPlan = plan_inputs(call, dim, fill_value)
+        device = infer_device(fn, call, device)
         self.device = device
         self.pool = pool if pool is not None else Pool(device)
         self.stats = GraphStats(self.pool.reserved_bytes)
@@ -197,15 +174,13 @@ class BucketedGraph:
         self._last: Outputs | None = None
 
         # Static inputs at the largest size: the sample's rows, then the fill value.
-        flat, spec = _compat.tree_flatten((tuple(args), dict(kwargs)))
         with torch.no_grad():  # buffers, not part of an autograd graph
             padded = [
                 _pad_sample(leaf, d, self._max, f) if d is not None else leaf
-                for leaf, d, f in zip(flat, self._plan.dims, self._plan.fills)
+                for leaf, d, f in zip(call.leaves, self._plan.dims, self._plan.fills)
             ]
-        big_args, big_kwargs = _compat.tree_unflatten(padded, spec)
-        self._inputs = Inputs(fn, big_args, big_kwargs, device)
-        del flat, padded, big_args, big_kwargs
+        self._inputs = Inputs(call.with_leaves(padded), device)
+        del call, padded  # they hold the caller's sample tensors
         self.static_args = self._inputs.static_args
         self.static_kwargs = self._inputs.static_kwargs
         self._slots = self._inputs.slots
@@ -308,7 +283,7 @@ class BucketedGraph:
             small = None  # only size 1: every call has exactly one row, nothing is sliced
         state_ptrs = {t.untyped_storage().data_ptr() for t in self._state_storages()}
         outs: dict[int, Any] = {}
-        with _on_side_stream(self._stream, self.device), torch.no_grad():
+        with on_side_stream(self._stream, self.device), torch.no_grad():
             for s in (big, small):
                 if s is None:
                     continue
@@ -422,7 +397,7 @@ class BucketedGraph:
         for leaf, slot, dst, shape in zip(leaves, self._slots, route.dsts, route.shapes):
             if dst is None:
                 value = slot.value
-                if leaf is not value and not _same_constant(leaf, value):
+                if leaf is not value and not same_constant(leaf, value):
                     raise self._inputs.constant_error(slot, leaf)
             elif leaf is not dst:
                 if (
@@ -550,97 +525,20 @@ class BucketedGraph:
         """Raise the input error of a call whose arguments do not fit any size."""
         for i, (leaf, slot) in enumerate(zip(leaves, self._slots)):
             if slot.static is None:
-                if leaf is not slot.value and not _same_constant(leaf, slot.value):
+                if leaf is not slot.value and not same_constant(leaf, slot.value):
                     raise self._inputs.constant_error(slot, leaf)
-            elif not _fits(leaf, slot, self._plan, i, n):
+            elif not fits(leaf, slot, self._plan, i, n):
                 raise self._input_error(leaves, n)
 
     def _input_error(self, leaves: list[Any], n: int | None) -> ReplayInputError:
         """Build the error that names the first argument that does not fit a call of size ``n``."""
-        plan = self._plan
-        lead = leaves[self._lead]
-        if n is None:
-            if isinstance(lead, _Tensor):
-                return ReplayInputError(
-                    f"{plan.paths[self._lead]}: {describe_tensor(lead)} has no dim "
-                    f"{self._lead_dim}, the dimension that varies; pass a tensor shaped like "
-                    f"{_pattern(self._slots[self._lead].static, self._lead_dim, self._max)}"
-                )
-            return ReplayInputError(
-                f"{plan.paths[self._lead]}: expected a tensor, got {type(lead).__name__}; it is "
-                "the argument whose size picks the graph"
-            )
-        for i, (leaf, slot) in enumerate(zip(leaves, self._slots)):
-            if slot.static is None:
-                if leaf is not slot.value and not _same_constant(leaf, slot.value):
-                    return self._inputs.constant_error(slot, leaf)
-                continue
-            if _fits(leaf, slot, plan, i, n):
-                continue
-            d = plan.dims[i]
-            if d is None:
-                if isinstance(leaf, _Tensor) and leaf.shape != slot.shape:
-                    return ReplayInputError(
-                        f"{plan.paths[i]}: {describe_tensor(leaf)}, but it is static (its dim is "
-                        f"None) and was captured with shape {tuple(slot.shape)}; pass that shape, "
-                        "or give its varying dimension in dim={...}"
-                    )
-                return self._inputs.tensor_error(slot, leaf)
-            if not isinstance(leaf, _Tensor):
-                return ReplayInputError(
-                    f"{plan.paths[i]}: expected a tensor shaped like "
-                    f"{_pattern(slot.static, d, self._max)}, got {type(leaf).__name__}"
-                )
-            pattern = _pattern(slot.static, d, self._max)
-            if leaf.dim() != slot.static.dim() or any(
-                a != b for j, (a, b) in enumerate(zip(leaf.shape, slot.static.shape)) if j != d
-            ):
-                return ReplayInputError(
-                    f"{plan.paths[i]}: {describe_tensor(leaf)}, but the graph was captured for "
-                    f"shape {pattern}, where only dim {d} varies; pass a tensor of that shape "
-                    "(a graph never broadcasts or converts its inputs)"
-                )
-            if leaf.shape[d] != n:
-                return ReplayInputError(
-                    disagreement_message(
-                        plan.paths[self._lead], self._lead_dim, n, plan.paths[i], d, leaf.shape[d]
-                    )
-                )
-            fix = conversion_fix(leaf, slot)
-            return ReplayInputError(
-                f"{plan.paths[i]}: {describe_tensor(leaf)}, but the graph was captured with "
-                f"{describe_tensor(slot.static)} (dim {d} varies); {fix} (a graph never "
-                "broadcasts or converts its inputs)"
-            )
-        return ReplayInputError(f"the arguments do not fit a call of size {n}")  # pragma: no cover
+        return input_error(self._plan, self._inputs, self._max, leaves, n)
 
     def __repr__(self) -> str:
         return (
             f"BucketedGraph({self.name}, sizes=[{format_sizes(self.sizes)}], "
             f"device={self.device}, {self.stats.explain()})"
         )
-
-
-def _fits(leaf: Any, slot: Any, plan: InputPlan, i: int, n: int) -> bool:
-    if not isinstance(leaf, _Tensor):
-        return False
-    d = plan.dims[i]
-    shape = slot.shape if d is None else plan.shape_at(slot.shape, i, n)
-    return (
-        leaf.shape == shape
-        and leaf.dtype == slot.dtype
-        and leaf.device == slot.device
-        and leaf.layout is torch.strided
-    )
-
-
-def _pattern(t: torch.Tensor, d: int | None, largest: int) -> str:
-    """``'(N, 4096) float32 (N <= 16)'``: a varying buffer's shape with its varying dim named."""
-    dims = [str(x) for x in t.shape]
-    if d is not None:
-        dims[d] = "N"
-    inner = ", ".join(dims) + ("," if len(dims) == 1 else "")
-    return f"({inner}) {str(t.dtype).removeprefix('torch.')} with N <= {largest}"
 
 
 def _pad_sample(leaf: torch.Tensor, d: int, size: int, fill: Any) -> torch.Tensor:
@@ -669,23 +567,6 @@ def _versions(tensors: list[torch.Tensor]) -> list[int] | None:
         return None
 
 
-def _refuse_row_mixing(module: torch.nn.Module, name: str) -> None:
-    for sub_name, sub in module.named_modules():
-        if not sub.training:
-            continue
-        mixes = isinstance(sub, _ROW_MIXING) or (
-            isinstance(sub, _INSTANCE_NORMS) and sub.track_running_stats
-        )
-        if mixes:
-            label = f"'{sub_name}' " if sub_name else ""
-            raise UnsupportedError(
-                f"'{name}' has {type(sub).__name__} {label}in training mode: its batch "
-                "statistics mix the rows of a call, so the padding rows that sizes= adds would "
-                "change the results; call .eval() before graphing with sizes=, or graph each "
-                "batch size exactly (without sizes=)"
-            )
-
-
 @contextlib.contextmanager
 def _progress(description: str, total: int) -> Iterator[Callable[[], None]]:
     """Yield ``advance()`` of a progress bar on stderr, shown only when stderr is a terminal."""
@@ -710,181 +591,3 @@ def _progress(description: str, total: int) -> Iterator[Callable[[], None]]:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-# -- the entry point ---------------------------------------------------------------------
-# tr.graph lives here, above both Graphed (one shape) and BucketedGraph (many sizes), so that the
-# one-shape module never imports this one.
-
-
-@overload
-def graph(
-    fn: Callable[..., Any],
-    *sample_args: Any,
-    sizes: None = None,
-    outputs: str | None = None,
-    num_warmup_iters: int | None = None,
-    pool: Pool | tuple[int, int] | Any | None = None,
-    capture_error_mode: str | None = None,
-    config: GraphConfig | None = None,
-    sample_kwargs: dict[str, Any] | None = None,
-    **kwargs: Any,
-) -> Graphed: ...
-
-
-@overload
-def graph(
-    fn: Callable[..., Any],
-    *sample_args: Any,
-    sizes: Iterable[int],
-    dim: Any = None,
-    fill_value: Any = None,
-    capture: Literal["ahead", "lazy"] | None = None,
-    fallback: Literal["eager", "error"] | None = None,
-    max_graphs: int | None = None,
-    outputs: str | None = None,
-    num_warmup_iters: int | None = None,
-    pool: Pool | tuple[int, int] | Any | None = None,
-    capture_error_mode: str | None = None,
-    config: GraphConfig | None = None,
-    sample_kwargs: dict[str, Any] | None = None,
-    **kwargs: Any,
-) -> BucketedGraph: ...
-
-
-def graph(
-    fn: Callable[..., Any],
-    *sample_args: Any,
-    sizes: Iterable[int] | None = None,
-    dim: Any = None,
-    fill_value: Any = None,
-    capture: Literal["ahead", "lazy"] | None = None,
-    fallback: Literal["eager", "error"] | None = None,
-    max_graphs: int | None = None,
-    outputs: str | None = None,
-    num_warmup_iters: int | None = None,
-    pool: Pool | tuple[int, int] | Any | None = None,
-    capture_error_mode: str | None = None,
-    config: GraphConfig | None = None,
-    sample_kwargs: dict[str, Any] | None = None,
-    **kwargs: Any,
-) -> Graphed | BucketedGraph:
-    """Capture ``fn(*sample_args, **sample_kwargs)`` as a CUDA graph and return the replayer.
-
-    ``fn`` is a function or an ``nn.Module``; arguments are any pytree of tensors and other
-    values, positional and keyword. The capture runs ``num_warmup_iters`` eager calls on a side
-    stream first, under ``torch.no_grad()``; building the graph leaves the module's buffers and
-    the RNG state as it found them.
-
-    With ``sizes=[...]``, one graph is captured per size of a varying dimension (``dim``) and a
-    call is padded to the smallest captured size that holds it (see
-    :class:`~torchreplay.buckets.BucketedGraph`).
-
-    Args:
-        fn: the callable to graph.
-        *sample_args: positional arguments of a representative call.
-        sizes: capture one graph per size (e.g. ``torchreplay.default_sizes(512)``); ``None``
-            (default): one graph for the sample's shapes.
-        dim: with ``sizes``: the varying dimension, one int for every tensor argument (default
-            0), or a dict keyed by parameter name (or positional index) whose values are an int,
-            ``None`` for a static argument, or a nested spec for a container argument, e.g.
-            ``dim={"input_ids": 0, "positions": 0, "cache": None}``. Arguments a dict leaves out
-            are static.
-        fill_value: with ``sizes``: the value of the padding rows (default 0), one number or a
-            dict keyed like ``dim``.
-        capture: with ``sizes``: ``"ahead"`` (default; every size now, largest first) or
-            ``"lazy"`` (the largest now, each other size on its first call).
-        fallback: with ``sizes``: a call above the largest size (or of size 0) runs
-            ``"eager"``ly with one warning per size (default), or raises (``"error"``).
-        max_graphs: with ``sizes`` and ``capture="lazy"``: hold at most this many graphs; a size
-            that would need another one is handled by ``fallback``.
-        outputs: output policy: ``"checked"`` (default, zero-copy; an output read after a later
-            replay overwrote it raises), ``"clone"`` (fresh tensors each call) or ``"static"``
-            (the graph's own buffers, overwritten by the next replay without any check).
-        num_warmup_iters: eager warm-up calls before capture (default 3).
-        pool: a :class:`Pool` (or another graph, or a raw torch pool handle) to share memory with.
-        capture_error_mode: ``"global"`` (default), ``"thread_local"`` or ``"relaxed"``.
-        config: a :class:`~torchreplay.config.GraphConfig`; explicit keywords override it.
-        sample_kwargs: keyword arguments of the sample call, for names that clash with the
-            options above.
-        **kwargs: keyword arguments of the sample call.
-
-    Returns:
-        a :class:`Graphed` callable; with ``sizes``, a
-        :class:`~torchreplay.buckets.BucketedGraph`.
-
-    .. warning::
-        Tensor arguments are copied into static buffers; non-tensor arguments are captured as
-        constants, and a call with another value raises :class:`~torchreplay.ReplayInputError`.
-        Pass values that change between calls (positions, lengths) as tensors.
-
-    .. warning::
-        The graph is for inference: it is captured under ``torch.no_grad()``. To train through
-        graphs use :func:`torchreplay.make_graphed_callables` or :func:`torchreplay.graph_step`.
-
-    .. warning::
-        With ``outputs="checked"``, an output you keep across calls raises when read after the
-        next replay (a ``RuntimeError`` whose message starts with ``StaleOutputError``);
-        ``.clone()`` it to keep it.
-
-    .. warning::
-        With ``sizes``, padding is correct only when the rows of the varying dimension are
-        independent (no batch statistics, no reduction across rows): see
-        :class:`~torchreplay.buckets.BucketedGraph`.
-    """
-    bucket_options = {
-        "dim": dim,
-        "fill_value": fill_value,
-        "capture": capture,
-        "fallback": fallback,
-        "max_graphs": max_graphs,
-    }
-    if sizes is None:
-        given = [k for k, v in bucket_options.items() if v is not None]
-        if given:
-            raise TypeError(
-                f"{', '.join(k + '=' for k in given)} only apply with sizes=[...]; to graph many "
-                "sizes pass sizes (e.g. sizes=torchreplay.default_sizes(512)). If it is an "
-                f"argument of the callable, pass it as sample_kwargs={{'{given[0]}': ...}}"
-            )
-    elif "dims" in kwargs and not _accepts_keyword(fn, "dims"):
-        raise TypeError("graph() got dims=; the option is spelled dim= (an int or a dict)")
-    if sample_kwargs:
-        clash = set(sample_kwargs) & set(kwargs)
-        if clash:
-            raise TypeError(f"keyword arguments given twice: {sorted(clash)}")
-        kwargs = {**kwargs, **sample_kwargs}
-    cfg = resolve_config(
-        config,
-        outputs=outputs,
-        num_warmup_iters=num_warmup_iters,
-        capture_error_mode=capture_error_mode,
-    )
-    if sizes is not None:
-        options = BucketConfig(
-            sizes,  # type: ignore[arg-type]  # validated and made a sorted tuple there
-            capture=capture or "ahead",
-            fallback=fallback or "eager",
-            max_graphs=max_graphs,
-        )
-        return BucketedGraph(
-            fn,
-            sample_args,
-            kwargs,
-            options=options,
-            dim=0 if dim is None else dim,
-            fill_value=0 if fill_value is None else fill_value,
-            config=cfg,
-            pool=resolve_pool(pool),
-        )
-    return Graphed(fn, sample_args, kwargs, config=cfg, pool=resolve_pool(pool))
-
-
-def _accepts_keyword(fn: Callable[..., Any], name: str) -> bool:
-    """Whether ``fn`` (or a module's ``forward``) takes a keyword argument ``name``."""
-    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
-    try:
-        params = inspect.signature(target).parameters.values()
-    except (TypeError, ValueError):
-        return True
-    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)

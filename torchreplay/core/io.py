@@ -8,15 +8,15 @@ under the output policy.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable, Sequence
 
 import torch
 
 from torchreplay import _compat
+from torchreplay.core.args import CallArgs
 from torchreplay.errors import CaptureError, ReplayInputError
 
-__all__ = ["Inputs", "Outputs", "describe_tensor"]
+__all__ = ["Inputs", "Outputs", "describe_tensor", "same_constant", "conversion_fix"]
 
 _Tensor = torch.Tensor
 
@@ -28,33 +28,7 @@ def describe_tensor(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)} {dtype}{layout} on {t.device}"
 
 
-def _param_names(fn: Callable[..., Any]) -> list[str]:
-    """Positional parameter names of ``fn`` (for naming ``args[0]`` as ``x`` in messages)."""
-    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
-    try:
-        params = inspect.signature(target).parameters.values()
-    except (TypeError, ValueError):
-        return []
-    return [
-        p.name
-        for p in params
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-
-
-def _format_path(path: Sequence[Any], names: Sequence[str]) -> str:
-    """Format a pytree key path of ``(args, kwargs)`` as ``args[0] 'x'`` or ``kwargs['mode']``."""
-    head, rest = path[0], path[1:]
-    if getattr(head, "idx", 0) == 1:
-        return "kwargs" + _compat.keystr(rest)
-    text = "args" + _compat.keystr(rest)
-    idx = getattr(rest[0], "idx", None) if rest else None
-    if isinstance(idx, int) and idx < len(names):
-        text += f" '{names[idx]}'"
-    return text
-
-
-def _same_constant(a: Any, b: Any) -> bool:
+def same_constant(a: Any, b: Any) -> bool:
     if a is b:
         return True
     if type(a) is not type(b):
@@ -124,30 +98,23 @@ class Inputs:
     """The captured arguments of one graph: their structure, static buffers and constants.
 
     Args:
-        fn: the callable (used only to name positional arguments in messages).
-        args, kwargs: the sample arguments; tensors must be on ``device``.
+        call: the sample call, flattened (:class:`~torchreplay.core.args.CallArgs`); its tensors
+            must be on ``device``.
         device: the graph's CUDA device.
     """
 
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        device: torch.device,
-    ) -> None:
-        names = _param_names(fn)
-        flat, spec = _compat.tree_flatten_with_path((tuple(args), dict(kwargs)))
-        self.spec = spec
-        self.slots = [_Slot(_format_path(p, names), leaf, device) for p, leaf in flat]
+    def __init__(self, call: CallArgs, device: torch.device) -> None:
+        # Not the CallArgs itself: it holds the caller's sample tensors, which must not be kept.
+        self.spec = call.spec
+        self.slots = [_Slot(path, leaf, device) for path, leaf in zip(call.paths, call.leaves)]
         self.device = device
-        self.nargs = len(args)
-        self.kw_keys = tuple(kwargs)
+        self.nargs = call.nargs
+        self.kw_keys = call.kw_keys
         # Fast path: every positional and keyword argument is itself a leaf (no containers), so
         # flattening is a list build instead of a pytree walk.
-        self.flat = len(flat) == len(args) + len(kwargs)
-        self.static_args, self.static_kwargs = _compat.tree_unflatten(
-            [s.static if s.static is not None else s.value for s in self.slots], spec
+        self.flat = len(call.leaves) == call.nargs + len(call.kw_keys)
+        self.static_args, self.static_kwargs = call.unflatten(
+            [s.static if s.static is not None else s.value for s in self.slots]
         )
         self.tensor_slots = [s for s in self.slots if s.static is not None]
         # What copy_in checks, precomputed as tuples: attribute lookups on the hot path cost
@@ -205,7 +172,7 @@ class Inputs:
             return leaves
         for i, value, slot in self._constant_checks:
             leaf = leaves[i]
-            if leaf is not value and not _same_constant(leaf, value):
+            if leaf is not value and not same_constant(leaf, value):
                 raise self.constant_error(slot, leaf)
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []

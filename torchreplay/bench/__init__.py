@@ -1,0 +1,87 @@
+"""The benchmark suite behind ``torchreplay bench``: one module per workload family.
+
+- :mod:`~torchreplay.bench.timing`: options, the clock, one measurement, the hand-written floor;
+- :mod:`~torchreplay.bench.inference`: the ``mlp``, ``resnet50``, ``llama`` and ``llama-sizes``
+  rows and a user's ``module:factory``;
+- :mod:`~torchreplay.bench.training`: the ``mlp-train`` and ``resnet50-train`` rows.
+
+The library never imports this package; only the command line (and ``scripts/``) does.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Callable, Iterator, Mapping, Optional, Sequence
+
+import torch
+
+from torchreplay.bench import inference, training
+from torchreplay.bench.inference import METHODS, Workload, run_factory, unpack_factory_result
+from torchreplay.bench.timing import (
+    QUICK,
+    BenchOptions,
+    Measurement,
+    StepCallback,
+    environment,
+    release,
+    time_call,
+    write_json,
+)
+
+__all__ = [
+    "ROWS",
+    "run",
+    "run_factory",
+    "unpack_factory_result",
+    "BenchOptions",
+    "QUICK",
+    "Measurement",
+    "Workload",
+    "METHODS",
+    "time_call",
+    "environment",
+    "write_json",
+]
+
+RowFn = Callable[[BenchOptions, Optional[StepCallback]], Iterator[Measurement]]
+
+#: Benchmark rows by name, in table order. A row is a function of the options that yields
+#: measurements; it builds its models lazily, so one row's memory is free before the next.
+ROWS: Mapping[str, RowFn] = MappingProxyType(
+    {
+        "mlp": inference.mlp_row,
+        "resnet50": inference.resnet50_row,
+        "llama": inference.llama_row,
+        "llama-sizes": inference.llama_sizes_row,
+        "mlp-train": training.mlp_train_row,
+        "resnet50-train": training.resnet50_train_row,
+    }
+)
+
+
+def _require_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError("CUDA is not available: the benchmark rows time CUDA graphs and need a GPU")
+
+
+def run(
+    names: Sequence[str] | None = None,
+    opts: BenchOptions = BenchOptions(),
+    on_step: StepCallback | None = None,
+) -> list[Measurement]:
+    """Run the rows ``names`` (default: all of :data:`ROWS`) and return every measurement.
+
+    Raises:
+        ValueError: a name that is not in :data:`ROWS`.
+        RuntimeError: CUDA is not available.
+    """
+    names = list(ROWS) if names is None else list(names)
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        raise ValueError(f"unknown benchmark rows {unknown}; choose from {sorted(ROWS)}")
+    _require_cuda()
+    results: list[Measurement] = []
+    for name in names:
+        results.extend(ROWS[name](opts, on_step))
+        release()
+    return results

@@ -1,0 +1,199 @@
+"""``tr.graph``: the entry point that returns a :class:`~torchreplay.core.graphed.Graphed` (one
+shape) or a :class:`~torchreplay.sizes.bucketed.BucketedGraph` (``sizes=``).
+
+It lives here, above both, so that the one-shape module never imports the many-size one.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Iterable, Literal, overload
+
+import torch
+
+from torchreplay.config import BucketConfig, GraphConfig
+from torchreplay.core.graphed import Graphed, resolve_config, resolve_pool
+from torchreplay.core.pool import Pool
+from torchreplay.sizes.bucketed import BucketedGraph
+
+__all__ = ["graph"]
+
+
+@overload
+def graph(
+    fn: Callable[..., Any],
+    *sample_args: Any,
+    sizes: None = None,
+    outputs: str | None = None,
+    num_warmup_iters: int | None = None,
+    pool: Pool | tuple[int, int] | Any | None = None,
+    capture_error_mode: str | None = None,
+    config: GraphConfig | None = None,
+    device: torch.device | int | str | None = None,
+    sample_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Graphed: ...
+
+
+@overload
+def graph(
+    fn: Callable[..., Any],
+    *sample_args: Any,
+    sizes: Iterable[int],
+    dim: Any = None,
+    fill_value: Any = None,
+    capture: Literal["ahead", "lazy"] | None = None,
+    fallback: Literal["eager", "error"] | None = None,
+    max_graphs: int | None = None,
+    outputs: str | None = None,
+    num_warmup_iters: int | None = None,
+    pool: Pool | tuple[int, int] | Any | None = None,
+    capture_error_mode: str | None = None,
+    config: GraphConfig | None = None,
+    device: torch.device | int | str | None = None,
+    sample_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> BucketedGraph: ...
+
+
+def graph(
+    fn: Callable[..., Any],
+    *sample_args: Any,
+    sizes: Iterable[int] | None = None,
+    dim: Any = None,
+    fill_value: Any = None,
+    capture: Literal["ahead", "lazy"] | None = None,
+    fallback: Literal["eager", "error"] | None = None,
+    max_graphs: int | None = None,
+    outputs: str | None = None,
+    num_warmup_iters: int | None = None,
+    pool: Pool | tuple[int, int] | Any | None = None,
+    capture_error_mode: str | None = None,
+    config: GraphConfig | None = None,
+    device: torch.device | int | str | None = None,
+    sample_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Graphed | BucketedGraph:
+    """Capture ``fn(*sample_args, **sample_kwargs)`` as a CUDA graph and return the replayer.
+
+    ``fn`` is a function or an ``nn.Module``; arguments are any pytree of tensors and other
+    values, positional and keyword. The capture runs ``num_warmup_iters`` eager calls on a side
+    stream first, under ``torch.no_grad()``; building the graph leaves the module's buffers and
+    the RNG state as it found them.
+
+    With ``sizes=[...]``, one graph is captured per size of a varying dimension (``dim``) and a
+    call is padded to the smallest captured size that holds it (see
+    :class:`~torchreplay.sizes.bucketed.BucketedGraph`).
+
+    Args:
+        fn: the callable to graph.
+        *sample_args: positional arguments of a representative call.
+        sizes: capture one graph per size (e.g. ``torchreplay.default_sizes(512)``); ``None``
+            (default): one graph for the sample's shapes.
+        dim: with ``sizes``: the varying dimension, one int for every tensor argument (default
+            0), or a dict keyed by parameter name (or positional index) whose values are an int,
+            ``None`` for a static argument, or a nested spec for a container argument, e.g.
+            ``dim={"input_ids": 0, "positions": 0, "cache": None}``. Arguments a dict leaves out
+            are static.
+        fill_value: with ``sizes``: the value of the padding rows (default 0), one number or a
+            dict keyed like ``dim``.
+        capture: with ``sizes``: ``"ahead"`` (default; every size now, largest first) or
+            ``"lazy"`` (the largest now, each other size on its first call).
+        fallback: with ``sizes``: a call above the largest size (or of size 0) runs
+            ``"eager"``ly with one warning per size (default), or raises (``"error"``).
+        max_graphs: with ``sizes`` and ``capture="lazy"``: hold at most this many graphs; a size
+            that would need another one is handled by ``fallback``.
+        outputs: output policy: ``"checked"`` (default, zero-copy; an output read after a later
+            replay overwrote it raises), ``"clone"`` (fresh tensors each call) or ``"static"``
+            (the graph's own buffers, overwritten by the next replay without any check).
+        num_warmup_iters: eager warm-up calls before capture (default 3).
+        pool: a :class:`Pool` (or another graph, or a raw torch pool handle) to share memory with.
+        capture_error_mode: ``"global"`` (default), ``"thread_local"`` or ``"relaxed"``.
+        config: a :class:`~torchreplay.config.GraphConfig`; explicit keywords override it.
+        device: the CUDA device to capture on. Default: that of the first CUDA tensor argument,
+            else of the module's parameters; give it for a function without CUDA tensor
+            arguments (one that samples noise with ``torch.randn(..., device="cuda")``).
+        sample_kwargs: keyword arguments of the sample call, for names that clash with the
+            options above.
+        **kwargs: keyword arguments of the sample call.
+
+    Returns:
+        a :class:`Graphed` callable; with ``sizes``, a
+        :class:`~torchreplay.sizes.bucketed.BucketedGraph`.
+
+    .. warning::
+        Tensor arguments are copied into static buffers; non-tensor arguments are captured as
+        constants, and a call with another value raises :class:`~torchreplay.ReplayInputError`.
+        Pass values that change between calls (positions, lengths) as tensors.
+
+    .. warning::
+        The graph is for inference: it is captured under ``torch.no_grad()``. To train through
+        graphs use :func:`torchreplay.make_graphed_callables` or :func:`torchreplay.graph_step`.
+
+    .. warning::
+        With ``outputs="checked"``, an output you keep across calls raises when read after the
+        next replay (a ``RuntimeError`` whose message starts with ``StaleOutputError``);
+        ``.clone()`` it to keep it.
+
+    .. warning::
+        With ``sizes``, padding is correct only when the rows of the varying dimension are
+        independent (no batch statistics, no reduction across rows): see
+        :class:`~torchreplay.sizes.bucketed.BucketedGraph`.
+    """
+    bucket_options = {
+        "dim": dim,
+        "fill_value": fill_value,
+        "capture": capture,
+        "fallback": fallback,
+        "max_graphs": max_graphs,
+    }
+    if sizes is None:
+        given = [k for k, v in bucket_options.items() if v is not None]
+        if given:
+            raise TypeError(
+                f"{', '.join(k + '=' for k in given)} only apply with sizes=[...]; to graph many "
+                "sizes pass sizes (e.g. sizes=torchreplay.default_sizes(512)). If it is an "
+                f"argument of the callable, pass it as sample_kwargs={{'{given[0]}': ...}}"
+            )
+    elif "dims" in kwargs and not _accepts_keyword(fn, "dims"):
+        raise TypeError("graph() got dims=; the option is spelled dim= (an int or a dict)")
+    if sample_kwargs:
+        clash = set(sample_kwargs) & set(kwargs)
+        if clash:
+            raise TypeError(f"keyword arguments given twice: {sorted(clash)}")
+        kwargs = {**kwargs, **sample_kwargs}
+    cfg = resolve_config(
+        config,
+        outputs=outputs,
+        num_warmup_iters=num_warmup_iters,
+        capture_error_mode=capture_error_mode,
+    )
+    if sizes is not None:
+        options = BucketConfig(
+            sizes,  # type: ignore[arg-type]  # validated and made a sorted tuple there
+            capture=capture or "ahead",
+            fallback=fallback or "eager",
+            max_graphs=max_graphs,
+        )
+        return BucketedGraph(
+            fn,
+            sample_args,
+            kwargs,
+            options=options,
+            dim=0 if dim is None else dim,
+            fill_value=0 if fill_value is None else fill_value,
+            config=cfg,
+            pool=resolve_pool(pool),
+            device=device,
+        )
+    return Graphed(fn, sample_args, kwargs, config=cfg, pool=resolve_pool(pool), device=device)
+
+
+def _accepts_keyword(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` (or a module's ``forward``) takes a keyword argument ``name``."""
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
