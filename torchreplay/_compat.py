@@ -39,6 +39,7 @@ __all__ = [
     "set_grad_scaler_state",
     "supports_amp_scaling",
     "module_hooks",
+    "written_tensors",
 ]
 
 
@@ -264,3 +265,30 @@ class LightDispatchMode(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False
+
+
+def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an aten op writes: arguments its schema marks as written (``Tensor(a!)``),
+    ``self`` of in-place ops and ``out=`` arguments, TensorList arguments included.
+
+    ``OpOverload._schema`` is private but is what every torch tracer reads for this (Dynamo's
+    mutation detection, FX's ``is_impure``); it exists since torch 1.x. An op without a schema
+    (a Python-only op) is reported as writing nothing.
+    """
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    out: list[torch.Tensor] = []
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        if arg.kwarg_only or i >= len(args):
+            value = kwargs.get(arg.name)
+        else:
+            value = args[i]
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(t for t in value if isinstance(t, torch.Tensor))
+    return out

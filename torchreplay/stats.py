@@ -22,6 +22,8 @@ class GraphStats:
         capture_seconds: wall time spent in warm-up and capture, all graphs together.
         size_hits: for graphs with ``sizes=``, replays per captured size.
         real_rows / padded_rows: rows the callers asked for, and rows added as padding.
+        written_inputs: the arguments the callable writes in place (``["args[1] 'cache'"]``),
+            copied back into the caller's tensors after each replay.
     """
 
     __slots__ = (
@@ -32,6 +34,7 @@ class GraphStats:
         "size_hits",
         "real_rows",
         "padded_rows",
+        "written_inputs",
         "_pool_bytes",
     )
 
@@ -43,6 +46,7 @@ class GraphStats:
         self.size_hits: dict[int, int] = {}
         self.real_rows = 0
         self.padded_rows = 0
+        self.written_inputs: list[str] = []
         self._pool_bytes = pool_bytes
 
     @property
@@ -68,6 +72,7 @@ class GraphStats:
             "padded_rows": self.padded_rows,
             "pad_waste": round(self.pad_waste, 4),
             "pool_bytes": self.pool_bytes,
+            "written_inputs": list(self.written_inputs),
         }
 
     def explain(self) -> str:
@@ -78,6 +83,8 @@ class GraphStats:
             f"replays={d['replays']} fallbacks={d['fallbacks']}",
             f"pool={d['pool_bytes'] / 2**20:.1f} MiB",
         ]
+        if self.written_inputs:
+            lines.append(f"writes {', '.join(self.written_inputs)} (copied back)")
         if self.size_hits:
             hits = ", ".join(f"{k}:{v}" for k, v in sorted(self.size_hits.items()))
             lines.append(f"size hits {{{hits}}}; padding {self.pad_waste:.1%} of rows")

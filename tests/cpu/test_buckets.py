@@ -17,6 +17,7 @@ import torch.nn as nn
 import torchreplay as tr
 from torchreplay.core.args import CallArgs
 from torchreplay.core.capture import Captured
+from torchreplay.core.writes import WriteWatch
 from torchreplay.sizes import bucketed as buckets
 from torchreplay.sizes.outputs import plan_outputs
 from torchreplay.sizes.plan import (
@@ -374,15 +375,17 @@ def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     order: list[int] = []
 
     def fake_capture(fn, args, kwargs, *, device, stream, pool, config, grad=False, warmup=True,
-                     snapshot=None):
+                     snapshot=None, watch=()):
+        watcher = WriteWatch(watch)
         with torch.no_grad():
             for _ in range(config.num_warmup_iters if warmup else 0):
                 fn(*args, **kwargs)
-            out = fn(*args, **kwargs)
+            with watcher:
+                out = fn(*args, **kwargs)
         leaves = [t for t in torch.utils._pytree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor)]
         order.append(max((t.shape[0] for t in leaves if t.dim()), default=0))
-        return Captured(_EagerGraph(fn, args, kwargs), out, 0.0)
+        return Captured(_EagerGraph(fn, args, kwargs), out, 0.0, tuple(watcher.written))
 
     monkeypatch.setattr(buckets, "capture", fake_capture)
     monkeypatch.setattr(buckets, "infer_device", lambda fn, call, device=None: torch.device("cpu"))
@@ -460,8 +463,10 @@ def test_a_callable_that_writes_its_input_gets_clean_padding(cpu_graphs: list[in
     assert g._writes_inputs
     for n in [6, 6, 3, 12, 9]:
         x = torch.randn(n, 3)
-        assert torch.equal(g(x), x * 2 + 1)
+        want, x_after = x * 2 + 1, x + 100.0
+        assert torch.equal(g(x), want)
         assert torch.all(m.seen[n:target_size([8, 16], n)] == 0.0)
+        assert torch.equal(x, x_after)  # eager semantics: the write reached the caller's rows
 
 
 def test_fill_is_skipped_when_the_padding_is_already_clean(cpu_graphs: list[int],
@@ -495,8 +500,10 @@ def test_dict_dims_with_a_static_argument_and_constants(cpu_graphs: list[int]) -
         g(ids, pos, torch.randn(11, 4), scale=0.5)
     with pytest.raises(ReplayInputError, match="only dim 0 varies"):
         g(torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, dtype=torch.long), table, scale=0.5)
-    with pytest.raises(ReplayInputError, match=r"\.to\(torch.int64\)"):
-        g(torch.zeros(3, 1, dtype=torch.int32), torch.zeros(3, dtype=torch.long), table, scale=0.5)
+    with pytest.raises(ReplayInputError, match=r"\.to\(torch.int64\)"):  # not lossless
+        g(torch.zeros(3, 1, dtype=torch.float32), torch.zeros(3, dtype=torch.long), table, scale=0.5)
+    ids32 = torch.randint(0, 10, (3, 1), dtype=torch.int32)  # int32 -> int64 is lossless: copied in
+    assert torch.allclose(g(ids32, pos[:3], table, scale=0.5), fn(ids32.long(), pos[:3], table, scale=0.5))
     with pytest.raises(ReplayInputError, match="expected a tensor"):
         g([1, 2], pos, table, scale=0.5)
 

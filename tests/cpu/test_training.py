@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 
 import pytest
@@ -16,6 +17,7 @@ import torch.nn as nn
 import torchreplay as tr
 from torchreplay import _compat
 from torchreplay.training import callables as training
+from torchreplay.training.pair import Pair
 from torchreplay.training import optimizers as optim_mod
 from torchreplay.training import step as step_mod
 from torchreplay.errors import (
@@ -536,7 +538,7 @@ def _emulated_capture_pairs(runners, *, device, pool, config):
                         dst.copy_(g)
 
         pairs.append(
-            training._Pair(
+            Pair(
                 fwd_replay=fwd_replay,
                 bwd_replay=bwd_replay if diff_idx and r._grad_inputs else None,
                 leaves=kept,
@@ -628,7 +630,7 @@ def test_emulated_kwargs_non_tensor_flag_and_pytree_outputs(emulated) -> None:
         g(torch.randn(3, 4), scale=torch.tensor(3.0), mode="sum")
 
 
-def test_emulated_input_gradients_and_requires_grad_mismatch(emulated) -> None:
+def test_emulated_input_gradients_and_requires_grad_mismatch(emulated, caplog: pytest.LogCaptureFixture) -> None:
     model = _mlp()
     x = torch.randn(3, 6, requires_grad=True)
     assert tr.make_graphed_callables(model, (x,)) is model
@@ -639,9 +641,16 @@ def test_emulated_input_gradients_and_requires_grad_mismatch(emulated) -> None:
     ref(x3).sum().backward()
     torch.testing.assert_close(x2.grad, x3.grad)
 
-    g2 = tr.make_graphed_callables(_mlp(), (torch.randn(3, 6),))  # sample does not require grad
-    with pytest.raises(ReplayInputError, match=r"args\[0\] 'input': requires grad, but its sample argument did not"):
-        g2(torch.randn(3, 6, requires_grad=True))
+    # A sample that does not require grad: like torch's, a call with one that does runs (drop-in)
+    # and computes no gradient for it; unlike torch's, one warning names the missing gradient.
+    g2 = tr.make_graphed_callables(_mlp(), (torch.randn(3, 6),))
+    x4 = torch.randn(3, 6, requires_grad=True)
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        g2(x4).sum().backward()
+        g2(x4).sum().backward()
+    said = [r.getMessage() for r in caplog.records if "requires grad, but its sample" in r.getMessage()]
+    assert len(said) == 1 and "args[0] 'input'" in said[0] and ".grad stays None" in said[0]
+    assert x4.grad is None
     g2(torch.randn(3, 6, requires_grad=True).detach())
 
 
@@ -804,7 +813,8 @@ class _FakeGraph:
         self.replay = replay
 
 
-def _emulated_step_capture(fn, args, kwargs, *, device, stream, pool, config, grad, warmup, snapshot):
+def _emulated_step_capture(fn, args, kwargs, *, device, stream, pool, config, grad, warmup, snapshot,
+                           watch=()):
     """capture() for graph_step, emulated: warm-up runs for real; the "graph" re-runs the step
     eagerly on the static inputs with the learning-rate tensors installed (what the captured
     step reads) and writes its outputs into the captured output tensors."""
@@ -812,11 +822,11 @@ def _emulated_step_capture(fn, args, kwargs, *, device, stream, pool, config, gr
     try:
         for _ in range(config.num_warmup_iters if warmup else 0):
             fn(*args, **kwargs)
-        step_mod._capturing = lambda: True
+        step_mod.capturing = lambda: True
         try:
             out = fn(*args, **kwargs)  # the capture call: records parameters and .grad
         finally:
-            step_mod._capturing = _capturing
+            step_mod.capturing = _capturing
     except Exception as exc:
         snapshot.restore()
         raise tr.CaptureError(f"warm-up failed: {exc}") from exc
@@ -840,11 +850,12 @@ def _emulated_step_capture(fn, args, kwargs, *, device, stream, pool, config, gr
         graph: object
         out: object
         seconds: float
+        written: tuple = ()
 
     return Captured(_FakeGraph(replay), out, 0.0)
 
 
-_capturing = step_mod._capturing
+_capturing = step_mod.capturing
 
 
 @pytest.fixture

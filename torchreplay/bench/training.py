@@ -15,7 +15,12 @@ Methods (each builds its own copy of the model from the same seed):
   two copies and one replay. The floor.
 - ``torch make_graphed_callables`` / ``tr.make_graphed_callables``: the model graphed, the loss
   and (for steps) the eager AdamW step around it.
-- ``tr.graph_step``: the whole call graphed (``AdamW(capturable=True)`` for steps).
+- ``tr.graph_step``: the whole call graphed (``AdamW(capturable=True)`` for steps), and for
+  steps ``tr.graph_step fused``: the same with ``AdamW(capturable=True, fused=True)``, the form the
+  README recommends.
+- ``tr.make_graphed_callables + graphed AdamW step`` (steps only): the partial-network recipe,
+  forward/backward graphed, ``zero_grad(set_to_none=False)`` eager, and the fused capturable AdamW
+  step captured alone with ``tr.graph_step``.
 """
 
 from __future__ import annotations
@@ -39,13 +44,27 @@ from torchreplay.bench.timing import (
     with_ratios,
 )
 
-__all__ = ["TORCH_MGC", "TR_MGC", "TR_STEP", "TRAINING_METHODS", "mlp_train_row", "resnet50_train_row"]
+__all__ = [
+    "TORCH_MGC",
+    "TR_MGC",
+    "TR_MGC_STEP",
+    "TR_STEP",
+    "TR_STEP_FUSED",
+    "TRAINING_METHODS",
+    "mlp_train_row",
+    "resnet50_train_row",
+]
 
 TORCH_MGC = "torch make_graphed_callables"
 TR_MGC = "tr.make_graphed_callables"
 TR_STEP = "tr.graph_step"
+TR_STEP_FUSED = "tr.graph_step fused"
+TR_MGC_STEP = "tr.make_graphed_callables + graphed AdamW step"
+_STEP_ONLY = (TR_STEP_FUSED, TR_MGC_STEP)
 #: Every training method, in table order.
-TRAINING_METHODS: tuple[str, ...] = (EAGER, FLOOR, TORCH_MGC, TR_MGC, TR_STEP)
+TRAINING_METHODS: tuple[str, ...] = (
+    EAGER, FLOOR, TORCH_MGC, TR_MGC, TR_MGC_STEP, TR_STEP, TR_STEP_FUSED
+)
 
 #: Batches of the ``resnet50-train`` row.
 RESNET_TRAIN_BATCHES: tuple[int, ...] = (1, 8)
@@ -110,7 +129,10 @@ def _build(method: str, w: TrainingWorkload) -> Callable[[], Any]:
 
     if method == TR_MGC:
         return _eager_loop(tr.make_graphed_callables(model, (sample,)), params, w)
-    opt = torch.optim.AdamW(params, lr=1e-4, capturable=True) if w.step else None
+    if method == TR_MGC_STEP:
+        return _graphed_optimizer_loop(tr.make_graphed_callables(model, (sample,)), params, w)
+    fused = method == TR_STEP_FUSED
+    opt = torch.optim.AdamW(params, lr=1e-4, capturable=True, fused=fused) if w.step else None
     loss_fn = w.loss_fn
 
     def train_step(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -122,12 +144,31 @@ def _build(method: str, w: TrainingWorkload) -> Callable[[], Any]:
             opt.step()
         return loss
 
-    if method == TR_STEP:
+    if method in (TR_STEP, TR_STEP_FUSED):
         step = tr.graph_step(train_step, w.x, w.target)
         return lambda: step(w.x, w.target)
     if method == FLOOR:
         return _handwritten_step(train_step, w)
     raise ValueError(f"unknown training method {method!r}")
+
+
+def _graphed_optimizer_loop(model: Any, params: Any, w: TrainingWorkload) -> Callable[[], Any]:
+    """Graphed forward/backward, then the fused capturable AdamW step captured alone."""
+    import torchreplay as tr
+
+    opt = torch.optim.AdamW(params, lr=1e-4, capturable=True, fused=True)
+    x, target, loss_fn = w.x, w.target, w.loss_fn
+    opt.zero_grad(set_to_none=False)
+    loss_fn(model(x), target).backward()  # .grad exists: later backwards accumulate into it
+    opt_step = tr.graph_step(opt.step, optimizers=opt)
+
+    def call() -> None:
+        opt.zero_grad(set_to_none=False)
+        loss = loss_fn(model(x), target)
+        loss.backward()
+        opt_step()
+
+    return call
 
 
 def _handwritten_step(train_step: Callable[..., Any], w: TrainingWorkload) -> Callable[[], Any]:
@@ -159,6 +200,8 @@ def measure_training(
     """Time every training method on ``w``; one :class:`Measurement` per method."""
     raw: list[Measurement] = []
     for method in TRAINING_METHODS:
+        if method in _STEP_ONLY and not w.step:
+            continue
         shown = _method_name(method, w)
         if on_step is not None:
             on_step(w.name, shown)

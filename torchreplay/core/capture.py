@@ -16,11 +16,12 @@ import contextlib
 import gc
 import logging
 import os
+import sys
 import time
 import traceback
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -28,6 +29,7 @@ from torchreplay import _compat
 from torchreplay.config import GraphConfig
 from torchreplay.core.args import fn_name
 from torchreplay.core.pool import Pool
+from torchreplay.core.writes import WriteWatch
 from torchreplay.errors import CaptureError
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "StateSnapshot",
     "user_frame",
     "warn_mode_changed",
+    "progress",
 ]
 
 log = logging.getLogger(__name__)
@@ -122,6 +125,8 @@ class Captured:
     graph: torch.cuda.CUDAGraph
     out: Any
     seconds: float
+    #: Positions in ``watch`` of the tensors the captured call wrote (empty when nothing was watched).
+    written: tuple[int, ...] = ()
 
 
 @contextlib.contextmanager
@@ -166,6 +171,7 @@ def capture(
     grad: bool = False,
     warmup: bool = True,
     snapshot: StateSnapshot | None = None,
+    watch: Sequence[torch.Tensor] = (),
 ) -> Captured:
     """Warm ``fn`` up on ``stream`` and capture one call of it into a new graph in ``pool``.
 
@@ -180,6 +186,8 @@ def capture(
         warmup: run ``config.num_warmup_iters`` eager calls first (False when an earlier
             capture of the same callable already did, e.g. smaller sizes of a bucketed graph).
         snapshot: restored after a failure (the caller restores it after success).
+        watch: tensors (the static inputs) whose in-place writes by the captured call are
+            recorded in ``Captured.written`` (:class:`~torchreplay.core.writes.WriteWatch`).
 
     Returns:
         the graph, the output of the captured call (living in the pool), and the seconds taken.
@@ -201,6 +209,7 @@ def capture(
             stream.synchronize()  # surface asynchronous warm-up errors before capture begins
 
         graph = torch.cuda.CUDAGraph()
+        watcher = WriteWatch(watch) if watch else contextlib.nullcontext()
         out = None
         began = ended = False
         caught: list[warnings.WarningMessage] = []
@@ -211,7 +220,8 @@ def capture(
                 )
                 began = True
                 try:
-                    out = fn(*args, **kwargs)
+                    with watcher:
+                        out = fn(*args, **kwargs)
                 finally:
                     # Always end the capture, even when fn raised: a stream left capturing
                     # breaks every later CUDA call in the process.
@@ -226,9 +236,10 @@ def capture(
             if isinstance(exc, CaptureError) or not isinstance(exc, Exception):
                 raise
             raise _capture_error(fn, args, kwargs, exc, config, snapshot) from exc
-        if any("empty" in str(w.message).lower() for w in caught) or not _touches_cuda(
-            out, args, kwargs
-        ):
+        # torch warns at every capture_end that recorded no node (TORCH_WARN, not once). Only
+        # the graph can tell: an optimizer step alone has no tensor argument and returns None,
+        # yet records real work on the device.
+        if any("graph is empty" in str(w.message).lower() for w in caught):
             err = CaptureError(
                 f"capturing '{fn_name(fn)}' recorded no CUDA work (an empty graph): it ran on "
                 "the CPU or on another device; move the module and its tensor arguments to "
@@ -239,12 +250,8 @@ def capture(
             raise err
     seconds = time.perf_counter() - start
     log.debug("captured %s on %s in %.4f s", fn_name(fn), device, seconds)
-    return Captured(graph, out, seconds)
-
-
-def _touches_cuda(out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    leaves = _compat.tree_flatten((out, args, kwargs))[0]
-    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in leaves)
+    written = tuple(watcher.written) if isinstance(watcher, WriteWatch) else ()
+    return Captured(graph, out, seconds, written)
 
 
 def _undo(
@@ -329,3 +336,24 @@ def _capture_error(
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+@contextlib.contextmanager
+def progress(description: str, total: int) -> Iterator[Callable[[], None]]:
+    """Yield ``advance()`` of a progress bar on stderr, shown only when stderr is a terminal."""
+    isatty = getattr(sys.stderr, "isatty", None)
+    bar = None
+    if total > 1 and isatty is not None and isatty():
+        try:
+            from rich.console import Console
+            from rich.progress import Progress
+        except ImportError:  # rich is a dependency, but a missing bar must not stop a capture
+            Progress = None  # type: ignore[assignment,misc]
+        if Progress is not None:
+            bar = Progress(console=Console(stderr=True), transient=True)
+    if bar is None:
+        yield lambda: None
+        return
+    with bar:
+        task = bar.add_task(description, total=total)
+        yield lambda: bar.advance(task)

@@ -8,14 +8,16 @@ from typing import Any, Callable
 
 import torch
 
+from torchreplay import _compat
 from torchreplay.config import SAFE, GraphConfig
 from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
 from torchreplay.core.capture import StateSnapshot, capture, side_stream, warn_mode_changed
 from torchreplay.core.io import Inputs, Outputs
 from torchreplay.core.pool import Pool
+from torchreplay.errors import CaptureError
 from torchreplay.stats import GraphStats
 
-__all__ = ["Graphed", "owned_by", "resolve_config", "resolve_pool"]
+__all__ = ["Graphed", "owned_by", "refuse_static_written_outputs", "resolve_config", "resolve_pool"]
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,6 @@ class Graphed:
         self._warned_fallback = False
 
         self._inputs = Inputs(call, device)
-        del call  # it holds the caller's sample tensors
         self.static_args = self._inputs.static_args
         self.static_kwargs = self._inputs.static_kwargs
         self._stream = side_stream(device)
@@ -76,26 +77,36 @@ class Graphed:
             pool=self.pool,
             config=config,
             snapshot=snapshot,
+            watch=[s.static for s in self._inputs.tensor_slots],
         )
         if snapshot is not None:
             snapshot.restore()
         self._graph = captured.graph
+        self._inputs.set_written(captured.written)
+        self._inputs.check_aliasing(call.leaves, where="capture")
+        del call  # it holds the caller's sample tensors
+        refuse_static_written_outputs(self._inputs, captured.out, config.outputs, self.name)
+        self._writes = bool(self._inputs.written)
         self._outputs = Outputs(
             captured.out, config.outputs, self.name, owned_by(self.pool, self._inputs)
         )
-        self._position = self.pool.register(self)
         self.stats.captures = 1
         self.stats.capture_seconds = captured.seconds
+        self.stats.written_inputs = self._inputs.written_paths()
+        del captured
+        self._position = self.pool.register(self)
+        self.pool.track(self, [self._graph], self._outputs.retire)
         # Hot-path constants, looked up once.
-        self._replay = captured.graph.replay
+        self._replay = self._graph.replay
         self._device_index = device.index
         self._check_device = torch.cuda.device_count() > 1
         log.info(
-            "torchreplay: captured '%s' on %s in %.3f s (outputs=%s)",
+            "torchreplay: captured '%s' on %s in %.3f s (outputs=%s%s)",
             self.name,
             device,
-            captured.seconds,
+            self.stats.capture_seconds,
             self._outputs.policy,
+            f"; writes {', '.join(self._inputs.written_paths())}" if self._writes else "",
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -110,10 +121,14 @@ class Graphed:
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # Copy-in first: an argument may be a previous output of this graph (y = g(y)), which
         # must be read before the replay overwrites it and before it is marked stale.
-        self._inputs.copy_in(args, kwargs)
+        leaves = self._inputs.copy_in(args, kwargs)
+        if self._writes:
+            self._inputs.check_aliasing(leaves)
         if self.pool.shared:
             self.pool.before_replay(self._position)
         self._replay()
+        if self._writes:  # eager semantics: the callable's writes reach the caller's tensors
+            self._inputs.copy_back(leaves)
         self.stats.replays += 1
         return self._outputs.emit()
 
@@ -130,6 +145,29 @@ class Graphed:
 
     def __repr__(self) -> str:
         return f"Graphed({self.name}, device={self.device}, {self.stats.explain()})"
+
+
+def refuse_static_written_outputs(inputs: Inputs, out: Any, policy: str, name: str) -> None:
+    """Under ``outputs="static"``, refuse an output that is (a view of) an input the callable
+    writes: eagerly it would be the caller's own tensor, but the graph can only return its static
+    buffer, which the next call overwrites and which later writes by the caller would not reach."""
+    if policy != "static" or not inputs.written:
+        return
+    written = {
+        inputs.slots[i].static.untyped_storage().data_ptr(): inputs.slots[i].path  # type: ignore[union-attr]
+        for i in inputs.written
+    }
+    for k, leaf in enumerate(_compat.tree_flatten(out)[0]):
+        if isinstance(leaf, torch.Tensor):
+            path = written.get(leaf.untyped_storage().data_ptr())
+            if path is not None:
+                raise CaptureError(
+                    f"'{name}' writes {path} in place and returns it (output {k}) under "
+                    "outputs='static': eagerly the output is the caller's own tensor, but a "
+                    "graph can only return its static copy, which differs from the caller's "
+                    "tensor after later writes. Use outputs='checked' (the default) or "
+                    "'clone', or return a new tensor (x.clone())"
+                )
 
 
 def owned_by(pool: Pool, inputs: Inputs) -> Callable[[torch.Tensor], bool]:

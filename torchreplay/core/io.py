@@ -1,14 +1,22 @@
-"""Arguments in, outputs out: pytree flattening, static buffers, guards, copy-in, output policy.
+"""Arguments in, outputs out: static buffers, guards, copy-in, writes copied back, output policy.
 
 Data flows one way through this module: the caller's ``(args, kwargs)`` are flattened and checked
 against what the graph was captured with, tensors are copied into the graph's static input
-buffers (one launch for many), the graph replays, and :class:`Outputs` hands the results back
-under the output policy.
+buffers (one launch for many), the graph replays, the static buffers the callable writes are
+copied back into the caller's tensors (eager semantics for in-place writes to arguments), and
+:class:`Outputs` hands the results back under the output policy.
+
+A tensor of the captured shape but another dtype is refused, except for a lossless widening
+(``float16``/``bfloat16`` -> ``float32``, a smaller integer -> a larger one), which is copied in
+with one warning per argument: the graph computes in the captured dtype, as torch's
+``make_graphed_callables`` does when it copies an autocast output into its static input.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
+
+import logging
 
 import torch
 
@@ -16,9 +24,29 @@ from torchreplay import _compat
 from torchreplay.core.args import CallArgs
 from torchreplay.errors import CaptureError, ReplayInputError
 
-__all__ = ["Inputs", "Outputs", "describe_tensor", "same_constant", "conversion_fix"]
+__all__ = ["Inputs", "Outputs", "describe_tensor", "same_constant", "conversion_fix", "widens"]
+
+log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
+
+# Lossless casts a call may make into a static buffer: every value of the source dtype is exactly
+# representable in the target. Integer -> float and bool -> anything are left out on purpose: they
+# change what the argument means, not only its precision.
+_WIDENINGS: dict[torch.dtype, frozenset[torch.dtype]] = {
+    torch.float16: frozenset({torch.float32, torch.float64}),
+    torch.bfloat16: frozenset({torch.float32, torch.float64}),
+    torch.float32: frozenset({torch.float64}),
+    torch.int8: frozenset({torch.int16, torch.int32, torch.int64}),
+    torch.uint8: frozenset({torch.int16, torch.int32, torch.int64}),
+    torch.int16: frozenset({torch.int32, torch.int64}),
+    torch.int32: frozenset({torch.int64}),
+}
+
+
+def widens(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Is casting ``src`` to ``dst`` lossless (every ``src`` value exact in ``dst``)?"""
+    return dst in _WIDENINGS.get(src, ())
 
 
 def describe_tensor(t: torch.Tensor) -> str:
@@ -29,6 +57,7 @@ def describe_tensor(t: torch.Tensor) -> str:
 
 
 def same_constant(a: Any, b: Any) -> bool:
+    """Is the call's non-tensor ``a`` the captured constant ``b`` (same type, equal)?"""
     if a is b:
         return True
     if type(a) is not type(b):
@@ -37,6 +66,16 @@ def same_constant(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # an object whose == raises or is ambiguous: only identity counts
         return False
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last + 1)`` byte addresses of the elements ``t`` covers (two views of one
+    storage that cover disjoint ranges do not overlap)."""
+    start = t.data_ptr()
+    if t.numel() == 0:
+        return start, start
+    last = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
 
 
 def _device_index(device: torch.device) -> int:
@@ -128,6 +167,10 @@ class Inputs:
             (i, s.value, s) for i, s in enumerate(self.slots) if s.static is None
         ]
         self._only_args = self.flat and not self.kw_keys
+        #: Slot positions whose static buffer the graph writes (set after capture: set_written).
+        self.written: tuple[int, ...] = ()
+        self._write_backs: list[tuple[int, torch.Tensor]] = []
+        self._widened: set[tuple[int, torch.dtype]] = set()
         self._one = (
             self._tensor_checks[0]
             if len(self._tensor_checks) == 1 and not self._constant_checks
@@ -164,7 +207,8 @@ class Inputs:
             leaf = leaves[i]
             if leaf is not static:
                 if not _matches(leaf, shape, dtype, device):
-                    raise self.tensor_error(slot, leaf)
+                    self._convert(i, slot, leaf)
+                    return leaves
                 try:
                     static.copy_(leaf)
                 except RuntimeError:
@@ -180,7 +224,8 @@ class Inputs:
             leaf = leaves[i]
             if leaf is not static:
                 if not _matches(leaf, shape, dtype, device):
-                    raise self.tensor_error(slot, leaf)
+                    self._convert(i, slot, leaf)  # a widening cast copies on its own
+                    continue
                 dsts.append(static)
                 srcs.append(leaf)
         try:
@@ -194,6 +239,91 @@ class Inputs:
                     raise self.tensor_error(slot, leaves[i]) from None
             raise
         return leaves
+
+    def _convert(self, i: int, slot: _Slot, leaf: Any) -> None:
+        """Copy a tensor of the captured shape and device whose dtype widens losslessly into the
+        captured one; raise the argument's error for anything else."""
+        static = slot.static
+        assert static is not None
+        if not (
+            isinstance(leaf, _Tensor)
+            and leaf.shape == slot.shape
+            and leaf.device == slot.device
+            and leaf.layout is torch.strided
+            and widens(leaf.dtype, slot.dtype)  # type: ignore[arg-type]
+        ):
+            raise self.tensor_error(slot, leaf)
+        if (i, leaf.dtype) not in self._widened:
+            self._widened.add((i, leaf.dtype))
+            log.warning(
+                "torchreplay: %s is %s but the graph was captured with %s: copying it in with a "
+                "lossless cast (the graph computes in %s; each call pays the cast). Pass %s, or "
+                "graph with a sample of this dtype",
+                slot.path,
+                str(leaf.dtype).removeprefix("torch."),
+                str(slot.dtype).removeprefix("torch."),
+                str(slot.dtype).removeprefix("torch."),
+                str(slot.dtype).removeprefix("torch."),
+            )
+        static.copy_(leaf)
+
+    # -- input writes --------------------------------------------------------------------------
+
+    def set_written(self, written: Sequence[int]) -> None:
+        """Record which static buffers the graph writes, by position in :attr:`tensor_slots`
+        (what :func:`~torchreplay.core.capture.capture` reports for ``watch=tensor buffers``)."""
+        index = [i for i, s in enumerate(self.slots) if s.static is not None]
+        self.written = tuple(index[k] for k in written)
+        self._write_backs = [(i, self.slots[i].static) for i in self.written]  # type: ignore[misc]
+
+    def written_paths(self) -> list[str]:
+        """The names of the arguments the graph writes (``["args[1] 'cache'"]``)."""
+        return [self.slots[i].path for i in self.written]
+
+    def copy_back(self, leaves: Sequence[Any]) -> None:
+        """After a replay: copy every written static buffer into the caller's tensor, as an
+        eager call would have left it (nothing to do where the caller passed the buffer)."""
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for i, static in self._write_backs:
+            leaf = leaves[i]
+            if leaf is not static:
+                dsts.append(leaf)
+                srcs.append(static)
+        if not dsts:
+            return
+        with torch.no_grad():  # a write into the caller's tensor, not a step of its history
+            if len(dsts) == 1 or any(d.dtype != s.dtype for d, s in zip(dsts, srcs)):
+                for d, s in zip(dsts, srcs):
+                    d.copy_(s)
+            else:
+                _compat.foreach_copy_(dsts, srcs)
+
+    def check_aliasing(self, leaves: Sequence[Any], where: str = "call") -> None:
+        """Refuse a call whose written argument shares memory with another tensor argument.
+
+        Eagerly, the callable's write through one would be seen through the other; the graph
+        reads and writes two separate static buffers, so the result would silently differ.
+        """
+        spans: dict[int, tuple[int, int]] = {}
+        for i, static, _, _, _, _ in self._tensor_checks:
+            leaf = leaves[i]
+            if isinstance(leaf, _Tensor) and leaf is not static:
+                spans[i] = _byte_span(leaf)
+        for i in self.written:
+            if i not in spans:
+                continue
+            lo, hi = spans[i]
+            for j, (lo2, hi2) in spans.items():
+                if j != i and lo < hi2 and lo2 < hi:
+                    error = CaptureError if where == "capture" else ReplayInputError
+                    raise error(
+                        f"{self.slots[i].path} and {self.slots[j].path} share memory, and the "
+                        f"callable writes {self.slots[i].path}: eagerly the write would show "
+                        f"through {self.slots[j].path}, but a graph reads and writes separate "
+                        "static buffers, so the result would differ. Pass tensors that do not "
+                        "overlap (.clone() one of them)"
+                    )
 
     # -- errors --------------------------------------------------------------------------------
 
@@ -319,6 +449,12 @@ class Outputs:
             "overwrote its memory. Call .clone() on outputs you keep across calls, or create "
             "the graph with outputs='clone'."
         )
+        self.gone_message = (
+            f"StaleOutputError: this tensor is an output of the torchreplay graph '{name}', "
+            "which has been destroyed (nothing refers to it any more), and its memory was "
+            "given back. Call .clone() on outputs you keep longer than the graph, or create the "
+            "graph with outputs='clone'."
+        )
 
     def invalidate(self) -> None:
         """Mark the outputs handed out by the last :meth:`emit` as stale."""
@@ -326,6 +462,17 @@ class Outputs:
             for storage in self.live:
                 _compat.invalidate_storage(storage, self.stale_message)
             self.live = []
+
+    def retire(self) -> None:
+        """The graph is being destroyed: make the outputs it handed out raise when read (their
+        memory goes back to the allocator) instead of reading freed memory."""
+        for storage in self.live:
+            _compat.invalidate_storage(storage, self.gone_message)
+        self.live = []
+        # Our references to the capture's output tensors go too, so the pool's blocks are free
+        # when the cache is emptied (outputs="static" callers keep theirs alive themselves).
+        self.static = []
+        self.groups = []
 
     def emit(self) -> Any:
         """Return this replay's outputs, in the captured structure, under the policy."""

@@ -8,6 +8,12 @@ were still held when g_i was captured). A :class:`Pool` keeps the capture order 
 replays, marks the outputs that g_j (j >= i) handed out as stale, so they raise when read instead
 of returning overwritten data.
 
+When the last graph of a pool is dropped, the pool's memory goes back to the device at once
+(:meth:`Pool.track`): its graphs are destroyed, the outputs they handed out are marked so that a
+read raises instead of reading freed memory, and the allocator's cache is emptied once. torch's
+own tool empties the cache at every capture instead; a serving process that re-captures (new
+sizes, a reloaded model) would otherwise hold every dropped graph's pool.
+
 Training adds data that lives between two replays: a forward graph's replay leaves its saved
 activations for its backward graph. Graphs captured before that forward, or after that backward,
 may use the same memory as scratch. A :class:`LiveWindow` records such data; any replay at a
@@ -16,9 +22,10 @@ position outside ``(start, end)`` marks it clobbered, and its reader raises inst
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
-from typing import Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -78,6 +85,8 @@ class Pool:
         # One live window per writer position: a new replay of the writer clobbers the old one.
         # Weak: a window whose reader was dropped (an autograd graph freed) needs no tracking.
         self._windows: dict[int, weakref.ReferenceType[LiveWindow]] = {}
+        # The objects (Graphed, BucketedGraph, ...) whose graphs live in this pool, weakly.
+        self._owners: list[weakref.ReferenceType[Any]] = []
 
     @property
     def handle(self) -> tuple[int, int]:
@@ -113,6 +122,28 @@ class Pool:
         self._members.append(weakref.ref(member))
         self.shared = len(self._members) > 1
         return len(self._members) - 1
+
+    def track(
+        self,
+        owner: Any,
+        graphs: Sequence[Any],
+        retire: Callable[[], None],
+    ) -> None:
+        """Release ``owner``'s graphs as soon as ``owner`` is garbage.
+
+        Then ``retire()`` marks the outputs it handed out (so a read raises), each graph in
+        ``graphs`` is destroyed at once (giving back its reference on the pool), and if no other
+        tracked owner is alive the pool's memory goes back to the device (one
+        ``torch.cuda.empty_cache()``) and the next capture gets a fresh pool handle (torch cannot
+        capture into a pool id whose graphs were all released).
+
+        Args:
+            owner: the object whose lifetime the graphs share.
+            graphs: its ``torch.cuda.CUDAGraph`` objects; a list may grow later (lazy capture).
+            retire: marks the outputs that are still handed out.
+        """
+        self._owners.append(weakref.ref(owner))
+        weakref.finalize(owner, _release, weakref.ref(self), graphs, retire)
 
     def before_replay(self, position: int, reader: LiveWindow | None = None) -> None:
         """Mark stale the outputs of every graph captured after ``position``, and clobber the
@@ -182,3 +213,31 @@ def _as_cuda_device(device: torch.device | int | str) -> torch.device:
     if d.type == "cuda" and d.index is None:
         d = torch.device("cuda", torch.cuda.current_device())
     return d
+
+
+def _release(pool_ref: weakref.ReferenceType[Pool], graphs: Sequence[Any], retire: Callable[[], None]) -> None:
+    """Finalizer of a pool's owner (see :meth:`Pool.track`). Runs while the owner is being
+    destroyed, before its graphs would be; never raises."""
+    with contextlib.suppress(Exception):
+        retire()
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    with contextlib.suppress(Exception):
+        if torch.cuda.is_current_stream_capturing():
+            return  # destroying a graph or emptying the cache is illegal now: let them die later
+    for g in list(graphs):
+        with contextlib.suppress(Exception):
+            g.reset()  # destroys the graph now and gives back its reference on the pool
+    pool = pool_ref()
+    if pool is None:
+        return
+    pool._owners = [r for r in pool._owners if r() is not None]
+    if pool._owners:
+        return  # other graphs still use the pool's memory
+    pool._handle = None
+    pool._members = []
+    pool.shared = False
+    pool._windows.clear()
+    log.debug("torchreplay: the last graph of %r was dropped; giving its memory back", pool)
+    with contextlib.suppress(Exception):
+        torch.cuda.empty_cache()

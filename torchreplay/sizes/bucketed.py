@@ -18,12 +18,9 @@ the CPU.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import sys
 import time
-import traceback
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -34,14 +31,15 @@ from torchreplay.core.capture import (
     StateSnapshot,
     capture,
     on_side_stream,
+    progress,
     side_stream,
-    user_frame,
     warn_mode_changed,
 )
-from torchreplay.core.io import Inputs, Outputs, same_constant
+from torchreplay.core.io import Inputs, Outputs, same_constant, widens
 from torchreplay.core.pool import Pool
 from torchreplay.errors import CaptureError, ReplayInputError
-from torchreplay.sizes.guards import fits, input_error, refuse_row_mixing
+from torchreplay.sizes.buffers import pad_sample
+from torchreplay.sizes.guards import fits, input_error, probe_error, refuse_row_mixing
 from torchreplay.sizes.outputs import OutputPlan, plan_outputs
 from torchreplay.sizes.plan import (
     DimSpec,
@@ -64,13 +62,21 @@ _Tensor = torch.Tensor
 class _SizeGraph:
     """One captured size: its graph and the external outputs (module state) it returned."""
 
-    __slots__ = ("size", "graph", "externals", "seconds")
+    __slots__ = ("size", "graph", "externals", "seconds", "written")
 
-    def __init__(self, size: int, graph: Any, externals: dict[int, torch.Tensor], seconds: float):
+    def __init__(
+        self,
+        size: int,
+        graph: Any,
+        externals: dict[int, torch.Tensor],
+        seconds: float,
+        written: tuple[int, ...] = (),
+    ):
         self.size = size
         self.graph = graph
         self.externals = externals
         self.seconds = seconds
+        self.written = written
 
 
 class _Route:
@@ -172,11 +178,12 @@ class BucketedGraph:
         self._graphs: dict[int, _SizeGraph] = {}
         self._routes: list[_Route | None] = [None] * (self._max + 1)
         self._last: Outputs | None = None
+        self._warned_casts: set[tuple[int, torch.dtype]] = set()
 
         # Static inputs at the largest size: the sample's rows, then the fill value.
         with torch.no_grad():  # buffers, not part of an autograd graph
             padded = [
-                _pad_sample(leaf, d, self._max, f) if d is not None else leaf
+                pad_sample(leaf, d, self._max, f) if d is not None else leaf
                 for leaf, d, f in zip(call.leaves, self._plan.dims, self._plan.fills)
             ]
         self._inputs = Inputs(call.with_leaves(padded), device)
@@ -196,7 +203,6 @@ class BucketedGraph:
 
         start = time.perf_counter()
         snapshot = StateSnapshot(self._module, device) if config.restore_state else None
-        versions = _versions([buf for buf, _, _ in self._varying])
         self._out_plan = self._probe(snapshot)
         self._outs = {
             i: torch.empty(self._out_plan.leaves[i].shape, dtype=self._out_plan.leaves[i].dtype,
@@ -207,21 +213,25 @@ class BucketedGraph:
             t.nbytes for t in self._outs.values()
         )
         probe_seconds = time.perf_counter() - start
-        self._capture_size(self._max, warmup=True, snapshot=snapshot)
+        self._graph_list: list[Any] = []  # every size's graph, for the release on drop
+        first = self._capture_size(self._max, warmup=True, snapshot=snapshot, watch=True)
+        self._inputs.set_written(first.written)
+        self._writes = bool(self._inputs.written)
+        self.stats.written_inputs = self._inputs.written_paths()
         if snapshot is not None:
             snapshot.restore()
         del snapshot  # its copies of the module's buffers (a KV cache) are not needed any more
-        # A callable that writes into its inputs leaves the padding rows dirty after a replay.
-        after = _versions([buf for buf, _, _ in self._varying])
-        self._writes_inputs = versions is None or after != versions
+        # A callable that writes a varying input leaves its padding rows dirty after a replay.
+        self._writes_inputs = any(self._plan.dims[i] is not None for i in self._inputs.written)
         # Rows >= _clean_from of every varying buffer hold the fill value.
         self._clean_from = self._max
         self.stats.capture_seconds += probe_seconds
         self._position = self.pool.register(self)
+        self.pool.track(self, self._graph_list, self._retire)
 
         if options.capture == "ahead":
             rest = self.sizes[-2::-1]  # largest first: smaller graphs fit in the pool's blocks
-            with _progress(f"capturing '{self.name}'", len(self.sizes)) as advance:
+            with progress(f"capturing '{self.name}'", len(self.sizes)) as advance:
                 advance()
                 for s in rest:
                     self._capture_size(s, warmup=False, snapshot=None)
@@ -231,33 +241,20 @@ class BucketedGraph:
     def _log_summary(self) -> None:
         if not log.isEnabledFor(logging.INFO):
             return  # reserved_bytes() walks the allocator's segments: only when it is logged
-        pool_mib = self.pool.reserved_bytes() / 2**20
-        if self.options.capture == "ahead":
-            log.info(
-                "torchreplay: captured '%s' at %d sizes (%s) on %s in %.2f s; pool %.1f MiB, "
-                "buffers %.1f MiB (outputs=%s)",
-                self.name,
-                len(self.sizes),
-                format_sizes(self.sizes),
-                self.device,
-                self.stats.capture_seconds,
-                pool_mib,
-                self.buffer_bytes / 2**20,
-                self.config.outputs,
-            )
-        else:
-            log.info(
-                "torchreplay: captured '%s' at its largest size %d on %s in %.2f s; the other "
-                "%d sizes are captured on first use (capture='lazy'); pool %.1f MiB, buffers "
-                "%.1f MiB",
-                self.name,
-                self._max,
-                self.device,
-                self.stats.capture_seconds,
-                len(self.sizes) - 1,
-                pool_mib,
-                self.buffer_bytes / 2**20,
-            )
+        lazy = self.options.capture == "lazy"
+        log.info(
+            "torchreplay: captured '%s' at %s on %s in %.2f s%s; pool %.1f MiB, buffers %.1f MiB "
+            "(outputs=%s)",
+            self.name,
+            f"its largest size {self._max}" if lazy else f"{len(self.sizes)} sizes "
+            f"({format_sizes(self.sizes)})",
+            self.device,
+            self.stats.capture_seconds,
+            "; the other sizes are captured on first use (capture='lazy')" if lazy else "",
+            self.pool.reserved_bytes() / 2**20,
+            self.buffer_bytes / 2**20,
+            self.config.outputs,
+        )
 
     # -- capture --------------------------------------------------------------------------------
 
@@ -291,7 +288,9 @@ class BucketedGraph:
                 try:
                     out = self.fn(*a, **k)
                 except Exception as exc:
-                    self._probe_failed(s, exc, snapshot)
+                    if snapshot is not None:
+                        snapshot.restore()
+                    raise probe_error(self.name, self._plan, s, exc) from exc
                 outs[s] = out
                 del out, a, k
 
@@ -312,20 +311,9 @@ class BucketedGraph:
         ]
         return tensors
 
-    def _probe_failed(self, s: int, exc: Exception, snapshot: StateSnapshot | None) -> None:
-        where = user_frame(exc.__traceback__)
-        at = f" at {where[0]}:{where[1]} ({where[2]})" if where else ""
-        traceback.clear_frames(exc.__traceback__)
-        if snapshot is not None:
-            snapshot.restore()
-        raise CaptureError(
-            f"eager call of '{self.name}' at size {s} ({self._plan.where()}) raised "
-            f"{type(exc).__name__}: {_first_line(exc)}{at}; with sizes= the callable must accept "
-            "every size in sizes (padding rows hold the fill value): fix the call, or change "
-            "sizes or fill_value"
-        ) from exc
-
-    def _capture_size(self, s: int, *, warmup: bool, snapshot: StateSnapshot | None) -> _SizeGraph:
+    def _capture_size(
+        self, s: int, *, warmup: bool, snapshot: StateSnapshot | None, watch: bool = False
+    ) -> _SizeGraph:
         """Capture the graph of size ``s``; its outputs are copied into the shared buffers."""
         plan = self._out_plan
         fn = self.fn
@@ -359,13 +347,15 @@ class BucketedGraph:
             config=self.config,
             warmup=warmup,
             snapshot=snapshot,
+            watch=[slot.static for slot in self._inputs.tensor_slots] if watch else (),
         )
         leaves = _compat.tree_flatten(captured.out)[0]
         externals = {i: leaves[i] for i in plan.external}
         # Drop the callable's own outputs: their memory goes back to the pool for smaller sizes.
-        graph, seconds = captured.graph, captured.seconds
+        graph, seconds, written = captured.graph, captured.seconds, captured.written
         del captured, leaves
-        entry = _SizeGraph(s, graph, externals, seconds)
+        self._graph_list.append(graph)
+        entry = _SizeGraph(s, graph, externals, seconds, written)
         self._graphs[s] = entry
         self.stats.captures += 1
         self.stats.capture_seconds += seconds
@@ -394,7 +384,10 @@ class BucketedGraph:
             return self._new_size(n, leaves, args, kwargs)
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        for leaf, slot, dst, shape in zip(leaves, self._slots, route.dsts, route.shapes):
+        widened: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, (leaf, slot, dst, shape) in enumerate(
+            zip(leaves, self._slots, route.dsts, route.shapes)
+        ):
             if dst is None:
                 value = slot.value
                 if leaf is not value and not same_constant(leaf, value):
@@ -402,10 +395,13 @@ class BucketedGraph:
             elif leaf is not dst:
                 if (
                     type(leaf) is not _Tensor and not isinstance(leaf, _Tensor)
-                ) or leaf.shape != shape or leaf.dtype != slot.dtype or (
+                ) or leaf.shape != shape or (
                     leaf.device != slot.device
                 ) or leaf.layout is not torch.strided:
                     raise self._input_error(leaves, n)
+                if leaf.dtype != slot.dtype:
+                    widened.append((self._widen(i, slot, leaf, leaves, n), leaf))
+                    continue
                 dsts.append(dst)
                 srcs.append(leaf)
         if n < self._clean_from:
@@ -415,6 +411,10 @@ class BucketedGraph:
             dsts[0].copy_(srcs[0])
         elif dsts:
             _compat.foreach_copy_(dsts, srcs)
+        for dst, leaf in widened:  # after the padding refill, so it lands on top of it
+            dst.copy_(leaf)
+        if self._writes:
+            self._inputs.check_aliasing(leaves)
         self._clean_from = route.clean_after
         if self.pool.shared:
             self.pool.before_replay(self._position)
@@ -423,6 +423,8 @@ class BucketedGraph:
         if last is not outputs and last is not None:
             last.invalidate()  # every size writes the same output buffers
         route.replay()
+        if self._writes:  # eager semantics: the real rows the callable wrote reach the caller
+            self._copy_back(leaves, route)
         stats = self.stats
         stats.replays += 1
         stats.size_hits[route.size] += 1
@@ -430,6 +432,48 @@ class BucketedGraph:
         stats.padded_rows += route.pad
         self._last = outputs
         return outputs.emit()
+
+    def _widen(self, i: int, slot: Any, leaf: torch.Tensor, leaves: Any, n: int) -> torch.Tensor:
+        """Accept a lossless widening cast: return where the argument is copied; refuse every
+        other dtype."""
+        if not widens(leaf.dtype, slot.dtype):
+            raise self._input_error(leaves, n)
+        if (i, leaf.dtype) not in self._warned_casts:
+            self._warned_casts.add((i, leaf.dtype))
+            log.warning(
+                "torchreplay: %s is %s but '%s' was captured with %s: copying it in with a "
+                "lossless cast (each call pays it). Pass %s, or graph with a sample of this dtype",
+                slot.path,
+                str(leaf.dtype).removeprefix("torch."),
+                self.name,
+                str(slot.dtype).removeprefix("torch."),
+                str(slot.dtype).removeprefix("torch."),
+            )
+        return self._routes[n].dsts[i]  # type: ignore[union-attr,return-value]
+
+    def _copy_back(self, leaves: Any, route: _Route) -> None:
+        """Copy what the graph wrote into the caller's tensors: the call's ``n`` rows of a
+        varying argument (never the padding rows), the whole of a static one."""
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for i in self._inputs.written:
+            src, leaf = route.dsts[i], leaves[i]
+            if leaf is not src:
+                dsts.append(leaf)
+                srcs.append(src)  # type: ignore[arg-type]
+        if dsts:
+            with torch.no_grad():
+                if len(dsts) == 1 or any(d.dtype != s.dtype for d, s in zip(dsts, srcs)):
+                    for d, src in zip(dsts, srcs):
+                        d.copy_(src)
+                else:
+                    _compat.foreach_copy_(dsts, srcs)
+
+    def _retire(self) -> None:
+        """This graph is being destroyed: outputs handed out raise when read."""
+        for route in self._routes:
+            if route is not None:
+                route.outputs.retire()
 
     def _pad(self, n: int) -> None:
         """Write the fill value into rows ``n .. _clean_from-1`` of every varying buffer."""
@@ -539,53 +583,6 @@ class BucketedGraph:
             f"BucketedGraph({self.name}, sizes=[{format_sizes(self.sizes)}], "
             f"device={self.device}, {self.stats.explain()})"
         )
-
-
-def _pad_sample(leaf: torch.Tensor, d: int, size: int, fill: Any) -> torch.Tensor:
-    """The sample argument grown (or cut) to ``size`` along ``d``, the new rows set to ``fill``."""
-    shape = list(leaf.shape)
-    shape[d] = size
-    channels_last = (
-        leaf.dim() == 4
-        and not leaf.is_contiguous()
-        and leaf.is_contiguous(memory_format=torch.channels_last)
-    )
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    out = torch.empty(shape, dtype=leaf.dtype, device=leaf.device, memory_format=fmt)
-    rows = min(leaf.shape[d], size)
-    out.narrow(d, 0, rows).copy_(leaf.narrow(d, 0, rows))
-    if rows < size:
-        out.narrow(d, rows, size - rows).fill_(fill)
-    return out
-
-
-def _versions(tensors: list[torch.Tensor]) -> list[int] | None:
-    """Version counters (bumped by in-place writes); None where torch keeps none (inference mode)."""
-    try:
-        return [t._version for t in tensors]
-    except RuntimeError:  # inference tensors have no version counter: assume they are written
-        return None
-
-
-@contextlib.contextmanager
-def _progress(description: str, total: int) -> Iterator[Callable[[], None]]:
-    """Yield ``advance()`` of a progress bar on stderr, shown only when stderr is a terminal."""
-    isatty = getattr(sys.stderr, "isatty", None)
-    bar = None
-    if total > 1 and isatty is not None and isatty():
-        try:
-            from rich.console import Console
-            from rich.progress import Progress
-        except ImportError:  # rich is a dependency, but a missing bar must not stop a capture
-            Progress = None  # type: ignore[assignment,misc]
-        if Progress is not None:
-            bar = Progress(console=Console(stderr=True), transient=True)
-    if bar is None:
-        yield lambda: None
-        return
-    with bar:
-        task = bar.add_task(description, total=total)
-        yield lambda: bar.advance(task)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -3,15 +3,17 @@ arguments that fit no captured size, each with an error that names the argument 
 
 from __future__ import annotations
 
+import traceback
 from typing import Any, Sequence
 
 import torch
 
+from torchreplay.core.capture import user_frame
 from torchreplay.core.io import Inputs, conversion_fix, describe_tensor, same_constant
-from torchreplay.errors import ReplayInputError, UnsupportedError
+from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
 from torchreplay.sizes.plan import InputPlan, disagreement_message
 
-__all__ = ["refuse_row_mixing", "input_error", "fits", "pattern"]
+__all__ = ["refuse_row_mixing", "probe_error", "input_error", "fits", "pattern"]
 
 _Tensor = torch.Tensor
 
@@ -55,6 +57,20 @@ def refuse_row_mixing(module: torch.nn.Module, name: str) -> None:
                 "change the results; call .eval() before graphing with sizes=, or graph each "
                 "batch size exactly (without sizes=)"
             )
+
+
+def probe_error(name: str, plan: InputPlan, s: int, exc: Exception) -> CaptureError:
+    """The error for an eager call at size ``s`` (learning how outputs slice) that raised."""
+    where = user_frame(exc.__traceback__)
+    at = f" at {where[0]}:{where[1]} ({where[2]})" if where else ""
+    traceback.clear_frames(exc.__traceback__)
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return CaptureError(
+        f"eager call of '{name}' at size {s} ({plan.where()}) raised {type(exc).__name__}: "
+        f"{first}{at}; with sizes= the callable must accept every size in sizes (padding rows "
+        "hold the fill value): fix the call, or change sizes or fill_value"
+    )
 
 
 def input_error(

@@ -28,7 +28,8 @@ from torchreplay.core.capture import capture, side_stream
 from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
 from torchreplay.core.pool import Pool
 from torchreplay.stats import TrainingStats
-from torchreplay.training.graphed_callable import GraphedCallable, _Order, _Pair
+from torchreplay.training.graphed_callable import GraphedCallable
+from torchreplay.training.pair import Order, Pair
 from torchreplay.training.state import StateKeeper
 from torchreplay.training.verify import check_verify, resolve_tolerance
 
@@ -44,7 +45,7 @@ _Tensor = torch.Tensor
 
 def _capture_pairs(
     runners: Sequence[GraphedCallable], *, device: torch.device, pool: Pool, config: GraphConfig
-) -> list[_Pair]:
+) -> list[Pair]:
     """Warm up and capture forward 1..N, then backward N..1, into ``pool``."""
     stream = side_stream(device)
     forwards = []
@@ -61,9 +62,10 @@ def _capture_pairs(
                 grad=True,
                 warmup=True,
                 snapshot=r._keeper,  # type: ignore[arg-type]
+                watch=[s.static for s in r._inputs.tensor_slots],
             )
         )
-    pairs: list[_Pair | None] = [None] * len(runners)
+    pairs: list[Pair | None] = [None] * len(runners)
     for i in reversed(range(len(runners))):
         r, fwd = runners[i], forwards[i]
         leaves, spec = _compat.tree_flatten(fwd.out)
@@ -106,7 +108,7 @@ def _capture_pairs(
             del outputs, backward
         # Keep the outputs' memory, drop their autograd history (freed by the backward capture).
         kept = [o.detach() if isinstance(o, _Tensor) and owned(o) else o for o in leaves]
-        pairs[i] = _Pair(
+        pairs[i] = Pair(
             fwd_replay=fwd.graph.replay,
             bwd_replay=bwd.graph.replay if bwd is not None else None,
             leaves=kept,
@@ -117,6 +119,7 @@ def _capture_pairs(
             static_grad_inputs=grads,
             graphs=(fwd.graph, bwd.graph if bwd is not None else None),
             seconds=seconds,
+            written=fwd.written,
         )
         forwards[i] = None  # type: ignore[call-overload]
         del leaves, fwd, bwd
@@ -152,6 +155,7 @@ def _build(runners: list[GraphedCallable], device: torch.device, pool: Pool, con
         keeper.restore()
     for r, pair in zip(runners, pairs):
         r._adopt(pair, pool)
+        pool.track(r, [g for g in pair.graphs if g is not None], r._retire)
     for r in runners:
         r._fwd_pos = pool.register(r.fwd_member)
     for r in reversed(runners):
@@ -334,7 +338,7 @@ def make_graphed_callables(
     the_pool = resolve_pool(pool)
     if the_pool is None:
         the_pool = Pool(device)
-    order = _Order()
+    order = Order()
     runners = [
         GraphedCallable(
             fn,

@@ -32,7 +32,6 @@ capture order.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from typing import Any, Callable
 
@@ -46,6 +45,7 @@ from torchreplay.core.io import Inputs, Outputs
 from torchreplay.core.pool import LiveWindow, Pool
 from torchreplay.errors import ReplayInputError, StaleOutputError, UnsupportedError
 from torchreplay.stats import TrainingStats
+from torchreplay.training.pair import Member, Order, Pair, capturing
 from torchreplay.training.state import StateKeeper
 from torchreplay.training.verify import (
     Tolerance,
@@ -61,57 +61,6 @@ __all__ = ["GraphedCallable", "TrainingStats"]
 log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
-
-
-class _Member:
-    """A graph's entry in its pool's capture order (named, for ordering messages)."""
-
-    __slots__ = ("name", "_invalidate", "__weakref__")  # the pool holds its members weakly
-
-    def __init__(self, name: str, invalidate: Callable[[], None] | None = None) -> None:
-        self.name = name
-        self._invalidate = invalidate
-
-    def invalidate_outputs(self) -> None:
-        if self._invalidate is not None:
-            self._invalidate()
-
-
-class _Order:
-    """The last backward sequence number given out among callables sharing one pool."""
-
-    __slots__ = ("last",)
-
-    def __init__(self) -> None:
-        self.last = -1
-
-
-@dataclasses.dataclass
-class _Pair:
-    """The captured forward and backward of one callable (what replay needs from capture).
-
-    Attributes:
-        fwd_replay / bwd_replay: replay the forward / backward graph (bwd None: nothing to
-            differentiate).
-        leaves, spec: the forward's outputs, flattened; tensors the graph owns are detached.
-        diff_idx: positions in ``leaves`` of the differentiable outputs.
-        owned: does the graph own this tensor's memory (pool or static inputs)?
-        static_grad_outputs: one buffer per differentiable output, outside the pool.
-        static_grad_inputs: the backward's results, one per ``GraphedCallable._grad_inputs``.
-        graphs: keeps the graph objects alive.
-        seconds: warm-up and capture time.
-    """
-
-    fwd_replay: Callable[[], Any]
-    bwd_replay: Callable[[], Any] | None
-    leaves: list[Any]
-    spec: Any
-    diff_idx: list[int]
-    owned: Callable[[torch.Tensor], bool]
-    static_grad_outputs: list[torch.Tensor]
-    static_grad_inputs: list[torch.Tensor | None]
-    graphs: tuple[Any, ...] = ()
-    seconds: float = 0.0
 
 
 class GraphedCallable:
@@ -134,7 +83,7 @@ class GraphedCallable:
         *,
         device: torch.device,
         config: GraphConfig,
-        order: _Order,
+        order: Order,
         allow_unused: bool,
         verify: int,
         tol: Tolerance | None,
@@ -198,16 +147,16 @@ class GraphedCallable:
     def _warm(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The call that capture() warms up and captures: the forward, plus, when not
         capturing, the backward (so that backward kernels initialise before capture too)."""
-        capturing = _capturing()
+        now_capturing = capturing()
         keeper = self._keeper
-        discover = keeper is not None and not capturing and not self._discovering_done
+        discover = keeper is not None and not now_capturing and not self._discovering_done
         probe = _next_sequence_nr() if self._surface is None else 0
         with keeper.discovering() if discover else contextlib.nullcontext():  # type: ignore[union-attr]
             out = self._run_fn(*args, **kwargs)
         self._discovering_done = self._discovering_done or discover
         if self._surface is None:
             self._discover(out, probe)
-        if capturing:
+        if now_capturing:
             return out
         diff = [o for o in _compat.tree_flatten(out)[0] if isinstance(o, _Tensor) and o.requires_grad]
         if diff and self._grad_inputs:
@@ -290,7 +239,7 @@ class GraphedCallable:
                 )
         return out
 
-    def _adopt(self, pair: _Pair, pool: Pool) -> None:
+    def _adopt(self, pair: Pair, pool: Pool) -> None:
         """Take the captured graphs; from here on calls replay."""
         self.pool = pool
         self.stats = TrainingStats(pool.reserved_bytes)
@@ -307,13 +256,17 @@ class GraphedCallable:
         self._has_backward = pair.bwd_replay is not None
         self._static_grad_outputs = pair.static_grad_outputs
         self._static_grad_inputs = pair.static_grad_inputs
+        self._inputs.set_written(pair.written)
+        self._writes = bool(self._inputs.written)
+        self.stats.written_inputs = self._inputs.written_paths()
+        self._warned_grad: set[int] = set()
         for s in self._inputs.tensor_slots:
             s.static.requires_grad_(False)  # type: ignore[union-attr]  # copy_in writes into them
         self._surface_t = tuple(self._surface or ())
         self._warm_fn = None  # only capture needs it (and it refers back to self: a cycle)
         # Kept here: the pool refers to its members weakly.
-        self.fwd_member = _Member(f"{self.name} (forward)", self._outputs.invalidate)
-        self.bwd_member = _Member(f"{self.name} (backward)")
+        self.fwd_member = Member(f"{self.name} (forward)", self._outputs.invalidate)
+        self.bwd_member = Member(f"{self.name} (backward)")
         self._fwd_pos = -1
         self._bwd_pos = -1
         self._device_index = self.device.index
@@ -345,16 +298,26 @@ class GraphedCallable:
         grad_on = torch.is_grad_enabled()
         if grad_on and self._no_grad_slots:
             for k, slot in zip(self._no_grad_pos, self._no_grad_slots):
-                if leaves[self._tensor_idx[k]].requires_grad:
-                    raise ReplayInputError(
-                        f"{slot.path}: requires grad, but its sample argument did not, so the "
-                        "backward graph computes no gradient for it; graph with a sample that "
-                        "has requires_grad=True, or pass it .detach()ed"
+                if leaves[self._tensor_idx[k]].requires_grad and k not in self._warned_grad:
+                    # torch's accepts this silently; a refusal would break drop-in use, silence
+                    # would hide a missing gradient: warn once, naming it.
+                    self._warned_grad.add(k)
+                    log.warning(
+                        "torchreplay: %s of '%s' requires grad, but its sample argument did not, "
+                        "so the backward graph computes no gradient for it (its .grad stays "
+                        "None, and nothing flows back through it). Graph with a sample that has "
+                        "requires_grad=True to get it, or pass it .detach()ed to silence this",
+                        slot.path,
+                        self.name,
                     )
+        if self._writes:
+            self._inputs.check_aliasing(leaves)
         pool = self.pool
         if pool.shared:  # type: ignore[union-attr]
             pool.before_replay(self._fwd_pos)  # type: ignore[union-attr]
         self._fwd_replay()
+        if self._writes:  # eager semantics: the forward's writes reach the caller's tensors
+            self._inputs.copy_back(leaves)
         self.stats.replays += 1
         flat = self._outputs.emit()
         if grad_on and self._has_backward:
@@ -372,6 +335,14 @@ class GraphedCallable:
         if self._single:
             return flat[0]
         return _compat.tree_unflatten(list(flat), self._spec)
+
+    def _retire(self) -> None:
+        """This callable is being destroyed: handed-out outputs raise when read, and the
+        capture's tensors in the pool are dropped so its memory can go back."""
+        self._outputs.retire()
+        pair = self._pair
+        pair.leaves = []
+        pair.static_grad_inputs = []
 
     def _attach(self, node: Any, verify: Any) -> None:
         """Give the new backward node its live window and its place in the backward order."""
@@ -587,11 +558,6 @@ def _original_forward(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn
     forward = fn.forward
     return forward._run_fn if isinstance(forward, GraphedCallable) else forward
-
-
-def _capturing() -> bool:
-    """Is the current CUDA stream capturing? (False without CUDA, where torch's check raises.)"""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _differentiable(t: torch.Tensor) -> bool:

@@ -13,7 +13,14 @@ import torch
 from torchreplay import _compat
 from torchreplay.errors import UnsupportedError
 
-__all__ = ["check_optimizer", "check_scaler_support", "reads_lr_tensor", "LrSlot", "GroupGuard"]
+__all__ = [
+    "check_optimizer",
+    "check_scaler_support",
+    "fused_hint",
+    "reads_lr_tensor",
+    "LrSlot",
+    "GroupGuard",
+]
 
 _Tensor = torch.Tensor
 
@@ -59,6 +66,28 @@ def check_optimizer(opt: torch.optim.Optimizer) -> None:
         "CUDA graph would freeze; graph_step supports optimizers with a capturable flag (Adam, "
         "AdamW, ...: pass capturable=True) and SGD. Graph the forward and backward with "
         "torchreplay.make_graphed_callables and run this optimizer's step eagerly"
+    )
+
+
+def fused_hint(opt: torch.optim.Optimizer) -> str | None:
+    """The faster setting for a captured step, when ``opt`` has a fused twin it does not use.
+
+    A capturable foreach step launches several multi-tensor kernels per group of parameters and
+    keeps its step counts on the device; the fused kernel does the whole update in one pass.
+    Measured inside ``graph_step`` on an H100 (benchmarks/RESULTS.md): ResNet-50 training with
+    ``AdamW(capturable=True)`` 4625 us at batch 1, with ``fused=True`` 3321 us.
+    """
+    if "fused" not in opt.defaults or any(g.get("fused") for g in opt.param_groups):
+        return None
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if not params or not all(p.is_cuda and p.dtype.is_floating_point for p in params):
+        return None  # fused kernels need floating-point CUDA parameters
+    name = type(opt).__name__
+    return (
+        f"{name}(capturable=True) runs a multi-kernel foreach step inside the graph; "
+        f"{name}(..., capturable=True, fused=True) does the same update in one fused kernel "
+        "per parameter group and is faster (ResNet-50 training step: 0.72x the time). Pass "
+        "fused=True unless you need the foreach implementation"
     )
 
 

@@ -42,12 +42,13 @@ from torchreplay.core.io import Inputs, Outputs
 from torchreplay.core.pool import Pool
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
 from torchreplay.stats import TrainingStats
-from torchreplay.training.graphed_callable import _capturing
+from torchreplay.training.pair import capturing
 from torchreplay.training.optimizers import (
     GroupGuard,
     LrSlot,
     check_optimizer,
     check_scaler_support,
+    fused_hint,
     reads_lr_tensor,
 )
 from torchreplay.training.state import StateKeeper, find_instances, referenced_objects
@@ -165,6 +166,7 @@ class GraphedStep:
                     grad=True,
                     warmup=True,
                     snapshot=keeper,  # type: ignore[arg-type]
+                    watch=[s.static for s in self._inputs.tensor_slots],
                 )
         except CaptureError as exc:
             self._uninstall()
@@ -202,7 +204,11 @@ class GraphedStep:
         self._outputs = Outputs(out, config.outputs, self.name, owned)
         self._graph = captured.graph
         self._replay = captured.graph.replay
+        self._inputs.set_written(captured.written)
+        self._writes = bool(self._inputs.written)
+        self.stats.written_inputs = self._inputs.written_paths()
         self._position = self.pool.register(self)
+        self.pool.track(self, [self._graph], self._outputs.retire)
         self.stats.captures = 1
         self.stats.capture_seconds = captured.seconds
         self._device_index = device.index
@@ -226,6 +232,9 @@ class GraphedStep:
         check_optimizer(opt)
         if self._scalers:
             check_scaler_support(opt)
+        hint = fused_hint(opt)
+        if hint is not None:
+            log.warning("torchreplay: graph_step '%s': %s", self.name, hint)
         self.optimizers.append(opt)
         for i, group in enumerate(opt.param_groups):
             live = reads_lr_tensor(opt, group)
@@ -237,7 +246,7 @@ class GraphedStep:
 
     def _capture_fn(self, *args: Any, **kwargs: Any) -> Any:
         keeper = self._keeper
-        if _capturing():
+        if capturing():
             params = self._touched_params()
             self._params = params
             self._grads_before = [p.grad for p in params]
@@ -302,12 +311,16 @@ class GraphedStep:
         return self._run(args, kwargs)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        self._inputs.copy_in(args, kwargs)
+        leaves = self._inputs.copy_in(args, kwargs)
+        if self._writes:
+            self._inputs.check_aliasing(leaves)
         self._sync_optimizers()
         self._sync_grads()
         if self.pool.shared:
             self.pool.before_replay(self._position)
         self._replay()
+        if self._writes:  # eager semantics: the step's writes reach the caller's tensors
+            self._inputs.copy_back(leaves)
         self.stats.replays += 1
         return self._outputs.emit()
 
@@ -526,7 +539,9 @@ def graph_step(
     .. warning::
         Optimizers must be capturable: ``Adam``/``AdamW`` (and torch's other optimizers with the
         flag) with ``capturable=True``, or ``SGD``. Others raise
-        :class:`~torchreplay.UnsupportedError` naming the flag.
+        :class:`~torchreplay.UnsupportedError` naming the flag. Where torch has a fused kernel,
+        use it: ``AdamW(params, capturable=True, fused=True)`` is the fastest captured step (one
+        warning says so when a capturable optimizer is not fused).
 
     .. warning::
         Call ``scheduler.step()`` outside the graphed step. The learning rate is read at every

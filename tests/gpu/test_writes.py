@@ -1,0 +1,253 @@
+"""Eager semantics on a real GPU: in-place writes to arguments reach the caller's tensors (one
+shape, sizes=, make_graphed_callables, graph_step), what cannot be made eager-equal raises, outputs
+of a dropped graph never read freed memory, a dropped graph's memory goes back, a function with no
+tensor argument, and an optimizer step captured alone.
+
+Every test compares with eager on fresh random inputs, over several calls, and checks the
+caller's tensors after every call.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchreplay as tr
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+DEV = "cuda"
+CALLS = 6
+
+
+def test_the_issue_example_writes_reach_the_caller() -> None:
+    def step(x):
+        x.add_(1)
+        return x * 2
+
+    g = tr.graph(step, torch.zeros(8, device=DEV))
+    assert g.stats.written_inputs == ["args[0] 'x'"]
+    assert "writes args[0] 'x'" in repr(g)
+    for _ in range(CALLS):
+        w = torch.randn(8, device=DEV)
+        w_eager = w.clone()
+        want = step(w_eager)
+        y = g(w)
+        torch.testing.assert_close(y, want, rtol=0, atol=0)
+        torch.testing.assert_close(w, w_eager, rtol=0, atol=0)
+
+
+def test_a_kv_cache_argument_written_with_index_copy() -> None:
+    torch.manual_seed(0)
+    proj = nn.Linear(16, 16).to(DEV).eval()
+
+    def decode(x, pos, cache):  # x: [B, 1, D]; cache: [B, S, D]
+        k = proj(x)
+        cache.index_copy_(1, pos, k)
+        return (cache.softmax(-1) * k).sum(1)
+
+    cache = torch.zeros(4, 32, 16, device=DEV)
+    g = tr.graph(decode, torch.randn(4, 1, 16, device=DEV), torch.tensor([0], device=DEV), cache)
+    assert g.stats.written_inputs == ["args[2] 'cache'"]
+    mine, ref = torch.randn(4, 32, 16, device=DEV), None
+    ref = mine.clone()
+    with torch.no_grad():
+        for t in range(CALLS):
+            x = torch.randn(4, 1, 16, device=DEV)
+            pos = torch.tensor([t], device=DEV)
+            want = decode(x, pos, ref)
+            torch.testing.assert_close(g(x, pos, mine), want)
+            torch.testing.assert_close(mine, ref)
+
+
+def test_writes_with_sizes_reach_only_the_real_rows() -> None:
+    def fn(x, state):  # x: [N, 8] varying; state: [N, 8] varying, written per row
+        state.mul_(0.5).add_(x)
+        return state.sum(-1)
+
+    g = tr.graph(fn, torch.randn(4, 8, device=DEV), torch.randn(4, 8, device=DEV), sizes=[2, 4, 8])
+    assert g.stats.written_inputs == ["args[1] 'state'"]
+    for n in [3, 8, 1, 5, 2, 7]:
+        x, state = torch.randn(n, 8, device=DEV), torch.randn(n, 8, device=DEV)
+        ref = state.clone()
+        want = fn(x, ref)
+        torch.testing.assert_close(g(x, state), want)
+        torch.testing.assert_close(state, ref)  # the caller's n rows, nothing more
+
+
+def test_writes_with_sizes_to_a_static_argument() -> None:
+    def fn(x, counter):  # counter: static (dim None), written whole
+        counter.add_(1)
+        return x * counter
+
+    g = tr.graph(fn, torch.randn(4, 3, device=DEV), torch.zeros(3, device=DEV), sizes=[4, 8],
+                 dim={"x": 0, "counter": None})
+    counter, ref = torch.zeros(3, device=DEV), torch.zeros(3, device=DEV)
+    for n in [2, 8, 5]:
+        x = torch.randn(n, 3, device=DEV)
+        want = fn(x, ref)
+        torch.testing.assert_close(g(x, counter), want)
+        torch.testing.assert_close(counter, ref)
+
+
+def test_a_graph_that_writes_nothing_has_no_write_back() -> None:
+    g = tr.graph(lambda x: x * 2, torch.randn(4, device=DEV))
+    assert g.stats.written_inputs == [] and g._writes is False
+
+
+def test_writes_that_cannot_be_eager_equal_raise() -> None:
+    def fn(x):
+        x.add_(1)
+        return x
+
+    with pytest.raises(tr.CaptureError, match="writes args\\[0\\] 'x' in place and returns it"):
+        tr.graph(fn, torch.randn(4, device=DEV), outputs="static")
+    g = tr.graph(fn, torch.randn(4, device=DEV))  # checked: the value is eager's
+    w = torch.randn(4, device=DEV)
+    want = w + 1
+    torch.testing.assert_close(g(w), want)
+    torch.testing.assert_close(w, want)
+
+    g2 = tr.graph(lambda x, y: x.add_(y), torch.randn(4, device=DEV), torch.randn(4, device=DEV))
+    base = torch.randn(8, device=DEV)
+    with pytest.raises(tr.ReplayInputError, match="share memory"):
+        g2(base[:4], base[2:6])
+    with pytest.raises(tr.CaptureError, match="share memory"):
+        t = torch.randn(4, device=DEV)
+        tr.graph(lambda x, y: x.add_(y), t, t)
+
+
+def test_make_graphed_callables_forward_writes_reach_the_caller() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8).to(DEV)
+
+    def fn(x, stat):
+        stat.mul_(0.9).add_(x.detach().mean(0), alpha=0.1)  # a running statistic passed in
+        return lin(x)
+
+    g = tr.make_graphed_callables(fn, (torch.randn(4, 8, device=DEV, requires_grad=True),
+                                       torch.zeros(8, device=DEV)))
+    stat, ref = torch.zeros(8, device=DEV), torch.zeros(8, device=DEV)
+    for _ in range(CALLS):
+        x = torch.randn(4, 8, device=DEV, requires_grad=True)
+        y = g(x, stat)
+        with torch.no_grad():
+            ref.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        torch.testing.assert_close(stat, ref)
+        y.sum().backward()
+        torch.testing.assert_close(x.grad, lin.weight.sum(0).expand(4, 8))
+
+
+def test_graph_step_writes_to_an_argument_reach_the_caller() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1).to(DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(x, y, seen):
+        opt.zero_grad(set_to_none=False)
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        seen.add_(x.shape[0])
+        return loss.detach()
+
+    sample = (torch.randn(4, 8, device=DEV), torch.randn(4, 1, device=DEV), torch.zeros((), device=DEV))
+    step = tr.graph_step(train_step, *sample)
+    seen = torch.zeros((), device=DEV)
+    for i in range(CALLS):
+        step(torch.randn(4, 8, device=DEV), torch.randn(4, 1, device=DEV), seen)
+        assert seen.item() == 4 * (i + 1)
+
+
+def test_a_kept_output_of_a_dropped_graph_raises_instead_of_reading_freed_memory() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU()).to(DEV).eval()
+    x = torch.randn(8, 64, device=DEV)
+    g = tr.graph(model, x)
+    y = g(x)
+    want = model(x).detach().clone()
+    torch.testing.assert_close(y, want)
+    del g
+    gc.collect()
+    # Memory of the dropped pool is reused by new allocations; a read must not see them.
+    junk = [torch.full((8, 64), 7.0, device=DEV) for _ in range(64)]
+    with pytest.raises(RuntimeError, match="^StaleOutputError: .*has been destroyed"):
+        y.sum().item()
+    del junk
+    # outputs="static" hands out tensors that own their memory, as torch's graphs do: they hold.
+    g2 = tr.graph(model, x, outputs="static")
+    y2 = g2(x)
+    del g2
+    gc.collect()
+    junk = [torch.full((8, 64), 7.0, device=DEV) for _ in range(64)]
+    torch.testing.assert_close(y2, want)
+    del junk
+    torch.cuda.synchronize()
+
+
+def test_dropped_graphs_give_their_memory_back() -> None:
+    """100 capture-and-drop cycles of a small cuBLAS matmul: the device's used memory stays flat
+    (torch's TestCuda.test_graph_cudnn_dropout-style check with mem_get_info), no empty_cache by
+    the test."""
+    a = torch.randn(512, 512, device=DEV)
+
+    def used() -> int:
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        return total - free
+
+    samples = []
+    for i in range(100):
+        g = tr.graph(lambda m: (m @ m).relu() @ m, a)
+        g(a)
+        del g
+        if i in (5, 99):
+            samples.append(used())
+    assert samples[1] - samples[0] < 8 * 2**20, f"grew by {(samples[1] - samples[0]) / 2**20:.1f} MiB"
+
+
+def test_a_function_without_tensor_arguments_with_device() -> None:
+    def noise(scale):
+        return torch.randn(16, device=DEV) * scale
+
+    with pytest.raises(tr.CaptureError, match="device='cuda'"):
+        tr.graph(noise, 2.0)
+    g = tr.graph(noise, 2.0, device=DEV)
+    a, b = g(2.0).clone(), g(2.0).clone()
+    assert a.device.type == "cuda" and not torch.equal(a, b)  # fresh numbers every replay
+    assert 0.5 < float(a.std()) / 2.0 < 2.0
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw", "adam_fused", "sgd_fused"])
+def test_an_optimizer_step_captured_alone_equals_eager(kind: str) -> None:
+    torch.manual_seed(0)
+    params = [torch.randn(32, 16, device=DEV, requires_grad=True), torch.randn(16, device=DEV, requires_grad=True)]
+    ref = [p.detach().clone().requires_grad_(True) for p in params]
+
+    def make(ps):
+        if kind == "adam":
+            return torch.optim.Adam(ps, lr=1e-2, capturable=True)
+        if kind == "adamw":
+            return torch.optim.AdamW(ps, lr=1e-2, capturable=True)
+        if kind == "adam_fused":
+            return torch.optim.Adam(ps, lr=1e-2, fused=True, capturable=True)
+        return torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True)
+
+    opt, ref_opt = make(params), make(ref)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    step = tr.graph_step(lambda: opt.step(), optimizers=opt)
+    for _ in range(CALLS):
+        grads = [torch.randn_like(p) for p in params]
+        for p, r, gr in zip(params, ref, grads):
+            p.grad.copy_(gr)  # gradients written outside the graph, as torch's test_graph_optims
+            r.grad = gr.clone()
+        step()
+        ref_opt.step()
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
