@@ -1,6 +1,7 @@
 """Find what in a callable would break CUDA graph capture, each with the user's file:line.
 
-:func:`check` runs the callable eagerly once and watches it from two sides:
+:func:`check` (and :func:`check_call`, its form for callers that pass the arguments as a tuple and
+a dict) runs the callable eagerly once and watches it from two sides:
 
 - a ``TorchDispatchMode`` sees every aten op with its arguments: values read on the host
   (``aten._local_scalar_dense``), data-dependent output sizes, copies between host and device,
@@ -11,7 +12,9 @@
 It works on CPU tensors, so CI can check code that is meant to run on CUDA. Findings that are a
 problem only on CUDA (``.item()``, ``.cpu()``, printing, ``torch.tensor(list)``) are therefore
 reported whatever device the tensor is on. Each finding is located at the first stack frame
-outside torch and torchreplay (torchreplay's built-in ``models/`` count as user code).
+outside torch and torchreplay (torchreplay's built-in ``models/`` count as user code), except the
+one about the whole call, ``(no CUDA tensor)``: it points at the line that called :func:`check`,
+or at the ``origin`` given to :func:`check_call` (the command line passes the factory).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 
 from torchreplay._compat import LightDispatchMode
 
-__all__ = ["Finding", "Report", "check", "diagnose", "KINDS", "NO_CUDA_OP"]
+__all__ = ["Finding", "Report", "check", "check_call", "diagnose", "KINDS", "NO_CUDA_OP"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,8 @@ KINDS = ("host-sync", "dynamic-shape", "host-to-device", "cpu-tensor", "multi-de
 
 # The op name of the one finding made when the whole call touched no CUDA tensor.
 NO_CUDA_OP = "(no CUDA tensor)"
+
+_UNKNOWN = ("<unknown>", 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,25 +359,24 @@ class _Recorder:
         self.fallback = fallback
         self.previous = previous  # the profiler that was set before check, chained to
         self.saw_cuda = False
-        self.first_op_at: tuple[str, int] | None = None
 
-    def add(self, op: str, rule: _Rule, at: tuple[str, int] | None) -> None:
+    def add(self, op: str, rule: _Rule, at: tuple[str, int] | None, code: str | None = None) -> None:
         filename, lineno = at or self.fallback
         # One line is reported once per kind: `.item()` is both a Python call and an aten op.
         key = (rule.kind, filename, lineno)
         if key in self._seen:
             return
         self._seen.add(key)
-        code = linecache.getline(filename, lineno).strip()
+        if code is None:
+            code = linecache.getline(filename, lineno).strip()
         self.findings.append(Finding(op, rule.kind, rule.reason, rule.fix, filename, lineno, code))
 
     def on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
               tensors: list[torch.Tensor]) -> None:
         name = _op_name(func)
         rules = _classify(name, args, kwargs, tensors)
-        if rules or self.first_op_at is None:
+        if rules:
             at = _user_location(sys._getframe())
-            self.first_op_at = self.first_op_at or at
             for rule in rules:
                 op = "torch.Generator" if rule is _RNG_GENERATOR else name
                 self.add(op, rule, at)
@@ -403,9 +407,11 @@ class _Recorder:
             elif isinstance(owner, torch.Generator) and arg.__name__ in _GENERATOR_METHODS:
                 self.add(f"Generator.{arg.__name__}", _RNG_STATE, _user_location(frame))
 
-    def report(self) -> Report:
-        if not self.saw_cuda:  # a property of the whole call: reported once, last
-            self.add(NO_CUDA_OP, _NO_CUDA, self.first_op_at)
+    def report(self, whole_call: tuple[str, int], name: str) -> Report:
+        if not self.saw_cuda:
+            # A property of the whole call, not of a line inside it: reported once, last, at
+            # the place that made the call.
+            self.add(NO_CUDA_OP, _NO_CUDA, whole_call, code=f"the whole call of {name}(...)")
         return Report(self.findings)
 
 
@@ -430,13 +436,35 @@ class _CheckMode(LightDispatchMode):
 
 
 def _name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", type(fn).__name__)
+    """``"MLP"`` for a module, ``"train_step"`` for a nested function, ``"Llama.decode_step"``."""
+    if isinstance(fn, torch.nn.Module):
+        return type(fn).__name__
+    return getattr(fn, "__qualname__", type(fn).__name__).rpartition(".<locals>.")[2]
 
 
-def _run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-         swallow: bool) -> Report:
+def check_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
+               origin: tuple[str, int] | None = None, swallow: bool = False) -> Report:
+    """Run ``fn(*args, **kwargs)`` eagerly once and report what would break CUDA graph capture.
+
+    What :func:`check` and :func:`diagnose` run; the command line calls it to say where the call
+    came from.
+
+    Args:
+        fn, args, kwargs: the call.
+        origin: ``(filename, lineno)`` that the finding about the whole call (``(no CUDA tensor)``)
+            points at, e.g. the factory that built the call. Default: the first frame outside
+            torch and torchreplay that led here (the line that called :func:`check`).
+        swallow: return the findings seen before an exception of ``fn`` instead of raising it.
+
+    Returns:
+        A :class:`Report`, as :func:`check` does.
+    """
     previous = sys.getprofile()
-    fallback = _user_location(sys._getframe()) or _definition_location(fn) or ("<unknown>", 0)
+    caller = None if origin is not None else _user_location(sys._getframe())
+    # A finding made where no frame is user code (inside torch) points at the caller, else at
+    # where fn is defined: the command line's own frames mean nothing to its user.
+    fallback = caller or _definition_location(fn) or origin or _UNKNOWN
+    whole_call = origin or fallback
     recorder = _Recorder(fallback, previous)
     # A C-level profiler (cProfile before Python 3.12) is not callable and could not be restored
     # through sys.setprofile, so leave it alone and see aten ops only.
@@ -463,7 +491,7 @@ def _run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
             raise
         logger.debug("check: %s raised %s: %s; reporting the %d findings seen before it",
                      _name(fn), type(exc).__name__, exc, len(recorder.findings))
-    report = recorder.report()
+    report = recorder.report(whole_call, _name(fn))
     logger.debug("check: %s: %d findings", _name(fn), len(report))
     return report
 
@@ -474,7 +502,8 @@ def check(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Report:
     Args:
         fn: a function or ``nn.Module``, called exactly as it would be graphed.
         *args, **kwargs: its arguments; CPU tensors work too (findings that matter only on CUDA
-            are reported anyway, plus one ``"cpu-tensor"`` finding saying no CUDA tensor was seen).
+            are reported anyway, plus one ``"cpu-tensor"`` finding, ``(no CUDA tensor)``, saying
+            that the whole call touched no CUDA tensor, located at the line that called check).
 
     Returns:
         A :class:`Report`: the findings in the order they happened, each with the user's
@@ -484,7 +513,7 @@ def check(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Report:
     .. warning:: An exception from ``fn`` propagates, after the hooks are removed; use
         :func:`diagnose` to get the findings seen before it instead.
     """
-    return _run(fn, args, kwargs, swallow=False)
+    return check_call(fn, args, kwargs)
 
 
 def diagnose(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Report:
@@ -492,4 +521,4 @@ def diagnose(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
 
     Used after a failed capture to name the op and the line that broke it.
     """
-    return _run(fn, args, kwargs, swallow=True)
+    return check_call(fn, args, kwargs, swallow=True)

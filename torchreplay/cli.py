@@ -8,10 +8,12 @@ Exit codes:
 - ``torchreplay check module:factory``: 0 when the report is clean, 1 when it has findings, 2 when
   the factory cannot be loaded, returns something else than ``(fn, args[, kwargs])`` or raises.
   On a machine without CUDA every call touches only CPU tensors, so the ``(no CUDA tensor)``
-  finding is printed but does not make the exit code 1 there.
+  finding is printed but does not make the exit code 1 there; a line after the report says so.
 - ``torchreplay bench``: 0 when the table was produced (a method that failed is a row that says
-  ``failed: <reason>``); 2 for a factory that cannot be loaded. Without CUDA it says so, runs
-  ``torchreplay check`` on the built-in model (or on ``--factory``) instead and exits 0.
+  ``failed: <reason>``); 2 for a factory that cannot be loaded. Without CUDA it says so and
+  checks instead of timing: ``torchreplay check`` on the factory of each chosen row
+  (:data:`~torchreplay.models.factories.ROW_FACTORIES`) or on ``--factory``, findings to
+  ``--json``; it exits 0 whatever the findings, 2 when a factory fails.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import inspect
+import json
 import logging
 import os
 import sys
@@ -33,18 +37,19 @@ from rich.text import Text
 
 import torchreplay
 from torchreplay import bench
+from torchreplay.check import NO_CUDA_OP, Finding, Report, check_call
+from torchreplay.models.factories import ROW_FACTORIES
 
 __all__ = ["main", "build_parser", "load_factory", "results_table", "FactoryError", "BUILTIN_FACTORY"]
 
 log = logging.getLogger(__name__)
 
-#: What ``torchreplay bench`` checks instead of timing on a machine without CUDA.
-BUILTIN_FACTORY = "torchreplay.models.factories:mlp_factory"
+#: The factory of the ``mlp`` row, the example in help and error messages.
+BUILTIN_FACTORY = ROW_FACTORIES["mlp"]
 
 _NO_CUDA = (
     "CUDA is not available on this machine (torch {torch}), so there is nothing to time: "
-    "`torchreplay bench` compares CUDA graphs on a GPU. Running `torchreplay check {spec}` "
-    "on the built-in model instead."
+    "`torchreplay bench` compares CUDA graphs on a GPU. Running {what} instead."
 )
 
 
@@ -79,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="time eager vs hand-written CUDA graph vs torch.compile vs tr.graph",
         description="Time each built-in model (or --factory) eagerly, as a hand-written "
         "torch.cuda.CUDAGraph (the floor), with torch.compile(mode='reduce-overhead') and with "
-        "tr.graph. Without CUDA, run `torchreplay check` on the built-in model instead.",
+        "tr.graph. Without CUDA, run `torchreplay check` on the model of each chosen row (or on "
+        "--factory) instead, and write its findings to --json.",
     )
     b.add_argument(
         "--model", choices=[*bench.ROWS, "all"], default="all",
@@ -96,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"calls per timed sample (default {defaults.calls})")
     b.add_argument("--no-compile", action="store_true",
                    help="skip torch.compile(mode='reduce-overhead'), which takes a while to compile")
-    b.add_argument("--json", metavar="PATH", help="also write the numbers to PATH as JSON")
+    b.add_argument("--json", metavar="PATH",
+                   help="also write the numbers (without CUDA: the check findings) to PATH as JSON")
     b.set_defaults(run=_cmd_bench)
 
     c = sub.add_parser(
@@ -188,8 +195,8 @@ def load_factory(spec: str) -> Callable[[], Any]:
     return obj
 
 
-def _call_factory(spec: str) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
-    factory = load_factory(spec)
+def _call_factory(factory: Callable[[], Any], spec: str
+                  ) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
     try:
         result = factory()
     except Exception as exc:
@@ -200,53 +207,144 @@ def _call_factory(spec: str) -> tuple[Callable[..., Any], tuple[Any, ...], dict[
         raise FactoryError(str(exc)) from exc
 
 
-def _run_check(spec: str, out: Console, err: Console) -> int:
+def _defined_at(factory: Callable[[], Any]) -> tuple[str, int] | None:
+    """Return the file and line where ``factory`` (a function or a class) is defined, if known."""
+    target = inspect.unwrap(factory)
+    if not (inspect.isroutine(target) or inspect.isclass(target)):
+        target = type(target)  # a callable object: point at its class
     try:
-        fn, args, kwargs = _call_factory(spec)
+        filename = inspect.getsourcefile(target)
+        return (filename, inspect.getsourcelines(target)[1]) if filename else None
+    except (TypeError, OSError):
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checked:
+    """The outcome of checking one factory: a report, or why there is none (already printed)."""
+
+    label: str  # the bench row, or the factory spec
+    spec: str
+    report: Report | None = None
+    error: str | None = None
+
+
+def _check_factory(spec: str, out: Console, err: Console, command: str,
+                   label: str | None = None) -> _Checked:
+    """Load ``spec``, check the call it returns and print the report (or the error, on ``err``)."""
+    label = label or spec
+    try:
+        factory = load_factory(spec)
+        fn, args, kwargs = _call_factory(factory, spec)
     except FactoryError as exc:
-        err.print(Text(f"torchreplay check: {exc}"), soft_wrap=True)
-        return 2
+        err.print(Text(f"torchreplay {command}: {exc}"), soft_wrap=True)
+        return _Checked(label, spec, error=str(exc))
     try:
-        report = torchreplay.check(fn, *args, **kwargs)
+        # The factory is the user's code that made the call, so the finding about the whole
+        # call points there; this module's frames mean nothing to the user.
+        report = check_call(fn, args, kwargs, origin=_defined_at(factory))
     except Exception as exc:
         err.print_exception()
-        err.print(Text(f"torchreplay check: the call from {spec} raised {type(exc).__name__}; "
-                       "fix it so that it runs eagerly, then check again"), soft_wrap=True)
-        return 2
+        message = (f"the call from {spec} raised {type(exc).__name__}; fix it so that it runs "
+                   "eagerly, then check again")
+        err.print(Text(f"torchreplay {command}: {message}"), soft_wrap=True)
+        return _Checked(label, spec, error=message)
     # A table on a terminal; the plain text (every file:line in full, greppable) in logs and pipes.
-    if out.is_terminal and (hasattr(report, "__rich__") or hasattr(report, "__rich_console__")):
+    if out.is_terminal:
         out.print(report)
     else:
         out.print(Text(str(report)), soft_wrap=True)
-    return 1 if _blocking(report) else 0
+    return _Checked(label, spec, report)
 
 
-def _blocking(report: Iterable[Any]) -> list[Any]:
+def _blocking(report: Report) -> list[Finding]:
     # Without CUDA nothing can touch a CUDA tensor; that finding says nothing about the code.
-    from torchreplay.check import NO_CUDA_OP
-
     cuda = torch.cuda.is_available()
-    return [f for f in report if cuda or getattr(f, "op", None) != NO_CUDA_OP]
+    return [f for f in report if cuda or f.op != NO_CUDA_OP]
+
+
+def _not_counted(report: Report) -> str | None:
+    """Say why the ``(no CUDA tensor)`` finding does not count, or None when all findings count."""
+    counted = len(_blocking(report))
+    if counted == len(report):
+        return None
+    if counted == 0:
+        return (f"the only finding, {NO_CUDA_OP}, is expected on a machine without CUDA; every "
+                "other finding would break capture on a GPU")
+    return (f"{counted} finding{'s' if counted != 1 else ''} would break capture on a GPU; the "
+            f"{NO_CUDA_OP} finding is expected on a machine without CUDA and is not counted")
 
 
 def _cmd_check(ns: argparse.Namespace, out: Console, err: Console) -> int:
-    return _run_check(ns.target, out, err)
+    checked = _check_factory(ns.target, out, err, "check")
+    if checked.report is None:
+        return 2
+    status = 1 if _blocking(checked.report) else 0
+    note = _not_counted(checked.report)
+    if note:
+        out.print(Text(f"exit {status}: {note}"), soft_wrap=True)
+    return status
 
 
 # ---------------------------------------------------------------------------------------------
 # bench
 
 
+def _bench_without_cuda(ns: argparse.Namespace, out: Console, err: Console) -> int:
+    """Check, instead of timing, the call of each chosen row (or of --factory)."""
+    if ns.factory:
+        targets = {ns.factory: ns.factory}
+        what = f"`torchreplay check {ns.factory}`"
+    else:
+        rows = list(ROW_FACTORIES) if ns.model == "all" else [ns.model]
+        targets = {row: ROW_FACTORIES[row] for row in rows}
+        what = (f"`torchreplay check` on the model of the {rows[0]} row" if len(rows) == 1 else
+                f"`torchreplay check` on the model of each row ({', '.join(rows)})")
+    out.print(Text(_NO_CUDA.format(torch=torch.__version__, what=what)), soft_wrap=True)
+    results = []
+    for label, spec in targets.items():
+        if not ns.factory:
+            out.print(Text(f"\n{label}: torchreplay check {spec}", style="bold"), soft_wrap=True)
+        checked = _check_factory(spec, out, err, "bench", label)
+        if checked.report is not None:
+            out.print(Text(f"{label}: {_not_counted(checked.report) or 'every finding counts'}"),
+                      soft_wrap=True)
+        results.append(checked)
+    if ns.json:
+        _write_check_json(ns.json, results)
+        out.print(Text(f"wrote {ns.json}"), soft_wrap=True)
+    if any(c.report is None for c in results):
+        return 2
+    if any(_blocking(c.report) for c in results if c.report is not None):
+        out.print(Text("exit 0: without CUDA `torchreplay bench` only checks and does not count "
+                       "findings; `torchreplay check MODULE:FACTORY` exits 1 on them"),
+                  soft_wrap=True)
+    return 0
+
+
+def _write_check_json(path: str, results: Sequence[_Checked]) -> None:
+    """Write ``{"environment", "cuda": false, "checks": [{"row", "factory", "findings"}]}``."""
+    checks = []
+    for c in results:
+        entry: dict[str, Any] = {"row": c.label, "factory": c.spec}
+        if c.report is None:
+            entry["error"] = c.error
+        else:
+            entry["findings"] = [
+                {"op": f.op, "kind": f.kind, "location": f.location, "code": f.code,
+                 "reason": f.reason, "fix": f.fix}
+                for f in c.report
+            ]
+        checks.append(entry)
+    doc = {"environment": bench.environment(), "cuda": False, "checks": checks}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+
+
 def _cmd_bench(ns: argparse.Namespace, out: Console, err: Console) -> int:
     if not torch.cuda.is_available():
-        spec = ns.factory or BUILTIN_FACTORY
-        out.print(Text(_NO_CUDA.format(torch=torch.__version__, spec=spec)), soft_wrap=True)
-        status = _run_check(spec, out, err)
-        if status != 2:
-            out.print(Text("Without CUDA every tensor is on the CPU, so a `(no CUDA tensor)` finding is "
-                           "expected here; any other finding would break capture on a GPU."),
-                      soft_wrap=True)
-        return 2 if status == 2 else 0
+        return _bench_without_cuda(ns, out, err)
 
     opts = bench.BenchOptions(repeats=ns.repeats, calls=ns.calls, compile=not ns.no_compile)
     env = bench.environment()
@@ -263,7 +361,7 @@ def _cmd_bench(ns: argparse.Namespace, out: Console, err: Console) -> int:
 
         if ns.factory:
             try:
-                fn, args, kwargs = _call_factory(ns.factory)
+                fn, args, kwargs = _call_factory(load_factory(ns.factory), ns.factory)
             except FactoryError as exc:
                 err.print(Text(f"torchreplay bench: {exc}"), soft_wrap=True)
                 return 2

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import torchreplay as tr
-from torchreplay.check import KINDS, NO_CUDA_OP, Finding, Report, check, diagnose
+from torchreplay.check import KINDS, NO_CUDA_OP, Finding, Report, check, check_call, diagnose
 
 with open(__file__, encoding="utf-8") as _f:
     _SOURCE = _f.read().splitlines()
@@ -41,6 +41,13 @@ def assert_at(finding: Finding, name: str, *, kind: str, op: str) -> None:
     assert finding.lineno == line_of(name)
     assert finding.code == _SOURCE[finding.lineno - 1].strip()
     assert finding.location == f"{__file__}:{line_of(name)}"
+
+
+def assert_whole_call(finding: Finding, name: str, called: str) -> None:
+    """The ``(no CUDA tensor)`` finding: at the marked line that made the call, not inside it."""
+    assert (finding.kind, finding.op) == ("cpu-tensor", NO_CUDA_OP), str(finding)
+    assert finding.location == f"{__file__}:{line_of(name)}"
+    assert finding.code == f"the whole call of {called}(...)"
 
 
 def x4() -> torch.Tensor:
@@ -216,18 +223,43 @@ def test_cpu_tensor_moved_to_cuda_inside():
     assert_at(report[0], "to-cuda", kind="host-to-device", op="Tensor.cuda")
 
 
-def test_clean_cpu_function_has_only_the_no_cuda_finding():
+def test_clean_cpu_function_has_only_the_no_cuda_finding_at_the_line_that_called_check():
     def fn(x, *, bias):
-        return torch.relu(x * 2 + bias)  # at:clean
+        return torch.relu(x * 2 + bias)  # the first op: not where the whole-call finding points
 
-    report = check(fn, x4(), bias=torch.ones(4))
+    report = check(fn, x4(), bias=torch.ones(4))  # at:clean-call
     assert len(report) == 1
-    assert_at(report[0], "clean", kind="cpu-tensor", op=NO_CUDA_OP)
+    assert_whole_call(report[0], "clean-call", "fn")
 
 
 def test_no_op_at_all_points_at_the_caller():
     report = check(lambda: None)  # at:no-op
-    assert_at(report[0], "no-op", kind="cpu-tensor", op=NO_CUDA_OP)
+    assert_whole_call(report[0], "no-op", "<lambda>")
+
+
+def test_no_cuda_finding_of_a_torch_module_names_its_class():
+    report = check(torch.nn.Linear(4, 4), torch.randn(2, 4))  # at:linear-call
+    assert len(report) == 1
+    assert_whole_call(report[0], "linear-call", "Linear")
+
+
+def test_no_cuda_finding_after_other_findings_points_at_the_call():
+    report = diagnose(f_raises, (x4(),), {})  # at:diagnose-call
+    assert_at(report[0], "before-raise", kind="host-sync", op="Tensor.item")
+    assert_whole_call(report[1], "diagnose-call", "f_raises")
+
+
+def test_check_call_points_the_whole_call_finding_at_its_origin():
+    # What the command line does: the origin is the factory; other findings keep their own line.
+    report = check_call(f_item, (x4(),), {}, origin=("/src/factories.py", 12))
+    assert_at(report[0], "item", kind="host-sync", op="Tensor.item")
+    assert (report[1].op, report[1].location) == (NO_CUDA_OP, "/src/factories.py:12")
+    assert report[1].code == "the whole call of f_item(...)"
+    with pytest.raises(Boom):
+        check_call(f_raises, (x4(),), {}, origin=("/src/factories.py", 12))
+    swallowed = check_call(f_raises, (x4(),), {}, origin=("/src/factories.py", 12), swallow=True)
+    assert [f.location for f in swallowed] == [f"{__file__}:{line_of('before-raise')}",
+                                              "/src/factories.py:12"]
 
 
 # --- RNG, pinned memory ---------------------------------------------------------------------------
@@ -309,8 +341,9 @@ class Net(torch.nn.Module):
 
 
 def test_module_forward_is_located_past_torch_frames():
-    report = check(Net(), torch.randn(2, 4))
+    report = check(Net(), torch.randn(2, 4))  # at:net-call
     assert_at(report[0], "module", kind="host-sync", op="Tensor.item")
+    assert_whole_call(report[1], "net-call", "Net")
 
 
 def f_loop(x):

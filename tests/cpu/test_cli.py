@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,10 +12,17 @@ import pytest
 import torch
 
 import torchreplay
-from torchreplay import cli
+from torchreplay import bench, cli
+from torchreplay.models import factories
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+FACTORIES = Path(factories.__file__)
+
+EXIT_0_NO_CUDA = ("exit 0: the only finding, (no CUDA tensor), is expected on a machine without "
+                  "CUDA; every other finding would break capture on a GPU")
+EXIT_1_NO_CUDA = ("exit 1: 1 finding would break capture on a GPU; the (no CUDA tensor) finding is "
+                  "expected on a machine without CUDA and is not counted")
 
 
 def line_of(path: Path, marker: str) -> int:
@@ -64,17 +72,48 @@ def test_a_command_is_required_and_unknown_rows_are_refused(capsys: pytest.Captu
 # -- check -------------------------------------------------------------------------------------
 
 
+def no_cuda_finding(spec: str, path: Path, factory: str, called: str) -> str:
+    """The ``(no CUDA tensor)`` row of the plain report: at the factory's ``def`` line."""
+    return (f"(no CUDA tensor) cpu-tensor {path}:{line_of(path, f'def {factory}(')} "
+            f"code: the whole call of {called}(...)")
+
+
 def test_check_clean_factory_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "check", "cli_factories:clean")
     assert code == 0, out
 
 
-def test_check_findings_exit_1_and_name_the_line(capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_without_cuda_points_at_the_factory_and_explains_exit_0(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, _ = run(capsys, "check", "cli_factories:clean")
+    assert code == 0, out
+    assert no_cuda_finding("clean", HERE / "cli_factories.py", "clean", "<lambda>") in out
+    assert out.endswith(EXIT_0_NO_CUDA)
+
+
+def test_check_builtin_model_points_at_its_factory_not_the_model_class(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, _ = run(capsys, "check", cli.BUILTIN_FACTORY)
+    assert code == 0, out
+    assert out.startswith("torchreplay.check: 1 finding that would break CUDA graph capture")
+    assert no_cuda_finding(cli.BUILTIN_FACTORY, FACTORIES, "mlp_factory", "MLP") in out
+    assert out.endswith(EXIT_0_NO_CUDA)
+
+
+def test_check_findings_exit_1_and_name_the_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     code, out, _ = run(capsys, "check", "cli_factories:item_sync")  # returns (fn, args, kwargs)
     assert code == 1
     line = line_of(HERE / "cli_factories.py", "# LINE: item")
-    assert f"cli_factories.py:{line}" in out
-    assert "host-sync" in out
+    assert f"Tensor.item host-sync {HERE / 'cli_factories.py'}:{line}" in out
+    assert no_cuda_finding("item_sync", HERE / "cli_factories.py", "item_sync", "fn") in out
+    assert out.endswith(EXIT_1_NO_CUDA)
 
 
 @pytest.mark.parametrize(
@@ -106,31 +145,90 @@ def test_check_subprocess() -> None:
 # -- bench without CUDA ------------------------------------------------------------------------
 
 
-def test_bench_without_cuda_says_so_and_checks_the_builtin_model(
+def test_every_bench_row_has_a_factory() -> None:
+    assert list(factories.ROW_FACTORIES) == list(bench.ROWS)
+    for spec in factories.ROW_FACTORIES.values():
+        assert callable(cli.load_factory(spec))
+
+
+def test_bench_without_cuda_checks_the_model_of_the_row_asked_for(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    code, out, _ = run(capsys, "bench", "--json", "unused.json")
+    code, out, _ = run(capsys, "bench", "--model", "llama")
     assert code == 0
-    assert out.startswith("CUDA is not available on this machine")
-    assert f"Running `torchreplay check {cli.BUILTIN_FACTORY}` on the built-in model instead." in out
-    assert "(no CUDA tensor)" in out  # the check report itself
-    assert not Path("unused.json").exists()
+    spec = factories.ROW_FACTORIES["llama"]
+    assert out.startswith(
+        f"CUDA is not available on this machine (torch {torch.__version__}), so there is nothing "
+        "to time: `torchreplay bench` compares CUDA graphs on a GPU. Running `torchreplay check` "
+        f"on the model of the llama row instead. llama: torchreplay check {spec} "
+        "torchreplay.check: 1 finding"
+    )
+    assert no_cuda_finding(spec, FACTORIES, "llama_factory", "Llama") in out
+    assert out.endswith("llama: " + EXIT_0_NO_CUDA.removeprefix("exit 0: "))
+    assert "MLP" not in out and "wrote" not in out
+
+
+def test_bench_without_cuda_checks_a_training_row_with_its_train_step(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, _ = run(capsys, "bench", "--model", "mlp-train")
+    assert code == 0
+    spec = factories.ROW_FACTORIES["mlp-train"]
+    # The fused AdamW step reads nothing on the host: the only finding is the expected one.
+    assert "torchreplay.check: 1 finding" in out
+    assert no_cuda_finding(spec, FACTORIES, "mlp_train_factory", "train_step") in out
+
+
+def test_bench_without_cuda_writes_the_findings_to_json(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path = tmp_path / "bench.json"
+    code, out, _ = run(capsys, "bench", "--model", "llama", "--json", str(path))
+    assert code == 0
+    assert f"wrote {path}" in out
+    doc = json.loads(path.read_text())
+    assert doc["cuda"] is False
+    assert doc["environment"]["torch"] == torch.__version__
+    spec = factories.ROW_FACTORIES["llama"]
+    (check,) = doc["checks"]
+    assert (check["row"], check["factory"]) == ("llama", spec)
+    (finding,) = check["findings"]
+    assert finding["op"] == "(no CUDA tensor)" and finding["kind"] == "cpu-tensor"
+    assert finding["location"] == f"{FACTORIES}:{line_of(FACTORIES, 'def llama_factory(')}"
+    assert finding["reason"].startswith("the call touched no CUDA tensor")
+    assert finding["fix"].startswith("pass CUDA tensors")
 
 
 def test_bench_without_cuda_checks_the_given_factory(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     code, out, _ = run(capsys, "bench", "--factory", "cli_factories:item_sync")
-    assert code == 0 and "torchreplay check cli_factories:item_sync" in out and "host-sync" in out
-    code, _, err = run(capsys, "bench", "--factory", "cli_factories:missing")
+    assert code == 0
+    assert "Running `torchreplay check cli_factories:item_sync` instead." in out
+    assert "built-in" not in out
+    line = line_of(HERE / "cli_factories.py", "# LINE: item")
+    assert f"Tensor.item host-sync {HERE / 'cli_factories.py'}:{line}" in out
+    assert out.endswith("exit 0: without CUDA `torchreplay bench` only checks and does not count "
+                        "findings; `torchreplay check MODULE:FACTORY` exits 1 on them")
+    path = tmp_path / "bench.json"
+    code, _, err = run(capsys, "bench", "--factory", "cli_factories:missing", "--json", str(path))
     assert code == 2 and "has no attribute" in err
+    (check,) = json.loads(path.read_text())["checks"]
+    assert check == {"row": "cli_factories:missing", "factory": "cli_factories:missing",
+                     "error": "'cli_factories' has no attribute 'missing'"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this would run the benchmark")
-def test_bench_subprocess_without_cuda_exits_0() -> None:
+def test_bench_subprocess_without_cuda_checks_every_row() -> None:
     # What `make demo` runs on a CPU machine.
     proc = run_subprocess("bench")
     assert proc.returncode == 0, proc.stderr
-    assert "CUDA is not available" in proc.stdout
+    assert proc.stdout.startswith("CUDA is not available")
+    for row, spec in factories.ROW_FACTORIES.items():
+        assert f"\n{row}: torchreplay check {spec}\n" in proc.stdout
+        # Every built-in row is clean: its only finding is the one expected without CUDA.
+        assert f"\n{row}: {EXIT_0_NO_CUDA.removeprefix('exit 0: ')}\n" in proc.stdout
