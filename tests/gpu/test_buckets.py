@@ -158,8 +158,10 @@ def test_a_callable_that_writes_its_input_still_pads_cleanly() -> None:
     g = tr.graph(fn, torch.randn(4, 16, device=DEV), sizes=[8, 16, 32])
     for n in [6, 6, 3, 30, 30, 9]:
         x = torch.randn(n, 16, device=DEV)
-        assert torch.equal(g(x), x * 2 + 1)
+        want, x_after = x * 2 + 1, x * -1.0 + 50.0
+        assert torch.equal(g(x), want)
         assert torch.all(m.seen[n: target_size([8, 16, 32], n)] == 0.0)
+        assert torch.equal(x, x_after)  # eager semantics: the write reached the caller's rows
 
 
 # -- memory -----------------------------------------------------------------------------------
