@@ -18,6 +18,7 @@ the CPU.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Callable
@@ -227,7 +228,8 @@ class BucketedGraph:
         self._clean_from = self._max
         self.stats.capture_seconds += probe_seconds
         self._position = self.pool.register(self)
-        self.pool.track(self, self._graph_list, self._retire)
+        # Not a bound method: the finalizer must not keep this object alive.
+        self.pool.track(self, self._graph_list, functools.partial(_retire_routes, self._routes))
 
         if options.capture == "ahead":
             rest = self.sizes[-2::-1]  # largest first: smaller graphs fit in the pool's blocks
@@ -469,12 +471,6 @@ class BucketedGraph:
                 else:
                     _compat.foreach_copy_(dsts, srcs)
 
-    def _retire(self) -> None:
-        """This graph is being destroyed: outputs handed out raise when read."""
-        for route in self._routes:
-            if route is not None:
-                route.outputs.retire()
-
     def _pad(self, n: int) -> None:
         """Write the fill value into rows ``n .. _clean_from-1`` of every varying buffer."""
         rows = self._clean_from - n
@@ -588,3 +584,10 @@ class BucketedGraph:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _retire_routes(routes: list[_Route | None]) -> None:
+    """The graph is being destroyed: outputs handed out by any size raise when read."""
+    for route in routes:
+        if route is not None:
+            route.outputs.retire()

@@ -28,7 +28,7 @@ from torchreplay.core.capture import capture, side_stream
 from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
 from torchreplay.core.pool import Pool
 from torchreplay.stats import TrainingStats
-from torchreplay.training.graphed_callable import GraphedCallable
+from torchreplay.training.graphed_callable import GraphedCallable, retire_pair
 from torchreplay.training.pair import Order, Pair
 from torchreplay.training.state import StateKeeper
 from torchreplay.training.verify import check_verify, resolve_tolerance
@@ -155,7 +155,7 @@ def _build(runners: list[GraphedCallable], device: torch.device, pool: Pool, con
         keeper.restore()
     for r, pair in zip(runners, pairs):
         r._adopt(pair, pool)
-        pool.track(r, [g for g in pair.graphs if g is not None], r._retire)
+        pool.track(r, [g for g in pair.graphs if g is not None], retire_pair(r._outputs, pair))
     for r in runners:
         r._fwd_pos = pool.register(r.fwd_member)
     for r in reversed(runners):

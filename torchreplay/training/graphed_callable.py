@@ -56,7 +56,7 @@ from torchreplay.training.verify import (
     named_buffers,
 )
 
-__all__ = ["GraphedCallable", "TrainingStats"]
+__all__ = ["GraphedCallable", "TrainingStats", "retire_pair"]
 
 log = logging.getLogger(__name__)
 
@@ -336,14 +336,6 @@ class GraphedCallable:
             return flat[0]
         return _compat.tree_unflatten(list(flat), self._spec)
 
-    def _retire(self) -> None:
-        """This callable is being destroyed: handed-out outputs raise when read, and the
-        capture's tensors in the pool are dropped so its memory can go back."""
-        self._outputs.retire()
-        pair = self._pair
-        pair.leaves = []
-        pair.static_grad_inputs = []
-
     def _attach(self, node: Any, verify: Any) -> None:
         """Give the new backward node its live window and its place in the backward order."""
         pool = self.pool
@@ -568,3 +560,16 @@ def _next_sequence_nr() -> int:
     """The sequence number that autograd's next node on this thread will exceed."""
     probe = torch.empty((), device="cpu", requires_grad=True).clone()
     return _compat.sequence_nr(probe.grad_fn)
+
+
+def retire_pair(outputs: Outputs, pair: Pair) -> Callable[[], None]:
+    """What runs when a graphed callable is destroyed: handed-out outputs raise when read, and
+    the capture's tensors in the pool are dropped so its memory can go back. A closure over
+    these two objects only: a bound method would keep the callable alive forever."""
+
+    def retire() -> None:
+        outputs.retire()
+        pair.leaves = []
+        pair.static_grad_inputs = []
+
+    return retire
