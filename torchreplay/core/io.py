@@ -24,7 +24,15 @@ from torchreplay import _compat
 from torchreplay.core.args import CallArgs
 from torchreplay.errors import CaptureError, ReplayInputError
 
-__all__ = ["Inputs", "Outputs", "describe_tensor", "same_constant", "conversion_fix", "widens"]
+__all__ = [
+    "Inputs",
+    "Outputs",
+    "describe_tensor",
+    "same_constant",
+    "conversion_fix",
+    "widens",
+    "write_back",
+]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +74,20 @@ def same_constant(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # an object whose == raises or is ambiguous: only identity counts
         return False
+
+
+def write_back(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """Copy each static buffer in ``srcs`` into the caller's tensor in ``dsts`` (one launch for
+    many; one copy each where a widened argument's dtype differs), outside autograd: it is what
+    the callable's write did to the caller's tensor, not a step of its history."""
+    if not dsts:
+        return
+    with torch.no_grad():
+        if len(dsts) == 1 or any(d.dtype != s.dtype for d, s in zip(dsts, srcs)):
+            for d, s in zip(dsts, srcs):
+                d.copy_(s)
+        else:
+            _compat.foreach_copy_(dsts, srcs)
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -290,14 +312,7 @@ class Inputs:
             if leaf is not static:
                 dsts.append(leaf)
                 srcs.append(static)
-        if not dsts:
-            return
-        with torch.no_grad():  # a write into the caller's tensor, not a step of its history
-            if len(dsts) == 1 or any(d.dtype != s.dtype for d, s in zip(dsts, srcs)):
-                for d, s in zip(dsts, srcs):
-                    d.copy_(s)
-            else:
-                _compat.foreach_copy_(dsts, srcs)
+        write_back(dsts, srcs)
 
     def check_aliasing(self, leaves: Sequence[Any], where: str = "call") -> None:
         """Refuse a call whose written argument shares memory with another tensor argument.

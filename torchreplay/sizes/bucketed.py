@@ -36,7 +36,7 @@ from torchreplay.core.capture import (
     side_stream,
     warn_mode_changed,
 )
-from torchreplay.core.io import Inputs, Outputs, same_constant, widens
+from torchreplay.core.io import Inputs, Outputs, same_constant, widens, write_back
 from torchreplay.core.pool import Pool
 from torchreplay.errors import CaptureError, ReplayInputError
 from torchreplay.sizes.buffers import pad_sample
@@ -463,13 +463,7 @@ class BucketedGraph:
             if leaf is not src:
                 dsts.append(leaf)
                 srcs.append(src)  # type: ignore[arg-type]
-        if dsts:
-            with torch.no_grad():
-                if len(dsts) == 1 or any(d.dtype != s.dtype for d, s in zip(dsts, srcs)):
-                    for d, src in zip(dsts, srcs):
-                        d.copy_(src)
-                else:
-                    _compat.foreach_copy_(dsts, srcs)
+        write_back(dsts, srcs)
 
     def _pad(self, n: int) -> None:
         """Write the fill value into rows ``n .. _clean_from-1`` of every varying buffer."""
