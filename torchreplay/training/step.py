@@ -454,7 +454,10 @@ def _step_device(
     try:
         return infer_device(step_fn, call)
     except CaptureError:
-        for opt in optimizers:
+        # No CUDA tensor argument (an optimizer step alone): the optimizers' parameters say it,
+        # the given ones or those the step reaches by name (a closure, a global, self.opt).
+        reached = find_instances(step_fn, torch.optim.Optimizer)
+        for opt in [*optimizers, *reached]:
             for group in opt.param_groups:
                 for p in group["params"]:
                     if p.is_cuda:
