@@ -28,8 +28,12 @@ __all__ = [
     "alias_storage",
     "tensor_from_storage",
     "invalidate_storage",
+    "HAS_USE_COUNTS",
+    "tensor_use_count",
+    "storage_use_count",
     "set_sequence_nr",
     "abandon_pool",
+    "end_rng_capture",
     "LightDispatchMode",
     "sequence_nr",
     "foreach_clone",
@@ -118,6 +122,26 @@ def invalidate_storage(storage: torch.UntypedStorage, message: str) -> None:
     """Make every later read of ``storage`` (and of every view of it) raise ``message``."""
     assert _set_storage_error is not None
     _set_storage_error(storage._cdata, message)
+
+
+# How many C++ owners a tensor's TensorImpl and a storage's StorageImpl have: outputs="checked"
+# hands the last call's output tensors out again when nobody else can reach them (core/io.py,
+# Outputs._unheld). ``Tensor._use_count`` and ``torch._C._storage_Use_Count`` (the latter is what
+# cudagraph trees use to see whether an output is still alive) exist in torch >= 2.5; without
+# them every call makes new tensors, which is correct, only slower.
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+HAS_USE_COUNTS: bool = _storage_use_count is not None and hasattr(torch.Tensor, "_use_count")
+
+
+def tensor_use_count(t: torch.Tensor) -> int:
+    """The use count of ``t``'s TensorImpl (1: only ``t``'s Python object owns it)."""
+    return t._use_count()
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int:
+    """The use count of ``storage``'s StorageImpl (its Python object and each tensor over it)."""
+    assert _storage_use_count is not None
+    return _storage_use_count(storage._cdata)
 
 
 def set_sequence_nr(grad_fn: Any, seq: int) -> None:
@@ -250,6 +274,31 @@ def abandon_pool(device: int, pool: tuple[int, int]) -> None:
             return
     if release is not None:
         release(device, pool)
+
+
+def end_rng_capture() -> None:
+    """Clear the "capturing" mark a failed capture leaves on the device's default generator.
+
+    torch <= 2.12 marks the default CUDA generator of the capturing device as capturing in
+    ``capture_begin`` and clears the mark in ``capture_end`` only after ``cudaStreamEndCapture``
+    succeeded. When CUDA invalidated the capture, ``capture_end`` raises first, and every later
+    random op in the process fails with "Offset increment outside graph capture encountered
+    unexpectedly". An empty capture on the current (side) stream runs torch's prologue and
+    epilogue once more, which clears the mark on the same generator state (graphs captured
+    earlier keep sharing that state, so their RNG stays in step with eager). Newer torch keeps
+    per-capture state and needs nothing; the empty capture is harmless there. Public API only;
+    it is here because it works around a torch version's behaviour.
+    """
+    import warnings
+
+    graph = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the CUDA graph is empty"
+        with contextlib.suppress(Exception):
+            graph.capture_begin()
+            graph.capture_end()
+    with contextlib.suppress(Exception):
+        graph.reset()
 
 
 class LightDispatchMode(TorchDispatchMode):

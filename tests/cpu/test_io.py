@@ -15,7 +15,8 @@ from torchreplay.errors import (
     UnsupportedError,
 )
 from torchreplay.core.args import CallArgs
-from torchreplay.core.io import Inputs as _Inputs, Outputs
+from torchreplay.core.io import Inputs as _Inputs
+from torchreplay.core.outputs import Outputs
 from torchreplay.stats import GraphStats
 
 

@@ -213,6 +213,54 @@ def test_checked_outputs_raise_when_read_after_overwrite() -> None:
         assert torch.equal(y2, model(x2))
 
 
+def test_checked_outputs_storage_is_used_again_only_when_nothing_holds_it() -> None:
+    """When the last output was dropped, its alias storage is used again (the cheap path);
+    when anything can still reach it (a variable, a view, autograd's saved tensors, a dict), it
+    is marked stale and the old output raises when read. Every value equals eager's, over many
+    calls of each pattern."""
+    model = mlp(depth=2, width=64)
+    g = tr.graph(model, torch.randn(4, 64, device=DEV))
+
+    def ref(x):
+        with torch.no_grad():
+            return model(x)
+
+    storages = set()
+    for _ in range(20):
+        x = torch.randn(4, 64, device=DEV)
+        assert torch.equal(g(x), ref(x))
+        storages.add(id(g._outputs.live[0]))
+    assert len(storages) == 1, "a dropped output's storage was not used again"
+
+    w = torch.randn(4, 64, device=DEV, requires_grad=True)
+    for hold in ("variable", "view", "autograd", "dict"):
+        for _ in range(5):
+            x1, x2 = torch.randn(4, 64, device=DEV), torch.randn(4, 64, device=DEV)
+            y1 = g(x1)
+            want1 = ref(x1)
+            assert torch.equal(y1, want1)
+            if hold == "variable":
+                kept = y1
+            elif hold == "view":
+                kept = y1[1:]
+            elif hold == "autograd":
+                kept = w * y1  # saves y1 for w's gradient
+            else:
+                kept = {"y": y1}
+            del y1
+            y2 = g(x2)
+            assert torch.equal(y2, ref(x2)), hold
+            if hold == "autograd":
+                with pytest.raises(RuntimeError, match="StaleOutputError"):
+                    kept.sum().backward()
+            else:
+                stale = kept["y"] if hold == "dict" else kept
+                assert stale is not y2, hold
+                with pytest.raises(RuntimeError, match="StaleOutputError"):
+                    stale.sum().item()
+            del kept, y2
+
+
 def test_clone_policy_keeps_every_output() -> None:
     model = mlp(depth=2, width=64)
     g = tr.graph(model, torch.randn(4, 64, device=DEV), outputs="clone")

@@ -447,6 +447,39 @@ def test_verify_passes_over_steps_with_dropout_and_batchnorm() -> None:
     assert model.forward.stats.verified == 3
 
 
+def test_a_kept_eager_graph_on_the_default_stream_is_a_clear_error_and_the_process_stays_usable() -> None:
+    """An eager step's ``loss`` kept in a variable holds the parameters' AccumulateGrad nodes,
+    made on the default stream; capturing a backward into them would make the default stream
+    wait for the capture, which CUDA forbids (torch's own tools fail there with a bare CUDA
+    error). Ours names the cause and the fix; afterwards random ops, a new capture with dropout
+    (the same masks as eager) and the fix itself all work."""
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 32).to(DEV)
+    loss = lin(torch.randn(4, 32, device=DEV)).sum()
+    loss.backward()
+    with pytest.raises(tr.CaptureError, match=r"(?s)still alive.*del"):
+        tr.make_graphed_callables(lambda x: torch.tanh(lin(x)), (torch.randn(4, 32, device=DEV),))
+    assert torch.randn(3, device=DEV).isfinite().all()  # the RNG is not left "capturing"
+    drop = nn.Dropout(0.5).to(DEV)
+    g = tr.graph(lambda x: drop(x) * 2, torch.randn(256, device=DEV))
+    for seed in range(3):
+        x = torch.randn(256, device=DEV)
+        torch.manual_seed(seed)
+        got = g(x).clone()
+        torch.manual_seed(seed)
+        assert torch.equal(got, drop(x) * 2)
+    del loss  # the fix the error names
+    f = tr.make_graphed_callables(lambda x: torch.tanh(lin(x)), (torch.randn(4, 32, device=DEV),))
+    ref = copy.deepcopy(lin)
+    for _ in range(3):
+        lin.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        x = torch.randn(4, 32, device=DEV)
+        f(x).pow(2).sum().backward()
+        torch.tanh(ref(x)).pow(2).sum().backward()
+        torch.testing.assert_close(lin.weight.grad, ref.weight.grad, **TOL)
+
+
 # -- memory -------------------------------------------------------------------------------------
 
 

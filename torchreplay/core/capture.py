@@ -279,6 +279,7 @@ def _undo(
             # CUDA invalidated the capture and capture_end raised before it stopped routing
             # allocations into the pool or could give the pool back; do both here.
             _compat.abandon_pool(device.index, pool.handle)
+            _compat.end_rng_capture()
     with contextlib.suppress(Exception):
         torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -310,9 +311,24 @@ def _capture_error(
             "and its memory released. Free memory, capture a smaller size, or share a pool "
             "between graphs (pool=)"
         )
+    # capture_end's "operation failed due to a previous error during capture" is a consequence;
+    # the error the call itself raised is its context.
+    root = exc
+    while _CONSEQUENCE in str(root) and isinstance(root.__context__, Exception):
+        root = root.__context__
+    if _LEGACY_STREAM in str(root):
+        return CaptureError(
+            f"capture of '{name}' failed: an operation made the default (legacy) stream wait for "
+            "the capturing stream. In a backward this is autograd accumulating a gradient into a "
+            "leaf tensor (a parameter) whose AccumulateGrad node was made on the default stream "
+            "by an earlier eager call whose autograd graph is still alive, e.g. the `loss` or the "
+            "outputs of the last eager step kept in a variable; fix: `del` them (or keep "
+            "`.detach()`ed copies) before graphing, or run the eager steps on a side stream "
+            f"(`with torch.cuda.stream(s):`). CUDA said: {_first_line(root)}"
+        )
     finding = None
     if config.diagnose:
-        from torchreplay.check import diagnose  # check.py imports nothing of core/
+        from torchreplay.check import NO_CUDA_OP, diagnose  # check.py imports nothing of core/
 
         try:
             report = diagnose(fn, args, kwargs)
@@ -320,17 +336,29 @@ def _capture_error(
         finally:
             if snapshot is not None:
                 snapshot.restore()
+        # A backward runs its kernels on autograd's threads, which the check does not see: a
+        # "touched no CUDA tensor" finding there says nothing about why CUDA failed.
+        if finding is not None and finding.op == NO_CUDA_OP and _is_cuda_error(root):
+            finding = None
     if finding is not None:
         return CaptureError(
             f"capture of '{name}' failed at {finding.location} ({finding.code}): {finding.op} "
-            f"{finding.reason}; fix: {finding.fix}. CUDA said: {_first_line(exc)}"
+            f"{finding.reason}; fix: {finding.fix}. CUDA said: {_first_line(root)}"
         )
-    where = user_frame(exc.__traceback__)
+    where = user_frame(root.__traceback__) or user_frame(exc.__traceback__)
     at = f" at {where[0]}:{where[1]} ({where[2]})" if where else ""
     return CaptureError(
-        f"capture of '{name}' failed{at}: {type(exc).__name__}: {_first_line(exc)}; run "
+        f"capture of '{name}' failed{at}: {type(root).__name__}: {_first_line(root)}; run "
         "torchreplay.check(fn, *args) to list what breaks capture"
     )
+
+
+_CONSEQUENCE = "previous error during capture"
+_LEGACY_STREAM = "legacy stream depend on a capturing"
+
+
+def _is_cuda_error(exc: BaseException) -> bool:
+    return "CUDA error" in str(exc) or type(exc).__name__ == "AcceleratorError"
 
 
 def _first_line(exc: BaseException) -> str:

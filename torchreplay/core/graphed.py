@@ -12,7 +12,8 @@ from torchreplay import _compat
 from torchreplay.config import SAFE, GraphConfig
 from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
 from torchreplay.core.capture import StateSnapshot, capture, side_stream, warn_mode_changed
-from torchreplay.core.io import Inputs, Outputs
+from torchreplay.core.io import Inputs
+from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
 from torchreplay.errors import CaptureError
 from torchreplay.stats import GraphStats
@@ -88,7 +89,7 @@ class Graphed:
         refuse_static_written_outputs(self._inputs, captured.out, config.outputs, self.name)
         self._writes = bool(self._inputs.written)
         self._outputs = Outputs(
-            captured.out, config.outputs, self.name, owned_by(self.pool, self._inputs)
+            captured.out, config.outputs, self.name, owned_by(self.pool, self._inputs), reuse=True
         )
         self.stats.captures = 1
         self.stats.capture_seconds = captured.seconds

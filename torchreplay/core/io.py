@@ -4,7 +4,7 @@ Data flows one way through this module: the caller's ``(args, kwargs)`` are flat
 against what the graph was captured with, tensors are copied into the graph's static input
 buffers (one launch for many), the graph replays, the static buffers the callable writes are
 copied back into the caller's tensors (eager semantics for in-place writes to arguments), and
-:class:`Outputs` hands the results back under the output policy.
+:class:`~torchreplay.core.outputs.Outputs` hands the results back under the output policy.
 
 A tensor of the captured shape but another dtype is refused, except for a lossless widening
 (``float16``/``bfloat16`` -> ``float32``, a smaller integer -> a larger one), which is copied in
@@ -14,7 +14,7 @@ with one warning per argument: the graph computes in the captured dtype, as torc
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import logging
 
@@ -26,7 +26,6 @@ from torchreplay.errors import CaptureError, ReplayInputError
 
 __all__ = [
     "Inputs",
-    "Outputs",
     "describe_tensor",
     "same_constant",
     "conversion_fix",
@@ -409,115 +408,3 @@ class Inputs:
                     "nesting of containers as at capture"
                 )
         return "the arguments' structure differs from the capture"
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-class Outputs:
-    """The outputs of one graph and the policy that hands them out.
-
-    Each output leaf is one of: a constant (returned as is); an *external* tensor, one the graph
-    did not allocate, like a module buffer it updates in place (returned as is, like eager); or a
-    tensor in memory the graph owns (its pool or its static inputs), handed out per policy.
-
-    Args:
-        out: what ``fn`` returned during capture.
-        policy: ``"checked"``, ``"clone"`` or ``"static"`` (see :class:`~torchreplay.config.GraphConfig`).
-        name: the graph's name, for messages.
-        owned: returns True for a tensor whose memory the graph owns.
-    """
-
-    def __init__(
-        self,
-        out: Any,
-        policy: str,
-        name: str,
-        owned: Callable[[torch.Tensor], bool],
-    ) -> None:
-        leaves, spec = _compat.tree_flatten(out)
-        self.static = leaves
-        self.spec = spec
-        if policy == "checked" and not _compat.HAS_CHECKED_OUTPUTS:
-            policy = "clone"  # this torch cannot mark storages stale: fresh tensors are safe
-        self.policy = policy
-        self.owned_idx = [
-            i for i, t in enumerate(leaves) if isinstance(t, _Tensor) and owned(t)
-        ]
-        self.is_leaf = _compat.is_leaf_treespec(spec)
-        # Checked policy: one alias storage per distinct owned storage, shared by the outputs
-        # that view it (so y and y.view(-1) stay aliases of each other, as in eager).
-        groups: dict[int, list[int]] = {}
-        for i in self.owned_idx:
-            groups.setdefault(_storage_key(leaves[i]), []).append(i)
-        self.groups: list[tuple[int, int, list[tuple[int, dict[str, Any]]]]] = []
-        for ptr, idxs in groups.items():
-            nbytes = leaves[idxs[0]].untyped_storage().nbytes()
-            metas = [(i, _tensor_meta(leaves[i])) for i in idxs]
-            self.groups.append((ptr, nbytes, metas))
-        self.device = leaves[self.owned_idx[0]].device if self.owned_idx else None
-        self.live: list[torch.UntypedStorage] = []
-        self.stale_message = (
-            f"StaleOutputError: this tensor is an output of the torchreplay graph '{name}', "
-            "and a later replay (of that graph, or of a graph sharing its memory pool) "
-            "overwrote its memory. Call .clone() on outputs you keep across calls, or create "
-            "the graph with outputs='clone'."
-        )
-        self.gone_message = (
-            f"StaleOutputError: this tensor is an output of the torchreplay graph '{name}', "
-            "which has been destroyed (nothing refers to it any more), and its memory was "
-            "given back. Call .clone() on outputs you keep longer than the graph, or create the "
-            "graph with outputs='clone'."
-        )
-
-    def invalidate(self) -> None:
-        """Mark the outputs handed out by the last :meth:`emit` as stale."""
-        if self.live:
-            for storage in self.live:
-                _compat.invalidate_storage(storage, self.stale_message)
-            self.live = []
-
-    def retire(self) -> None:
-        """The graph is being destroyed: make the outputs it handed out raise when read (their
-        memory goes back to the allocator) instead of reading freed memory."""
-        for storage in self.live:
-            _compat.invalidate_storage(storage, self.gone_message)
-        self.live = []
-        # Our references to the capture's output tensors go too, so the pool's blocks are free
-        # when the cache is emptied (outputs="static" callers keep theirs alive themselves).
-        self.static = []
-        self.groups = []
-
-    def emit(self) -> Any:
-        """Return this replay's outputs, in the captured structure, under the policy."""
-        leaves = self.static
-        if self.policy == "checked" and self.groups:
-            self.invalidate()
-            leaves = list(leaves)
-            live = self.live
-            for ptr, nbytes, metas in self.groups:
-                storage = _compat.alias_storage(ptr, self.device, nbytes)
-                live.append(storage)
-                for i, meta in metas:
-                    leaves[i] = _compat.tensor_from_storage(meta, storage)
-        elif self.policy == "clone" and self.owned_idx:
-            leaves = list(leaves)
-            for i in self.owned_idx:
-                leaves[i] = leaves[i].clone()
-        if self.is_leaf:
-            return leaves[0]
-        return _compat.tree_unflatten(leaves, self.spec)
-
-
-def _tensor_meta(t: torch.Tensor) -> dict[str, Any]:
-    storage = t.untyped_storage()
-    return {
-        "nbytes": storage.nbytes(),
-        "data_ptr": storage.data_ptr(),
-        "size": t.shape,
-        "stride": t.stride(),
-        "dtype": t.dtype,
-        "device": t.device,
-        "storage_offset": t.storage_offset(),
-    }

@@ -36,7 +36,8 @@ from torchreplay.core.capture import (
     side_stream,
     warn_mode_changed,
 )
-from torchreplay.core.io import Inputs, Outputs, same_constant, widens, write_back
+from torchreplay.core.io import Inputs, same_constant, widens, write_back
+from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
 from torchreplay.errors import CaptureError, ReplayInputError
 from torchreplay.sizes.buffers import pad_sample
@@ -532,6 +533,7 @@ class BucketedGraph:
             self.config.outputs,
             self.name,
             lambda t: id(t) in owned_ids,
+            reuse=True,
         )
         clean_after = s if self._writes_inputs else n
         return _Route(n, s, entry.graph.replay, dsts, shapes, outputs, clean_after)

@@ -41,7 +41,8 @@ from torchreplay import _compat
 from torchreplay.config import GraphConfig
 from torchreplay.core.args import CallArgs, fn_name, owning_module
 from torchreplay.core.capture import warn_mode_changed
-from torchreplay.core.io import Inputs, Outputs
+from torchreplay.core.io import Inputs
+from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import LiveWindow, Pool
 from torchreplay.errors import ReplayInputError, StaleOutputError, UnsupportedError
 from torchreplay.stats import TrainingStats

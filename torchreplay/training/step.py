@@ -38,7 +38,8 @@ from torchreplay.config import GraphConfig
 from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
 from torchreplay.core.capture import capture, side_stream
 from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
-from torchreplay.core.io import Inputs, Outputs
+from torchreplay.core.io import Inputs
+from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
 from torchreplay.stats import TrainingStats
@@ -136,9 +137,13 @@ class GraphedStep:
             scalers=self._scalers,
             on_optimizer=self._adopt_optimizer,
         )
-        for opt in named:
-            if isinstance(opt, torch.optim.Optimizer):
-                keeper.add_params(p for g in opt.param_groups for p in g["params"])
+        # Tensors whose .grad the step may set without an optimizer stepping inside it (the
+        # optimizer steps outside, as with GradScaler; a plain leaf it closes over).
+        self._named_leaves = [
+            p for o in named if isinstance(o, torch.optim.Optimizer)
+            for g in o.param_groups for p in g["params"]
+        ] + [o for o in named if isinstance(o, torch.Tensor) and o.is_leaf and o.requires_grad]
+        keeper.add_params(self._named_leaves)
         self._keeper = keeper
         self._discovered = False
         self._grads_before: list[torch.Tensor | None] = []
@@ -265,7 +270,8 @@ class GraphedStep:
         out: list[torch.Tensor] = []
         seen: set[int] = set()
         groups = [g["params"] for opt in self.optimizers for g in opt.param_groups]
-        for params in [*groups, *(m.parameters(recurse=False) for m in keeper.called_modules)]:
+        modules = (m.parameters(recurse=False) for m in keeper.called_modules)
+        for params in [*groups, *modules, self._named_leaves]:
             for p in params:
                 if id(p) not in seen:
                     seen.add(id(p))

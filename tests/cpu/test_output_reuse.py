@@ -1,0 +1,108 @@
+"""The checked policy's test for "nothing holds the last call's output storage any more"
+(core/outputs.py ``_free``), on CPU storages: using a storage again is only allowed when no one
+could tell, i.e. no tensor over it and no other reference to its Python object is left."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchreplay import _compat
+from torchreplay.core.outputs import _free
+
+pytestmark = pytest.mark.skipif(not _compat.HAS_USE_COUNTS, reason="this torch has no use counts")
+
+
+def _handed() -> tuple[list[torch.UntypedStorage], torch.Tensor]:
+    """Our list of the last call's storages, and the tensor handed out over it (as emit does)."""
+    live = [torch.UntypedStorage(48)]
+    return live, torch.empty(0).set_(live[0], 0, (4, 3), (3, 1))
+
+
+def test_a_storage_whose_tensors_were_dropped_is_free() -> None:
+    live, t = _handed()
+    assert _free(live) == [False]
+    del t
+    assert _free(live) == [True]
+
+
+@pytest.mark.parametrize(
+    "hold", ["variable", "view", "saved_by_autograd", "storage_object", "container", "data_ptr_only"]
+)
+def test_a_storage_anything_can_still_reach_is_not_free(hold: str) -> None:
+    live, t = _handed()
+    keep: list = []
+    if hold == "variable":
+        keep.append(t)
+    elif hold == "view":
+        keep.append(t.view(-1))
+    elif hold == "saved_by_autograd":
+        w = torch.randn(4, 3, requires_grad=True)
+        keep.append(w * t)  # saves t for the gradient of w
+    elif hold == "storage_object":
+        keep.append(t.untyped_storage())
+    elif hold == "container":
+        keep.append({"y": t})
+    else:
+        keep.append(t.data_ptr())  # an address holds nothing
+    del t
+    assert _free(live) == [hold == "data_ptr_only"], hold
+    keep.clear()
+    assert _free(live) == [True], hold
+
+
+def _handed_tensor() -> tuple[list[torch.Tensor], list[int], list[torch.UntypedStorage], list]:
+    """What Outputs keeps after handing out one tensor with reuse on."""
+    from torchreplay.core.outputs import _refcounts
+
+    live = [torch.UntypedStorage(48)]
+    handed = [torch.empty(0).set_(live[0], 0, (4, 3), (3, 1))]
+    counts = [(n, _compat.storage_use_count(s)) for s, n in zip(live, _refcounts(live))]
+    return handed, [t._version for t in handed], live, counts
+
+
+def test_a_dropped_unchanged_tensor_is_unheld() -> None:
+    from torchreplay.core.outputs import _unheld
+
+    kept = _handed_tensor()
+    assert _unheld(*kept)
+
+
+@pytest.mark.parametrize(
+    "hold",
+    ["variable", "view", "saved_by_autograd", "storage_object", "container", "weakref",
+     "requires_grad", "grad", "attribute", "unsqueeze_", "written"],
+)
+def test_a_tensor_anyone_can_reach_or_tell_apart_is_held(hold: str) -> None:
+    import weakref
+
+    from torchreplay.core.outputs import _unheld
+
+    handed, versions, live, counts = _handed_tensor()
+    t = handed[0]
+    keep: list = []
+    if hold == "variable":
+        keep.append(t)
+    elif hold == "view":
+        keep.append(t.view(-1))
+    elif hold == "saved_by_autograd":
+        w = torch.randn(4, 3, requires_grad=True)
+        keep.append(w * t)
+    elif hold == "storage_object":
+        keep.append(t.untyped_storage())
+    elif hold == "container":
+        keep.append({"y": t})
+    elif hold == "weakref":
+        keep.append(weakref.ref(t))
+    elif hold == "requires_grad":
+        t.requires_grad_()
+    elif hold == "grad":
+        t.grad = torch.zeros(4, 3)
+    elif hold == "attribute":
+        t.note = "mine"
+    elif hold == "unsqueeze_":
+        t.unsqueeze_(0)
+    else:
+        t.add_(1)
+    del t
+    assert not _unheld(handed, versions, live, counts), hold

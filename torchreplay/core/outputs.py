@@ -1,0 +1,234 @@
+"""Outputs out: the output policy of one graph (``checked``, ``clone``, ``static``).
+
+Under ``checked`` (the default) each call hands out new tensors over the graph's output memory,
+through an alias storage of their own that is marked stale when a later replay overwrites that
+memory, so that reading an old output raises instead of returning another call's values. Making
+those objects is most of what the policy costs per call, so the common case of a caller that
+drops each output before the next call is cheaper: when nothing can reach the last call's
+tensors, they are handed out again (:func:`_unheld`); when nothing holds the last call's storage,
+it is used again (:func:`_free`).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from torchreplay import _compat
+
+__all__ = ["Outputs"]
+
+_Tensor = torch.Tensor
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class Outputs:
+    """The outputs of one graph and the policy that hands them out.
+
+    Each output leaf is one of: a constant (returned as is); an *external* tensor, one the graph
+    did not allocate, like a module buffer it updates in place (returned as is, like eager); or a
+    tensor in memory the graph owns (its pool or its static inputs), handed out per policy.
+
+    Args:
+        out: what ``fn`` returned during capture.
+        policy: ``"checked"``, ``"clone"`` or ``"static"`` (see :class:`~torchreplay.config.GraphConfig`).
+        name: the graph's name, for messages.
+        owned: returns True for a tensor whose memory the graph owns.
+        reuse: under ``checked``, hand the last call's tensors out again when nothing can reach
+            them (see :func:`_unheld`). Only for outputs no autograd node is attached to: we
+            would hold such a tensor, and with it the caller's autograd graph.
+    """
+
+    def __init__(
+        self,
+        out: Any,
+        policy: str,
+        name: str,
+        owned: Callable[[torch.Tensor], bool],
+        *,
+        reuse: bool = False,
+    ) -> None:
+        leaves, spec = _compat.tree_flatten(out)
+        self.static = leaves
+        self.spec = spec
+        if policy == "checked" and not _compat.HAS_CHECKED_OUTPUTS:
+            policy = "clone"  # this torch cannot mark storages stale: fresh tensors are safe
+        self.policy = policy
+        self.owned_idx = [
+            i for i, t in enumerate(leaves) if isinstance(t, _Tensor) and owned(t)
+        ]
+        self.is_leaf = _compat.is_leaf_treespec(spec)
+        # Checked policy: one alias storage per distinct owned storage, shared by the outputs
+        # that view it (so y and y.view(-1) stay aliases of each other, as in eager).
+        groups: dict[int, list[int]] = {}
+        for i in self.owned_idx:
+            groups.setdefault(_storage_key(leaves[i]), []).append(i)
+        self.groups: list[tuple[int, int, list[tuple[int, dict[str, Any]]]]] = []
+        #: The owned leaves' indices in the order emit makes their tensors (group by group).
+        self.grouped_idx = [i for idxs in groups.values() for i in idxs]
+        for ptr, idxs in groups.items():
+            nbytes = leaves[idxs[0]].untyped_storage().nbytes()
+            metas = [(i, _tensor_meta(leaves[i])) for i in idxs]
+            self.groups.append((ptr, nbytes, metas))
+        self.device = leaves[self.owned_idx[0]].device if self.owned_idx else None
+        self.live: list[torch.UntypedStorage] = []
+        self.reuse = reuse and _compat.HAS_USE_COUNTS
+        # With reuse: the tensors the last call handed out, their version counters, and the
+        # use and reference counts of their storages, as they were when handed out.
+        self._handed: list[torch.Tensor] = []
+        self._versions: list[int] = []
+        self._storage_counts: list[tuple[int, int]] = []
+        self.stale_message = (
+            f"StaleOutputError: this tensor is an output of the torchreplay graph '{name}', "
+            "and a later replay (of that graph, or of a graph sharing its memory pool) "
+            "overwrote its memory. Call .clone() on outputs you keep across calls, or create "
+            "the graph with outputs='clone'."
+        )
+        self.gone_message = (
+            f"StaleOutputError: this tensor is an output of the torchreplay graph '{name}', "
+            "which has been destroyed (nothing refers to it any more), and its memory was "
+            "given back. Call .clone() on outputs you keep longer than the graph, or create the "
+            "graph with outputs='clone'."
+        )
+
+    def invalidate(self) -> None:
+        """Mark the outputs handed out by the last :meth:`emit` as stale."""
+        if self.live:
+            for storage in self.live:
+                _compat.invalidate_storage(storage, self.stale_message)
+            self.live = []
+            self._handed = []
+
+    def retire(self) -> None:
+        """The graph is being destroyed: make the outputs it handed out raise when read (their
+        memory goes back to the allocator) instead of reading freed memory."""
+        for storage in self.live:
+            _compat.invalidate_storage(storage, self.gone_message)
+        self.live = []
+        self._handed = []
+        # Our references to the capture's output tensors go too, so the pool's blocks are free
+        # when the cache is emptied (outputs="static" callers keep theirs alive themselves).
+        self.static = []
+        self.groups = []
+
+    def emit(self) -> Any:
+        """Return this replay's outputs, in the captured structure, under the policy."""
+        leaves = self.static
+        if self.policy == "checked" and self.groups:
+            handed = self._handed
+            if not (handed and _unheld(handed, self._versions, self.live, self._storage_counts)):
+                handed = self._new_tensors()
+            if self.is_leaf:
+                return handed[0]
+            leaves = list(leaves)
+            for i, t in zip(self.grouped_idx, handed):
+                leaves[i] = t
+        elif self.policy == "clone" and self.owned_idx:
+            leaves = list(leaves)
+            for i in self.owned_idx:
+                leaves[i] = leaves[i].clone()
+        if self.is_leaf:
+            return leaves[0]
+        return _compat.tree_unflatten(leaves, self.spec)
+
+    def _new_tensors(self) -> list[torch.Tensor]:
+        """New tensors over the output memory, group by group; a storage of the last call is
+        used again if nothing holds it, else marked stale and replaced."""
+        last = self.live
+        free = _free(last) if last else ()
+        live = []
+        handed = []
+        for k, (ptr, nbytes, metas) in enumerate(self.groups):
+            if k < len(free) and free[k]:
+                storage = last[k]  # no tensor over it is left: nothing to mark stale
+            else:
+                if k < len(last):
+                    _compat.invalidate_storage(last[k], self.stale_message)
+                storage = _compat.alias_storage(ptr, self.device, nbytes)
+            live.append(storage)
+            for _, meta in metas:
+                handed.append(_compat.tensor_from_storage(meta, storage))
+        del storage  # counted below
+        self.live = live
+        if self.reuse:
+            self._handed = handed
+            self._versions = [t._version for t in handed]
+            self._storage_counts = [
+                (n, _compat.storage_use_count(s)) for s, n in zip(live, _refcounts(live))
+            ]
+        return handed
+
+
+def _unheld(
+    handed: list[torch.Tensor],
+    versions: list[int],
+    storages: list[torch.UntypedStorage],
+    counts: list[tuple[int, int]],
+) -> bool:
+    """Can nobody but us reach the tensors the last call handed out, or tell them apart from
+    new ones? Then they are handed out again (their memory holds this replay's values, as new
+    tensors' would), which saves making a tensor and a storage and marking the old ones stale.
+
+    For each tensor: only our list refers to its Python object (no variable, container or weak
+    reference), only that object owns its TensorImpl (no autograd node saved it, no view has it
+    as its base), no in-place op ran on it (its version counter, which in-place writes and
+    in-place shape changes like ``unsqueeze_`` bump, is unchanged), and nothing was set on it
+    (``requires_grad``, ``.grad``, an attribute). For each storage: its use and reference counts
+    are what they were when the tensors were made (no other tensor over it, nobody holding
+    ``y.untyped_storage()``).
+    """
+    for t, n, v in zip(handed, _refcounts(handed), versions):
+        if (
+            n != _FREE_REFS
+            or t._version != v
+            or t._use_count() != 1
+            or t.requires_grad
+            or t.grad is not None
+            or t.__dict__
+            or weakref.getweakrefcount(t)
+        ):
+            return False
+    use_count = _compat.storage_use_count
+    for s, n, (n0, uses) in zip(storages, _refcounts(storages), counts):
+        if n != n0 or use_count(s) != uses:
+            return False
+    return True
+
+
+def _refcounts(objs: list[Any]) -> list[int]:
+    return [sys.getrefcount(o) for o in objs]
+
+
+def _free(storages: list[torch.UntypedStorage]) -> list[bool]:
+    """For each storage: does nothing but our list hold it? No tensor over its memory is left
+    (its StorageImpl has one owner, its Python object) and nobody else holds that Python object
+    (``y.untyped_storage()`` returns it). Then handing out a new tensor over it cannot be told
+    apart from one over a new storage. A torch without use counts says no, always."""
+    if not _compat.HAS_USE_COUNTS:
+        return [False] * len(storages)
+    use_count = _compat.storage_use_count
+    return [sys.getrefcount(s) == _FREE_REFS and use_count(s) == 1 for s in storages]
+
+
+# What sys.getrefcount says in these comprehensions of an object only its list holds (it differs
+# between Python versions); counted once, on a storage nothing else refers to.
+_FREE_REFS = _refcounts([torch.UntypedStorage(0)])[0]
+
+
+def _tensor_meta(t: torch.Tensor) -> dict[str, Any]:
+    storage = t.untyped_storage()
+    return {
+        "nbytes": storage.nbytes(),
+        "data_ptr": storage.data_ptr(),
+        "size": t.shape,
+        "stride": t.stride(),
+        "dtype": t.dtype,
+        "device": t.device,
+        "storage_offset": t.storage_offset(),
+    }
