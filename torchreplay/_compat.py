@@ -104,18 +104,28 @@ _set_storage_error = getattr(torch._C, "_set_storage_data_ptr_access_error_msg",
 HAS_CHECKED_OUTPUTS: bool = _construct_storage is not None and _set_storage_error is not None
 
 
-def alias_storage(data_ptr: int, device: torch.device, nbytes: int) -> torch.UntypedStorage:
+def _alias_storage(data_ptr: int, device: torch.device, nbytes: int) -> torch.UntypedStorage:
     """Return a new storage that views ``nbytes`` at ``data_ptr`` without owning them."""
     assert _construct_storage is not None
     return _construct_storage(data_ptr, device, nbytes)
 
 
-def tensor_from_storage(meta: dict[str, Any], storage: torch.UntypedStorage) -> torch.Tensor:
+def _tensor_from_storage(meta: dict[str, Any], storage: torch.UntypedStorage) -> torch.Tensor:
     """Build a tensor with ``meta``'s size, stride, offset and dtype over ``storage``."""
     if _construct_tensor is not None and meta["device"].type == "cuda":
         return _construct_tensor(meta, storage)
     t = torch.empty((0,), dtype=meta["dtype"], device=meta["device"])
     return t.set_(storage, meta["storage_offset"], meta["size"], meta["stride"])
+
+
+# On the replay path of every checked call: the bindings themselves where they exist (a Python
+# wrapper costs a few hundred nanoseconds per output).
+alias_storage: Callable[[int, torch.device, int], torch.UntypedStorage] = (
+    _construct_storage if _construct_storage is not None else _alias_storage
+)
+tensor_from_storage: Callable[[dict[str, Any], torch.UntypedStorage], torch.Tensor] = (
+    _construct_tensor if _construct_tensor is not None else _tensor_from_storage
+)
 
 
 def invalidate_storage(storage: torch.UntypedStorage, message: str) -> None:

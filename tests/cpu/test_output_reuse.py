@@ -51,14 +51,15 @@ def test_a_storage_anything_can_still_reach_is_not_free(hold: str) -> None:
     assert _free(live) == [True], hold
 
 
-def _handed_tensor() -> tuple[list[torch.Tensor], list[int], list[torch.UntypedStorage], list]:
+def _handed_tensor() -> tuple[list[torch.Tensor], list[int], list[torch.UntypedStorage], list[int]]:
     """What Outputs keeps after handing out one tensor with reuse on."""
-    from torchreplay.core.outputs import _refcounts
+    from torchreplay.core import outputs
 
     live = [torch.UntypedStorage(48)]
     handed = [torch.empty(0).set_(live[0], 0, (4, 3), (3, 1))]
-    counts = [(n, _compat.storage_use_count(s)) for s, n in zip(live, _refcounts(live))]
-    return handed, [t._version for t in handed], live, counts
+    if outputs._HELD_STORAGE_REFS[0] < 0:
+        outputs._HELD_STORAGE_REFS[0] = outputs._refcounts(live)[0]
+    return handed, [t._version for t in handed], live, [2]
 
 
 def test_a_dropped_unchanged_tensor_is_unheld() -> None:
@@ -78,7 +79,7 @@ def test_a_tensor_anyone_can_reach_or_tell_apart_is_held(hold: str) -> None:
 
     from torchreplay.core.outputs import _unheld
 
-    handed, versions, live, counts = _handed_tensor()
+    handed, versions, live, uses = _handed_tensor()
     t = handed[0]
     keep: list = []
     if hold == "variable":
@@ -105,4 +106,20 @@ def test_a_tensor_anyone_can_reach_or_tell_apart_is_held(hold: str) -> None:
     else:
         t.add_(1)
     del t
-    assert not _unheld(handed, versions, live, counts), hold
+    assert not _unheld(handed, versions, live, uses), hold
+
+
+def test_the_fast_first_check_agrees_with_the_full_one() -> None:
+    """emit's first test (the first handed tensor's reference count) passes exactly when only
+    our list holds it, so that it never skips a tensor the full test would hand out again."""
+    import sys
+
+    from torchreplay.core.outputs import _FIRST_REFS
+
+    handed, *_ = _handed_tensor()
+    alone = sys.getrefcount(handed[0])  # outside assert: pytest's rewrite holds temporaries
+    kept = handed[0]
+    held = sys.getrefcount(handed[0])
+    del kept
+    assert alone == _FIRST_REFS
+    assert held != _FIRST_REFS

@@ -79,11 +79,11 @@ class Outputs:
         self.device = leaves[self.owned_idx[0]].device if self.owned_idx else None
         self.live: list[torch.UntypedStorage] = []
         self.reuse = reuse and _compat.HAS_USE_COUNTS
-        # With reuse: the tensors the last call handed out, their version counters, and the
-        # use and reference counts of their storages, as they were when handed out.
+        # With reuse: the tensors the last call handed out, and their storages' use counts when
+        # nothing but those tensors and our storage object refer to them.
         self._handed: list[torch.Tensor] = []
         self._versions: list[int] = []
-        self._storage_counts: list[tuple[int, int]] = []
+        self._uses = [1 + len(metas) for _, _, metas in self.groups]
         self.stale_message = (
             f"StaleOutputError: this tensor is an output of the torchreplay graph '{name}', "
             "and a later replay (of that graph, or of a graph sharing its memory pool) "
@@ -122,7 +122,11 @@ class Outputs:
         leaves = self.static
         if self.policy == "checked" and self.groups:
             handed = self._handed
-            if not (handed and _unheld(handed, self._versions, self.live, self._storage_counts)):
+            if not (
+                handed
+                and sys.getrefcount(handed[0]) == _FIRST_REFS  # the common "kept": fail fast
+                and _unheld(handed, self._versions, self.live, self._uses)
+            ):
                 handed = self._new_tensors()
             if self.is_leaf:
                 return handed[0]
@@ -141,7 +145,9 @@ class Outputs:
         """New tensors over the output memory, group by group; a storage of the last call is
         used again if nothing holds it, else marked stale and replaced."""
         last = self.live
-        free = _free(last) if last else ()
+        # With reuse, our own reference to a handed tensor keeps its storage in use: only a
+        # tensor someone else holds gets here, so there is no free storage to look for.
+        free = _free(last) if last and not self.reuse else ()
         live = []
         handed = []
         for k, (ptr, nbytes, metas) in enumerate(self.groups):
@@ -154,14 +160,13 @@ class Outputs:
             live.append(storage)
             for _, meta in metas:
                 handed.append(_compat.tensor_from_storage(meta, storage))
-        del storage  # counted below
         self.live = live
         if self.reuse:
             self._handed = handed
             self._versions = [t._version for t in handed]
-            self._storage_counts = [
-                (n, _compat.storage_use_count(s)) for s, n in zip(live, _refcounts(live))
-            ]
+            if _HELD_STORAGE_REFS[0] < 0:
+                del storage
+                _HELD_STORAGE_REFS[0] = _refcounts(live)[0]
         return handed
 
 
@@ -169,7 +174,7 @@ def _unheld(
     handed: list[torch.Tensor],
     versions: list[int],
     storages: list[torch.UntypedStorage],
-    counts: list[tuple[int, int]],
+    uses: list[int],
 ) -> bool:
     """Can nobody but us reach the tensors the last call handed out, or tell them apart from
     new ones? Then they are handed out again (their memory holds this replay's values, as new
@@ -179,9 +184,9 @@ def _unheld(
     reference), only that object owns its TensorImpl (no autograd node saved it, no view has it
     as its base), no in-place op ran on it (its version counter, which in-place writes and
     in-place shape changes like ``unsqueeze_`` bump, is unchanged), and nothing was set on it
-    (``requires_grad``, ``.grad``, an attribute). For each storage: its use and reference counts
-    are what they were when the tensors were made (no other tensor over it, nobody holding
-    ``y.untyped_storage()``).
+    (``requires_grad``, ``.grad``, an attribute). For each storage: no other tensor is over it
+    (its use count is its Python object plus our tensors) and nobody else holds its Python
+    object (``y.untyped_storage()`` returns it).
     """
     for t, n, v in zip(handed, _refcounts(handed), versions):
         if (
@@ -195,8 +200,9 @@ def _unheld(
         ):
             return False
     use_count = _compat.storage_use_count
-    for s, n, (n0, uses) in zip(storages, _refcounts(storages), counts):
-        if n != n0 or use_count(s) != uses:
+    held = _HELD_STORAGE_REFS[0]
+    for s, n, u in zip(storages, _refcounts(storages), uses):
+        if n != held or use_count(s) != u:
             return False
     return True
 
@@ -219,6 +225,12 @@ def _free(storages: list[torch.UntypedStorage]) -> list[bool]:
 # What sys.getrefcount says in these comprehensions of an object only its list holds (it differs
 # between Python versions); counted once, on a storage nothing else refers to.
 _FREE_REFS = _refcounts([torch.UntypedStorage(0)])[0]
+_ONLY_IN_A_LIST = [torch.UntypedStorage(0)]
+_FIRST_REFS = sys.getrefcount(_ONLY_IN_A_LIST[0])  # as emit counts handed[0]
+del _ONLY_IN_A_LIST
+# The same for an alias storage with tensors over it (torch may add a reference of its own to
+# the Python object of a storage that tensors share): counted at the first tensors handed out.
+_HELD_STORAGE_REFS = [-1]
 
 
 def _tensor_meta(t: torch.Tensor) -> dict[str, Any]:

@@ -1,0 +1,86 @@
+"""Host cost of one tr.graph call against a hand-written graph, interleaved (CUDA only).
+
+For the MLP and ResNet-50 b1 rows: the hand-written graph (the floor), ``outputs="static"``, and
+the default ``"checked"`` policy with the caller dropping each output ("dropped") or keeping it
+until the next call returns ("kept", as ``y = g(x)`` in a loop does). 300 rounds of 10 calls,
+the methods' order rotated each round; per method the min and median, and the paired difference
+to the floor in the same round (median, 25th and 75th percentile): the machines are noisy, the
+paired difference much less so. Then the same with the replay replaced by a no-op everywhere
+("dry": the launch, identical for all, taken out), the cost of the single operations, and a
+cProfile of 20000 checked calls. Usage: ``python benchmarks/host_overhead.py``.
+"""
+import sys, os, time, statistics, cProfile, pstats, io
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torchreplay as tr
+from torchreplay import _compat
+from torchreplay.bench.timing import handwritten_graph
+from torchreplay.models.factories import mlp_factory, resnet50_factory
+
+def per_call(f, n=2000, reps=9):
+    best = []
+    for _ in range(reps):
+        torch.cuda.synchronize(); t = time.perf_counter()
+        for _ in range(n): f()
+        best.append((time.perf_counter() - t) / n * 1e6)
+        torch.cuda.synchronize()
+    return min(best)
+
+def interleaved(methods, rounds=300, calls=10):
+    names = list(methods); s = {k: [] for k in names}
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            f = methods[k]; torch.cuda.synchronize(); t = time.perf_counter()
+            for _ in range(calls): f()
+            s[k].append((time.perf_counter() - t) / calls * 1e6)
+    torch.cuda.synchronize()
+    floor = names[0]
+    for k in names:
+        d = sorted(a - b for a, b in zip(s[k], s[floor]))
+        q = lambda p: d[int(p * (len(d) - 1))]
+        print(f"   {k:28s} min {min(s[k]):8.2f}  med {statistics.median(s[k]):8.2f}  paired d vs floor: med {q(.5):+6.2f} p25 {q(.25):+6.2f} p75 {q(.75):+6.2f}")
+
+for row, fac in (("mlp", mlp_factory), ("resnet50", resnet50_factory)):
+    torch.manual_seed(0)
+    model, (x,) = fac()
+    with torch.no_grad():
+        hand = handwritten_graph(model, (x,), {})
+    gs = tr.graph(model, x, outputs="static")
+    gc_ = tr.graph(model, x)  # checked
+    print(f"== {row}")
+    def hand_call(): return hand()
+    def static_call(): return gs(x)
+    def checked_call(): return gc_(x)
+    def checked_keep():
+        global kept
+        kept = gc_(x)
+    print(" real replays (host us/call):")
+    interleaved({"hand": hand_call, "static": static_call, "checked (dropped)": checked_call, "checked (kept)": checked_keep})
+    # dry: no replay anywhere (identical launch cost removed)
+    noop = lambda: None
+    hand_static = x.clone()
+    def hand_dry():
+        hand_static.copy_(x); noop(); return hand_static
+    gs._replay = noop; gc_._replay = noop
+    print(" dry (no replay):")
+    interleaved({"hand": hand_dry, "static": static_call, "checked (dropped)": checked_call, "checked (kept)": checked_keep}, rounds=400)
+    o = gc_._outputs
+    ptr, nbytes, metas = o.groups[0]
+    S = _compat.alias_storage(ptr, o.device, nbytes)
+    meta = metas[0][1]
+    print(" components:")
+    for name, f in [("copy_", lambda: hand_static.copy_(x)),
+                    ("alias_storage", lambda: _compat.alias_storage(ptr, o.device, nbytes)),
+                    ("tensor_from_storage", lambda: _compat.tensor_from_storage(meta, S)),
+                    ("invalidate_storage", lambda: _compat.invalidate_storage(_compat.alias_storage(ptr, o.device, nbytes), "x")),
+                    ("storage_Use_Count", lambda: torch._C._storage_Use_Count(S._cdata)),
+                    ("getrefcount", lambda: sys.getrefcount(S)),
+                    ("emit", o.emit), ("copy_in", lambda: gc_._inputs.copy_in((x,), {})),
+                    ("empty_like", lambda: torch.empty_like(x))]:
+        print(f"   {name:22s} {per_call(f):7.3f}")
+    pr = cProfile.Profile(); pr.enable()
+    for _ in range(20000): gc_(x)
+    pr.disable(); torch.cuda.synchronize()
+    st = io.StringIO(); pstats.Stats(pr, stream=st).sort_stats("tottime").print_stats(14); print(st.getvalue()[-3500:])
+    del hand, gs, gc_, model
+    torch.cuda.empty_cache()
