@@ -19,6 +19,38 @@ def _handed() -> tuple[list[torch.UntypedStorage], torch.Tensor]:
     return live, torch.empty(0).set_(live[0], 0, (4, 3), (3, 1))
 
 
+def _hold(t: torch.Tensor, hold: str, keep: list) -> None:
+    """Make ``t`` reachable (into ``keep``) or tell-apart in the way ``hold`` names."""
+    import weakref
+
+    if hold == "variable":
+        keep.append(t)
+    elif hold == "view":
+        keep.append(t.view(-1))
+    elif hold == "saved_by_autograd":
+        w = torch.randn(4, 3, requires_grad=True)
+        keep.append(w * t)  # saves t for the gradient of w
+    elif hold == "storage_object":
+        keep.append(t.untyped_storage())
+    elif hold == "container":
+        keep.append({"y": t})
+    elif hold == "weakref":
+        keep.append(weakref.ref(t))
+    elif hold == "data_ptr_only":
+        keep.append(t.data_ptr())  # an address holds nothing
+    elif hold == "requires_grad":
+        t.requires_grad_()
+    elif hold == "grad":
+        t.grad = torch.zeros(4, 3)
+    elif hold == "attribute":
+        t.note = "mine"
+    elif hold == "unsqueeze_":
+        t.unsqueeze_(0)
+    else:
+        assert hold == "written", hold
+        t.add_(1)
+
+
 def test_a_storage_whose_tensors_were_dropped_is_free() -> None:
     live, t = _handed()
     assert _free(live) == [False]
@@ -32,19 +64,7 @@ def test_a_storage_whose_tensors_were_dropped_is_free() -> None:
 def test_a_storage_anything_can_still_reach_is_not_free(hold: str) -> None:
     live, t = _handed()
     keep: list = []
-    if hold == "variable":
-        keep.append(t)
-    elif hold == "view":
-        keep.append(t.view(-1))
-    elif hold == "saved_by_autograd":
-        w = torch.randn(4, 3, requires_grad=True)
-        keep.append(w * t)  # saves t for the gradient of w
-    elif hold == "storage_object":
-        keep.append(t.untyped_storage())
-    elif hold == "container":
-        keep.append({"y": t})
-    else:
-        keep.append(t.data_ptr())  # an address holds nothing
+    _hold(t, hold, keep)
     del t
     assert _free(live) == [hold == "data_ptr_only"], hold
     keep.clear()
@@ -75,37 +95,11 @@ def test_a_dropped_unchanged_tensor_is_unheld() -> None:
      "requires_grad", "grad", "attribute", "unsqueeze_", "written"],
 )
 def test_a_tensor_anyone_can_reach_or_tell_apart_is_held(hold: str) -> None:
-    import weakref
-
     from torchreplay.core.outputs import _unheld
 
     handed, versions, live, uses = _handed_tensor()
-    t = handed[0]
     keep: list = []
-    if hold == "variable":
-        keep.append(t)
-    elif hold == "view":
-        keep.append(t.view(-1))
-    elif hold == "saved_by_autograd":
-        w = torch.randn(4, 3, requires_grad=True)
-        keep.append(w * t)
-    elif hold == "storage_object":
-        keep.append(t.untyped_storage())
-    elif hold == "container":
-        keep.append({"y": t})
-    elif hold == "weakref":
-        keep.append(weakref.ref(t))
-    elif hold == "requires_grad":
-        t.requires_grad_()
-    elif hold == "grad":
-        t.grad = torch.zeros(4, 3)
-    elif hold == "attribute":
-        t.note = "mine"
-    elif hold == "unsqueeze_":
-        t.unsqueeze_(0)
-    else:
-        t.add_(1)
-    del t
+    _hold(handed[0], hold, keep)
     assert not _unheld(handed, versions, live, uses), hold
 
 
