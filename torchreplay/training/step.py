@@ -137,12 +137,10 @@ class GraphedStep:
             scalers=self._scalers,
             on_optimizer=self._adopt_optimizer,
         )
-        # Tensors whose .grad the step may set without an optimizer stepping inside it (the
-        # optimizer steps outside, as with GradScaler; a plain leaf it closes over).
-        self._named_leaves = [
-            p for o in named if isinstance(o, torch.optim.Optimizer)
-            for g in o.param_groups for p in g["params"]
-        ] + [o for o in named if isinstance(o, torch.Tensor) and o.is_leaf and o.requires_grad]
+        # .grad the step may set with no optimizer stepping inside it (GradScaler, a plain leaf).
+        opts = [o for o in named if isinstance(o, torch.optim.Optimizer)]
+        leaves = [o for o in named if isinstance(o, torch.Tensor) and o.is_leaf and o.requires_grad]
+        self._named_leaves = [p for o in opts for g in o.param_groups for p in g["params"]] + leaves
         keeper.add_params(self._named_leaves)
         self._keeper = keeper
         self._discovered = False
