@@ -20,6 +20,7 @@ from torchreplay.errors import (
     UnsupportedError,
     VerifyError,
 )
+from torchreplay.compile import Compiled, compile, explain
 from torchreplay.core.graphed import Graphed
 from torchreplay.core.pool import Pool
 from torchreplay.sizes.api import graph
@@ -39,6 +40,10 @@ __all__ = [
     # many sizes
     "BucketedGraph",
     "default_sizes",
+    # torch.compile backend (backend="torchreplay")
+    "compile",
+    "Compiled",
+    "explain",
     # training
     "make_graphed_callables",
     "GraphedCallable",

@@ -351,3 +351,83 @@ def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         elif isinstance(value, (list, tuple)):
             out.extend(t for t in value if isinstance(t, torch.Tensor))
     return out
+
+
+def new_unbacked_symbols(value: Any, inputs: Sequence[Any]) -> bool:
+    """Does a traced value (a fake tensor, a SymInt, a tuple of them) have a size that depends
+    on the data (an unbacked symbol, from ``nonzero``, a boolean mask, ``.item()``) that none of
+    ``inputs`` has (a dimension marked unbacked on purpose flows through every op)? Read with
+    ``torch.fx.experimental.symbolic_shapes.free_unbacked_symbols`` (private, torch >= 2.1); on a
+    torch without it, False: the node is then captured and a capture that fails falls back."""
+    try:
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    except ImportError:  # pragma: no cover - old torch
+        return False
+    try:
+        made = set(free_unbacked_symbols(value))
+        if not made:
+            return False
+        for v in inputs:
+            made -= set(free_unbacked_symbols(v))
+        return bool(made)
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def fresh_unbacked_ignored(fake_mode: Any) -> Iterator[None]:
+    """Let a fake run make unbacked symbols (``nonzero``) without leaving them pending in the
+    shape environment, where Inductor would later fail with PendingUnbackedSymbolNotFound.
+    ``ShapeEnv.ignore_fresh_unbacked_symbols`` exists since torch 2.3; without it, nothing."""
+    env = getattr(fake_mode, "shape_env", None)
+    ignore = getattr(env, "ignore_fresh_unbacked_symbols", None)
+    if ignore is None:
+        yield
+        return
+    with ignore():
+        yield
+
+
+def symbol_of(value: Any) -> Any:
+    """The sympy expression of a SymInt (``s0``), or None for a plain int."""
+    node = getattr(value, "node", None)
+    return getattr(node, "expr", None)
+
+
+def fake_mode_of(values: Sequence[Any]) -> Any:
+    """The FakeTensorMode of the first fake tensor in ``values`` (Dynamo's example values)."""
+    for v in values:
+        mode = getattr(v, "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
+
+
+def inductor_compile(gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """Compile an FX graph with Inductor and return ``fn(*args) -> tuple``.
+
+    ``torch._inductor.compile_fx.compile_fx`` is what ``backend="inductor"`` runs; it is called
+    directly (no patching) for each piece the split made. Private module, stable since 2.0."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, list(example_inputs))
+
+
+def is_static_input(t: Any) -> bool:
+    """Is a Dynamo graph input a parameter or buffer of a module (an address that stays put)?
+
+    Dynamo marks them with ``_dynamo_static_input_type`` when it inlines nn modules (the
+    default since torch 2.5); a plain ``nn.Parameter`` counts too."""
+    return isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None
+
+
+_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def data_ptrs_equal(values: Sequence[Any], ptrs: Sequence[int | None], idxs: Sequence[int]) -> bool:
+    """Does ``values[i].data_ptr() == ptrs[i]`` hold for every i in ``idxs``? One C++ call where
+    torch has it (``torch._C._tensors_data_ptrs_at_indices_equal``, what cudagraph trees use to
+    see that parameters stayed put; CUDA builds), a Python loop elsewhere."""
+    if _ptrs_equal is not None:
+        return _ptrs_equal(values, ptrs, idxs)
+    return all(values[i].data_ptr() == ptrs[i] for i in idxs)

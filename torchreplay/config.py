@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-__all__ = ["GraphConfig", "OutputPolicy", "SAFE", "FAST", "DEBUG", "BucketConfig"]
+__all__ = ["GraphConfig", "OutputPolicy", "SAFE", "FAST", "DEBUG", "BucketConfig", "CompileConfig"]
 
 OutputPolicy = Literal["checked", "clone", "static"]
 CaptureErrorMode = Literal["global", "thread_local", "relaxed"]
@@ -141,3 +141,50 @@ def _normalize_sizes(sizes: object) -> tuple[int, ...]:
             "sizes=torchreplay.default_sizes(512), or sizes=None for one shape"
         )
     return tuple(sorted(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileConfig:
+    """Options of the ``torch.compile`` backend (``tr.compile``, or ``options=`` of
+    ``torch.compile(model, backend="torchreplay", options={...})``).
+
+    Args:
+        sizes: padded sizes of the dynamic dimension, all captured at the first call (largest
+            first); a call pads to the next one. ``None``: each new shape is captured on its first
+            call, up to ``max_graphs``.
+        dim: the dimension of the first tensor argument that ``sizes`` counts (default 0).
+        splitting_ops: ops that run eagerly between graphs (``"mylib.attention"``, an op object).
+        inductor: compile each piece with Inductor; ``False``: the FX code as is.
+        outputs: the output policy (see :class:`GraphConfig`).
+        strict: a piece that fails to capture raises ``CaptureError`` instead of running
+            ungraphed with a warning.
+        max_graphs: without ``sizes``, the most shapes captured per compiled graph.
+        num_warmup_iters: eager runs of each piece before its capture.
+    """
+
+    sizes: tuple[int, ...] | None = None
+    dim: int = 0
+    splitting_ops: tuple[object, ...] = ()
+    inductor: bool = True
+    outputs: OutputPolicy = "checked"
+    strict: bool = False
+    max_graphs: int = 16
+    num_warmup_iters: int = 3
+
+    def __post_init__(self) -> None:
+        if self.sizes is not None:
+            object.__setattr__(self, "sizes", _normalize_sizes(self.sizes))
+        ops = self.splitting_ops
+        object.__setattr__(self, "splitting_ops", (ops,) if isinstance(ops, str) else tuple(ops))
+        if self.outputs not in _OUTPUT_POLICIES:
+            raise ValueError(f"outputs must be one of {_OUTPUT_POLICIES}, got {self.outputs!r}")
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
+            raise ValueError(f"dim must be an int >= 0, got {self.dim!r}")
+        if isinstance(self.max_graphs, bool) or not isinstance(self.max_graphs, int) or self.max_graphs < 1:
+            raise ValueError(f"max_graphs must be an int >= 1, got {self.max_graphs!r}")
+        if not isinstance(self.num_warmup_iters, int) or self.num_warmup_iters < 0:
+            raise ValueError(f"num_warmup_iters must be an int >= 0, got {self.num_warmup_iters!r}")
+
+    def graph_config(self) -> GraphConfig:
+        """The per-piece capture options."""
+        return GraphConfig(num_warmup_iters=self.num_warmup_iters, outputs=self.outputs)

@@ -15,12 +15,13 @@ import pytest
 PKG = Path(__file__).resolve().parents[2] / "torchreplay"
 
 # The layers, lowest first. A module may import its own layer (inside one package) or lower ones.
-# sizes/ and training/ are side by side: neither imports the other.
+# sizes/, training/ and pieces/ are side by side: none imports another. compile/ builds on pieces/.
 LAYERS: list[tuple[str, ...]] = [
     ("torchreplay._compat", "torchreplay.errors", "torchreplay.config", "torchreplay.stats"),
     ("torchreplay.check",),
     ("torchreplay.core",),
-    ("torchreplay.sizes", "torchreplay.training"),
+    ("torchreplay.sizes", "torchreplay.training", "torchreplay.pieces"),
+    ("torchreplay.compile",),
     ("torchreplay",),  # __init__: the public names
     ("torchreplay.bench",),
     ("torchreplay.cli",),

@@ -1,0 +1,305 @@
+"""The torch.compile backend on a real GPU: every test compares with eager on fresh random inputs
+over many calls (and the caller's tensors after each call where the model writes them)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchreplay as tr
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+DEV = "cuda"
+CALLS = 8
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _mlp(width: int = 64, depth: int = 4) -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers).to(DEV).eval()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+
+
+def _runtimes(c: tr.Compiled) -> list:
+    return c.backend.runtimes
+
+
+def test_backend_by_name_matches_eager_and_replays() -> None:
+    if "torchreplay" not in torch._dynamo.list_backends():
+        pytest.skip("torchreplay is not pip-installed here (its entry point is package metadata)")
+    model = _mlp()
+    compiled = torch.compile(model, backend="torchreplay")
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = torch.randn(8, 64, device=DEV)
+            _close(compiled(x), model(x))
+
+
+def test_mlp_replays_graphs_and_equals_eager() -> None:
+    model = _mlp()
+    c = tr.compile(model)
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = torch.randn(8, 64, device=DEV)
+            _close(c(x), model(x))
+    (rt,) = _runtimes(c)
+    assert rt.stats.captures == 1
+    assert rt.stats.replays == CALLS
+    assert rt.stats.fallbacks == 0
+
+
+class _DataIf(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = _mlp()
+        self.b = _mlp()
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.sum() > 0:  # a Dynamo graph break: two graphs
+            h = h * 2
+        return self.b(h)
+
+
+def test_data_dependent_if_in_the_middle() -> None:
+    model = _DataIf().to(DEV).eval()
+    c = tr.compile(model)
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = torch.randn(8, 64, device=DEV)
+            _close(c(x), model(x))
+    assert len(_runtimes(c)) >= 2
+    assert sum(r.stats.replays for r in _runtimes(c)) >= CALLS
+
+
+class _NonzeroBetween(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = _mlp()
+        self.b = _mlp()
+
+    def forward(self, x):
+        h = self.a(x)
+        idx = torch.nonzero(h > 0)
+        return self.b(h), idx
+
+
+def test_nonzero_between_two_blocks() -> None:
+    model = _NonzeroBetween().to(DEV).eval()
+    c = tr.compile(model)
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = torch.randn(8, 64, device=DEV)
+            y, idx = c(x)
+            wy, widx = model(x)
+            _close(y, wy)
+            assert torch.equal(idx, widx)
+
+
+def test_nonzero_inside_one_fx_graph_is_an_eager_piece() -> None:
+    model = _NonzeroBetween().to(DEV).eval()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        c = tr.compile(model)
+        with torch.no_grad():
+            for _ in range(CALLS):
+                x = torch.randn(8, 64, device=DEV)
+                y, idx = c(x)
+                wy, widx = model(x)
+                _close(y, wy)
+                assert torch.equal(idx, widx)
+    report = tr.explain(c)
+    assert "nonzero" in report, report
+
+
+@torch.library.custom_op("trtest::scaled_softmax", mutates_args=())
+def _scaled_softmax(x: torch.Tensor) -> torch.Tensor:
+    return (x * 0.5).softmax(-1)
+
+
+@_scaled_softmax.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _WithCustom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = _mlp()
+        self.b = _mlp()
+
+    def forward(self, x):
+        return self.b(torch.ops.trtest.scaled_softmax(self.a(x)))
+
+
+def test_user_splitting_op_runs_eagerly_between_two_graphs() -> None:
+    model = _WithCustom().to(DEV).eval()
+    c = tr.compile(model, splitting_ops=["trtest.scaled_softmax"])
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = torch.randn(8, 64, device=DEV)
+            _close(c(x), model(x))
+    (rt,) = _runtimes(c)
+    kinds = [p.graphed for p in rt.program.pieces]
+    assert kinds == [True, False, True], kinds
+    assert rt.stats.captures == 2 and rt.stats.replays == CALLS and rt.stats.fallbacks == 0
+    assert "splitting op" in tr.explain(c)
+
+
+def test_a_model_writing_its_input_writes_the_callers_tensor() -> None:
+    lin = nn.Linear(16, 16).to(DEV).eval()
+
+    def step(x, cache):
+        cache.add_(x)
+        return lin(cache) * 2
+
+    c = tr.compile(step)
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = torch.randn(4, 16, device=DEV)
+            cache = torch.randn(4, 16, device=DEV)
+            want_cache = cache.clone()
+            want = step(x, want_cache)
+            got = c(x, cache)
+            _close(got, want)
+            _close(cache, want_cache)
+    (rt,) = _runtimes(c)
+    assert rt.stats.replays == CALLS
+
+
+def test_batch_sizes_one_to_sixteen_through_one_compile() -> None:
+    model = _mlp()
+    sizes = [1, 2, 4, 8, 16]
+    c = tr.compile(model, sizes=sizes)
+    with torch.no_grad():
+        for b in list(range(1, 17)) + list(range(16, 0, -3)):
+            x = torch.randn(b, 64, device=DEV)
+            _close(c(x), model(x))
+    assert c.backend.compiles == 1, tr.explain(c)
+    (rt,) = _runtimes(c)
+    assert rt.captured_sizes() == sizes
+    assert rt.stats.captures == len(sizes)
+    assert rt.stats.fallbacks == 0
+    assert rt.stats.padded_rows > 0
+
+
+def test_above_the_largest_size_runs_compiled_and_is_counted() -> None:
+    model = _mlp()
+    c = tr.compile(model, sizes=[2, 4])
+    with torch.no_grad():
+        for b in (3, 4, 9, 2):
+            x = torch.randn(b, 64, device=DEV)
+            _close(c(x), model(x))
+    (rt,) = _runtimes(c)
+    assert rt.stats.fallbacks == 1
+
+
+@torch.library.custom_op("trtest::syncing", mutates_args=())
+def _syncing(x: torch.Tensor) -> torch.Tensor:
+    torch.cuda.synchronize()  # illegal while capturing
+    return x + 1
+
+
+@_syncing.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_piece_that_fails_capture_falls_back_with_a_warning(caplog) -> None:
+    model = _mlp()
+
+    def f(x):
+        return torch.ops.trtest.syncing(model(x))
+
+    c = tr.compile(f)
+    with caplog.at_level(logging.WARNING, logger="torchreplay"), torch.no_grad():
+        for _ in range(CALLS):
+            x = torch.randn(8, 64, device=DEV)
+            _close(c(x), model(x) + 1)
+    assert any("could not be captured" in r.getMessage() for r in caplog.records)
+    (rt,) = _runtimes(c)
+    assert rt.failures
+    x = torch.randn(8, 64, device=DEV)
+    assert torch.randn(3, device=DEV).shape == (3,)  # the process is usable
+    _close(c(x), model(x) + 1)
+
+
+def test_strict_raises_capture_error() -> None:
+    model = _mlp()
+
+    def f(x):
+        return torch.ops.trtest.syncing(model(x))
+
+    c = tr.compile(f, strict=True)
+    with pytest.raises(Exception) as info, torch.no_grad():
+        c(torch.randn(8, 64, device=DEV))
+    assert "CaptureError" in repr(info.value) or "strict" in str(info.value)
+    _close(model(torch.ones(2, 64, device=DEV)), model(torch.ones(2, 64, device=DEV)))
+
+
+def test_kept_outputs_hold_their_values_or_raise() -> None:
+    model = _mlp()
+    c = tr.compile(model)
+    kept = []
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = torch.randn(8, 64, device=DEV)
+            kept.append((c(x), model(x)))
+    silently_wrong = 0
+    for got, want in kept:
+        try:
+            ok = torch.allclose(got, want, rtol=2e-3, atol=2e-3)
+        except tr.StaleOutputError:
+            continue
+        except RuntimeError as exc:
+            assert "StaleOutputError" in str(exc)
+            continue
+        silently_wrong += not ok
+    assert silently_wrong == 0
+
+
+def test_training_through_the_backend_equals_eager_gradients() -> None:
+    torch.manual_seed(0)
+    model = _mlp(32, 2).train()
+    ref = _mlp(32, 2).train()
+    ref.load_state_dict(model.state_dict())
+    c = tr.compile(model)
+    for _ in range(4):
+        x = torch.randn(8, 32, device=DEV)
+        c(x).square().mean().backward()
+        ref(x).square().mean().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        _close(p.grad, q.grad)
+
+
+def test_hf_bert_with_a_padding_mask() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(
+        vocab_size=1000, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+        intermediate_size=512, max_position_embeddings=128,
+    )
+    model = transformers.BertModel(cfg).to(DEV).eval()
+    c = tr.compile(model)
+    with torch.no_grad():
+        for _ in range(4):
+            ids = torch.randint(0, 1000, (4, 64), device=DEV)
+            mask = torch.ones(4, 64, dtype=torch.long, device=DEV)
+            mask[:, 48:] = 0
+            got = c(input_ids=ids, attention_mask=mask).last_hidden_state
+            want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            _close(got, want)
+    assert sum(r.stats.replays for r in _runtimes(c)) >= 4

@@ -1,0 +1,103 @@
+"""``tr.compile``: ``torch.compile`` with the torchreplay backend and its options, and the dynamic
+dimension marked at the first call so that every size comes from one compile."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from torchreplay.compile.backend import Backend
+from torchreplay.config import CompileConfig, OutputPolicy
+
+__all__ = ["Compiled", "compile"]
+
+log = logging.getLogger(__name__)
+
+
+class Compiled:
+    """What :func:`compile` returns: call it like the model. ``.backend`` holds what was
+    compiled (``tr.explain`` reads it); other attributes are the compiled module's."""
+
+    def __init__(self, compiled: Any, backend: Backend) -> None:
+        self.compiled = compiled
+        self.backend = backend
+        self._marked = backend.config.sizes is None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._marked:
+            self._mark(args, kwargs)
+        return self.compiled(*args, **kwargs)
+
+    def _mark(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Make dimension ``dim`` of the tensor arguments dynamic from this first call.
+
+        A size of 1 would be specialised by Dynamo (its 0/1 rule) and the next size would
+        compile again; it is marked unbacked instead, which keeps it symbolic from the start."""
+        self._marked = True
+        dim = self.backend.config.dim
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if not tensors or tensors[0].dim() <= dim:
+            return
+        n = tensors[0].shape[dim]
+        for t in tensors:
+            if t.dim() > dim and t.shape[dim] == n:
+                if n >= 2:
+                    torch._dynamo.mark_dynamic(t, dim)
+                else:
+                    torch._dynamo.decorators.mark_unbacked(t, dim)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["compiled"], name)
+
+    def __repr__(self) -> str:
+        return f"torchreplay.Compiled({self.compiled!r})"
+
+
+def compile(
+    model: Any,
+    *,
+    sizes: Iterable[int] | None = None,
+    dim: int = 0,
+    splitting_ops: Sequence[Any] = (),
+    inductor: bool = True,
+    outputs: OutputPolicy = "checked",
+    strict: bool = False,
+    max_graphs: int = 16,
+    num_warmup_iters: int = 3,
+    fullgraph: bool = False,
+) -> Compiled:
+    """Compile ``model`` with ``torch.compile`` and run it as CUDA graphs, piece by piece.
+
+    Args:
+        model: an ``nn.Module`` or a function.
+        sizes: sizes of dimension ``dim`` of the tensor arguments, all captured at the first call
+            from one compile; a call pads to the next size and its outputs are sliced back.
+        dim: the dynamic dimension (default 0, the batch).
+        splitting_ops: ops run eagerly between graphs, e.g. ``["mylib.attention"]``.
+        inductor: compile each piece with Inductor (``False``: the FX code as is).
+        outputs: ``"checked"`` (default), ``"clone"`` or ``"static"``, as for ``tr.graph``.
+        strict: a piece that fails to capture raises ``CaptureError``.
+        max_graphs: without ``sizes``, the most shapes captured per graph.
+        num_warmup_iters: eager runs of each piece before it is captured.
+        fullgraph: passed to ``torch.compile``: a Dynamo graph break raises.
+
+    Returns:
+        a :class:`Compiled` to call like ``model``.
+
+    .. warning::
+        Padding is correct only when rows are independent (see ``tr.graph(sizes=)``).
+    """
+    config = CompileConfig(
+        sizes=tuple(sizes) if sizes is not None else None,
+        dim=dim,
+        splitting_ops=tuple(splitting_ops),
+        inductor=inductor,
+        outputs=outputs,
+        strict=strict,
+        max_graphs=max_graphs,
+        num_warmup_iters=num_warmup_iters,
+    )
+    backend = Backend(config)
+    return Compiled(torch.compile(model, backend=backend, fullgraph=fullgraph), backend)

@@ -1,0 +1,243 @@
+"""``torch.compile(model, backend="torchreplay")``: Inductor's fused kernels in CUDA graphs, in
+pieces around what cannot be captured, every size from one compile.
+
+Dynamo hands the backend one FX graph per region between its own graph breaks. For each, this
+module: splits the graph (:mod:`torchreplay.compile.split`) at the user's ``splitting_ops`` and at
+what a CUDA graph cannot hold; compiles each capturable piece with Inductor; finds which inputs
+are parameters (read in place), which are arguments (copied in) and which arguments the graph
+writes (a fake run, reading version counters: the write is copied back into the caller's tensor,
+never a skipped graph); finds the dynamic dimension from the graph's symbolic shapes; and hands
+the pieces to the piecewise runtime (:mod:`torchreplay.pieces`), which captures every listed size
+at the first call and pads each call to the next size.
+
+Why an FX split and not Inductor's own partitions: the split sees the user's nodes with their
+``stack_trace`` (each split is reported with op, reason and file:line), it keeps the piecewise
+runtime free of Inductor so eager breakable graphs share it, and the hook that wraps Inductor's
+partitions is process-wide state (``set_customized_partition_wrappers``) that would touch every
+other compile in the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from torchreplay import _compat
+from torchreplay.compile.split import Segment, node_value, split_graph
+from torchreplay.config import CompileConfig
+from torchreplay.pieces.program import Constant, Input, Piece, Program
+from torchreplay.pieces.runtime import PiecewiseRuntime
+
+__all__ = ["Backend", "torchreplay_backend"]
+
+log = logging.getLogger(__name__)
+
+
+class Backend:
+    """A ``torch.compile`` backend with fixed options; it remembers (weakly) what it compiled,
+    for :func:`torchreplay.explain`."""
+
+    def __init__(self, config: CompileConfig | None = None) -> None:
+        self.config = config if config is not None else CompileConfig()
+        self._runtimes: list[weakref.ReferenceType[PiecewiseRuntime]] = []
+        self.compiles = 0
+        self.compile_seconds = 0.0
+
+    @property
+    def runtimes(self) -> list[PiecewiseRuntime]:
+        """The compiled graphs that are still alive, in compile order."""
+        return [r for r in (ref() for ref in self._runtimes) if r is not None]
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        start = time.perf_counter()
+        self.compiles += 1
+        name = f"graph {self.compiles - 1}"
+        cfg = self.config
+        if not any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
+            log.info(
+                "torchreplay: %s has no CUDA tensor input; compiled %s, without CUDA graphs",
+                name, "with Inductor" if cfg.inductor else "as FX code",
+            )
+            fn = _compat.inductor_compile(gm, example_inputs) if cfg.inductor else gm.forward
+            self.compile_seconds += time.perf_counter() - start
+            return fn
+        if torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
+        ):
+            return self._training(gm, example_inputs, name, start)
+        device = next(t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda)
+        program, segments, sized = build_program(gm, example_inputs, cfg, device)
+        runtime = PiecewiseRuntime(
+            program,
+            name=name,
+            sizes=cfg.sizes if sized else None,
+            config=cfg.graph_config(),
+            strict=cfg.strict,
+            max_graphs=cfg.max_graphs,
+        )
+        runtime.segments = segments  # type: ignore[attr-defined]
+        runtime.compile_seconds = time.perf_counter() - start
+        self.compile_seconds += runtime.compile_seconds
+        self._runtimes.append(weakref.ref(runtime))
+        return runtime
+
+    def _training(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], name: str, start: float
+    ) -> Callable[..., Any]:
+        # Training graphs (forward and backward through AOT autograd) are not captured yet:
+        # run Inductor's code without graphs, said once, rather than a silent difference.
+        log.warning(
+            "torchreplay: %s needs gradients; training through the compile backend runs "
+            "Inductor's code without CUDA graphs for now (use tr.graph_step or "
+            "tr.make_graphed_callables to graph a training step)",
+            name,
+        )
+        fn = _compat.inductor_compile(gm, example_inputs) if self.config.inductor else gm.forward
+        self.compile_seconds += time.perf_counter() - start
+        return fn
+
+
+def torchreplay_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options: Any) -> Any:
+    """The ``torchreplay`` backend of ``torch.compile`` (the ``torch_dynamo_backends`` entry
+    point): ``torch.compile(model, backend="torchreplay", options={"sizes": [1, 2, 4]})``."""
+    return Backend(CompileConfig(**options))(gm, example_inputs)
+
+
+def build_program(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], cfg: CompileConfig, device: torch.device
+) -> tuple[Program, list[Segment], bool]:
+    """Split ``gm``, compile its pieces, and describe its inputs and outputs for the runtime.
+
+    Returns the program, the segments (for the report) and whether padding to ``cfg.sizes`` is
+    possible (a dynamic dimension was found and every output's size is that dimension or fixed).
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    segments = split_graph(gm, cfg.splitting_ops, device)
+    written = _written_inputs(gm, placeholders)
+    symbol = _padded_symbol(placeholders, example_inputs, cfg) if cfg.sizes else None
+    inputs = []
+    for p, ex in zip(placeholders, example_inputs):
+        value = node_value(p)
+        if isinstance(ex, torch.Tensor):
+            if _compat.is_static_input(ex):
+                inputs.append(Input(p.name, "static"))
+            else:
+                dim = _dim_of(value, symbol)
+                is_written = written is None or p in written
+                inputs.append(Input(p.name, "tensor", dim=dim, written=is_written))
+        elif isinstance(ex, (int, torch.SymInt)):
+            is_size = symbol is not None and _compat.symbol_of(value) == symbol
+            inputs.append(Input(p.name, "int", is_size=is_size))
+        else:
+            inputs.append(Input(p.name, "other"))
+    slot = {p: i for i, p in enumerate(placeholders)}
+    next_slot = len(placeholders)
+    pieces = []
+    for k, seg in enumerate(segments):
+        reads = tuple(slot[a] for a in seg.inputs)
+        writes = tuple(range(next_slot, next_slot + len(seg.outputs)))
+        for n, s in zip(seg.outputs, writes):
+            slot[n] = s
+        next_slot += len(seg.outputs)
+        assert seg.module is not None
+        if seg.graphed and cfg.inductor:
+            examples = [node_value(a) for a in seg.inputs]
+            fn = _compat.inductor_compile(seg.module, examples)
+        else:
+            fn = seg.module
+        pieces.append(
+            Piece(
+                fn=fn,
+                reads=reads,
+                writes=writes,
+                graphed=seg.graphed,
+                name=f"piece {k}",
+                split=seg.splits[0] if seg.splits else None,
+                nodes=len(seg.nodes),
+            )
+        )
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    outs: list[int | Constant] = []
+    dims: list[int | None] = []
+    sized = symbol is not None
+    for leaf in leaves:
+        if isinstance(leaf, fx.Node):
+            outs.append(slot[leaf])
+            value = node_value(leaf)
+            dims.append(_dim_of(value, symbol))
+            if symbol is not None and not _paddable(value, symbol):
+                sized = False
+        else:
+            outs.append(Constant(leaf))
+            dims.append(None)
+    if cfg.sizes and not sized:
+        log.warning(
+            "torchreplay: sizes=%s given, but the graph has no dynamic dimension %d whose size "
+            "every output keeps (mark it dynamic, or compile with tr.compile(sizes=...)); each "
+            "new shape is captured as it comes instead",
+            list(cfg.sizes), cfg.dim,
+        )
+    program = Program(tuple(inputs), pieces, tuple(outs), tuple(dims) if sized else ())
+    return program, segments, sized
+
+
+def _padded_symbol(placeholders: list[fx.Node], example_inputs: Sequence[Any], cfg: CompileConfig) -> Any:
+    """The symbol of dimension ``cfg.dim`` of the first argument tensor, if it is dynamic."""
+    for p, ex in zip(placeholders, example_inputs):
+        if isinstance(ex, torch.Tensor) and not _compat.is_static_input(ex):
+            value = node_value(p)
+            if isinstance(value, torch.Tensor) and value.dim() > cfg.dim:
+                expr = _compat.symbol_of(value.shape[cfg.dim])
+                return expr if expr is not None and getattr(expr, "is_Symbol", False) else None
+            return None
+    return None
+
+
+def _dim_of(value: Any, symbol: Any) -> int | None:
+    if symbol is None or not isinstance(value, torch.Tensor):
+        return None
+    for d, s in enumerate(value.shape):
+        if _compat.symbol_of(s) == symbol:
+            return d
+    return None
+
+
+def _paddable(value: Any, symbol: Any) -> bool:
+    """Every dimension of ``value`` is the padded size itself or free of it."""
+    if not isinstance(value, torch.Tensor):
+        expr = _compat.symbol_of(value)
+        return expr is None or symbol not in getattr(expr, "free_symbols", ())
+    for s in value.shape:
+        expr = _compat.symbol_of(s)
+        if expr is not None and expr != symbol and symbol in expr.free_symbols:
+            return False
+    return True
+
+
+def _written_inputs(gm: fx.GraphModule, placeholders: list[fx.Node]) -> set[fx.Node] | None:
+    """The placeholders the graph writes in place, from a run on fake tensors: an in-place op
+    (and a write through a view) bumps the version counter of the tensor it writes. None when
+    the fake run fails: then every argument counts as written (copied back: slower, correct)."""
+    values = [node_value(p) for p in placeholders]
+    mode = _compat.fake_mode_of(values)
+    if mode is None:
+        return None
+    try:
+        with mode, torch.no_grad(), _compat.fresh_unbacked_ignored(mode):
+            clones = [v.detach().clone() if isinstance(v, torch.Tensor) else v for v in values]
+            before = [c._version if isinstance(c, torch.Tensor) else None for c in clones]
+            gm(*clones)
+        return {
+            p
+            for p, c, b in zip(placeholders, clones, before)
+            if isinstance(c, torch.Tensor) and c._version != b
+        }
+    except Exception as exc:  # a graph the fake run cannot handle: be conservative
+        log.debug("torchreplay: fake run to find input writes failed: %s", exc)
+        return None

@@ -1,0 +1,67 @@
+"""``tr.explain``: what a graphed callable or a compiled model did, as text.
+
+For a compiled model: each graph Dynamo handed over, its pieces (graphed, or eager with the op,
+the reason and the user's file:line), the sizes captured, hits and padding per size, captures,
+fallbacks with their reasons, compile and capture seconds, pool memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchreplay.compile.api import Compiled
+from torchreplay.compile.backend import Backend
+from torchreplay.pieces.runtime import PiecewiseRuntime
+
+__all__ = ["explain"]
+
+
+def explain(obj: Any) -> str:
+    """Return a report of what ``obj`` (a ``tr.compile`` result, a backend, a graph) did."""
+    if isinstance(obj, Compiled):
+        obj = obj.backend
+    if isinstance(obj, Backend):
+        runtimes = obj.runtimes
+        head = (
+            f"torchreplay: {obj.compiles} graph(s) compiled in {obj.compile_seconds:.2f} s"
+            f" (options: sizes={list(obj.config.sizes) if obj.config.sizes else None}, "
+            f"splitting_ops={list(obj.config.splitting_ops)}, inductor={obj.config.inductor})"
+        )
+        return "\n".join([head, *(_runtime(r) for r in runtimes)])
+    if isinstance(obj, PiecewiseRuntime):
+        return _runtime(obj)
+    stats = getattr(obj, "stats", None)
+    if stats is not None and hasattr(stats, "explain"):
+        return f"{obj!r}\n  {stats.explain()}"
+    raise TypeError(
+        f"tr.explain takes what tr.compile, tr.graph, tr.graph_step or "
+        f"tr.make_graphed_callables returned, got {type(obj).__name__}; for "
+        "torch.compile(model, backend='torchreplay') use tr.compile(model) to keep the report"
+    )
+
+
+def _runtime(rt: PiecewiseRuntime) -> str:
+    pieces = rt.program.pieces
+    graphed = sum(p.graphed and k not in rt.failures for k, p in enumerate(pieces))
+    lines = [
+        f"{rt.name}: {len(pieces)} piece(s), {graphed} graphed, "
+        f"{len(pieces) - graphed} eager; compile {rt.compile_seconds:.2f} s"
+    ]
+    for k, p in enumerate(pieces):
+        if k in rt.failures:
+            what = f"ungraphed: capture failed: {rt.failures[k]}"
+        elif p.graphed:
+            what = "graphed"
+        else:
+            what = f"eager: {p.split}" if p.split else "eager"
+        lines.append(f"  {p.name}  {p.nodes} node(s)  {what}")
+    written = [x.name for x in rt.program.inputs if x.kind == "tensor" and x.written]
+    if written:
+        lines.append(f"  writes its input(s) {', '.join(written)} (copied back to the caller)")
+    sizes = rt.captured_sizes()
+    if sizes:
+        lines.append(f"  captured: {sizes}")
+    lines.append(f"  {rt.stats.explain()}")
+    for reason, n in rt.fallback_reasons.items():
+        lines.append(f"  ungraphed {n}x: {reason}")
+    return "\n".join(lines)

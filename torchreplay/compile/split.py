@@ -1,0 +1,242 @@
+"""Split an FX graph into pieces: runs of capturable nodes, and the nodes a graph cannot hold.
+
+A node runs eagerly (outside every CUDA graph) when it is one of the user's ``splitting_ops``, or
+when it cannot be captured: it runs on the CPU (a CPU tensor in or out), uses another device,
+reads a value on the host (``.item()``, ``.tolist()``, ``_local_scalar_dense``), has an output
+size that depends on the data (unbacked symbols: ``nonzero``, boolean masks, ``unique``), or
+reads or sets the RNG state on the host. Everything else is kept in original order in runs; a run
+becomes one graphed piece, so an in-place write keeps its place between the reads around it.
+
+Works on Dynamo's torch-level graphs (``meta["example_value"]``) and on aten graphs
+(``meta["val"]``) alike; pure CPU arithmetic on the graph's structure, tested on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import re
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.fx as fx
+
+from torchreplay import _compat
+from torchreplay.pieces.program import Split
+
+__all__ = ["Segment", "split_graph", "why_eager", "node_value", "op_name", "user_line"]
+
+_HOST_METHODS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__"}
+_HOST_OPS = {"aten._local_scalar_dense", "aten.item", "cuda.synchronize", "synchronize"}
+_RNG_STATE = {"get_rng_state", "set_rng_state", "manual_seed", "seed", "get_state", "set_state"}
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+@dataclasses.dataclass
+class Segment:
+    """A run of nodes that go together: one graphed piece or one eager step.
+
+    Attributes:
+        nodes: the nodes, in graph order.
+        graphed: captured as a CUDA graph.
+        splits: for an eager step, why each of its nodes cannot be captured.
+        inputs: the nodes defined outside that it reads (placeholders or earlier segments').
+        outputs: its nodes read after it (by a later segment or the graph's output).
+        module: a GraphModule of just these nodes: ``module(*inputs) -> tuple(outputs)``.
+    """
+
+    nodes: list[fx.Node]
+    graphed: bool
+    splits: list[Split] = dataclasses.field(default_factory=list)
+    inputs: list[fx.Node] = dataclasses.field(default_factory=list)
+    outputs: list[fx.Node] = dataclasses.field(default_factory=list)
+    module: fx.GraphModule | None = None
+
+
+def node_value(node: fx.Node) -> Any:
+    """The example value of a node (a fake tensor, a SymInt, a tuple, ...), or None."""
+    meta = node.meta
+    return meta["example_value"] if "example_value" in meta else meta.get("val")
+
+
+def op_name(node: fx.Node) -> str:
+    """``"aten.nonzero.default"``, ``"torch.nonzero"``, ``"Tensor.item"``, ``"mylib.attention"``."""
+    t = node.target
+    if node.op == "call_method":
+        return f"Tensor.{t}"
+    if node.op == "call_module":
+        return f"module {t}"
+    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(t)
+    module = getattr(t, "__module__", None) or ""
+    name = getattr(t, "__name__", None) or str(t)
+    if module.startswith("torch"):
+        return f"torch.{name}" if module in ("torch", "torch._C._VariableFunctions") else f"{module}.{name}"
+    return name
+
+
+def user_line(node: fx.Node) -> str:
+    """The user's ``file:line`` that made the node (the last frame of its stack trace), or ''."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = _FRAME.findall(trace)
+    return f"{frames[-1][0]}:{frames[-1][1]}" if frames else ""
+
+
+def _matches(node: fx.Node, name: str, splitting_ops: Sequence[Any]) -> bool:
+    for op in splitting_ops:
+        if op is node.target:
+            return True
+        if isinstance(op, str):
+            target = str(node.target) if not callable(node.target) or isinstance(
+                node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+            ) else name
+            for candidate in (name, target):
+                if candidate == op or candidate.startswith(op + "."):
+                    return True
+        elif isinstance(op, torch._ops.OpOverloadPacket) and getattr(node.target, "overloadpacket", None) is op:
+            return True
+    return False
+
+
+def _tensors(values: Iterable[Any]) -> list[torch.Tensor]:
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(_tensors(v))
+    return out
+
+
+def why_eager(
+    node: fx.Node, splitting_ops: Sequence[Any] = (), device: torch.device | None = None
+) -> Split | None:
+    """Return why ``node`` must run outside a CUDA graph, or None when it can be captured."""
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return None
+    name = op_name(node)
+    where = user_line(node)
+    if _matches(node, name, splitting_ops):
+        return Split(name, "is a splitting op (splitting_ops=)", where, "none needed: split on purpose")
+    short = str(node.target).split(".")[-1] if node.op != "call_method" else str(node.target)
+    if node.op == "call_method" and node.target in _HOST_METHODS or any(
+        name.startswith(h) for h in _HOST_OPS
+    ):
+        return Split(
+            name,
+            "reads a tensor value on the host, which waits for the GPU",
+            where,
+            "keep the value on the device (torch.where instead of if, no .item())",
+        )
+    if short in _RNG_STATE or name.endswith("rng_state"):
+        return Split(name, "reads or sets the RNG state on the host", where, "seed outside the model")
+    value = node_value(node)
+    ins = [node_value(a) for a in node.all_input_nodes]
+    if _compat.new_unbacked_symbols(value, ins):
+        return Split(
+            name,
+            "has an output size that depends on the data, which the host must read",
+            where,
+            "pad to a fixed size (e.g. torch.where, or nonzero(..., size=N))",
+        )
+    tensors = _tensors([value, *ins])
+    for t in tensors:
+        if t.device.type == "cpu" and (t.dim() > 0 or t is value):
+            return Split(
+                name,
+                "runs on or copies to the CPU, which a CUDA graph cannot replay",
+                where,
+                "move the tensor to the GPU once, outside the model",
+            )
+        if device is not None and t.device.type == "cuda" and t.device != device:
+            return Split(name, f"uses {t.device}, but the graph is on {device}", where, "keep one device")
+    return None
+
+
+def _makes_cuda_work(nodes: Sequence[fx.Node]) -> bool:
+    for n in nodes:
+        if n.op in ("call_function", "call_method", "call_module") and n.target is not operator.getitem:
+            # Meta tensors count: tests split graphs traced on the meta device.
+            if any(t.device.type != "cpu" for t in _tensors([node_value(n)])):
+                return True
+    return False
+
+
+def split_graph(
+    gm: fx.GraphModule,
+    splitting_ops: Sequence[Any] = (),
+    device: torch.device | None = None,
+    graphable: Callable[[Sequence[fx.Node]], bool] = _makes_cuda_work,
+) -> list[Segment]:
+    """Cut ``gm`` into segments in graph order: runs of capturable nodes and eager nodes.
+
+    A run with no CUDA work (only size arithmetic, say) is made eager: it has nothing to replay.
+    Each segment gets a GraphModule of its own (sharing ``gm``'s attributes) that takes the
+    values it reads and returns the values read after it.
+    """
+    body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    segments: list[Segment] = []
+    for node in body:
+        split = why_eager(node, splitting_ops, device)
+        graphed = split is None
+        if segments and segments[-1].graphed == graphed and (graphed or not _is_user_split(segments[-1], split)):
+            segments[-1].nodes.append(node)
+        else:
+            segments.append(Segment([node], graphed))
+        if split is not None:
+            segments[-1].splits.append(split)
+    for seg in segments:
+        if seg.graphed and not graphable(seg.nodes):
+            seg.graphed = False
+            seg.splits.append(Split("(no CUDA work)", "only host arithmetic; nothing to replay"))
+    # Neighbouring eager segments (a run made eager above) are one step.
+    merged: list[Segment] = []
+    for seg in segments:
+        if merged and not seg.graphed and not merged[-1].graphed:
+            merged[-1].nodes += seg.nodes
+            merged[-1].splits += seg.splits
+        else:
+            merged.append(seg)
+    owner = {n: k for k, seg in enumerate(merged) for n in seg.nodes}
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    for k, seg in enumerate(merged):
+        members = set(seg.nodes)
+        seen: dict[fx.Node, None] = {}
+        for n in seg.nodes:
+            for a in n.all_input_nodes:
+                if a not in members and a.op != "get_attr":
+                    seen.setdefault(a)
+        seg.inputs = list(seen)
+        seg.outputs = [
+            n for n in seg.nodes
+            if any(u is output or owner.get(u, k) != k for u in n.users)
+        ]
+        seg.module = _submodule(gm, seg)
+    return merged
+
+
+def _is_user_split(seg: Segment, split: Split | None) -> bool:
+    """A user's splitting op is a step of its own (the report names one op per step)."""
+    return bool(seg.splits) and (
+        seg.splits[-1].reason.startswith("is a splitting op")
+        or (split is not None and split.reason.startswith("is a splitting op"))
+    )
+
+
+def _submodule(gm: fx.GraphModule, seg: Segment) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for a in seg.inputs:
+        p = graph.placeholder(a.name)
+        p.meta = dict(a.meta)
+        env[a] = p
+
+    def lookup(a: fx.Node) -> fx.Node:
+        if a not in env and a.op == "get_attr":
+            env[a] = graph.node_copy(a)
+        return env[a]
+
+    for n in seg.nodes:
+        env[n] = graph.node_copy(n, lookup)
+    graph.output(tuple(env[n] for n in seg.outputs))
+    return fx.GraphModule(gm, graph)

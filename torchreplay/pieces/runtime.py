@@ -1,0 +1,550 @@
+"""Run a :class:`~torchreplay.pieces.program.Program` as CUDA graphs, piece by piece.
+
+Memory and copies, the properties this module is built for:
+
+- one memory pool for every piece of every size; sizes are captured largest first, so the pool
+  grows with the largest size's blocks, not with the number of sizes;
+- the call's tensor inputs are copied once per call into one set of static buffers at the
+  largest size (a call of ``n`` rows fills the leading ``n`` rows; the padding rows are zeroed);
+- a graphed piece reads the outputs of an earlier graphed piece where that piece left them in
+  the pool (no copy); only values made by an eager step are copied into the piece's own buffers;
+- an in-place write to an input reaches the caller's tensor after the call, as in eager;
+- the caller's outputs follow ``tr.graph``'s output policy (``checked`` by default).
+
+Safety: a piece that fails to capture runs ungraphed (one warning naming the op and line, counted
+in ``stats.fallbacks``), or raises with ``strict=True``. A value made by an eager step whose shape
+differs from the one its graph was captured with (a data-dependent size) makes the rest of that
+call run ungraphed, counted. Without CUDA the program runs as is, with one INFO line.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Any, Sequence
+
+import torch
+
+from torchreplay import _compat
+from torchreplay.config import SAFE, GraphConfig
+from torchreplay.core.capture import capture, side_stream
+from torchreplay.core.io import write_back
+from torchreplay.core.outputs import Outputs
+from torchreplay.core.pool import Pool
+from torchreplay.errors import CaptureError
+from torchreplay.pieces.program import Constant, Program
+from torchreplay.stats import GraphStats
+
+__all__ = ["PiecewiseRuntime"]
+
+log = logging.getLogger(__name__)
+
+_Tensor = torch.Tensor
+
+
+class _PieceGraph:
+    """One graphed piece at one key: its graph, the outputs it leaves in the pool, and the
+    inputs (made by eager steps) it copies into buffers of its own."""
+
+    __slots__ = ("graph", "replay", "out", "copies")
+
+    def __init__(self, graph: Any, out: Sequence[Any], copies: list[tuple[int, _Tensor]]):
+        self.graph = graph
+        self.replay = graph.replay
+        self.out = tuple(out)
+        self.copies = copies
+
+
+class _Entry:
+    """Everything captured for one key (one padded size and the other input shapes)."""
+
+    __slots__ = ("size", "graphs", "sources", "outputs", "position", "inputs", "__weakref__")
+
+    def __init__(self, size: int | None) -> None:
+        self.size = size
+        self.graphs: list[_PieceGraph | None] = []
+        #: per program output: ("pool", k) | ("env", slot) | ("input", i) | ("const", value)
+        self.sources: list[tuple[str, Any]] = []
+        self.outputs: Outputs | None = None
+        self.position = -1
+        #: the initial slot values of the inputs (static buffers, sizes); args fill the rest
+        self.inputs: list[Any] = []
+
+    def invalidate_outputs(self) -> None:
+        if self.outputs is not None:
+            self.outputs.invalidate()
+
+
+class _Route:
+    """A call of ``n`` rows with given input shapes: its entry and the views it copies into."""
+
+    __slots__ = ("n", "entry", "shapes", "dsts", "src_idx", "pads", "backs", "back_idx")
+
+    def __init__(self, n: int | None, entry: _Entry, shapes: tuple[Any, ...]) -> None:
+        self.n = n
+        self.entry = entry
+        self.shapes = shapes
+        self.dsts: list[_Tensor] = []
+        self.src_idx: list[int] = []
+        self.pads: list[_Tensor] = []
+        self.backs: list[_Tensor] = []
+        self.back_idx: list[int] = []
+
+
+class PiecewiseRuntime:
+    """Replay a program's graphed pieces and run its eager steps, for every size of one compile.
+
+    Args:
+        program: the pieces (see :class:`~torchreplay.pieces.program.Program`).
+        name: shown in messages and the report.
+        sizes: the padded sizes to capture (ahead, largest first, at the first call); ``None``:
+            capture each new shape on its first call, up to ``max_graphs``.
+        config: warm-up count, output policy, capture error mode.
+        strict: a piece that fails to capture raises instead of running ungraphed.
+        max_graphs: without ``sizes``, the most keys captured; later new shapes run ungraphed.
+    """
+
+    def __init__(
+        self,
+        program: Program,
+        *,
+        name: str = "program",
+        sizes: Sequence[int] | None = None,
+        config: GraphConfig = SAFE,
+        strict: bool = False,
+        max_graphs: int = 16,
+    ) -> None:
+        self.program = program
+        self.name = name
+        self.sizes = tuple(sorted(set(sizes))) if sizes else None
+        self.config = config
+        self.strict = strict
+        self.max_graphs = max_graphs
+        self.stats = GraphStats(self._pool_bytes)
+        self.pool: Pool | None = None
+        self.device: torch.device | None = None
+        #: per piece: the error that kept it ungraphed, if it failed to capture
+        self.failures: dict[int, str] = {}
+        self.fallback_reasons: dict[str, int] = {}
+        self._inputs = program.inputs
+        self._pieces = program.pieces
+        self._last = program.last_reads()
+        producers = program.producers()
+        self._from_eager = {s for s, i in producers.items() if not program.pieces[i].graphed}
+        self._graphable = [p.graphed for p in program.pieces]
+        self._sized = [i for i, x in enumerate(self._inputs) if x.kind == "tensor" and x.dim is not None]
+        self._size_ints = [i for i, x in enumerate(self._inputs) if x.kind == "int" and x.is_size]
+        self._tensors = [i for i, x in enumerate(self._inputs) if x.kind == "tensor"]
+        self._statics = [i for i, x in enumerate(self._inputs) if x.kind == "static"]
+        # Inputs the call passes straight through (parameters, constants, ints that are not the
+        # padded size): taken from the call's arguments every time.
+        self._passed = [
+            i for i, x in enumerate(self._inputs)
+            if x.kind in ("static", "other") or (x.kind == "int" and not x.is_size)
+        ]
+        self._entries: dict[tuple[Any, ...], _Entry] = {}
+        self._routes: dict[int | None, _Route] = {}
+        self._buffers: dict[tuple[Any, ...], _Tensor] = {}
+        self._static_ptrs: list[int] = []
+        self._graphs: list[Any] = []
+        self._ready = False
+        self._eager = False
+        self._warned: set[str] = set()
+        self.compile_seconds = 0.0
+
+    # ------------------------------------------------------------------ the call
+    def __call__(self, *args: Any) -> tuple[Any, ...]:
+        if not self._ready:
+            self._setup(args)
+        if self._eager:
+            return self._run_ungraphed(args)
+        if self._statics and not self._statics_unchanged(args):
+            self._recapture(args)
+        route = self._route(args)
+        if route is None:
+            return self._run_ungraphed(args)
+        return self._replay(route, args)
+
+    def _replay(self, route: _Route, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        entry = route.entry
+        if route.dsts:
+            _compat.foreach_copy_(route.dsts, [args[i] for i in route.src_idx])
+        if route.pads:
+            torch._foreach_zero_(route.pads)
+        pool = self.pool
+        if pool is not None and pool.shared:
+            pool.before_replay(entry.position)
+        env = list(entry.inputs)
+        for i in self._passed:
+            env[i] = args[i]
+        tainted = False
+        pieces = self._pieces
+        for k, graph in enumerate(entry.graphs):
+            piece = pieces[k]
+            if graph is not None and not tainted:
+                ok = True
+                for pos, buf in graph.copies:
+                    value = env[piece.reads[pos]]
+                    if value.shape != buf.shape:
+                        ok = False
+                        break
+                    buf.copy_(value)
+                if ok:
+                    graph.replay()
+                    for w, t in zip(piece.writes, graph.out):
+                        env[w] = t
+                    for f in self._last[k]:
+                        env[f] = None
+                    continue
+                tainted = True
+                self._count_fallback(
+                    f"{piece.name}: an input made by an eager step has another shape than at "
+                    "capture (a data-dependent size); the rest of the call runs ungraphed"
+                )
+            outs = piece.fn(*[env[r] for r in piece.reads])
+            for w, t in zip(piece.writes, outs):
+                env[w] = t
+            for f in self._last[k]:
+                env[f] = None
+        if route.backs:  # eager semantics: the callable's writes reach the caller's tensors
+            write_back([args[i] for i in route.back_idx], route.backs)
+        self.stats.replays += 1
+        n, size = route.n, entry.size
+        if n is not None and size is not None:
+            self.stats.size_hits[size] = self.stats.size_hits.get(size, 0) + 1
+            self.stats.real_rows += n
+            self.stats.padded_rows += size - n
+        return self._emit(entry, env, args, None if n == size else n, tainted)
+
+    def _emit(
+        self, entry: _Entry, env: list[Any], args: tuple[Any, ...], n: int | None, tainted: bool
+    ) -> tuple[Any, ...]:
+        handed = entry.outputs.emit() if entry.outputs is not None and not tainted else None
+        out: list[Any] = []
+        dims = self.program.output_dims
+        for k, (kind, ref) in enumerate(entry.sources):
+            if kind == "pool":
+                value = handed[ref] if handed is not None else env[self.program.outputs[k]]
+            elif kind == "env":
+                value = env[ref]
+            elif kind == "input":
+                value = args[ref]
+            else:
+                value = ref
+            d = dims[k]
+            if n is not None and d is not None and isinstance(value, _Tensor) and kind != "input":
+                value = value.narrow(d, 0, n)
+            out.append(value)
+        return tuple(out)
+
+    def _run_ungraphed(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Run every piece as is on the caller's own tensors (no graph, no copies)."""
+        env: list[Any] = list(args) + [None] * (self._n_slots - len(args))
+        for k, piece in enumerate(self._pieces):
+            outs = piece.fn(*[env[r] for r in piece.reads])
+            for w, t in zip(piece.writes, outs):
+                env[w] = t
+            for f in self._last[k]:
+                env[f] = None
+        return tuple(
+            o.value if isinstance(o, Constant) else env[o] for o in self.program.outputs
+        )
+
+    # ------------------------------------------------------------------ routing
+    def _route(self, args: tuple[Any, ...]) -> _Route | None:
+        n = args[self._sized[0]].shape[self._inputs[self._sized[0]].dim] if self._sized else None
+        route = self._routes.get(n)
+        if route is not None:
+            shapes = route.shapes
+            for j, i in enumerate(self._tensors):
+                if args[i].shape != shapes[j]:
+                    break
+            else:
+                return route
+        return self._new_route(n, args)
+
+    def _bucket(self, n: int | None) -> int | None:
+        if n is None or self.sizes is None:
+            return n
+        k = bisect.bisect_left(self.sizes, n)
+        return self.sizes[k] if k < len(self.sizes) else -1
+
+    def _key(self, size: int | None, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        key: list[Any] = [size]
+        for i in self._tensors:
+            shape = list(args[i].shape)
+            d = self._inputs[i].dim
+            if d is not None:
+                shape[d] = size
+            key.append((tuple(shape), args[i].dtype))
+        for i, x in enumerate(self._inputs):
+            if x.kind == "int" and not x.is_size:
+                key.append(args[i])
+        return tuple(key)
+
+    def _new_route(self, n: int | None, args: tuple[Any, ...]) -> _Route | None:
+        size = self._bucket(n)
+        if size == -1 or n == 0:
+            self._count_fallback(
+                f"{n} rows: above the largest captured size {self.sizes[-1] if self.sizes else ''}"
+                "; add a larger size to sizes="
+            )
+            return None
+        key = self._key(size, args)
+        entry = self._entries.get(key)
+        if entry is None:
+            if len(self._entries) >= (self.max_graphs if self.sizes is None else len(self.sizes) + self.max_graphs):
+                self._count_fallback(
+                    f"a new input shape after {len(self._entries)} captured ones (max_graphs)"
+                )
+                return None
+            entry = self._capture_batch([(size, key)], args)[0]
+        route = _Route(n, entry, tuple(args[i].shape for i in self._tensors))
+        for i in self._tensors:
+            buf = entry.inputs[i]
+            d = self._inputs[i].dim
+            view = buf if d is None or n == size else buf.narrow(d, 0, n)
+            route.dsts.append(view)
+            route.src_idx.append(i)
+            if d is not None and n != size:
+                route.pads.append(buf.narrow(d, n, size - n))
+            if self._inputs[i].written:
+                route.backs.append(view)
+                route.back_idx.append(i)
+        if n is not None and (self.sizes is None or len(self._routes) < 4 * len(self.sizes) + 64):
+            self._routes[n] = route
+        return route
+
+    # ------------------------------------------------------------------ capture
+    def _setup(self, args: tuple[Any, ...]) -> None:
+        self._ready = True
+        self._n_slots = self.program.n_slots
+        device = next(
+            (a.device for a in args if isinstance(a, _Tensor) and a.is_cuda), None
+        )
+        if device is None or not torch.cuda.is_available():
+            self._eager = True
+            log.info(
+                "torchreplay: '%s' has no CUDA tensor input (or no CUDA); running the compiled "
+                "code without CUDA graphs",
+                self.name,
+            )
+            return
+        self.device = device
+        self.pool = Pool(device)
+        self._stream = side_stream(device)
+        self._static_ptrs = self._ptrs_of(args)
+        self.pool.track(self, self._graphs, self._retire)
+        if self.sizes is not None and self._sized:
+            n = args[self._sized[0]].shape[self._inputs[self._sized[0]].dim]
+            todo = [(s, self._key(s, args)) for s in reversed(self.sizes)]
+            if self._bucket(n) == -1:
+                log.warning(
+                    "torchreplay: '%s' first call has %d rows, above the largest size %d",
+                    self.name, n, self.sizes[-1],
+                )
+            self._capture_batch(todo, args)
+
+    def _capture_batch(
+        self, todo: list[tuple[int | None, tuple[Any, ...]]], args: tuple[Any, ...]
+    ) -> list[_Entry]:
+        """Capture every key in ``todo`` (largest first), module state put back afterwards."""
+        assert self.device is not None
+        with torch.no_grad():
+            saved = [
+                (args[i], args[i].detach().clone())
+                for i in self._statics
+                if not isinstance(args[i], torch.nn.Parameter)
+            ]
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(self.device)
+        start = time.perf_counter()
+        entries = []
+        try:
+            for size, key in todo:
+                entries.append(self._capture_key(size, key, args))
+        finally:
+            with torch.no_grad():
+                for t, s in saved:
+                    t.copy_(s)
+            torch.set_rng_state(cpu_rng)
+            torch.cuda.set_rng_state(cuda_rng, self.device)
+        log.info(
+            "torchreplay: '%s' captured %d size(s) %s in %.2f s (%d graphs, %d eager steps)",
+            self.name,
+            len(todo),
+            [s for s, _ in todo],
+            time.perf_counter() - start,
+            sum(g is not None for e in entries for g in e.graphs),
+            sum(not p.graphed for p in self._pieces),
+        )
+        return entries
+
+    def _buffer(self, i: int, size: int | None, arg: _Tensor) -> _Tensor:
+        """The static input buffer of input ``i`` at ``size`` rows (a view of the largest)."""
+        d = self._inputs[i].dim
+        shape = list(arg.shape)
+        if d is not None and self.sizes is not None and d == 0:
+            shape[d] = self.sizes[-1]
+            base_key = (i, tuple(shape), arg.dtype)
+            base = self._buffers.get(base_key)
+            if base is None:
+                base = self._buffers[base_key] = torch.zeros(shape, dtype=arg.dtype, device=arg.device)
+            return base.narrow(0, 0, size)  # type: ignore[arg-type]
+        if d is not None:
+            shape[d] = size
+        return torch.zeros(shape, dtype=arg.dtype, device=arg.device)
+
+    def _capture_key(self, size: int | None, key: tuple[Any, ...], args: tuple[Any, ...]) -> _Entry:
+        assert self.pool is not None and self.device is not None
+        entry = _Entry(size)
+        env: list[Any] = [None] * self._n_slots
+        for i, inp in enumerate(self._inputs):
+            a = args[i]
+            if inp.kind == "tensor":
+                buf = self._buffer(i, size, a)
+                rows = a.shape[inp.dim] if inp.dim is not None else None
+                with torch.no_grad():
+                    if rows is None:
+                        buf.copy_(a)
+                    else:  # the call's rows, as many as fit: realistic values for eager steps
+                        m = min(rows, buf.shape[inp.dim])
+                        buf.narrow(inp.dim, 0, m).copy_(a.narrow(inp.dim, 0, m))
+                env[i] = buf
+            elif inp.kind == "int" and inp.is_size:
+                env[i] = size
+            else:
+                env[i] = a
+        entry.inputs = [None if i in self._passed else env[i] for i in range(len(self._inputs))]
+        entry.inputs += [None] * (self._n_slots - len(entry.inputs))
+        graphs: list[_PieceGraph | None] = []
+        pool_outs: list[_Tensor] = []
+        for k, piece in enumerate(self._pieces):
+            vals = [env[r] for r in piece.reads]
+            graph = None
+            if self._graphable[k]:
+                graph, outs = self._capture_piece(k, vals)
+            if graph is None:
+                outs = piece.fn(*vals)
+            graphs.append(graph)
+            for w, t in zip(piece.writes, outs):
+                env[w] = t
+            for f in self._last[k]:
+                env[f] = None
+        entry.graphs = graphs
+        graphed_slots = {w for k, g in enumerate(graphs) if g is not None for w in self._pieces[k].writes}
+        buffers = {id(env[i]): i for i in self._tensors}
+        for o in self.program.outputs:
+            if isinstance(o, Constant):
+                entry.sources.append(("const", o.value))
+            elif o < len(self._inputs):
+                entry.sources.append(("input", o))
+            elif o in graphed_slots and isinstance(env[o], _Tensor):
+                if id(env[o]) in buffers:
+                    entry.sources.append(("input", buffers[id(env[o])]))
+                else:
+                    entry.sources.append(("pool", len(pool_outs)))
+                    pool_outs.append(env[o])
+            else:
+                entry.sources.append(("env", o))
+        ranges = self.pool.segment_ranges()
+        entry.outputs = Outputs(
+            pool_outs,
+            self.config.outputs,
+            self.name,
+            lambda t: any(lo <= t.untyped_storage().data_ptr() < hi for lo, hi in ranges),
+            reuse=not torch.is_grad_enabled(),
+        )
+        entry.position = self.pool.register(entry)
+        self._entries[key] = entry
+        return entry
+
+    def _capture_piece(self, k: int, vals: list[Any]) -> tuple[_PieceGraph | None, Any]:
+        piece = self._pieces[k]
+        copies = []
+        for pos, r in enumerate(piece.reads):
+            if r in self._from_eager and isinstance(vals[pos], _Tensor):
+                buf = vals[pos].clone()
+                vals[pos] = buf
+                copies.append((pos, buf))
+        try:
+            captured = capture(
+                piece.fn,
+                tuple(vals),
+                {},
+                device=self.device,  # type: ignore[arg-type]
+                stream=self._stream,
+                pool=self.pool,  # type: ignore[arg-type]
+                config=self.config,
+                grad=torch.is_grad_enabled(),
+            )
+        except CaptureError as exc:
+            if self.strict:
+                raise CaptureError(f"'{self.name}' {piece.name}: {exc} (strict=True)") from exc
+            self._graphable[k] = False
+            self.failures[k] = str(exc)
+            log.warning(
+                "torchreplay: '%s' %s could not be captured and runs compiled but without a CUDA "
+                "graph (counted in stats.fallbacks; strict=True raises instead): %s",
+                self.name, piece.name, exc,
+            )
+            return None, None
+        self._graphs.append(captured.graph)
+        captured.graph.replay()  # real values in its outputs, for the eager steps that follow
+        self.stats.captures += 1
+        self.stats.capture_seconds += captured.seconds
+        return _PieceGraph(captured.graph, captured.out, copies), captured.out
+
+    # ------------------------------------------------------------------ upkeep
+    def _statics_unchanged(self, args: tuple[Any, ...]) -> bool:
+        return _compat.data_ptrs_equal(list(args), self._static_ptrs, self._statics)
+
+    def _recapture(self, args: tuple[Any, ...]) -> None:
+        """A parameter or buffer was replaced by another tensor (``p.data = ...``): the graphs
+        read the old memory, so they are dropped and captured again."""
+        log.warning(
+            "torchreplay: a parameter or buffer of '%s' is a new tensor since capture (it was "
+            "replaced, not updated in place); capturing again",
+            self.name,
+        )
+        self._retire()
+        for g in self._graphs:
+            g.reset()
+        self._graphs.clear()
+        self._entries.clear()
+        self._routes.clear()
+        self._static_ptrs = self._ptrs_of(args)
+        if self.sizes is not None and self._sized:
+            self._capture_batch([(s, self._key(s, args)) for s in reversed(self.sizes)], args)
+
+    def _ptrs_of(self, args: tuple[Any, ...]) -> list[int | None]:
+        ptrs: list[int | None] = [None] * len(args)
+        for i in self._statics:
+            ptrs[i] = args[i].data_ptr()
+        return ptrs
+
+    def _retire(self) -> None:
+        for entry in self._entries.values():
+            if entry.outputs is not None:
+                entry.outputs.retire()
+
+    def _count_fallback(self, reason: str) -> None:
+        self.stats.fallbacks += 1
+        self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
+        if reason not in self._warned:
+            self._warned.add(reason)
+            log.warning("torchreplay: '%s' ran ungraphed: %s", self.name, reason)
+
+    def _pool_bytes(self) -> int:
+        return self.pool.reserved_bytes() if self.pool is not None else 0
+
+    def captured_sizes(self) -> list[int | None]:
+        return sorted({e.size for e in self._entries.values()}, key=lambda s: (s is None, s))
+
+    def __repr__(self) -> str:
+        graphed = sum(p.graphed for p in self._pieces)
+        return (
+            f"PiecewiseRuntime({self.name}, {graphed} graphed / {len(self._pieces)} pieces, "
+            f"{self.stats.explain()})"
+        )
