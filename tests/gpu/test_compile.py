@@ -63,12 +63,14 @@ def test_mlp_replays_graphs_and_equals_eager() -> None:
     assert rt.stats.fallbacks == 0
 
 
-class _DataIf(nn.Module):
+class _TwoBlocks(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a = _mlp()
         self.b = _mlp()
 
+
+class _DataIf(_TwoBlocks):
     def forward(self, x):
         h = self.a(x)
         if h.sum() > 0:  # a Dynamo graph break: two graphs
@@ -87,12 +89,7 @@ def test_data_dependent_if_in_the_middle() -> None:
     assert sum(r.stats.replays for r in _runtimes(c)) >= CALLS
 
 
-class _NonzeroBetween(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = _mlp()
-        self.b = _mlp()
-
+class _NonzeroBetween(_TwoBlocks):
     def forward(self, x):
         h = self.a(x)
         idx = torch.nonzero(h > 0)
@@ -136,12 +133,7 @@ def _(x):
     return torch.empty_like(x)
 
 
-class _WithCustom(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = _mlp()
-        self.b = _mlp()
-
+class _WithCustom(_TwoBlocks):
     def forward(self, x):
         return self.b(torch.ops.trtest.scaled_softmax(self.a(x)))
 
