@@ -109,7 +109,6 @@ def test_the_entry_point_resolves_in_a_fresh_process() -> None:
         "if not eps: sys.exit(3)\n"
         "import torch._dynamo\n"
         "assert 'torchreplay' in torch._dynamo.list_backends(), torch._dynamo.list_backends()\n"
-        "assert 'torchreplay' not in sys.modules or True\n"
     )
     rc = subprocess.run([sys.executable, "-c", code]).returncode
     if rc == 3:
