@@ -202,6 +202,8 @@ class PiecewiseRuntime:
                     f"{piece.name}: an input made by an eager step has another shape than at "
                     "capture (a data-dependent size); the rest of the call runs ungraphed"
                 )
+            elif graph is None and k in self.failures:
+                self._count_fallback(f"{piece.name} failed to capture and runs ungraphed")
             outs = piece.fn(*[env[r] for r in piece.reads])
             for w, t in zip(piece.writes, outs):
                 env[w] = t
