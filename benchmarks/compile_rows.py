@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torchreplay as tr  # noqa: E402
 
 DEV = "cuda"
+#: --variants: only these variants (a comma-separated list); all when empty
+VARIANTS: set[str] = set()
 
 
 def mlp(width: int = 1024, depth: int = 12) -> nn.Module:
@@ -70,6 +72,8 @@ def row(name: str, model: nn.Module, shapes: list[tuple[int, ...]], repeats: int
     variants = {}
 
     def add(label, make):
+        if VARIANTS and label not in VARIANTS:
+            return
         try:
             t0 = time.perf_counter()
             fn = make()
@@ -114,7 +118,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--json")
     ap.add_argument("--rows", default="mlp,if,nonzero,sweep")
+    ap.add_argument("--variants", default="", help="e.g. eager,tr.graph,torchreplay")
     a = ap.parse_args()
+    VARIANTS.update(v for v in a.variants.split(",") if v)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     rows = []
     want = a.rows.split(",")

@@ -34,6 +34,7 @@ __all__ = [
     "set_sequence_nr",
     "abandon_pool",
     "end_rng_capture",
+    "clear_cublas_workspaces",
     "LightDispatchMode",
     "sequence_nr",
     "foreach_clone",
@@ -309,6 +310,28 @@ def end_rng_capture() -> None:
             graph.capture_end()
     with contextlib.suppress(Exception):
         graph.reset()
+
+
+_clear_cublas = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+
+
+def clear_cublas_workspaces() -> None:
+    """Drop torch's cached cuBLAS workspaces (one per cuBLAS handle and stream).
+
+    A captured matmul bakes the address of its stream's workspace into the graph. When the
+    workspace was allocated before the capture (a warm-up on the same stream), it is ordinary
+    memory that the graph does not own, and whoever clears the workspaces afterwards frees it
+    under the graph: ``torch.compile(mode="reduce-overhead")`` does so around each of its own
+    recordings, and the next replay read freed memory ("an illegal memory access", seen on an
+    H200 with a reduce-overhead model next to ours). Cleared right before ``capture_begin``, the
+    capture allocates a fresh workspace in the graph's own pool; cleared again after
+    ``capture_end``, that workspace becomes free memory of the pool (scratch, like any
+    intermediate of the capture) and no later capture into another pool reuses it. cudagraph
+    trees do the same. ``torch._C._cuda_clearCublasWorkspaces`` exists since torch 2.0; without
+    it nothing is done.
+    """
+    if _clear_cublas is not None:
+        _clear_cublas()
 
 
 class LightDispatchMode(TorchDispatchMode):

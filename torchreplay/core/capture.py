@@ -215,6 +215,8 @@ def capture(
         caught: list[warnings.WarningMessage] = []
         try:
             with _gc_paused():
+                # The capture's cuBLAS workspace must live in the graph's pool (see _compat).
+                _compat.clear_cublas_workspaces()
                 graph.capture_begin(
                     pool=pool.handle, capture_error_mode=config.capture_error_mode
                 )
@@ -229,6 +231,7 @@ def capture(
                         warnings.simplefilter("always")
                         graph.capture_end()
                     ended = True
+                    _compat.clear_cublas_workspaces()
         except BaseException as exc:
             out = None
             _undo(graph, device, pool, snapshot, exc, began=began, ended=ended)
@@ -280,6 +283,7 @@ def _undo(
             # allocations into the pool or could give the pool back; do both here.
             _compat.abandon_pool(device.index, pool.handle)
             _compat.end_rng_capture()
+        _compat.clear_cublas_workspaces()  # a workspace made in the pool would keep it alive
     with contextlib.suppress(Exception):
         torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
