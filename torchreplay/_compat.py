@@ -426,14 +426,47 @@ def fake_mode_of(values: Sequence[Any]) -> Any:
     return None
 
 
-def inductor_compile(gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+def inductor_compile(
+    gm: Any, example_inputs: Sequence[Any], inner_compile: Callable[..., Any] | None = None
+) -> Callable[..., Any]:
     """Compile an FX graph with Inductor and return ``fn(*args) -> tuple``.
 
     ``torch._inductor.compile_fx.compile_fx`` is what ``backend="inductor"`` runs; it is called
-    directly (no patching) for each piece the split made. Private module, stable since 2.0."""
+    directly (no patching) for each piece the split made. ``inner_compile`` is its documented
+    hook for the compiler of each forward and backward graph after AOT autograd (cudagraph trees
+    sit at the same place). With one, AOT autograd's cache is off for the call (a hit would not
+    call the hook). Private module, stable since 2.0; an option this torch lacks is left alone."""
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, list(example_inputs))
+    if inner_compile is None:
+        return compile_fx(gm, list(example_inputs))
+    import torch._functorch.config as functorch_config
+
+    off = {
+        k: False for k in ("enable_autograd_cache",) if hasattr(functorch_config, k)
+    }
+    with functorch_config.patch(**off):
+        return compile_fx(gm, list(example_inputs), inner_compile=inner_compile)
+
+
+def compile_fx_inner(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """Inductor's compiler of one forward or backward graph (the default ``inner_compile``)."""
+    from torch._inductor.compile_fx import compile_fx_inner as inner
+
+    return inner(gm, example_inputs, **kwargs)
+
+
+def saved_outputs_start() -> int | None:
+    """In a forward graph being compiled under AOT autograd: the index of its first output that
+    is saved for the backward (the ones before are the user's outputs and mutated inputs), from
+    the tracing context's ``fw_metadata`` (``num_forward``: with the RNG offset output, if any).
+    None where torch does not say (then no output is treated as saved)."""
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    n = getattr(meta, "num_forward", None)
+    if n is None:
+        n = getattr(meta, "num_forward_returns", None)
+    return n if isinstance(n, int) else None
 
 
 def is_static_input(t: Any) -> bool:

@@ -31,8 +31,8 @@ def _mlp(width: int = 64, depth: int = 4) -> nn.Module:
     return nn.Sequential(*layers).to(DEV).eval()
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> None:
-    torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+def _close(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=(lambda m: f"{what}: {m}") if what else None)
 
 
 def _runtimes(c: tr.Compiled) -> list:
@@ -268,18 +268,78 @@ def test_kept_outputs_hold_their_values_or_raise() -> None:
     assert silently_wrong == 0
 
 
-def test_training_through_the_backend_equals_eager_gradients() -> None:
-    torch.manual_seed(0)
-    model = _mlp(32, 2).train()
-    ref = _mlp(32, 2).train()
+def _train_side_by_side(model: nn.Module, ref: nn.Module, shape: tuple[int, ...], steps: int = 20) -> tr.Compiled:
+    """``steps`` SGD steps of the compiled model and of an eager copy on the same fresh inputs:
+    losses, gradients and (after each step) parameters and buffers stay equal."""
     ref.load_state_dict(model.state_dict())
     c = tr.compile(model)
-    for _ in range(4):
-        x = torch.randn(8, 32, device=DEV)
-        c(x).square().mean().backward()
-        ref(x).square().mean().backward()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        _close(p.grad, q.grad)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        x = torch.randn(shape, device=DEV)
+        loss = c(x).square().mean()
+        loss_ref = ref(x).square().mean()
+        loss.backward()
+        loss_ref.backward()
+        _close(loss, loss_ref, f"loss at step {step}")
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            _close(p.grad, q.grad, f"{name}.grad at step {step}")
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+    for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
+        _close(a.float(), b.float())
+    return c
+
+
+def _graphed_both_ways(c: tr.Compiled) -> None:
+    names = [r.name for r in _runtimes(c)]
+    assert any(n.endswith("forward") for n in names) and any(n.endswith("backward") for n in names), names
+    for r in _runtimes(c):
+        assert r.stats.captures >= 1, (r.name, tr.explain(c))
+        assert r.stats.fallbacks == 0, (r.name, r.fallback_reasons)
+        assert r.stats.replays >= 15, (r.name, r.stats.replays)
+
+
+def test_training_an_mlp_graphs_forward_and_backward_and_equals_eager() -> None:
+    torch.manual_seed(0)
+    c = _train_side_by_side(_mlp(32, 3).train(), _mlp(32, 3).train(), (8, 32))
+    _graphed_both_ways(c)
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+    ).to(DEV).train()
+
+
+def test_training_a_small_cnn_with_batchnorm_equals_eager() -> None:
+    torch.manual_seed(0)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # both sides in fp32
+        c = _train_side_by_side(_cnn(), _cnn(), (4, 3, 16, 16))
+    _graphed_both_ways(c)  # the running statistics are compared with eager's above
+
+
+def test_two_forwards_before_one_backward_equal_eager() -> None:
+    """``model(a).sum() + model(b).sum()``: the first call's saved activations are still needed
+    when the second call runs, so that call runs without its graph (counted), never over them."""
+    torch.manual_seed(0)
+    model, ref = _mlp(32, 2).train(), _mlp(32, 2).train()
+    ref.load_state_dict(model.state_dict())
+    c = tr.compile(model)
+    for step in range(6):
+        a, b = torch.randn(8, 32, device=DEV), torch.randn(8, 32, device=DEV)
+        (c(a).square().mean() + c(b).pow(3).mean()).backward()
+        (ref(a).square().mean() + ref(b).pow(3).mean()).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            _close(p.grad, q.grad)
+            p.grad = q.grad = None
+    fwd = [r for r in _runtimes(c) if r.name.endswith("forward")]
+    assert sum(r.stats.replays for r in fwd) >= 5  # the first call of each step is graphed
+    assert sum(r.stats.fallbacks for r in fwd) >= 5  # the second is not
 
 
 def test_hf_bert_with_a_padding_mask() -> None:

@@ -19,6 +19,7 @@ other compile in the process.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -29,6 +30,7 @@ import torch.fx as fx
 
 from torchreplay import _compat
 from torchreplay.compile.split import Segment, node_value, split_graph
+from torchreplay.compile.training import GraphingCompiler, training_program_fn
 from torchreplay.config import CompileConfig
 from torchreplay.pieces.program import Constant, Input, Piece, Program
 from torchreplay.pieces.runtime import PiecewiseRuntime
@@ -89,17 +91,38 @@ class Backend:
     def _training(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], name: str, start: float
     ) -> Callable[..., Any]:
-        # Training graphs (forward and backward through AOT autograd) are not captured yet:
-        # run Inductor's code without graphs, said once, rather than a silent difference.
-        log.warning(
-            "torchreplay: %s needs gradients; training through the compile backend runs "
-            "Inductor's code without CUDA graphs for now (use tr.graph_step or "
-            "tr.make_graphed_callables to graph a training step)",
-            name,
+        """A graph that needs gradients: each capturable piece's forward and backward graphs
+        (from AOT autograd, inside Inductor) run as CUDA graphs (:mod:`.training`)."""
+        cfg = self.config
+        if not cfg.inductor:
+            log.warning(
+                "torchreplay: %s needs gradients; with inductor=False training runs the FX code "
+                "without CUDA graphs (its backward comes from AOT autograd inside Inductor)",
+                name,
+            )
+            self.compile_seconds += time.perf_counter() - start
+            return gm.forward
+        if cfg.sizes:
+            log.info(
+                "torchreplay: %s needs gradients; sizes= is not used for training graphs (each "
+                "new shape is captured at its first call, up to max_graphs)", name,
+            )
+        device = next(t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda)
+
+        def compile_piece(
+            k: int, module: fx.GraphModule, examples: list[Any], static: frozenset[int]
+        ) -> Callable[..., Any]:
+            inner = GraphingCompiler(cfg, f"{name} piece {k}", self._register, static)
+            return _compat.inductor_compile(module, examples, inner)
+
+        program, _, _ = build_program(
+            gm, example_inputs, dataclasses.replace(cfg, sizes=None), device, compile_piece
         )
-        fn = _compat.inductor_compile(gm, example_inputs) if self.config.inductor else gm.forward
         self.compile_seconds += time.perf_counter() - start
-        return fn
+        return training_program_fn(program)
+
+    def _register(self, runtime: PiecewiseRuntime) -> None:
+        self._runtimes.append(weakref.ref(runtime))
 
 
 def torchreplay_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options: Any) -> Any:
@@ -109,9 +132,18 @@ def torchreplay_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **opt
 
 
 def build_program(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], cfg: CompileConfig, device: torch.device
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    cfg: CompileConfig,
+    device: torch.device,
+    compile_piece: Callable[[int, fx.GraphModule, list[Any], frozenset[int]], Callable[..., Any]]
+    | None = None,
 ) -> tuple[Program, list[Segment], bool]:
     """Split ``gm``, compile its pieces, and describe its inputs and outputs for the runtime.
+
+    ``compile_piece(k, module, example_inputs, static)`` compiles a capturable piece (default:
+    Inductor, or the FX code as is with ``inductor=False``); ``static``: the positions of its
+    inputs that are parameters or buffers.
 
     Returns the program, the segments (for the report) and whether padding to ``cfg.sizes`` is
     possible (a dynamic dimension was found and every output's size is that dimension or fixed).
@@ -145,7 +177,13 @@ def build_program(
             slot[n] = s
         next_slot += len(seg.outputs)
         assert seg.module is not None
-        if seg.graphed and cfg.inductor:
+        if seg.graphed and compile_piece is not None:
+            static = frozenset(
+                j for j, a in enumerate(seg.inputs)
+                if a in slot and slot[a] < len(inputs) and inputs[slot[a]].kind == "static"
+            )
+            fn = compile_piece(k, seg.module, [node_value(a) for a in seg.inputs], static)
+        elif seg.graphed and cfg.inductor:
             examples = [node_value(a) for a in seg.inputs]
             fn = _compat.inductor_compile(seg.module, examples)
         else:

@@ -43,6 +43,9 @@ class Outputs:
         reuse: under ``checked``, hand the last call's tensors out again when nothing can reach
             them (see :func:`_unheld`). Only for outputs no autograd node is attached to: we
             would hold such a tensor, and with it the caller's autograd graph.
+        watch: leaves whose handed tensors :meth:`held` looks at (a forward graph's saved
+            activations); we keep the last call's, which holds no autograd graph (they are
+            saved by the backward node, not outputs of it).
     """
 
     def __init__(
@@ -53,6 +56,7 @@ class Outputs:
         owned: Callable[[torch.Tensor], bool],
         *,
         reuse: bool = False,
+        watch: frozenset[int] = frozenset(),
     ) -> None:
         leaves, spec = _compat.tree_flatten(out)
         self.static = leaves
@@ -78,6 +82,8 @@ class Outputs:
             self.groups.append((ptr, nbytes, metas))
         self.device = leaves[self.owned_idx[0]].device if self.owned_idx else None
         self.live: list[torch.UntypedStorage] = []
+        self.watch = sorted(watch)
+        self._watched: list[torch.Tensor] = []
         self.reuse = reuse and _compat.HAS_USE_COUNTS
         # With reuse: the tensors the last call handed out, and their storages' use counts when
         # nothing but those tensors and our storage object refer to them.
@@ -105,6 +111,15 @@ class Outputs:
             self.live = []
             self._handed = []
 
+    def held(self) -> bool:
+        """Is a tensor the last call handed out for a ``watch`` leaf still owned outside (by
+        an autograd node that saved it, a view, ...)? Only that tensor counts, not others over
+        the same memory: a caller keeping a user output that the backward also saved does not
+        block the next replay (that output is marked stale as usual). Without use counts: yes."""
+        if not _compat.HAS_USE_COUNTS:
+            return bool(self._watched)
+        return any(t._use_count() > 1 for t in self._watched)
+
     def retire(self) -> None:
         """The graph is being destroyed: make the outputs it handed out raise when read (their
         memory goes back to the allocator) instead of reading freed memory."""
@@ -112,6 +127,7 @@ class Outputs:
             _compat.invalidate_storage(storage, self.gone_message)
         self.live = []
         self._handed = []
+        self._watched = []
         # Our references to the capture's output tensors go too, so the pool's blocks are free
         # when the cache is emptied (outputs="static" callers keep theirs alive themselves).
         self.static = []
@@ -137,6 +153,8 @@ class Outputs:
             leaves = list(leaves)
             for i in self.owned_idx:
                 leaves[i] = leaves[i].clone()
+        if self.watch and self.policy != "clone":  # clones are the caller's own memory
+            self._watched = [leaves[i] for i in self.watch]
         if self.is_leaf:
             return leaves[0]
         return _compat.tree_unflatten(leaves, self.spec)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Literal, Sequence
 
-__all__ = ["Input", "Split", "Piece", "Constant", "Program"]
+__all__ = ["Input", "Split", "Piece", "Constant", "Program", "run_in_order"]
 
-InputKind = Literal["tensor", "static", "int", "other"]
+InputKind = Literal["tensor", "static", "pinned", "int", "other"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +23,10 @@ class Input:
     Args:
         name: for messages and the explain report (``"x"``, ``"self.fc.weight"``).
         kind: ``"tensor"``: an argument, copied into a static buffer each call;
-            ``"static"``: a parameter or buffer, read in place (its address must not change);
+            ``"static"``: a parameter or buffer, read in place (its address must not change;
+            if it does, the runtime captures again);
+            ``"pinned"``: read in place where it was at capture (a backward's saved activation,
+            left in the forward graph's pool); a call where it is elsewhere runs ungraphed;
             ``"int"``: a Python int (a size); ``"other"``: any other constant.
         dim: for a tensor: the dimension padded to a captured size, or ``None``.
         is_size: for an int: it is the padded size itself (replaced by the captured size).
@@ -130,3 +133,20 @@ class Program:
     def producers(self) -> dict[int, int]:
         """Slot -> index of the piece that writes it (inputs are not in it)."""
         return {w: i for i, p in enumerate(self.pieces) for w in p.writes}
+
+
+def run_in_order(
+    program: Program, args: Sequence[Any], last: Sequence[Sequence[int]] | None = None
+) -> tuple[Any, ...]:
+    """Run every piece of ``program`` as is on ``args`` (no graph, no copies); return the
+    outputs. ``last``: :meth:`Program.last_reads`, to drop each value after its last reader."""
+    if last is None:
+        last = program.last_reads()
+    env: list[Any] = list(args) + [None] * (program.n_slots - len(args))
+    for k, piece in enumerate(program.pieces):
+        outs = piece.fn(*[env[r] for r in piece.reads])
+        for w, t in zip(piece.writes, outs):
+            env[w] = t
+        for f in last[k]:
+            env[f] = None
+    return tuple(o.value if isinstance(o, Constant) else env[o] for o in program.outputs)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -33,7 +33,7 @@ from torchreplay.core.io import write_back
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
 from torchreplay.errors import CaptureError
-from torchreplay.pieces.program import Constant, Program
+from torchreplay.pieces.program import Constant, Program, run_in_order
 from torchreplay.stats import GraphStats
 
 __all__ = ["PiecewiseRuntime"]
@@ -59,7 +59,10 @@ class _PieceGraph:
 class _Entry:
     """Everything captured for one key (one padded size and the other input shapes)."""
 
-    __slots__ = ("size", "graphs", "sources", "outputs", "position", "inputs", "__weakref__")
+    __slots__ = (
+        "size", "graphs", "sources", "outputs", "position", "inputs", "pinned", "guard",
+        "__weakref__",
+    )
 
     def __init__(self, size: int | None) -> None:
         self.size = size
@@ -70,6 +73,10 @@ class _Entry:
         self.position = -1
         #: the initial slot values of the inputs (static buffers, sizes); args fill the rest
         self.inputs: list[Any] = []
+        #: per input: the address a "pinned" input had at capture (the graph reads it there)
+        self.pinned: list[int | None] = []
+        #: the pool outputs (indices into what Outputs hands out) that must be free to replay
+        self.guard: frozenset[int] = frozenset()
 
     def invalidate_outputs(self) -> None:
         if self.outputs is not None:
@@ -103,6 +110,12 @@ class PiecewiseRuntime:
         config: warm-up count, output policy, capture error mode.
         strict: a piece that fails to capture raises instead of running ungraphed.
         max_graphs: without ``sizes``, the most keys captured; later new shapes run ungraphed.
+        guard_outputs: program outputs whose memory must be free again before the next replay
+            (a forward graph's saved activations). While a replay's are still held and its
+            backward has not replayed (:attr:`pending_backward`), a call runs ungraphed,
+            counted, into fresh memory.
+        after_replay: called after each replay (a backward clears its forward's
+            ``pending_backward``).
     """
 
     def __init__(
@@ -114,8 +127,14 @@ class PiecewiseRuntime:
         config: GraphConfig = SAFE,
         strict: bool = False,
         max_graphs: int = 16,
+        guard_outputs: Sequence[int] = (),
+        after_replay: Callable[[], None] | None = None,
     ) -> None:
         self.program = program
+        self.guard_outputs = frozenset(guard_outputs)
+        self.after_replay = after_replay
+        #: a replay's saved activations await their backward (only with ``guard_outputs``)
+        self.pending_backward = False
         self.name = name
         self.sizes = tuple(sorted(set(sizes))) if sizes else None
         self.config = config
@@ -137,11 +156,13 @@ class PiecewiseRuntime:
         self._size_ints = [i for i, x in enumerate(self._inputs) if x.kind == "int" and x.is_size]
         self._tensors = [i for i, x in enumerate(self._inputs) if x.kind == "tensor"]
         self._statics = [i for i, x in enumerate(self._inputs) if x.kind == "static"]
+        self._pinned = [i for i, x in enumerate(self._inputs) if x.kind == "pinned"]
+        self._checks = bool(self._pinned or self.guard_outputs)
         # Inputs the call passes straight through (parameters, constants, ints that are not the
         # padded size): taken from the call's arguments every time.
         self._passed = [
             i for i, x in enumerate(self._inputs)
-            if x.kind in ("static", "other") or (x.kind == "int" and not x.is_size)
+            if x.kind in ("static", "pinned", "other") or (x.kind == "int" and not x.is_size)
         ]
         self._entries: dict[tuple[Any, ...], _Entry] = {}
         self._routes: dict[int | None, _Route] = {}
@@ -162,9 +183,31 @@ class PiecewiseRuntime:
         if self._statics and not self._statics_unchanged(args):
             self._recapture(args)
         route = self._route(args)
-        if route is None:
+        if route is None or (self._checks and self._blocked(route.entry, args)):
             return self._run_ungraphed(args)
         return self._replay(route, args)
+
+    def _blocked(self, entry: _Entry, args: tuple[Any, ...]) -> bool:
+        """Must this call run ungraphed: an input read in place has moved, or the memory of
+        guarded outputs (saved activations) of the last call is still held?"""
+        if self._pinned and not _compat.data_ptrs_equal(list(args), entry.pinned, self._pinned):
+            self._count_fallback(
+                "an input read in place (a saved activation) is not where it was at capture: "
+                "its forward ran without its graph"
+            )
+            return True
+        # The replay may overwrite what this entry and every entry captured after it in the
+        # pool handed out last (see Pool): none of their saved activations may be pending.
+        if self.guard_outputs and self.pending_backward and any(
+            e.outputs is not None and e.position >= entry.position and e.outputs.held()
+            for e in self._entries.values()
+        ):
+            self._count_fallback(
+                "the saved activations of an earlier call are still held (its backward has "
+                "not run yet); this call runs without its graph, into fresh memory"
+            )
+            return True
+        return False
 
     def _replay(self, route: _Route, args: tuple[Any, ...]) -> tuple[Any, ...]:
         entry = route.entry
@@ -211,6 +254,10 @@ class PiecewiseRuntime:
                 env[f] = None
         if route.backs:  # eager semantics: the callable's writes reach the caller's tensors
             write_back([args[i] for i in route.back_idx], route.backs)
+        if self.guard_outputs:
+            self.pending_backward = not tainted
+        if self.after_replay is not None:
+            self.after_replay()
         self.stats.replays += 1
         n, size = route.n, entry.size
         if n is not None and size is not None:
@@ -242,16 +289,7 @@ class PiecewiseRuntime:
 
     def _run_ungraphed(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """Run every piece as is on the caller's own tensors (no graph, no copies)."""
-        env: list[Any] = list(args) + [None] * (self._n_slots - len(args))
-        for k, piece in enumerate(self._pieces):
-            outs = piece.fn(*[env[r] for r in piece.reads])
-            for w, t in zip(piece.writes, outs):
-                env[w] = t
-            for f in self._last[k]:
-                env[f] = None
-        return tuple(
-            o.value if isinstance(o, Constant) else env[o] for o in self.program.outputs
-        )
+        return run_in_order(self.program, args, self._last)
 
     # ------------------------------------------------------------------ routing
     def _route(self, args: tuple[Any, ...]) -> _Route | None:
@@ -353,10 +391,13 @@ class PiecewiseRuntime:
     ) -> list[_Entry]:
         """Capture every key in ``todo`` (largest first), module state put back afterwards."""
         assert self.device is not None
+        # Warm-up and capture run the pieces several times; what they write in place is put
+        # back: buffers, and values read in place (a backward may reuse the memory of the
+        # saved activations it reads last as scratch: Inductor's donated buffers).
         with torch.no_grad():
             saved = [
                 (args[i], args[i].detach().clone())
-                for i in self._statics
+                for i in self._statics + self._pinned
                 if not isinstance(args[i], torch.nn.Parameter)
             ]
         cpu_rng = torch.get_rng_state()
@@ -420,6 +461,7 @@ class PiecewiseRuntime:
                 env[i] = a
         entry.inputs = [None if i in self._passed else env[i] for i in range(len(self._inputs))]
         entry.inputs += [None] * (self._n_slots - len(entry.inputs))
+        entry.pinned = [args[i].data_ptr() if i in self._pinned else None for i in range(len(args))]
         graphs: list[_PieceGraph | None] = []
         pool_outs: list[_Tensor] = []
         for k, piece in enumerate(self._pieces):
@@ -450,13 +492,18 @@ class PiecewiseRuntime:
                     pool_outs.append(env[o])
             else:
                 entry.sources.append(("env", o))
+        entry.guard = frozenset(
+            ref for k, (kind, ref) in enumerate(entry.sources)
+            if kind == "pool" and k in self.guard_outputs
+        )
         ranges = self.pool.segment_ranges()
         entry.outputs = Outputs(
             pool_outs,
             self.config.outputs,
             self.name,
             lambda t: any(lo <= t.untyped_storage().data_ptr() < hi for lo, hi in ranges),
-            reuse=not torch.is_grad_enabled(),
+            reuse=not torch.is_grad_enabled() and not entry.guard,
+            watch=entry.guard,
         )
         entry.position = self.pool.register(entry)
         self._entries[key] = entry
