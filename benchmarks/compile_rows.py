@@ -1,144 +1,82 @@
-"""Issue 10's benchmark rows: eager, reduce-overhead, backend="cudagraphs", tr.graph and the
-torchreplay backend, one process, interleaved (each repeat times every variant in turn), median
-microseconds per call. A variant that fails is a row entry, not a crash.
+"""The ``compile-*`` rows of ``torchreplay bench`` (:mod:`torchreplay.bench.compile` and
+:mod:`torchreplay.bench.compile_costs`) in one process, with a choice of methods.
 
-Usage: python benchmarks/compile_rows.py [--repeats 7] [--calls 50] [--json out.json]
+``torchreplay bench --model compile-mlp`` (one row per process: ``scripts/gpu_test.py --rows
+compile``) is the usual way; this script adds ``--variants`` to time only some methods, e.g. to
+find which one breaks a process. Old names still work: rows ``mlp,if,nonzero,sweep``, variants
+``reduce-overhead,cudagraphs,torchreplay`` (``tr.compile``).
+
+Usage: python benchmarks/compile_rows.py [--rows mlp,if,...] [--variants eager,torchreplay]
+       [--repeats 7] [--calls 100] [--no-compile] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
+import dataclasses
+import importlib.util
 import sys
-import time
-import traceback
 from pathlib import Path
 
-import torch
-import torch.nn as nn
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import torchreplay as tr  # noqa: E402
 
-DEV = "cuda"
-#: --variants: only these variants (a comma-separated list); all when empty
-VARIANTS: set[str] = set()
+from rich.console import Console  # noqa: E402
 
+from torchreplay import bench  # noqa: E402
+from torchreplay.bench import compile as compile_rows  # noqa: E402
+from torchreplay.bench.timing import FLOOR  # noqa: E402
+from torchreplay.cli import results_table  # noqa: E402
 
-def mlp(width: int = 1024, depth: int = 12) -> nn.Module:
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.GELU()]
-    return nn.Sequential(*layers)
-
-
-class DataIf(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = mlp(depth=6), mlp(depth=6)
-
-    def forward(self, x):
-        h = self.a(x)
-        if h.sum() > 0:
-            h = h * 2
-        return self.b(h)
+#: Variant names of the first version of this script.
+ALIASES = {
+    "reduce-overhead": compile_rows.REDUCE_OVERHEAD,
+    "cudagraphs": compile_rows.CUDAGRAPHS,
+    "torchreplay": compile_rows.TR_COMPILE,
+    "floor": FLOOR,
+}
 
 
-class Nonzero(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = mlp(depth=6), mlp(depth=6)
-
-    def forward(self, x):
-        h = self.a(x)
-        idx = torch.nonzero(h > 0)
-        return self.b(h), idx
-
-
-def _time(fn, inputs, calls: int) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for i in range(calls):
-        out = fn(inputs[i % len(inputs)])
-        del out
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / calls * 1e6
-
-
-def row(name: str, model: nn.Module, shapes: list[tuple[int, ...]], repeats: int, calls: int, sizes=None):
-    model = model.to(DEV).eval()
-    inputs = [torch.randn(s, device=DEV) for s in shapes]
-    variants = {}
-
-    def add(label, make):
-        if VARIANTS and label not in VARIANTS:
-            return
-        try:
-            t0 = time.perf_counter()
-            fn = make()
-            with torch.no_grad():
-                for x in inputs:
-                    fn(x)
-                torch.cuda.synchronize()
-            variants[label] = (fn, time.perf_counter() - t0)
-        except Exception as exc:  # a row entry, not a crash
-            variants[label] = (None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
-
-    torch._dynamo.reset()
-    add("eager", lambda: model)
-    add("reduce-overhead", lambda: torch.compile(model, mode="reduce-overhead"))
-    add("cudagraphs", lambda: torch.compile(model, backend="cudagraphs"))
-    if len(set(shapes)) == 1:
-        add("tr.graph", lambda: tr.graph(model, inputs[0]))
-    add("torchreplay", lambda: tr.compile(model, sizes=sizes))
-    times: dict[str, list[float]] = {k: [] for k, (fn, _) in variants.items() if fn is not None}
-    with torch.no_grad():
-        for _ in range(repeats):
-            for label in times:
-                try:
-                    times[label].append(_time(variants[label][0], inputs, calls))
-                except Exception as exc:
-                    variants[label] = (None, f"{type(exc).__name__}: {str(exc)[:120]}")
-                    times[label] = []
-    out = {"row": name}
-    for label, (fn, info) in variants.items():
-        if fn is None or not times.get(label):
-            out[label] = f"fails ({info})" if isinstance(info, str) else "fails"
-        else:
-            out[label] = round(statistics.median(times[label]), 1)
-            out[f"{label} first-call s"] = round(info, 2)
-    print(json.dumps(out), flush=True)
-    return out
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--calls", type=int, default=50)
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description="The compile-* rows of `torchreplay bench` in one process, with a choice of "
+        "methods (--variants).")
+    ap.add_argument("--rows", default=",".join(bench.COMPILE_ROWS),
+                    help=f"comma-separated, from {', '.join(bench.COMPILE_ROWS)} (the compile- "
+                    "prefix may be left out); default: all")
+    ap.add_argument("--variants", default="",
+                    help="only these methods of the timed rows, e.g. eager,tr.graph,torchreplay "
+                    f"(names: {', '.join(compile_rows.COMPILE_METHODS)}, or {', '.join(ALIASES)})")
+    defaults = bench.BenchOptions()
+    ap.add_argument("--repeats", type=int, default=defaults.repeats)
+    ap.add_argument("--calls", type=int, default=defaults.calls)
+    ap.add_argument("--no-compile", action="store_true", help="leave out torch.compile's methods")
     ap.add_argument("--json")
-    ap.add_argument("--rows", default="mlp,if,nonzero,sweep")
-    ap.add_argument("--variants", default="", help="e.g. eager,tr.graph,torchreplay")
     a = ap.parse_args()
-    VARIANTS.update(v for v in a.variants.split(",") if v)
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
-    rows = []
-    want = a.rows.split(",")
-    try:
-        if "mlp" in want:
-            rows.append(row("12-layer MLP b8", mlp(), [(8, 1024)], a.repeats, a.calls))
-        if "if" in want:
-            rows.append(row("MLP, data-dependent if", DataIf(), [(8, 1024)], a.repeats, a.calls))
-        if "nonzero" in want:
-            rows.append(row("MLP, nonzero between blocks", Nonzero(), [(8, 1024)], a.repeats, a.calls))
-        if "sweep" in want:
-            rows.append(row("batch sweep 1..16", mlp(), [(b, 1024) for b in range(1, 17)],
-                            a.repeats, a.calls, sizes=[1, 2, 4, 8, 16]))
-    except Exception:
-        traceback.print_exc()
+    rows = [r if r.startswith("compile-") else f"compile-{r}" for r in a.rows.split(",") if r]
+    unknown = [r for r in rows if r not in bench.COMPILE_ROWS]
+    if unknown:
+        ap.error(f"unknown rows {unknown}; choose from {', '.join(bench.COMPILE_ROWS)}")
+    variants = {ALIASES.get(v, v) for v in a.variants.split(",") if v}
+    opts = bench.BenchOptions(repeats=a.repeats, calls=a.calls, compile=not a.no_compile)
+    env = bench.environment()
+    print(f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}", flush=True)
+    results: list[bench.Measurement] = []
+    has_bert = importlib.util.find_spec("transformers") is not None
+    for row in rows:
+        # The memory and split-cost rows have no methods to choose; the BERT row without
+        # transformers is one "skipped" entry.
+        if variants and row in compile_rows.WORKLOADS and (row != "compile-bert" or has_bert):
+            for w in compile_rows.WORKLOADS[row]():
+                w = dataclasses.replace(w, methods=tuple(m for m in w.methods if m in variants))
+                results += compile_rows.measure_compile_workload(w, opts)
+        else:
+            results += bench.run([row], opts)
+    Console(width=160).print(results_table(dataclasses.asdict(m) for m in results))
     if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1))
+        bench.write_json(a.json, results, opts)
+        print(f"wrote {a.json}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,13 +7,16 @@ Meant for a CUDA machine with torch preinstalled and no network: it installs not
 2. runs ``pytest tests/gpu -q -rA`` and reads the counts from pytest's summary line;
 3. runs every benchmark row with few repeats (``torchreplay bench --model ROW --repeats 3
    --calls 20 --json ...``), each row in its own process so that a crash (torch.compile has taken
-   processes down) costs only that row;
+   processes down) costs only that row; ``--no-compile`` leaves out torch.compile in the other
+   rows and the ``compile-*`` rows (the torch.compile backend's) altogether, unless ``--rows``
+   names them;
 4. prints a summary: test counts, then the benchmark table.
 
 With ``$OUT`` set, writes ``$OUT/gpu_test.log`` (everything printed) and ``$OUT/bench.json`` (all
 rows, in the format of ``--json``). Exits 1 if a test failed or errored, or pytest could not run.
 
 Usage: ``python scripts/gpu_test.py [--rows mlp,llama] [--no-compile] [--skip-tests] [--skip-bench]``
+(``--rows compile`` stands for every ``compile-*`` row)
 """
 
 from __future__ import annotations
@@ -33,15 +36,26 @@ from typing import Any, Callable, TextIO
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def default_rows() -> list[str]:
-    """Every row of ``torchreplay.bench.ROWS``; the first three if torchreplay does not import."""
+def default_rows(compile_rows: bool = True) -> list[str]:
+    """Every row of ``torchreplay.bench.ROWS`` (without the ``compile-*`` rows when
+    ``compile_rows`` is false); the first three if torchreplay does not import."""
     sys.path.insert(0, str(ROOT))
     try:
         from torchreplay.bench import ROWS
     except Exception as exc:  # report the tests anyway; the bench rows will show the error
         print(f"cannot import torchreplay.bench ({type(exc).__name__}: {exc})", flush=True)
         return ["mlp", "resnet50", "llama"]
-    return list(ROWS)
+    return [row for row in ROWS if compile_rows or not row.startswith("compile-")]
+
+
+def chosen_rows(rows: str | None, no_compile: bool) -> list[str]:
+    """The rows of ``--rows`` (``compile``: every compile-* row), or the default rows."""
+    if not rows:
+        return default_rows(compile_rows=not no_compile)
+    out: list[str] = []
+    for row in rows.split(","):
+        out += [r for r in default_rows() if r.startswith("compile-")] if row == "compile" else [row]
+    return out
 
 
 class Log:
@@ -101,10 +115,12 @@ def environment_line() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", help="comma-separated bench rows (default: every row)")
+    parser.add_argument("--rows", help="comma-separated bench rows, `compile` for every compile-* "
+                        "row (default: every row; with --no-compile, every row but compile-*)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--calls", type=int, default=20)
-    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile rows")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="skip torch.compile: its methods in every row, and the compile-* rows")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--timeout", type=float, default=540, help="seconds per subprocess")
@@ -135,7 +151,7 @@ def main() -> int:
     if not args.skip_bench:
         emit("\n== benchmark rows (quick)")
         with tempfile.TemporaryDirectory() as tmp:
-            for row in args.rows.split(",") if args.rows else default_rows():
+            for row in chosen_rows(args.rows, args.no_compile):
                 path = Path(tmp) / f"{row}.json"
                 cmd = [sys.executable, "-m", "torchreplay", "bench", "--model", row,
                        "--repeats", str(args.repeats), "--calls", str(args.calls), "--json", str(path)]

@@ -1,4 +1,4 @@
-"""The ``torchreplay`` command line: ``bench`` and ``check``.
+"""The ``torchreplay`` command line: ``bench``, ``check`` and ``explain``.
 
 The only module that prints and the only one that configures logging handlers. Importing it
 initialises no CUDA; CUDA is first touched when a benchmark runs.
@@ -13,7 +13,12 @@ Exit codes:
   ``failed: <reason>``); 2 for a factory that cannot be loaded. Without CUDA it says so and
   checks instead of timing: ``torchreplay check`` on the factory of each chosen row
   (:data:`~torchreplay.models.factories.ROW_FACTORIES`) or on ``--factory``, findings to
-  ``--json``; it exits 0 whatever the findings, 2 when a factory fails.
+  ``--json``; the ``compile-*`` rows have no CPU stand-in and are skipped with a line that says
+  so. It exits 0 whatever the findings, 2 when a factory fails.
+- ``torchreplay explain module:factory``: compiles the factory's ``fn`` with ``tr.compile``, calls
+  it once under ``torch.no_grad()`` and prints ``tr.explain``; without CUDA (no graphs then) also
+  the split a GPU would get (:func:`~torchreplay.compile.preview.preview_split`). 0 when the
+  report was printed, 1 when compiling or calling raised, 2 when the factory fails as for ``check``.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from rich.text import Text
 import torchreplay
 from torchreplay import bench
 from torchreplay.check import NO_CUDA_OP, Finding, Report, check_call
+from torchreplay.compile.preview import preview_split
 from torchreplay.models.factories import ROW_FACTORIES
 
 __all__ = ["main", "build_parser", "load_factory", "results_table", "FactoryError", "BUILTIN_FACTORY"]
@@ -49,7 +55,13 @@ BUILTIN_FACTORY = ROW_FACTORIES["mlp"]
 
 _NO_CUDA = (
     "CUDA is not available on this machine (torch {torch}), so there is nothing to time: "
-    "`torchreplay bench` compares CUDA graphs on a GPU. Running {what} instead."
+    "`torchreplay bench` compares CUDA graphs on a GPU."
+)
+#: Why the ``compile-*`` rows are not checked without CUDA, and what to run instead.
+_COMPILE_SKIPPED = (
+    "they time torch.compile backends as CUDA graphs and have no CPU stand-in; "
+    "`torchreplay explain MODULE:FACTORY` shows how tr.compile would split a model on this "
+    "machine (e.g. torchreplay.models.blocks:nonzero_factory)"
 )
 
 
@@ -62,11 +74,11 @@ class FactoryError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return the parser of ``torchreplay [-v] {bench,check} ...``."""
+    """Return the parser of ``torchreplay [-v] {bench,check,explain} ...``."""
     parser = argparse.ArgumentParser(
         prog="torchreplay",
-        description="Run PyTorch callables as CUDA graphs: benchmark them, or check what would "
-        "break capture.",
+        description="Run PyTorch callables as CUDA graphs: benchmark them, check what would "
+        "break capture, or explain how the torch.compile backend splits them.",
     )
     parser.add_argument(
         "--version", action="version",
@@ -76,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-v", "--verbose", action="count", default=0,
         help="log torchreplay's INFO lines (-v) or DEBUG lines (-vv) to stderr",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{bench,check}")
+    sub = parser.add_subparsers(dest="command", metavar="{bench,check,explain}")
     sub.required = True
 
     b = sub.add_parser(
@@ -84,12 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="time eager vs hand-written CUDA graph vs torch.compile vs tr.graph",
         description="Time each built-in model (or --factory) eagerly, as a hand-written "
         "torch.cuda.CUDAGraph (the floor), with torch.compile(mode='reduce-overhead') and with "
-        "tr.graph. Without CUDA, run `torchreplay check` on the model of each chosen row (or on "
-        "--factory) instead, and write its findings to --json.",
+        "tr.graph; the compile-* rows time torch.compile's CUDA graph modes against tr.compile "
+        "(and its memory for many sizes, and the host cost of a split). Without CUDA, run "
+        "`torchreplay check` on the model of each chosen row (or on --factory) instead, and "
+        "write its findings to --json; the compile-* rows are skipped.",
     )
     b.add_argument(
-        "--model", choices=[*bench.ROWS, "all"], default="all",
-        help="which built-in row to run (default: all)",
+        "--model", choices=[*bench.ROWS, "compile", "all"], default="all",
+        help="which built-in row to run: one row, `compile` (every compile-* row) or `all` "
+        "(default: every row but the compile-* rows, which take minutes to compile)",
     )
     b.add_argument(
         "--factory", metavar="MODULE:FACTORY",
@@ -101,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--calls", type=_positive_int, default=defaults.calls,
                    help=f"calls per timed sample (default {defaults.calls})")
     b.add_argument("--no-compile", action="store_true",
-                   help="skip torch.compile(mode='reduce-overhead'), which takes a while to compile")
+                   help="skip torch.compile(mode='reduce-overhead') (and, in the compile-* rows, "
+                   "backend='cudagraphs'), which take a while to compile; tr.compile stays")
     b.add_argument("--json", metavar="PATH",
                    help="also write the numbers (without CUDA: the check findings) to PATH as JSON")
     b.set_defaults(run=_cmd_bench)
@@ -116,7 +132,42 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("target", metavar="MODULE:FACTORY",
                    help="e.g. torchreplay.models.factories:mlp_factory")
     c.set_defaults(run=_cmd_check)
+
+    e = sub.add_parser(
+        "explain",
+        help="compile a callable with tr.compile, call it once and print tr.explain",
+        description="Import MODULE, call FACTORY() -> (fn, args) or (fn, args, kwargs), compile fn "
+        "with tr.compile(fn, sizes=..., splitting_ops=...), call it once under torch.no_grad() "
+        "and print tr.explain: each Dynamo graph, its pieces (graphed, or eager with the op, the "
+        "reason and your file:line), sizes, captures and memory. Without CUDA, tr.compile runs "
+        "without CUDA graphs, so the split a GPU would get is printed too. Exit 0 with the "
+        "report, 1 when compiling or calling raised, 2 when the factory fails.",
+    )
+    e.add_argument("target", metavar="MODULE:FACTORY",
+                   help="e.g. torchreplay.models.blocks:nonzero_factory")
+    e.add_argument("--sizes", type=_sizes, metavar="N,N,...",
+                   help="sizes of dimension --dim to capture, e.g. 1,2,4,8 (default: one shape)")
+    e.add_argument("--dim", type=int, default=0, help="the dimension --sizes counts (default 0)")
+    e.add_argument("--splitting-ops", type=_names, default=(), metavar="OP,OP,...",
+                   help="ops to run eagerly between graphs, e.g. mylib.attention,torch.sigmoid")
+    e.add_argument("--no-inductor", action="store_true",
+                   help="compile each piece as FX code instead of with Inductor (faster to build)")
+    e.set_defaults(run=_cmd_explain)
     return parser
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected sizes such as 1,2,4,8, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected sizes >= 1 such as 1,2,4,8, got {text!r}")
+    return sizes
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def _positive_int(text: str) -> int:
@@ -290,28 +341,45 @@ def _cmd_check(ns: argparse.Namespace, out: Console, err: Console) -> int:
 # bench
 
 
+def _rows_of(model: str) -> list[str]:
+    """The rows ``--model`` names: one row, ``compile`` (every compile-* row) or ``all``."""
+    if model == "all":  # the quick table; the compile rows take minutes of compiling
+        return [r for r in bench.ROWS if r not in bench.COMPILE_ROWS]
+    if model == "compile":
+        return list(bench.COMPILE_ROWS)
+    return [model]
+
+
 def _bench_without_cuda(ns: argparse.Namespace, out: Console, err: Console) -> int:
     """Check, instead of timing, the call of each chosen row (or of --factory)."""
+    skipped: list[str] = []
     if ns.factory:
         targets = {ns.factory: ns.factory}
         what = f"`torchreplay check {ns.factory}`"
     else:
-        rows = list(ROW_FACTORIES) if ns.model == "all" else [ns.model]
-        targets = {row: ROW_FACTORIES[row] for row in rows}
-        what = (f"`torchreplay check` on the model of the {rows[0]} row" if len(rows) == 1 else
-                f"`torchreplay check` on the model of each row ({', '.join(rows)})")
-    out.print(Text(_NO_CUDA.format(torch=torch.__version__, what=what)), soft_wrap=True)
+        rows = _rows_of(ns.model)
+        targets = {row: ROW_FACTORIES[row] for row in rows if row in ROW_FACTORIES}
+        skipped = [row for row in rows if row not in ROW_FACTORIES]
+        checked = list(targets)
+        what = ("" if not checked else
+                f"`torchreplay check` on the model of the {checked[0]} row" if len(checked) == 1 else
+                f"`torchreplay check` on the model of each row ({', '.join(checked)})")
+    intro = _NO_CUDA.format(torch=torch.__version__)
+    out.print(Text(f"{intro} Running {what} instead." if what else intro), soft_wrap=True)
     results = []
     for label, spec in targets.items():
         if not ns.factory:
             out.print(Text(f"\n{label}: torchreplay check {spec}", style="bold"), soft_wrap=True)
-        checked = _check_factory(spec, out, err, "bench", label)
-        if checked.report is not None:
-            out.print(Text(f"{label}: {_not_counted(checked.report) or 'every finding counts'}"),
+        checked_one = _check_factory(spec, out, err, "bench", label)
+        if checked_one.report is not None:
+            out.print(Text(f"{label}: {_not_counted(checked_one.report) or 'every finding counts'}"),
                       soft_wrap=True)
-        results.append(checked)
+        results.append(checked_one)
+    if skipped:
+        out.print(Text(f"\nskipped without CUDA: {', '.join(skipped)}: {_COMPILE_SKIPPED}"),
+                  soft_wrap=True)
     if ns.json:
-        _write_check_json(ns.json, results)
+        _write_check_json(ns.json, results, skipped)
         out.print(Text(f"wrote {ns.json}"), soft_wrap=True)
     if any(c.report is None for c in results):
         return 2
@@ -322,9 +390,10 @@ def _bench_without_cuda(ns: argparse.Namespace, out: Console, err: Console) -> i
     return 0
 
 
-def _write_check_json(path: str, results: Sequence[_Checked]) -> None:
-    """Write ``{"environment", "cuda": false, "checks": [{"row", "factory", "findings"}]}``."""
-    checks = []
+def _write_check_json(path: str, results: Sequence[_Checked], skipped: Sequence[str] = ()) -> None:
+    """Write ``{"environment", "cuda": false, "checks": [{"row", "factory", "findings"}]}``;
+    a skipped row is ``{"row", "skipped"}``."""
+    checks: list[dict[str, Any]] = []
     for c in results:
         entry: dict[str, Any] = {"row": c.label, "factory": c.spec}
         if c.report is None:
@@ -336,6 +405,7 @@ def _write_check_json(path: str, results: Sequence[_Checked]) -> None:
                 for f in c.report
             ]
         checks.append(entry)
+    checks += [{"row": row, "skipped": _COMPILE_SKIPPED} for row in skipped]
     doc = {"environment": bench.environment(), "cuda": False, "checks": checks}
     with open(path, "w") as f:
         json.dump(doc, f, indent=2)
@@ -367,8 +437,7 @@ def _cmd_bench(ns: argparse.Namespace, out: Console, err: Console) -> int:
                 return 2
             results = bench.run_factory(lambda: (fn, args, kwargs), ns.factory, opts, on_step)
         else:
-            names = list(bench.ROWS) if ns.model == "all" else [ns.model]
-            results = bench.run(names, opts, on_step)
+            results = bench.run(_rows_of(ns.model), opts, on_step)
 
     out.print(results_table(dataclasses.asdict(m) for m in results))
     if ns.json:
@@ -381,16 +450,25 @@ def results_table(rows: Iterable[Mapping[str, Any]], title: str | None = None) -
     """Return a rich Table of benchmark measurements (``dataclasses.asdict`` of each, or JSON).
 
     Each workload is a bold heading row followed by one row per method; a method that failed
-    shows its reason under its name.
+    (or was skipped) shows its reason under its name, a method with a note (a ratio, memory, the
+    cost of a split) its note. A ``first call s`` column (compile and capture) is shown when a
+    row measured it.
     """
+    rows = list(rows)
+    first_call = any(r.get("first_call_s") is not None for r in rows)
     table = Table(
         title=title or "eager vs CUDA graphs, time per call (lower is better)",
         caption="us/call: median, synchronized. vs floor: over the hand-written CUDAGraph. "
         "speed-up: eager over this. host us: CPU time of one call without a sync in the loop "
-        "(min over samples); host Δ: minus the floor's.",
+        "(min over samples); host Δ: minus the floor's."
+        + (" first call s: from building the method to the end of its first call on every "
+           "shape (compile and capture)." if first_call else ""),
     )
     table.add_column("workload / method", min_width=24, overflow="fold")
-    for header in ("us/call", "vs floor", "speed-up", "host us", "host Δ"):
+    headers = ["us/call", "vs floor", "speed-up", "host us", "host Δ"]
+    if first_call:
+        headers.append("first call s")
+    for header in headers:
         table.add_column(header, justify="right", no_wrap=True)
     previous = None
     for r in rows:
@@ -399,21 +477,76 @@ def results_table(rows: Iterable[Mapping[str, Any]], title: str | None = None) -
                 table.add_section()
             table.add_row(Text(r["workload"], style="bold"))
             previous = r["workload"]
+        cell = Text(r["method"])
+        if r.get("note"):
+            cell.append("\n" + r["note"], style="cyan")
         if r.get("error"):
-            cell = Text(r["method"])
-            cell.append("\n" + r["error"], style="red")
-            table.add_row(cell, Text("failed", style="red"))
+            was_skipped = r["error"].startswith("skipped")
+            style = "yellow" if was_skipped else "red"
+            cell.append("\n" + r["error"], style=style)
+            status = [Text("skipped" if was_skipped else "failed", style=style)]
+            if first_call:
+                status += ["", "", "", "", _fmt(r.get("first_call_s"), "{:.2f}")]
+            table.add_row(cell, *status)
             continue
-        table.add_row(
-            Text(r["method"]),
+        values = [
             _fmt(r.get("per_call_us"), "{:.1f}"),
             _fmt(r.get("vs_floor"), "{:.2f}x"),
             _fmt(r.get("speedup"), "{:.2f}x"),
             _fmt(r.get("host_us"), "{:.1f}"),
             _fmt(r.get("host_delta_us"), "{:+.1f}"),
-        )
+        ]
+        if first_call:
+            values.append(_fmt(r.get("first_call_s"), "{:.2f}"))
+        table.add_row(cell, *values)
     return table
 
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else spec.format(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# explain
+
+
+def _cmd_explain(ns: argparse.Namespace, out: Console, err: Console) -> int:
+    spec = ns.target
+    try:
+        fn, args, kwargs = _call_factory(load_factory(spec), spec)
+    except FactoryError as exc:
+        err.print(Text(f"torchreplay explain: {exc}"), soft_wrap=True)
+        return 2
+    # A fresh Dynamo cache: the report is about this call alone, and a process that explains
+    # many factories (tests) does not reach Dynamo's recompile limit.
+    torch.compiler.reset()
+    step = "setting up tr.compile"
+    try:
+        compiled = torchreplay.compile(fn, sizes=ns.sizes, dim=ns.dim,
+                                       splitting_ops=ns.splitting_ops, inductor=not ns.no_inductor)
+        step = "compiling and calling it"
+        with torch.no_grad():
+            compiled(*args, **kwargs)
+        report = torchreplay.explain(compiled)
+        out.print(Text(report), soft_wrap=True)
+        if compiled.backend.runtimes:
+            return 0
+        step = "tracing it for the split a GPU would get"
+        why = ("CUDA is not available on this machine, so tr.compile ran without CUDA graphs."
+               if not torch.cuda.is_available() else
+               f"tr.compile made no CUDA graph: are the tensors from {spec} on the GPU?")
+        out.print(Text(f"\n{why} The split a GPU would get (traced here; a model that branches "
+                       "on the device may be split otherwise there):"), soft_wrap=True)
+        with torch.no_grad():
+            out.print(Text(preview_split(fn, args, kwargs, ns.splitting_ops)), soft_wrap=True)
+        return 0
+    except Exception as exc:
+        err.print_exception()
+        first = (str(exc).strip().splitlines() or [""])[0]
+        err.print(Text(f"torchreplay explain: the call from {spec} raised {type(exc).__name__} "
+                       f"while {step}: {first}; `torchreplay check {spec}` shows what a CUDA "
+                       "graph cannot hold"), soft_wrap=True)
+        return 1
+    finally:
+        compiled = None  # noqa: F841 - its graphs and pools go before the next command
+        torch.compiler.reset()

@@ -36,3 +36,42 @@ def fn_raises() -> tuple:
 
 
 NOT_CALLABLE = 3
+
+
+def _halve_op() -> object:
+    """``torch.ops.cli_factories.halve`` (``x * 0.5``), registered on first use."""
+    try:
+        return torch.ops.cli_factories.halve
+    except AttributeError:
+        pass
+
+    @torch.library.custom_op("cli_factories::halve", mutates_args=())
+    def halve(x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5
+
+    @halve.register_fake
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    return torch.ops.cli_factories.halve
+
+
+class _TwoLinears(torch.nn.Module):
+    """Two layers with a custom op between them: with ``--splitting-ops cli_factories.halve``,
+    3 pieces (graphed, eager, graphed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        _halve_op()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        h = torch.ops.cli_factories.halve(h)  # LINE: split
+        return self.b(h)
+
+
+def pieces() -> tuple:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return _TwoLinears().to(device).eval(), (torch.randn(4, 16, device=device),)

@@ -3,21 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import io
+import types
 
 import pytest
 import torch
 from rich.console import Console
 
 from torchreplay import bench
-from torchreplay.bench import inference, timing
+from torchreplay.bench import compile as compile_rows
+from torchreplay.bench import compile_costs, inference, timing
 from torchreplay.bench.inference import COMPILE, TR_GRAPH
 from torchreplay.bench.timing import EAGER, FLOOR, BenchOptions, Measurement
 from torchreplay.cli import results_table
 
 
 def test_rows_registry() -> None:
-    assert list(bench.ROWS) == ["mlp", "resnet50", "llama", "llama-sizes", "mlp-train", "resnet50-train"]
+    assert list(bench.ROWS) == [
+        "mlp", "resnet50", "llama", "llama-sizes", "mlp-train", "resnet50-train",
+        "compile-mlp", "compile-if", "compile-nonzero", "compile-bert", "compile-sweep",
+        "compile-resnet50", "compile-memory", "compile-split-cost",
+    ]
+    assert bench.COMPILE_ROWS == tuple(bench.ROWS)[6:]
     with pytest.raises(TypeError):
         bench.ROWS["x"] = None  # type: ignore[index]  # read-only: rows are defined in bench/__init__.py
 
@@ -125,3 +133,146 @@ def test_one_shape_workloads_skip_the_sizes_methods(monkeypatch: pytest.MonkeyPa
     built.clear()
     inference.measure_workload(dataclasses.replace(w, sizes=(1, 2)), BenchOptions(compile=False))
     assert inference.TR_SIZES in built and inference.TR_SIZES_STATIC in built
+
+
+# -- interleaved timing and the compile rows ------------------------------------------------------
+
+
+def test_time_interleaved_counts_calls_and_isolates_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
+    order: list[str] = []
+
+    def failing() -> None:
+        order.append("bad")
+        if order.count("bad") > 4 + 5:  # the warm-up and the first sample work, the second fails
+            raise RuntimeError("boom")
+
+    opts = BenchOptions(repeats=3, calls=5, host_calls=2, warmup=4)
+    out = timing.time_interleaved({"a": lambda: order.append("a"), "bad": failing,
+                                   "b": lambda: order.append("b")}, opts)
+    n_host = timing.host_samples(opts)
+    assert order.count("a") == order.count("b") == 4 + 3 * 5 + n_host * 2
+    assert order.count("bad") == 4 + 5 + 1
+    assert out["bad"] == "failed: RuntimeError: boom"
+    per_call, host, host_median = out["a"]
+    assert per_call >= 0 and 0 <= host <= host_median
+    # interleaved: each sample of a is followed by one of bad (while it works) or b
+    first_sample = order[3 * 4:]
+    assert first_sample[:5] == ["a"] * 5 and first_sample[5:10] == ["bad"] * 5
+    assert first_sample[10:15] == ["b"] * 5 and first_sample[15:20] == ["a"] * 5
+    # a sync before and after each warm-up and sample (only before the sample that failed), a
+    # sync before each host sample, one at the end
+    assert len(syncs) == 3 * 2 + (3 * 2 + (2 + 1 + 2) + 2 * 2) + 2 * n_host + 1
+
+
+def test_results_table_shows_first_call_notes_and_skips() -> None:
+    raw = [
+        Measurement("r", "MLP b8", EAGER, 800.0, 790.0, first_call_s=0.01),
+        Measurement("r", "MLP b8", "tr.compile", 100.0, 20.0, first_call_s=1.5,
+                    note="0.97x reduce-overhead"),
+        Measurement("r", "BERT", "every method", error=timing.skipped("transformers is not installed")),
+    ]
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(results_table(dataclasses.asdict(m) for m in raw))
+    text = console.export_text()
+    assert "first call s" in text and "1.50" in text
+    assert "0.97x reduce-overhead" in text
+    assert "skipped: transformers is not installed" in text and "failed" not in text
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(results_table([dataclasses.asdict(Measurement("r", "w", EAGER, 800.0, 790.0))]))
+    assert "first call s" not in console.export_text()  # rows that do not measure it
+
+
+class _FakeCompiled:
+    """What compile_summary reads of a tr.compile result: one Dynamo graph, two pieces, one of
+    which failed to capture, two calls ungraphed."""
+
+    def __init__(self) -> None:
+        piece = types.SimpleNamespace(graphed=True)
+        runtime = types.SimpleNamespace(program=types.SimpleNamespace(pieces=[piece, piece]),
+                                        failures={1: "x"}, stats=types.SimpleNamespace(fallbacks=2))
+        self.backend = types.SimpleNamespace(runtimes=[runtime], compiles=1)
+
+    def __call__(self, *args: object) -> None:
+        return None
+
+
+def _fake_compile_env(monkeypatch: pytest.MonkeyPatch, timings: dict) -> list[str]:
+    """Build fakes instead of compiling (backend="cudagraphs" fails), time nothing."""
+    built: list[str] = []
+
+    def build(method: str, w: object) -> object:
+        built.append(method)
+        if method == compile_rows.CUDAGRAPHS:
+            raise RuntimeError("shape error")
+        return _FakeCompiled() if method.startswith("tr.compile") else (lambda *args: None)
+
+    monkeypatch.setattr(compile_rows, "_build", build)
+    monkeypatch.setattr(compile_rows, "time_interleaved",
+                        lambda calls, opts: {m: timings[m] for m in calls})
+    monkeypatch.setattr(compile_rows, "release", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    return built
+
+
+def test_compile_workload_builds_each_method_times_them_and_notes_ours(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    RO, OURS = compile_rows.REDUCE_OVERHEAD, compile_rows.TR_COMPILE
+    timings = {EAGER: (400.0, 390.0, 395.0), RO: (150.0, 50.0, 60.0), OURS: (120.0, 30.0, 35.0),
+               TR_GRAPH: "failed: CaptureError: .item()"}
+    built = _fake_compile_env(monkeypatch, timings)
+    w = compile_rows.CompileWorkload("compile-x", "w", torch.nn.Identity(), ((torch.ones(2),),))
+    results = {m.method: m for m in compile_rows.measure_compile_workload(w, BenchOptions())}
+    assert built == [EAGER, RO, compile_rows.CUDAGRAPHS, TR_GRAPH, OURS]
+    assert list(results) == built
+    assert results[compile_rows.CUDAGRAPHS].error == "failed: RuntimeError: shape error"
+    assert results[compile_rows.CUDAGRAPHS].first_call_s is None
+    assert results[TR_GRAPH].error == "failed: CaptureError: .item()"
+    assert results[TR_GRAPH].first_call_s is not None
+    ours = results[OURS]
+    assert ours.speedup == pytest.approx(400 / 120) and ours.first_call_s is not None
+    assert ours.values["vs_reduce_overhead"] == pytest.approx(0.8)
+    assert ours.note == ("0.80x reduce-overhead (target <= 1.0x); 1 Dynamo graph(s), 2 piece(s), "
+                         "1 graphed; 2 piece call(s) ran ungraphed")
+    # --no-compile leaves out torch's compile methods, not ours
+    built.clear()
+    compile_rows.measure_compile_workload(w, BenchOptions(compile=False))
+    assert built == [EAGER, TR_GRAPH, OURS]
+
+
+def test_the_sweep_compares_ours_with_its_fixed_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    OURS, FIXED = compile_rows.TR_COMPILE, compile_rows.TR_COMPILE_FIXED
+    timings = {EAGER: (400.0, 390.0, 395.0), OURS: (104.0, 30.0, 35.0), FIXED: (100.0, 28.0, 30.0)}
+    _fake_compile_env(monkeypatch, timings)
+    w = compile_rows.CompileWorkload(
+        "compile-sweep", "w", torch.nn.Identity(), tuple((torch.ones(b),) for b in (1, 2, 3)),
+        methods=(EAGER, OURS, FIXED), sizes=(1, 2, 4), fixed=(torch.ones(4),),
+    )
+    results = compile_rows.measure_compile_workload(w, BenchOptions(compile=False))
+    assert [m.method for m in results] == [EAGER, "tr.compile sizes=1,2,4",
+                                          "tr.compile, fixed shape (batch 4 only)"]
+    assert results[1].values["vs_fixed_shape"] == pytest.approx(1.04)
+    assert results[1].note.startswith("1.04x its fixed-shape time (target <= 1.05x); ")
+
+
+def test_split_cost_notes_are_per_split_over_one_piece() -> None:
+    labels = {1: "k1", 2: "k2", 4: "k4"}
+    raw = [Measurement("r", "w", "k4", 160.0, 70.0), Measurement("r", "w", "k1", 100.0, 10.0),
+           Measurement("r", "w", "k2", 120.0, 30.0), Measurement("r", "w", "op alone", 5.0, 4.0)]
+    built = {label: _FakeCompiled() for label in labels.values()}
+    out = {m.method: m for m in compile_costs._split_notes(raw, labels, built)}
+    assert list(out) == ["k1", "k2", "k4", "op alone"]
+    assert out["k2"].values["host_us_per_split"] == pytest.approx(20.0)
+    assert out["k4"].values["host_us_per_split"] == pytest.approx(20.0)
+    assert out["k4"].values["per_call_us_per_split"] == pytest.approx(20.0)
+    assert out["k4"].note.startswith("+20.0 us host per split (target <= 20 us), +20.0 us synchronized; ")
+    assert "per split" not in out["k1"].note and out["op alone"].note is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is not None, reason="transformers is installed")
+def test_bert_row_without_transformers_is_one_skipped_entry() -> None:
+    (m,) = compile_rows.compile_bert_row(BenchOptions(), None)
+    assert m.row == "compile-bert" and m.per_call_us is None
+    assert m.error == "skipped: transformers is not installed (pip install transformers), so there is no BertModel"

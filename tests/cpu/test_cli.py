@@ -145,10 +145,48 @@ def test_check_subprocess() -> None:
 # -- bench without CUDA ------------------------------------------------------------------------
 
 
-def test_every_bench_row_has_a_factory() -> None:
-    assert list(factories.ROW_FACTORIES) == list(bench.ROWS)
+def test_every_bench_row_has_a_factory_but_the_compile_rows() -> None:
+    assert list(factories.ROW_FACTORIES) == [r for r in bench.ROWS if r not in bench.COMPILE_ROWS]
+    assert bench.COMPILE_ROWS and all(r.startswith("compile-") for r in bench.COMPILE_ROWS)
     for spec in factories.ROW_FACTORIES.values():
         assert callable(cli.load_factory(spec))
+
+
+def test_bench_help_lists_every_row(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "{" + ",".join([*bench.ROWS, "compile", "all"]) + "}" in out.replace(" ", "")
+    for row in bench.COMPILE_ROWS:
+        cli.build_parser().parse_args(["bench", "--model", row])  # accepted
+
+
+def test_bench_without_cuda_skips_a_compile_row_and_says_why(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path = tmp_path / "bench.json"
+    code, out, _ = run(capsys, "bench", "--model", "compile-if", "--json", str(path))
+    assert code == 0
+    assert out.startswith(
+        f"CUDA is not available on this machine (torch {torch.__version__}), so there is nothing "
+        "to time: `torchreplay bench` compares CUDA graphs on a GPU. skipped without CUDA: "
+        "compile-if: they time torch.compile backends as CUDA graphs and have no CPU stand-in; "
+        "`torchreplay explain MODULE:FACTORY` shows how tr.compile would split a model"
+    )
+    assert "Running" not in out and "torchreplay.check" not in out
+    (entry,) = json.loads(path.read_text())["checks"]
+    assert entry["row"] == "compile-if" and entry["skipped"].startswith("they time torch.compile")
+
+
+def test_bench_without_cuda_compile_group_skips_every_compile_row(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, _ = run(capsys, "bench", "--model", "compile")
+    assert code == 0
+    assert f"skipped without CUDA: {', '.join(bench.COMPILE_ROWS)}: " in out
 
 
 def test_bench_without_cuda_checks_the_model_of_the_row_asked_for(
@@ -232,3 +270,104 @@ def test_bench_subprocess_without_cuda_checks_every_row() -> None:
         assert f"\n{row}: torchreplay check {spec}\n" in proc.stdout
         # Every built-in row is clean: its only finding is the one expected without CUDA.
         assert f"\n{row}: {EXIT_0_NO_CUDA.removeprefix('exit 0: ')}\n" in proc.stdout
+    assert "compile-" not in proc.stdout  # `all` leaves the compile rows out
+    proc = run_subprocess("bench", "--model", "compile")
+    assert proc.returncode == 0, proc.stderr
+    assert f"\nskipped without CUDA: {', '.join(bench.COMPILE_ROWS)}: " in proc.stdout
+
+
+# -- explain -----------------------------------------------------------------------------------
+
+
+def split_line() -> str:
+    """The eager piece of ``cli_factories:pieces``, with the user's file:line."""
+    path = HERE / "cli_factories.py"
+    return (f"piece 1 1 node(s) eager: cli_factories.halve at {path}:{line_of(path, '# LINE: split')}: "
+            "is a splitting op (splitting_ops=)")
+
+
+def test_explain_without_cuda_reports_the_split_a_gpu_would_get(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = run(capsys, "explain", "cli_factories:pieces", "--sizes", "1,2,4",
+                         "--splitting-ops", "cli_factories.halve", "--no-inductor")
+    assert code == 0, err
+    assert out.startswith("torchreplay: 1 graph(s) compiled in ")
+    assert ("(options: sizes=[1, 2, 4], splitting_ops=['cli_factories.halve'], inductor=False) "
+            "1 graph(s) without CUDA graphs: their inputs are on the CPU") in out
+    assert ("CUDA is not available on this machine, so tr.compile ran without CUDA graphs. The "
+            "split a GPU would get") in out
+    assert out.endswith(
+        "1 Dynamo graph(s) graph 0: 3 piece(s), 2 graphed, 1 eager "
+        f"piece 0 2 node(s) graphed {split_line()} piece 2 1 node(s) graphed"
+    )
+
+
+def test_explain_without_splitting_ops_is_one_piece(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = run(capsys, "explain", "cli_factories:pieces", "--no-inductor")
+    assert code == 0, err
+    assert out.endswith("graph 0: 1 piece(s), 1 graphed, 0 eager piece 0 4 node(s) graphed")
+
+
+def test_explain_subprocess_with_inductor() -> None:
+    # On a GPU this is the real report (graphs captured); without one, the preview: the pieces
+    # are the same either way.
+    proc = run_subprocess("explain", "cli_factories:pieces", "--splitting-ops", "cli_factories.halve")
+    assert proc.returncode == 0, proc.stderr
+    out = " ".join(proc.stdout.split())
+    assert "inductor=True)" in out
+    assert "graph 0: 3 piece(s), 2 graphed, 1 eager" in out
+    assert split_line() in out
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("cli_factories", "expected MODULE:FACTORY"),
+        ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
+        ("cli_factories:missing", "has no attribute 'missing'"),
+        ("cli_factories:not_a_pair", "must return (fn, args) or (fn, args, kwargs), got int"),
+        ("cli_factories:raises", "raised RuntimeError: factory exploded"),
+    ],
+)
+def test_explain_bad_factory_exits_2_with_the_reason(
+    capsys: pytest.CaptureFixture[str], spec: str, message: str
+) -> None:
+    code, out, err = run(capsys, "explain", spec)
+    assert code == 2 and out == ""
+    assert err.startswith("torchreplay explain: ") and message in err
+
+
+def test_explain_a_call_that_raises_exits_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = run(capsys, "explain", "cli_factories:fn_raises", "--no-inductor")
+    assert code == 1
+    assert ("torchreplay explain: the call from cli_factories:fn_raises raised ValueError while "
+            "compiling and calling it: fn exploded; `torchreplay check cli_factories:fn_raises` "
+            "shows what a CUDA graph cannot hold") in err
+
+
+@pytest.mark.parametrize("argv", [["--sizes", "0,2"], ["--sizes", "a"], []])
+def test_explain_needs_a_target_and_valid_sizes(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["explain", *argv] + (["cli_factories:pieces"] if argv else []))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "expected sizes" in err if argv else "MODULE:FACTORY" in err
+
+
+def test_explain_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["explain", "--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for flag in ("--sizes", "--splitting-ops", "--dim", "--no-inductor", "MODULE:FACTORY"):
+        assert flag in out

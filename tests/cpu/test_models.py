@@ -161,3 +161,36 @@ def test_kv_cache_is_written_in_place_only_at_given_positions() -> None:
     model.reset_cache()
     assert all(int(m.k_cache.count_nonzero()) == 0 for m in attn)
     assert ptrs == [(m.k_cache.data_ptr(), m.v_cache.data_ptr()) for m in attn]
+
+
+# ---------------------------------------------------------------------------------------------
+# The compile rows' models (models/blocks.py)
+
+
+def test_split_mlp_computes_the_mlp_and_cuts_it_evenly() -> None:
+    from torchreplay.models.blocks import SplitMLP, gelu_mlp, split_mark_op
+
+    x = torch.randn(3, 16)
+    plain = gelu_mlp(depth=6, width=16)
+    assert len(plain) == 12 and isinstance(plain[1], torch.nn.GELU)
+    with torch.no_grad():
+        for pieces in (1, 2, 4, 6):
+            model = SplitMLP(pieces, depth=6, width=16)
+            assert len(model.boundaries) == pieces - 1
+            torch.testing.assert_close(model(x), plain(x))
+    assert split_mark_op() is split_mark_op()  # registered once
+    with pytest.raises(ValueError, match="pieces must be in 1..6"):
+        SplitMLP(7, depth=6, width=16)
+
+
+def test_two_block_models() -> None:
+    from torchreplay.models.blocks import DataDependentIf, NonzeroBetween
+
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        m = DataDependentIf(depth=2, width=16)
+        h = m.a(x)
+        torch.testing.assert_close(m(x), m.b(h * 2 if h.sum() > 0 else h))
+        n = NonzeroBetween(depth=2, width=16)
+        y, idx = n(x)
+        assert y.shape == (4, 16) and torch.equal(idx, torch.nonzero(n.a(x) > 0))

@@ -3,7 +3,14 @@
 - :mod:`~torchreplay.bench.timing`: options, the clock, one measurement, the hand-written floor;
 - :mod:`~torchreplay.bench.inference`: the ``mlp``, ``resnet50``, ``llama`` and ``llama-sizes``
   rows and a user's ``module:factory``;
-- :mod:`~torchreplay.bench.training`: the ``mlp-train`` and ``resnet50-train`` rows.
+- :mod:`~torchreplay.bench.training`: the ``mlp-train`` and ``resnet50-train`` rows;
+- :mod:`~torchreplay.bench.compile`: the ``torch.compile`` backend rows (``compile-mlp``,
+  ``compile-if``, ``compile-nonzero``, ``compile-bert``, ``compile-sweep``, ``compile-resnet50``);
+- :mod:`~torchreplay.bench.compile_costs`: the backend's memory for many sizes
+  (``compile-memory``) and host time per split (``compile-split-cost``).
+
+Every row needs CUDA; the ``compile-*`` rows (:data:`COMPILE_ROWS`) have no CPU stand-in, so
+the command line skips them without CUDA where it checks the other rows' models.
 
 The library never imports this package; only the command line (and ``scripts/``) does.
 """
@@ -15,7 +22,8 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-from torchreplay.bench import inference, training
+from torchreplay.bench import compile as compile_rows
+from torchreplay.bench import compile_costs, inference, training
 from torchreplay.bench.inference import METHODS, Workload, run_factory, unpack_factory_result
 from torchreplay.bench.timing import (
     QUICK,
@@ -30,6 +38,7 @@ from torchreplay.bench.timing import (
 
 __all__ = [
     "ROWS",
+    "COMPILE_ROWS",
     "run",
     "run_factory",
     "unpack_factory_result",
@@ -55,8 +64,19 @@ ROWS: Mapping[str, RowFn] = MappingProxyType(
         "llama-sizes": inference.llama_sizes_row,
         "mlp-train": training.mlp_train_row,
         "resnet50-train": training.resnet50_train_row,
+        "compile-mlp": compile_rows.compile_mlp_row,
+        "compile-if": compile_rows.compile_if_row,
+        "compile-nonzero": compile_rows.compile_nonzero_row,
+        "compile-bert": compile_rows.compile_bert_row,
+        "compile-sweep": compile_rows.compile_sweep_row,
+        "compile-resnet50": compile_rows.compile_resnet50_row,
+        "compile-memory": compile_costs.compile_memory_row,
+        "compile-split-cost": compile_costs.compile_split_cost_row,
     }
 )
+
+#: The rows that time the ``torch.compile`` backend (the names start with ``compile-``).
+COMPILE_ROWS: tuple[str, ...] = tuple(name for name in ROWS if name.startswith("compile-"))
 
 
 def _require_cuda() -> None:

@@ -17,6 +17,9 @@ How time is measured (:func:`time_call`):
   hundred kernels costs the host 40 or 60 us from one sample to the next (driver noise that
   interference only adds to), so the minimum is the stable estimate of a call's own cost, as in
   ``timeit``; the synchronized time per call stays a median.
+- Interleaved (:func:`time_interleaved`, the ``compile-*`` rows): the same samples, but each
+  repeat takes one sample of every method in turn (a sync before each), so that drift during a
+  long row reaches every method alike; a method that raises is reported and dropped.
 
 Nothing in ``bench/`` prints: :mod:`torchreplay.cli` renders the :class:`Measurement` list.
 """
@@ -42,10 +45,12 @@ __all__ = [
     "QUICK",
     "Measurement",
     "time_call",
+    "time_interleaved",
     "host_samples",
     "handwritten_graph",
     "handwritten_padded",
     "short_reason",
+    "skipped",
     "release",
     "with_ratios",
     "cuda_generator",
@@ -108,7 +113,12 @@ class Measurement:
         vs_floor: ``per_call_us`` over the hand-written graph's (1.0 is the floor).
         speedup: eager's ``per_call_us`` over this one.
         host_delta_us: ``host_us`` minus the hand-written graph's.
-        error: ``"failed: <reason>"`` when the method could not be built or run.
+        error: ``"failed: <reason>"`` when the method could not be built or run, ``"skipped:
+            <reason>"`` when it was not run (a package it needs is not installed).
+        first_call_s: seconds from building the method to the end of its first call on every
+            input shape (compile and capture), where the row measures it.
+        note: a derived result shown under the method (a ratio, memory, cost per split).
+        values: the note's numbers by name, for JSON (``{"vs_reduce_overhead": 0.97}``).
     """
 
     row: str
@@ -121,6 +131,9 @@ class Measurement:
     speedup: float | None = None
     host_delta_us: float | None = None
     error: str | None = None
+    first_call_s: float | None = None
+    note: str | None = None
+    values: Mapping[str, float] | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,6 +166,63 @@ def time_call(call: Callable[[], Any], opts: BenchOptions) -> tuple[float, float
         host.append((clock() - t0) / opts.host_calls)
     sync()
     return statistics.median(samples) * 1e6, min(host) * 1e6, statistics.median(host) * 1e6
+
+
+def time_interleaved(
+    calls: Mapping[str, Callable[[], Any]], opts: BenchOptions
+) -> dict[str, tuple[float, float, float] | str]:
+    """Time every call of ``calls`` as :func:`time_call` does, interleaved.
+
+    Each call gets ``opts.warmup`` calls in turn; then each of the ``repeats`` rounds takes one
+    synchronized sample of every call in turn, and each host-side round one host sample of every
+    call: a drift of the GPU's clock or of the machine's load during the run reaches every method
+    alike, where timing one method after another would charge it to whichever ran last.
+
+    Returns:
+        per name: ``(per_call_us, host_us, host_median_us)`` as :func:`time_call`, or the
+        :func:`short_reason` of the exception the call raised; a call that raised is not called
+        again, and the others go on.
+    """
+    sync = torch.cuda.synchronize
+    clock = time.perf_counter
+    failed: dict[str, str] = {}
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    host: dict[str, list[float]] = {name: [] for name in calls}
+
+    def sample(name: str, n: int, into: list[float] | None, sync_after: bool) -> None:
+        if name in failed:
+            return
+        call = calls[name]
+        try:
+            sync()  # the previous method's work is not charged to this one
+            t0 = clock()
+            for _ in range(n):
+                call()
+            if sync_after:
+                sync()
+            if into is not None:
+                into.append((clock() - t0) / n)
+        except Exception as exc:  # noqa: BLE001 - one failing method must not end the row
+            failed[name] = short_reason(exc)
+
+    for name in calls:
+        if opts.warmup:
+            sample(name, opts.warmup, None, True)
+    for _ in range(opts.repeats):
+        for name in calls:
+            sample(name, opts.calls, samples[name], True)
+    for _ in range(host_samples(opts)):
+        for name in calls:
+            sample(name, opts.host_calls, host[name], False)
+    sync()
+    out: dict[str, tuple[float, float, float] | str] = {}
+    for name in calls:
+        if name in failed:
+            out[name] = failed[name]
+        else:
+            out[name] = (statistics.median(samples[name]) * 1e6, min(host[name]) * 1e6,
+                         statistics.median(host[name]) * 1e6)
+    return out
 
 
 def host_samples(opts: BenchOptions) -> int:
@@ -258,6 +328,11 @@ def short_reason(exc: BaseException) -> str:
     first = lines[0] if lines else ""
     reason = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
     return "failed: " + (reason if len(reason) <= 120 else reason[:117] + "...")
+
+
+def skipped(reason: str) -> str:
+    """Return the ``error`` of a method that was not run: ``"skipped: <reason>"``."""
+    return "skipped: " + reason
 
 
 def release() -> None:

@@ -2,7 +2,8 @@
 
 For a compiled model: each graph Dynamo handed over, its pieces (graphed, or eager with the op,
 the reason and the user's file:line), the sizes captured, hits and padding per size, captures,
-fallbacks with their reasons, compile and capture seconds, pool memory.
+fallbacks with their reasons, compile and capture seconds, pool memory. Compiled graphs that
+hold no CUDA graph (their inputs were on the CPU, say) are counted and said so.
 """
 
 from __future__ import annotations
@@ -13,21 +14,24 @@ from torchreplay.compile.api import Compiled
 from torchreplay.compile.backend import Backend
 from torchreplay.pieces.runtime import PiecewiseRuntime
 
-__all__ = ["explain"]
+__all__ = ["explain", "piece_line"]
 
 
 def explain(obj: Any) -> str:
-    """Return a report of what ``obj`` (a ``tr.compile`` result, a backend, a graph) did."""
+    """Return a report of what ``obj`` (a ``tr.compile`` result, a backend, a graph) did.
+
+    Args:
+        obj: what ``tr.compile`` returned, or its ``.backend`` (a
+            :class:`~torchreplay.compile.backend.Backend`), one of its compiled graphs, or what
+            ``tr.graph``, ``tr.graph_step`` or ``tr.make_graphed_callables`` returned.
+
+    Raises:
+        TypeError: ``obj`` is none of those.
+    """
     if isinstance(obj, Compiled):
         obj = obj.backend
     if isinstance(obj, Backend):
-        runtimes = obj.runtimes
-        head = (
-            f"torchreplay: {obj.compiles} graph(s) compiled in {obj.compile_seconds:.2f} s"
-            f" (options: sizes={list(obj.config.sizes) if obj.config.sizes else None}, "
-            f"splitting_ops={list(obj.config.splitting_ops)}, inductor={obj.config.inductor})"
-        )
-        return "\n".join([head, *(_runtime(r) for r in runtimes)])
+        return _backend(obj)
     if isinstance(obj, PiecewiseRuntime):
         return _runtime(obj)
     stats = getattr(obj, "stats", None)
@@ -38,6 +42,32 @@ def explain(obj: Any) -> str:
         f"tr.make_graphed_callables returned, got {type(obj).__name__}; for "
         "torch.compile(model, backend='torchreplay') use tr.compile(model) to keep the report"
     )
+
+
+def _backend(backend: Backend) -> str:
+    runtimes = backend.runtimes
+    cfg = backend.config
+    head = (
+        f"torchreplay: {backend.compiles} graph(s) compiled in {backend.compile_seconds:.2f} s"
+        f" (options: sizes={list(cfg.sizes) if cfg.sizes else None}, "
+        f"splitting_ops={list(cfg.splitting_ops)}, inductor={cfg.inductor})"
+    )
+    lines = [head, *(_runtime(r) for r in runtimes)]
+    if backend.compiles == 0:
+        lines.append("  nothing compiled yet: call the compiled model once, then explain it")
+    elif len(runtimes) < backend.compiles:
+        # The backend keeps (weakly) only the graphs it runs as CUDA graphs.
+        lines.append(
+            f"  {backend.compiles - len(runtimes)} graph(s) without CUDA graphs: their inputs are "
+            "on the CPU, or they run ungraphed for a reason the log gives (torchreplay -v, or "
+            "logging at INFO), or they were freed"
+        )
+    return "\n".join(lines)
+
+
+def piece_line(name: str, nodes: int, what: str) -> str:
+    """One piece of the report: ``"  piece 1  3 node(s)  eager: torch.nonzero at f.py:9: ..."``."""
+    return f"  {name}  {nodes} node(s)  {what}"
 
 
 def _runtime(rt: PiecewiseRuntime) -> str:
@@ -54,7 +84,7 @@ def _runtime(rt: PiecewiseRuntime) -> str:
             what = "graphed"
         else:
             what = f"eager: {p.split}" if p.split else "eager"
-        lines.append(f"  {p.name}  {p.nodes} node(s)  {what}")
+        lines.append(piece_line(p.name, p.nodes, what))
     written = [x.name for x in rt.program.inputs if x.kind == "tensor" and x.written]
     if written:
         lines.append(f"  writes its input(s) {', '.join(written)} (copied back to the caller)")

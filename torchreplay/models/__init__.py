@@ -3,6 +3,8 @@
 - :mod:`~torchreplay.models.mlp`: 24 x ``Linear(512, 512) + ReLU``, the smallest launch-bound model.
 - :mod:`~torchreplay.models.cnn`: a ResNet-50-style CNN, used where torchvision is not installed.
 - :mod:`~torchreplay.models.llama`: a Llama-style decoder with a static, in-place KV cache.
+- :mod:`~torchreplay.models.blocks`: the ``compile-*`` rows' models (a GELU MLP, a data-dependent
+  ``if``, ``nonzero`` between blocks, an MLP cut by a custom splitting op, Hugging Face's BERT).
 - :mod:`~torchreplay.models.factories`: ``(fn, args)`` factories for ``torchreplay check`` / ``bench``.
 
 Not part of ``torchreplay.__all__``: these exist for benchmarks, tests and examples.
