@@ -157,7 +157,8 @@ def build_program(
         value = node_value(p)
         if isinstance(ex, torch.Tensor):
             if _compat.is_static_input(ex):
-                inputs.append(Input(p.name, "static"))
+                # written: put back after capture (its warm-up runs wrote it several times)
+                inputs.append(Input(p.name, "static", written=written is None or p in written))
             else:
                 dim = _dim_of(value, symbol)
                 is_written = written is None or p in written
@@ -184,8 +185,7 @@ def build_program(
             )
             fn = compile_piece(k, seg.module, [node_value(a) for a in seg.inputs], static)
         elif seg.graphed and cfg.inductor:
-            examples = [node_value(a) for a in seg.inputs]
-            fn = _compat.inductor_compile(seg.module, examples)
+            fn = _inductor_or_fx(seg.module, [node_value(a) for a in seg.inputs], f"piece {k}")
         else:
             fn = seg.module
         pieces.append(
@@ -223,6 +223,19 @@ def build_program(
         )
     program = Program(tuple(inputs), pieces, tuple(outs), tuple(dims) if sized else ())
     return program, segments, sized
+
+
+def _inductor_or_fx(module: fx.GraphModule, examples: list[Any], name: str) -> Callable[..., Any]:
+    """Inductor's code for a piece; where Inductor fails on it, the FX code as is (still
+    captured), with a warning: one piece Inductor cannot compile does not fail the model."""
+    try:
+        return _compat.inductor_compile(module, examples)
+    except Exception as exc:  # Inductor's own errors: codegen, Triton compile, lowering
+        log.warning(
+            "torchreplay: Inductor could not compile %s (%s: %s); it runs as FX code, still "
+            "captured", name, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "",
+        )
+        return module
 
 
 def _padded_symbol(placeholders: list[fx.Node], example_inputs: Sequence[Any], cfg: CompileConfig) -> Any:

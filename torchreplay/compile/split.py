@@ -83,18 +83,48 @@ def user_line(node: fx.Node) -> str:
 
 
 def _matches(node: fx.Node, name: str, splitting_ops: Sequence[Any]) -> bool:
+    """Does the node call one of ``splitting_ops``: an op object (packet or overload), or a name
+    as ``"mylib.attention"``, ``"mylib::attention"`` or with an overload (``".default"``)."""
+    target = node.target
+    packet = getattr(target, "overloadpacket", target)
     for op in splitting_ops:
-        if op is node.target:
+        if op is target or getattr(op, "overloadpacket", op) is packet:
             return True
         if isinstance(op, str):
-            target = str(node.target) if not callable(node.target) or isinstance(
-                node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+            op = op.replace("::", ".")
+            text = str(target) if not callable(target) or isinstance(
+                target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
             ) else name
-            for candidate in (name, target):
-                if candidate == op or candidate.startswith(op + "."):
+            for candidate in (name, text):
+                # One names the other or an overload of it: "a.b" vs "a.b.default".
+                if candidate == op or candidate.startswith(op + ".") or op.startswith(candidate + "."):
                     return True
-        elif isinstance(op, torch._ops.OpOverloadPacket) and getattr(node.target, "overloadpacket", None) is op:
+    return False
+
+
+def _unsafe_tag(node: fx.Node) -> bool:
+    """Is the op tagged ``torch.Tag.cudagraph_unsafe`` (a custom op that says it cannot be
+    captured)? A torch without the tag has no such ops."""
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if tag is None:
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = getattr(target, "default", None)
+    return tag in getattr(target, "tags", ())
+
+
+def _varies(node: fx.Node) -> bool:
+    """Is the node's value computed from the graph's inputs (not a constant)?"""
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n.op == "placeholder":
             return True
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
     return False
 
 
@@ -118,6 +148,8 @@ def why_eager(
     where = user_line(node)
     if _matches(node, name, splitting_ops):
         return Split(name, "is a splitting op (splitting_ops=)", where, "none needed: split on purpose")
+    if _unsafe_tag(node):
+        return Split(name, "is tagged torch.Tag.cudagraph_unsafe", where, "none: the op says so")
     short = str(node.target).split(".")[-1] if node.op != "call_method" else str(node.target)
     if node.op == "call_method" and node.target in _HOST_METHODS or any(
         name.startswith(h) for h in _HOST_OPS
@@ -148,6 +180,19 @@ def why_eager(
                 where,
                 "move the tensor to the GPU once, outside the model",
             )
+    for a in node.all_input_nodes:
+        v = node_value(a)
+        if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dim() == 0 and _varies(a):
+            # A CUDA kernel takes a CPU scalar's value at launch: a graph would keep the
+            # captured value. A constant may stay; one that follows the inputs may not.
+            return Split(
+                name,
+                f"reads a CPU scalar tensor ({a.name}) that changes between calls; a graph "
+                "would keep its value at capture",
+                where,
+                "pass it as a CUDA tensor (or a Python number, which Dynamo specialises)",
+            )
+    for t in tensors:
         if device is not None and t.device.type == "cuda" and t.device != device:
             return Split(name, f"uses {t.device}, but the graph is on {device}", where, "keep one device")
     return None

@@ -33,6 +33,7 @@ from torchreplay.core.io import write_back
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
 from torchreplay.errors import CaptureError
+from torchreplay.pieces.entries import Entry, PieceGraph, Route
 from torchreplay.pieces.program import Constant, Program, run_in_order
 from torchreplay.stats import GraphStats
 
@@ -41,62 +42,7 @@ __all__ = ["PiecewiseRuntime"]
 log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
-
-
-class _PieceGraph:
-    """One graphed piece at one key: its graph, the outputs it leaves in the pool, and the
-    inputs (made by eager steps) it copies into buffers of its own."""
-
-    __slots__ = ("graph", "replay", "out", "copies")
-
-    def __init__(self, graph: Any, out: Sequence[Any], copies: list[tuple[int, _Tensor]]):
-        self.graph = graph
-        self.replay = graph.replay
-        self.out = tuple(out)
-        self.copies = copies
-
-
-class _Entry:
-    """Everything captured for one key (one padded size and the other input shapes)."""
-
-    __slots__ = (
-        "size", "graphs", "sources", "outputs", "position", "inputs", "pinned", "guard",
-        "__weakref__",
-    )
-
-    def __init__(self, size: int | None) -> None:
-        self.size = size
-        self.graphs: list[_PieceGraph | None] = []
-        #: per program output: ("pool", k) | ("env", slot) | ("input", i) | ("const", value)
-        self.sources: list[tuple[str, Any]] = []
-        self.outputs: Outputs | None = None
-        self.position = -1
-        #: the initial slot values of the inputs (static buffers, sizes); args fill the rest
-        self.inputs: list[Any] = []
-        #: per input: the address a "pinned" input had at capture (the graph reads it there)
-        self.pinned: list[int | None] = []
-        #: the pool outputs (indices into what Outputs hands out) that must be free to replay
-        self.guard: frozenset[int] = frozenset()
-
-    def invalidate_outputs(self) -> None:
-        if self.outputs is not None:
-            self.outputs.invalidate()
-
-
-class _Route:
-    """A call of ``n`` rows with given input shapes: its entry and the views it copies into."""
-
-    __slots__ = ("n", "entry", "shapes", "dsts", "src_idx", "pads", "backs", "back_idx")
-
-    def __init__(self, n: int | None, entry: _Entry, shapes: tuple[Any, ...]) -> None:
-        self.n = n
-        self.entry = entry
-        self.shapes = shapes
-        self.dsts: list[_Tensor] = []
-        self.src_idx: list[int] = []
-        self.pads: list[_Tensor] = []
-        self.backs: list[_Tensor] = []
-        self.back_idx: list[int] = []
+_HASHABLE = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
 
 class PiecewiseRuntime:
@@ -164,10 +110,16 @@ class PiecewiseRuntime:
             i for i, x in enumerate(self._inputs)
             if x.kind in ("static", "pinned", "other") or (x.kind == "int" and not x.is_size)
         ]
-        self._entries: dict[tuple[Any, ...], _Entry] = {}
-        self._routes: dict[int | None, _Route] = {}
+        self._entries: dict[tuple[Any, ...], Entry] = {}
+        self._routes: dict[int | None, Route] = {}
         self._buffers: dict[tuple[Any, ...], _Tensor] = {}
         self._static_ptrs: list[int] = []
+        self._ranges: list[tuple[int, int]] = []  # the pool's address ranges after capture
+        # Inputs that are part of the key besides shapes: ints other than the size, constants.
+        self._keyed = [
+            i for i, x in enumerate(self._inputs)
+            if x.kind == "other" or (x.kind == "int" and not x.is_size)
+        ]
         self._graphs: list[Any] = []
         self._ready = False
         self._eager = False
@@ -187,7 +139,7 @@ class PiecewiseRuntime:
             return self._run_ungraphed(args)
         return self._replay(route, args)
 
-    def _blocked(self, entry: _Entry, args: tuple[Any, ...]) -> bool:
+    def _blocked(self, entry: Entry, args: tuple[Any, ...]) -> bool:
         """Must this call run ungraphed: an input read in place has moved, or the memory of
         guarded outputs (saved activations) of the last call is still held?"""
         if self._pinned and not _compat.data_ptrs_equal(list(args), entry.pinned, self._pinned):
@@ -209,7 +161,7 @@ class PiecewiseRuntime:
             return True
         return False
 
-    def _replay(self, route: _Route, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _replay(self, route: Route, args: tuple[Any, ...]) -> tuple[Any, ...]:
         entry = route.entry
         if route.dsts:
             _compat.foreach_copy_(route.dsts, [args[i] for i in route.src_idx])
@@ -229,10 +181,15 @@ class PiecewiseRuntime:
                 ok = True
                 for pos, buf in graph.copies:
                     value = env[piece.reads[pos]]
-                    if value.shape != buf.shape:
+                    if not isinstance(buf, _Tensor):  # a number the graph holds as captured
+                        if value != buf:
+                            ok = False
+                            break
+                    elif value.shape != buf.shape:
                         ok = False
                         break
-                    buf.copy_(value)
+                    else:
+                        buf.copy_(value)
                 if ok:
                     graph.replay()
                     for w, t in zip(piece.writes, graph.out):
@@ -242,8 +199,8 @@ class PiecewiseRuntime:
                     continue
                 tainted = True
                 self._count_fallback(
-                    f"{piece.name}: an input made by an eager step has another shape than at "
-                    "capture (a data-dependent size); the rest of the call runs ungraphed"
+                    f"{piece.name}: an input made by an eager step has another shape (or, for a "
+                    "number, another value) than at capture; the rest of the call runs ungraphed"
                 )
             elif graph is None and k in self.failures:
                 self._count_fallback(f"{piece.name} failed to capture and runs ungraphed")
@@ -267,14 +224,19 @@ class PiecewiseRuntime:
         return self._emit(entry, env, args, None if n == size else n, tainted)
 
     def _emit(
-        self, entry: _Entry, env: list[Any], args: tuple[Any, ...], n: int | None, tainted: bool
+        self, entry: Entry, env: list[Any], args: tuple[Any, ...], n: int | None, tainted: bool
     ) -> tuple[Any, ...]:
         handed = entry.outputs.emit() if entry.outputs is not None and not tainted else None
         out: list[Any] = []
         dims = self.program.output_dims
         for k, (kind, ref) in enumerate(entry.sources):
             if kind == "pool":
-                value = handed[ref] if handed is not None else env[self.program.outputs[k]]
+                if handed is not None:
+                    value = handed[ref]
+                else:  # a tainted call: its graphs' outputs would be overwritten by the next
+                    value = env[self.program.outputs[k]]
+                    if isinstance(value, _Tensor) and self._in_pool(value):
+                        value = value.clone()
             elif kind == "env":
                 value = env[ref]
             elif kind == "input":
@@ -292,7 +254,7 @@ class PiecewiseRuntime:
         return run_in_order(self.program, args, self._last)
 
     # ------------------------------------------------------------------ routing
-    def _route(self, args: tuple[Any, ...]) -> _Route | None:
+    def _route(self, args: tuple[Any, ...]) -> Route | None:
         n = args[self._sized[0]].shape[self._inputs[self._sized[0]].dim] if self._sized else None
         route = self._routes.get(n)
         if route is not None:
@@ -301,7 +263,8 @@ class PiecewiseRuntime:
                 if args[i].shape != shapes[j]:
                     break
             else:
-                return route
+                if not self._keyed or route.consts == [args[i] for i in self._keyed]:
+                    return route
         return self._new_route(n, args)
 
     def _bucket(self, n: int | None) -> int | None:
@@ -321,9 +284,11 @@ class PiecewiseRuntime:
         for i, x in enumerate(self._inputs):
             if x.kind == "int" and not x.is_size:
                 key.append(args[i])
+            elif x.kind == "other":  # a constant a graph may hold: another value, another key
+                key.append(args[i] if isinstance(args[i], _HASHABLE) else id(args[i]))
         return tuple(key)
 
-    def _new_route(self, n: int | None, args: tuple[Any, ...]) -> _Route | None:
+    def _new_route(self, n: int | None, args: tuple[Any, ...]) -> Route | None:
         size = self._bucket(n)
         if size == -1 or n == 0:
             self._count_fallback(
@@ -340,7 +305,8 @@ class PiecewiseRuntime:
                 )
                 return None
             entry = self._capture_batch([(size, key)], args)[0]
-        route = _Route(n, entry, tuple(args[i].shape for i in self._tensors))
+        route = Route(n, entry, tuple(args[i].shape for i in self._tensors))
+        route.consts = [args[i] for i in self._keyed]
         for i in self._tensors:
             buf = entry.inputs[i]
             d = self._inputs[i].dim
@@ -388,7 +354,7 @@ class PiecewiseRuntime:
 
     def _capture_batch(
         self, todo: list[tuple[int | None, tuple[Any, ...]]], args: tuple[Any, ...]
-    ) -> list[_Entry]:
+    ) -> list[Entry]:
         """Capture every key in ``todo`` (largest first), module state put back afterwards."""
         assert self.device is not None
         # Warm-up and capture run the pieces several times; what they write in place is put
@@ -398,7 +364,7 @@ class PiecewiseRuntime:
             saved = [
                 (args[i], args[i].detach().clone())
                 for i in self._statics + self._pinned
-                if not isinstance(args[i], torch.nn.Parameter)
+                if not isinstance(args[i], torch.nn.Parameter) or self._inputs[i].written
             ]
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device)
@@ -413,6 +379,7 @@ class PiecewiseRuntime:
                     t.copy_(s)
             torch.set_rng_state(cpu_rng)
             torch.cuda.set_rng_state(cuda_rng, self.device)
+        self._ranges = self.pool.segment_ranges() if self.pool is not None else []
         log.info(
             "torchreplay: '%s' captured %d size(s) %s in %.2f s (%d graphs, %d eager steps)",
             self.name,
@@ -439,9 +406,9 @@ class PiecewiseRuntime:
             shape[d] = size
         return torch.zeros(shape, dtype=arg.dtype, device=arg.device)
 
-    def _capture_key(self, size: int | None, key: tuple[Any, ...], args: tuple[Any, ...]) -> _Entry:
+    def _capture_key(self, size: int | None, key: tuple[Any, ...], args: tuple[Any, ...]) -> Entry:
         assert self.pool is not None and self.device is not None
-        entry = _Entry(size)
+        entry = Entry(size)
         env: list[Any] = [None] * self._n_slots
         for i, inp in enumerate(self._inputs):
             a = args[i]
@@ -462,7 +429,7 @@ class PiecewiseRuntime:
         entry.inputs = [None if i in self._passed else env[i] for i in range(len(self._inputs))]
         entry.inputs += [None] * (self._n_slots - len(entry.inputs))
         entry.pinned = [args[i].data_ptr() if i in self._pinned else None for i in range(len(args))]
-        graphs: list[_PieceGraph | None] = []
+        graphs: list[PieceGraph | None] = []
         pool_outs: list[_Tensor] = []
         for k, piece in enumerate(self._pieces):
             vals = [env[r] for r in piece.reads]
@@ -509,7 +476,7 @@ class PiecewiseRuntime:
         self._entries[key] = entry
         return entry
 
-    def _capture_piece(self, k: int, vals: list[Any]) -> tuple[_PieceGraph | None, Any]:
+    def _capture_piece(self, k: int, vals: list[Any]) -> tuple[PieceGraph | None, Any]:
         piece = self._pieces[k]
         copies = []
         for pos, r in enumerate(piece.reads):
@@ -517,6 +484,8 @@ class PiecewiseRuntime:
                 buf = vals[pos].clone()
                 vals[pos] = buf
                 copies.append((pos, buf))
+            elif r in self._from_eager and isinstance(vals[pos], (int, float, bool)):
+                copies.append((pos, vals[pos]))
         try:
             captured = capture(
                 piece.fn,
@@ -543,7 +512,7 @@ class PiecewiseRuntime:
         captured.graph.replay()  # real values in its outputs, for the eager steps that follow
         self.stats.captures += 1
         self.stats.capture_seconds += captured.seconds
-        return _PieceGraph(captured.graph, captured.out, copies), captured.out
+        return PieceGraph(captured.graph, captured.out, copies), captured.out
 
     # ------------------------------------------------------------------ upkeep
     def _statics_unchanged(self, args: tuple[Any, ...]) -> bool:
@@ -584,6 +553,10 @@ class PiecewiseRuntime:
         if reason not in self._warned:
             self._warned.add(reason)
             log.warning("torchreplay: '%s' ran ungraphed: %s", self.name, reason)
+
+    def _in_pool(self, t: _Tensor) -> bool:
+        ptr = t.untyped_storage().data_ptr()
+        return any(lo <= ptr < hi for lo, hi in self._ranges)
 
     def _pool_bytes(self) -> int:
         return self.pool.reserved_bytes() if self.pool is not None else 0

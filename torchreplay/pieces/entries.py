@@ -1,0 +1,72 @@
+"""What the piecewise runtime keeps per captured key and per call size (internal)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from torchreplay.core.outputs import Outputs
+
+__all__ = ["PieceGraph", "Entry", "Route"]
+
+_Tensor = torch.Tensor
+
+
+class PieceGraph:
+    """One graphed piece at one key: its graph, the outputs it leaves in the pool, and the
+    inputs (made by eager steps) it copies into buffers of its own, or, for a number an eager
+    step made (an ``.item()``), the value the graph holds (another value cannot replay)."""
+
+    __slots__ = ("graph", "replay", "out", "copies")
+
+    def __init__(self, graph: Any, out: Sequence[Any], copies: list[tuple[int, Any]]):
+        self.graph = graph
+        self.replay = graph.replay
+        self.out = tuple(out)
+        self.copies = copies
+
+
+class Entry:
+    """Everything captured for one key (one padded size and the other input shapes)."""
+
+    __slots__ = (
+        "size", "graphs", "sources", "outputs", "position", "inputs", "pinned", "guard",
+        "__weakref__",
+    )
+
+    def __init__(self, size: int | None) -> None:
+        self.size = size
+        self.graphs: list[PieceGraph | None] = []
+        #: per program output: ("pool", k) | ("env", slot) | ("input", i) | ("const", value)
+        self.sources: list[tuple[str, Any]] = []
+        self.outputs: Outputs | None = None
+        self.position = -1
+        #: the initial slot values of the inputs (static buffers, sizes); args fill the rest
+        self.inputs: list[Any] = []
+        #: per input: the address a "pinned" input had at capture (the graph reads it there)
+        self.pinned: list[int | None] = []
+        #: the pool outputs (indices into what Outputs hands out) that must be free to replay
+        self.guard: frozenset[int] = frozenset()
+
+    def invalidate_outputs(self) -> None:
+        if self.outputs is not None:
+            self.outputs.invalidate()
+
+
+class Route:
+    """A call of ``n`` rows with given input shapes: its entry and the views it copies into."""
+
+    __slots__ = ("n", "entry", "shapes", "dsts", "src_idx", "pads", "backs", "back_idx", "consts")
+
+    def __init__(self, n: int | None, entry: Entry, shapes: tuple[Any, ...]) -> None:
+        self.n = n
+        self.entry = entry
+        self.shapes = shapes
+        self.dsts: list[_Tensor] = []
+        self.src_idx: list[int] = []
+        self.pads: list[_Tensor] = []
+        self.backs: list[_Tensor] = []
+        self.back_idx: list[int] = []
+        #: the values of the keyed non-tensor inputs (ints other than the size, constants)
+        self.consts: list[Any] = []
