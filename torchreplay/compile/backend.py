@@ -32,6 +32,7 @@ from torchreplay import _compat
 from torchreplay.compile.split import Segment, node_value, split_graph
 from torchreplay.compile.training import GraphingCompiler, training_program_fn
 from torchreplay.config import CompileConfig
+from torchreplay.core.pool import Pool
 from torchreplay.pieces.program import Constant, Input, Piece, Program
 from torchreplay.pieces.runtime import PiecewiseRuntime
 
@@ -47,6 +48,9 @@ class Backend:
     def __init__(self, config: CompileConfig | None = None) -> None:
         self.config = config if config is not None else CompileConfig()
         self._runtimes: list[weakref.ReferenceType[PiecewiseRuntime]] = []
+        # One pool per device for the inference graphs of everything this backend compiles
+        # (the graphs between Dynamo's breaks share memory, replayed in a known order).
+        self._pools: dict[torch.device, Pool] = {}
         self.compiles = 0
         self.compile_seconds = 0.0
 
@@ -81,6 +85,7 @@ class Backend:
             config=cfg.graph_config(),
             strict=cfg.strict,
             max_graphs=cfg.max_graphs,
+            pool=self._pools.setdefault(device, Pool(device)),
         )
         runtime.segments = segments  # type: ignore[attr-defined]
         runtime.compile_seconds = time.perf_counter() - start

@@ -62,6 +62,8 @@ class PiecewiseRuntime:
             counted, into fresh memory.
         after_replay: called after each replay (a backward clears its forward's
             ``pending_backward``).
+        pool: a pool shared with other runtimes on the same device (the graphs of one compiled
+            model, between Dynamo's graph breaks); default: a pool of its own.
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class PiecewiseRuntime:
         max_graphs: int = 16,
         guard_outputs: Sequence[int] = (),
         after_replay: Callable[[], None] | None = None,
+        pool: Pool | None = None,
     ) -> None:
         self.program = program
         self.guard_outputs = frozenset(guard_outputs)
@@ -88,6 +91,7 @@ class PiecewiseRuntime:
         self.max_graphs = max_graphs
         self.stats = GraphStats(self._pool_bytes)
         self.pool: Pool | None = None
+        self._shared_pool = pool
         self.device: torch.device | None = None
         #: per piece: the error that kept it ungraphed, if it failed to capture
         self.failures: dict[int, str] = {}
@@ -338,7 +342,8 @@ class PiecewiseRuntime:
             )
             return
         self.device = device
-        self.pool = Pool(device)
+        shared = self._shared_pool
+        self.pool = shared if shared is not None and shared.device in (None, device) else Pool(device)
         self._stream = side_stream(device)
         self._static_ptrs = self._ptrs_of(args)
         self.pool.track(self, self._graphs, self._retire)
