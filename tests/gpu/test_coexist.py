@@ -68,3 +68,40 @@ def test_our_graphs_survive_reduce_overhead_in_the_same_process(which: str) -> N
     )
     tail = (proc.stdout + proc.stderr)[-3000:]
     assert proc.returncode == 0 and "EQUAL" in proc.stdout, tail
+
+
+_COUNTER = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {root!r})
+    import torchreplay as tr
+
+    def step(x, cache, pos):  # a KV-cache write at a counter the call advances
+        cache.index_copy_(0, pos, x)
+        pos.add_(1)
+        return cache.sum(0) * 2
+
+    for which in ("compile", "graph"):
+        cache, pos = torch.zeros(8, 4, device="cuda"), torch.tensor([6], device="cuda")
+        ref_cache, ref_pos = cache.clone(), pos.clone()
+        x = torch.randn(1, 4, device="cuda")
+        g = tr.compile(step) if which == "compile" else tr.graph(step, x, cache, pos)
+        for i in range(2):  # the first call captures at position 6: its warm-ups must not reach 8
+            x = torch.randn(1, 4, device="cuda")
+            want = step(x, ref_cache, ref_pos)
+            got = g(x, cache, pos)
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(cache, ref_cache)
+            assert torch.equal(pos, ref_pos), (which, i, pos, ref_pos)
+        torch.cuda.synchronize()
+    print("EQUAL")
+    """
+)
+
+
+def test_warm_ups_see_the_calls_state_not_their_own_writes() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _COUNTER.format(root=str(ROOT))], capture_output=True, text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and "EQUAL" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]

@@ -172,6 +172,7 @@ def capture(
     warmup: bool = True,
     snapshot: StateSnapshot | None = None,
     watch: Sequence[torch.Tensor] = (),
+    reset: Callable[[], None] | None = None,
 ) -> Captured:
     """Warm ``fn`` up on ``stream`` and capture one call of it into a new graph in ``pool``.
 
@@ -188,6 +189,9 @@ def capture(
         snapshot: restored after a failure (the caller restores it after success).
         watch: tensors (the static inputs) whose in-place writes by the captured call are
             recorded in ``Captured.written`` (:class:`~torchreplay.core.writes.WriteWatch`).
+        reset: called before each warm-up call: puts back what the last one wrote in place, so
+            that every warm-up sees the call's state (a counter the callable increments and
+            indexes with would otherwise run past its end).
 
     Returns:
         the graph, the output of the captured call (living in the pool), and the seconds taken.
@@ -202,6 +206,8 @@ def capture(
         if warmup:
             for i in range(config.num_warmup_iters):
                 try:
+                    if reset is not None:
+                        reset()
                     fn(*args, **kwargs)
                 except Exception as exc:
                     _undo(None, device, pool, snapshot, exc)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -79,6 +79,7 @@ class Graphed:
             config=config,
             snapshot=snapshot,
             watch=[s.static for s in self._inputs.tensor_slots],
+            reset=_reset_written(self._inputs, call.leaves),
         )
         if snapshot is not None:
             snapshot.restore()
@@ -202,3 +203,18 @@ def resolve_pool(pool: Pool | tuple[int, int] | Any | None) -> Pool | None:
         f"pool must be a torchreplay.Pool, a graphed callable, or a torch pool handle "
         f"(torch.cuda.graph_pool_handle()), got {type(pool).__name__}"
     )
+
+
+def _reset_written(inputs: Inputs, leaves: Sequence[Any]) -> Callable[[], None]:
+    """Put back the static buffers the last warm-up call wrote (their version counter moved),
+    from the caller's sample tensors, so that every warm-up starts from the sample's state."""
+    pairs = [(s.static, leaf) for s, leaf in zip(inputs.slots, leaves) if s.static is not None]
+    versions = [static._version for static, _ in pairs]
+
+    def reset() -> None:
+        with torch.no_grad():
+            for (static, leaf), version in zip(pairs, versions):
+                if static._version != version:
+                    static.copy_(leaf)
+
+    return reset

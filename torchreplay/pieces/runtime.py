@@ -491,6 +491,19 @@ class PiecewiseRuntime:
                 copies.append((pos, buf))
             elif r in self._from_eager and isinstance(vals[pos], (int, float, bool)):
                 copies.append((pos, vals[pos]))
+        # Inputs the piece writes in place: each warm-up, and the replay after capture, start
+        # from the call's values (a KV-cache counter advanced once per run would run past the
+        # end of its cache).
+        with torch.no_grad():
+            initial = [
+                (v, v.clone()) for r, v in zip(piece.reads, vals)
+                if r < len(self._inputs) and self._inputs[r].written and isinstance(v, _Tensor)
+            ]
+
+        def reset() -> None:
+            for v, init in initial:
+                v.copy_(init)
+
         try:
             captured = capture(
                 piece.fn,
@@ -501,6 +514,7 @@ class PiecewiseRuntime:
                 pool=self.pool,  # type: ignore[arg-type]
                 config=self.config,
                 grad=torch.is_grad_enabled(),
+                reset=reset if initial else None,
             )
         except CaptureError as exc:
             if self.strict:
@@ -514,6 +528,7 @@ class PiecewiseRuntime:
             )
             return None, None
         self._graphs.append(captured.graph)
+        reset()
         captured.graph.replay()  # real values in its outputs, for the eager steps that follow
         self.stats.captures += 1
         self.stats.capture_seconds += captured.seconds
