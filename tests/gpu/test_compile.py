@@ -400,9 +400,10 @@ print("EQUAL")
 
 @pytest.mark.xfail(
     strict=True,
-    reason="known bug, not found yet: a warm-up before capture trips a device-side index assert "
-    "(index out of bounds, 0 <= i < 27) in an Inductor kernel of the decode step; run in its "
-    "own process because the assert ends the CUDA context",
+    reason="known bug, not found yet: during the prefill call's capture an Inductor kernel "
+    "trips a device-side index assert (0 <= i < 27: the static cache's length), reported as the "
+    "next piece's capture begins; run in its own process because the assert ends the CUDA "
+    "context",
 )
 def test_hf_llama_generate_with_a_static_cache_equals_eager() -> None:
     """transformers' recipe for fast generation (a static cache, the model's forward compiled),
