@@ -134,3 +134,65 @@ def test_the_backend_on_cpu_equals_eager() -> None:
             torch.testing.assert_close(cache, want_cache)
     assert "compiled" in tr.explain(c)
     torch._dynamo.reset()
+
+
+def _custom(name: str, tags: tuple = ()):
+    lib_op = f"trsplit::{name}"
+    ns = torch.ops.trsplit
+    if not hasattr(ns, name):
+        @torch.library.custom_op(lib_op, mutates_args=(), tags=tags)
+        def op(x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @op.register_fake
+        def _(x):
+            return torch.empty_like(x)
+
+    return getattr(ns, name)
+
+
+@pytest.mark.parametrize("spelling", ["dotted", "qualified", "overload_name", "packet", "overload"])
+def test_a_splitting_op_matches_in_every_spelling(spelling: str) -> None:
+    op = _custom("mark")
+
+    def f(x):
+        return op(x.relu()) * 2
+
+    names = {
+        "dotted": "trsplit.mark",
+        "qualified": "trsplit::mark",
+        "overload_name": "trsplit.mark.default",
+        "packet": op,
+        "overload": op.default,
+    }
+    segs = split_graph(_traced(f, (4, 4)), [names[spelling]], device=META)
+    assert [s.graphed for s in segs] == [True, False, True]
+    assert "splitting op" in segs[1].splits[0].reason
+
+
+def test_an_op_tagged_cudagraph_unsafe_is_an_eager_step() -> None:
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if tag is None:
+        pytest.skip("this torch has no Tag.cudagraph_unsafe")
+    op = _custom("unsafe", tags=(tag,))
+
+    def f(x):
+        return op(x.relu()) * 2
+
+    segs = split_graph(_traced(f, (4, 4)), device=META)
+    assert [s.graphed for s in segs] == [True, False, True]
+    assert "cudagraph_unsafe" in segs[1].splits[0].reason
+
+
+def test_a_cpu_scalar_argument_is_read_eagerly_a_graph_would_keep_its_value() -> None:
+    def f(x, s):
+        return (x * s).relu()
+
+    gm = torch.fx.symbolic_trace(f)
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    with mode:
+        args = [torch.empty(4, 4, device=META), torch.empty((), device="cpu")]
+    FakeTensorProp(gm, mode).propagate(*args)
+    segs = split_graph(gm, device=META)
+    assert _layout(segs) == [(False, ["mul"]), (True, ["relu"])]
+    assert "CPU scalar tensor (s)" in segs[0].splits[0].reason

@@ -117,3 +117,31 @@ def test_the_fast_first_check_agrees_with_the_full_one() -> None:
     del kept
     assert alone == _FIRST_REFS
     assert held != _FIRST_REFS
+
+
+def test_held_sees_a_watched_output_saved_by_autograd_and_nothing_else() -> None:
+    # A forward graph's saved activations are watched: while autograd keeps one (its backward
+    # has not run), the next replay would overwrite it. Other outputs, kept or viewed, do not count.
+    from torchreplay.core.outputs import Outputs
+
+    out = [torch.randn(4, 3), torch.randn(4, 3)]
+    outputs = Outputs(out, "static", "g", lambda t: True, watch=frozenset({1}))
+    user, saved = outputs.emit()
+    assert not outputs.held()
+    w = torch.randn(4, 3, requires_grad=True)
+    pending = w * saved  # saves `saved` for the gradient of w
+    assert outputs.held()
+    kept = [user, user.view(-1)]  # the caller keeping the user output is not a pending backward
+    del pending
+    assert not outputs.held()
+    assert kept
+
+
+def test_clone_outputs_are_never_held() -> None:
+    from torchreplay.core.outputs import Outputs
+
+    outputs = Outputs([torch.randn(4, 3)], "clone", "g", lambda t: True, watch=frozenset({0}))
+    (saved,) = outputs.emit()
+    pending = torch.randn(4, 3, requires_grad=True) * saved
+    assert not outputs.held()  # a clone is the caller's own memory: a replay cannot touch it
+    assert pending is not None
