@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("torchreplay.check",),
     ("torchreplay.core",),
     ("torchreplay.sizes", "torchreplay.training", "torchreplay.pieces"),
-    ("torchreplay.compile",),
+    ("torchreplay.compile", "torchreplay.breaks"),
     ("torchreplay",),  # __init__: the public names
     ("torchreplay.bench",),
     ("torchreplay.cli",),

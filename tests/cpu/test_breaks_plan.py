@@ -1,0 +1,147 @@
+"""The segment plan of breakable graphs (``breaks=``), on the CPU: which calls become breaks, in
+what order, and which of their arguments are re-bound from each call or frozen; option errors.
+The interception is undone afterwards and the model's result is eager's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from torchreplay.breaks.plan import plan_breaks, resolve_breaks
+from torchreplay.errors import CaptureError, UnsupportedError
+
+
+@torch.library.custom_op("trbreaks::host_attention", mutates_args=())
+def host_attention(q: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    # reads host-side sequence lengths: what cannot be captured
+    out = q.clone()
+    for i, n in enumerate(lengths.tolist()):
+        out[i, n:] = 0
+    return out * scale
+
+
+@host_attention.register_fake
+def _(q, lengths, scale):
+    return torch.empty_like(q)
+
+
+def scaled_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / (x.norm(dim=-1, keepdim=True) + eps)
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, h, lengths):
+        return torch.ops.trbreaks.host_attention(self.q(h), lengths, 0.5)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Attention()
+        self.mlp = nn.Linear(8, 8)
+
+    def forward(self, h, lengths):
+        return self.mlp(scaled_norm(self.attn(h, lengths), 1e-6)) + h
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x, lengths, eps=1e-6):
+        h = x * 2
+        for b in self.blocks:
+            h = b(h, lengths)
+        return h
+
+
+def _sample():
+    torch.manual_seed(0)
+    return Model().eval(), torch.randn(3, 5, 8), torch.tensor([5, 2, 4])
+
+
+@pytest.mark.parametrize("breaks", [[Attention], ["trbreaks.host_attention"], ["trbreaks::host_attention"]])
+def test_every_call_of_a_class_or_op_is_a_break_and_host_lengths_are_rebound(breaks) -> None:
+    model, x, lengths = _sample()
+    with torch.no_grad():
+        want = model(x, lengths)
+        assert torch.equal(model(x, lengths), want)
+        # On the meta device (as on a GPU) a tensor made inside the model is a device tensor.
+        model, x = model.to("meta"), x.to("meta")
+        calls = plan_breaks(model, (x, lengths), None, breaks)
+    assert [c.index for c in calls] == [0, 1]
+    for call in calls:
+        rules = {r.path: (r.kind, r.source) for r in call.rules}
+        # the hidden state: made inside the model, read where the segment before left it
+        assert rules["args[0]"] == ("tensor", "")
+        # the caller's host-side lengths: taken from each call, never frozen
+        assert rules["args[1]"] == ("rebound", "args[1]")
+        if breaks != [Attention]:
+            assert rules["args[2]"] == ("constant", "")  # the scale, computed inside
+        assert "test_breaks_plan.py:" in call.where  # the model's line that called it
+
+
+def test_the_interception_is_undone_and_the_result_is_eagers() -> None:
+    model, x, lengths = _sample()
+    with torch.no_grad():
+        want = model(x, lengths)
+        plan_breaks(model, (x, lengths), None, [Attention, scaled_norm])
+        assert torch.equal(model(x, lengths), want)
+    assert "forward" not in model.blocks[0].attn.__dict__
+    assert globals()["scaled_norm"].__name__ == "scaled_norm"
+
+
+def test_a_module_instance_breaks_only_there() -> None:
+    model, x, lengths = _sample()
+    with torch.no_grad():
+        calls = plan_breaks(model, (x, lengths), None, [model.blocks[1].attn])
+    assert len(calls) == 1 and calls[0].brk.kind == "module"
+
+
+def test_a_function_is_a_break_where_the_model_calls_it() -> None:
+    model, x, lengths = _sample()
+    with torch.no_grad():
+        want = model(x, lengths)
+        calls = plan_breaks(model, (x, lengths), None, [scaled_norm])
+        assert torch.equal(model(x, lengths), want)
+    assert [c.brk.kind for c in calls] == ["function", "function"]
+    rules = {r.path: r.kind for r in calls[0].rules}
+    assert rules == {"args[0]": "constant", "args[1]": "constant"}  # a CPU tensor made inside; eps
+
+
+def test_a_break_inside_a_break_runs_as_part_of_it() -> None:
+    model, x, lengths = _sample()
+    with torch.no_grad():
+        calls = plan_breaks(model, (x, lengths), None, [Attention, "trbreaks.host_attention"])
+    assert [c.brk.kind for c in calls] == ["class", "class"]
+
+
+def test_a_caller_number_is_rebound_by_value_a_computed_one_is_constant() -> None:
+    def fn(x, n):
+        return torch.ops.trbreaks.host_attention(x, torch.tensor([n, n]), 2.0)
+
+    calls = plan_breaks(fn, (torch.randn(2, 4, 8), 3), None, ["trbreaks.host_attention"])
+    rules = {r.path: (r.kind, r.source) for r in calls[0].rules}
+    assert rules["args[0]"] == ("rebound", "args[0]")  # the caller's tensor (a CPU one here)
+    assert rules["args[1]"] == ("constant", "")  # a tensor the function made
+    assert rules["args[2]"] == ("constant", "")
+
+
+def test_option_errors_name_the_entry_and_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"breaks\[1\] = 'nolib.nothing': no such op"):
+        resolve_breaks([Attention, "nolib.nothing"])
+    with pytest.raises(ValueError, match=r"breaks\[0\] = 3 \(int\)"):
+        resolve_breaks([3])
+    with pytest.raises(UnsupportedError, match="not built yet"):
+        resolve_breaks("auto")
+    model, x, lengths = _sample()
+    with pytest.raises(CaptureError, match="never ran during the sample call"):
+        plan_breaks(model, (x, lengths), None, [nn.Conv2d])
+    assert resolve_breaks(None) == ()
+    assert [b.kind for b in resolve_breaks(Attention)] == ["class"]

@@ -1,0 +1,339 @@
+"""Which calls of a model run eagerly between graph segments (``breaks=``), and what each one reads.
+
+Groundwork of breakable graphs (issue 11; the capture driver that stops and resumes stream capture
+at each break is not built yet, and nothing public uses this module). A break is named by:
+
+- a module instance (that one submodule) or a module class (every instance of it in the model):
+  its ``forward`` is wrapped while the model runs;
+- a Python function: the names that refer to it in the globals of the model's code (the
+  ``forward`` of every submodule's class, or the function itself) are rebound while the model runs;
+- an op: a ``torch.library`` custom op or an aten op, as an op object or a name (``"mylib.attn"``,
+  ``"mylib::attn"``, ``"aten.nonzero"``, with or without an overload): seen at dispatch by a
+  ``TorchDispatchMode``.
+
+The rule for what a break reads, fixed at capture and applied at each replay:
+
+- a tensor the caller passed (one of the call's own argument leaves): the graph's input buffer
+  holds this call's contents, so the break reads it there (``"argument"``);
+- a tensor made inside the model: read where the segment before the break left it (``"tensor"``);
+- a non-tensor or CPU value the caller passed (a sequence length, a block table on the host): taken
+  from this call's argument at the same path, never frozen (``"rebound"``);
+- any other value (computed inside the model): a constant, the value at capture (``"constant"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import types
+from typing import Any, Callable, Iterator, Literal, Sequence
+
+import torch
+import torch.nn as nn
+
+from torchreplay import _compat
+from torchreplay.errors import CaptureError, UnsupportedError
+
+__all__ = ["Break", "ArgRule", "BreakCall", "resolve_breaks", "intercept", "plan_breaks"]
+
+BreakKind = Literal["module", "class", "function", "op"]
+RuleKind = Literal["argument", "tensor", "rebound", "constant"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Break:
+    """One entry of ``breaks=``, resolved."""
+
+    kind: BreakKind
+    target: Any
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgRule:
+    """Where one leaf of a break's arguments comes from at replay.
+
+    Attributes:
+        path: the leaf in the break's call, e.g. ``"args[1]"`` or ``"kwargs['lengths']"``.
+        kind: ``"argument"``, ``"tensor"``, ``"rebound"`` or ``"constant"`` (see the module).
+        source: for ``"argument"`` and ``"rebound"``: the path of the caller's leaf.
+    """
+
+    path: str
+    kind: RuleKind
+    source: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class BreakCall:
+    """One call of a break during the sample call, in order."""
+
+    index: int
+    brk: Break
+    rules: tuple[ArgRule, ...]
+    where: str
+
+
+def resolve_breaks(breaks: Any) -> tuple[Break, ...]:
+    """Check ``breaks=`` and resolve each entry to a :class:`Break`.
+
+    Raises:
+        ValueError: an entry that is none of the kinds above, or an op name that torch does not
+            know, named with its position.
+        UnsupportedError: ``breaks="auto"`` (finding the breaks by itself is not built yet).
+    """
+    if breaks is None:
+        return ()
+    if isinstance(breaks, str) and breaks == "auto":
+        raise UnsupportedError(
+            'breaks="auto" is not built yet: name the modules, functions or ops to run eagerly, '
+            "e.g. breaks=[Attention] or breaks=['mylib.attention']"
+        )
+    if isinstance(breaks, (str, nn.Module, type)) or not isinstance(breaks, (list, tuple)):
+        breaks = [breaks]
+    out = []
+    for i, b in enumerate(breaks):
+        if isinstance(b, nn.Module):
+            out.append(Break("module", b, type(b).__name__))
+        elif isinstance(b, type) and issubclass(b, nn.Module):
+            out.append(Break("class", b, b.__name__))
+        elif isinstance(b, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            out.append(Break("op", _packet(b), str(_packet(b))))
+        elif isinstance(b, str):
+            op = _op_by_name(b)
+            if op is None:
+                raise ValueError(
+                    f"breaks[{i}] = {b!r}: no such op; name a torch.library op as 'ns.op' or "
+                    "'ns::op' (it must be registered before the call), or an aten op as "
+                    "'aten.nonzero'"
+                )
+            out.append(Break("op", op, str(op)))
+        elif isinstance(b, types.FunctionType):
+            out.append(Break("function", b, b.__qualname__))
+        else:
+            raise ValueError(
+                f"breaks[{i}] = {b!r} ({type(b).__name__}): expected a module instance or class, a "
+                "Python function, an op object or an op name"
+            )
+    return tuple(out)
+
+
+def _packet(op: Any) -> Any:
+    return getattr(op, "overloadpacket", op)
+
+
+def _op_by_name(name: str) -> Any:
+    parts = name.replace("::", ".").split(".")
+    if len(parts) < 2:
+        return None
+    ns, op_name = parts[0], parts[1]
+    try:
+        return getattr(getattr(torch.ops, ns), op_name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+class _OpBreaks(_compat.LightDispatchMode):
+    """Runs ``on_op(brk, call, args, kwargs)`` for each op that is a break."""
+
+    def __init__(self, ops: dict[Any, Break], on_op: Callable[..., Any]) -> None:
+        super().__init__()
+        self.ops = ops
+        self.on_op = on_op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        brk = self.ops.get(_packet(func))
+        if brk is None:
+            return func(*args, **kwargs)
+        return self.on_op(brk, func, args, kwargs)
+
+
+@contextlib.contextmanager
+def intercept(
+    fn: Callable[..., Any],
+    breaks: Sequence[Break],
+    on_break: Callable[..., Any],
+    reached: set[Break] | None = None,
+) -> Iterator[None]:
+    """While the context is open, each call of a break in ``fn`` goes to
+    ``on_break(brk, call, args, kwargs)``, where ``call(*args, **kwargs)`` runs the break itself.
+    A break called inside another break runs as is (part of the outer one). ``reached`` collects
+    every break called, nested ones included. Everything is put back on exit."""
+    inside = [False]
+
+    def dispatch(brk: Break, call: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        if reached is not None:
+            reached.add(brk)
+        if inside[0]:
+            return call(*args, **kwargs)
+        inside[0] = True
+        try:
+            return on_break(brk, call, args, kwargs)
+        finally:
+            inside[0] = False
+
+    undo: list[Callable[[], None]] = []
+    modules = _modules_of(fn)
+    try:
+        for brk in breaks:
+            if brk.kind in ("module", "class"):
+                targets = [brk.target] if brk.kind == "module" else [
+                    m for m in modules if isinstance(m, brk.target)
+                ]
+                for m in targets:
+                    undo.append(_wrap_forward(m, brk, dispatch))
+            elif brk.kind == "function":
+                for namespace in _namespaces(fn, modules):
+                    for key, value in list(namespace.items()):
+                        if value is brk.target:
+                            undo.append(_rebind(namespace, key, brk, dispatch))
+        ops = {brk.target: brk for brk in breaks if brk.kind == "op"}
+        with _OpBreaks(ops, dispatch) if ops else contextlib.nullcontext():
+            yield
+    finally:
+        for u in reversed(undo):
+            u()
+
+
+def _modules_of(fn: Callable[..., Any]) -> list[nn.Module]:
+    owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+    return list(owner.modules()) if isinstance(owner, nn.Module) else []
+
+
+def _namespaces(fn: Callable[..., Any], modules: list[nn.Module]) -> list[dict[str, Any]]:
+    """The globals of the model's code: each submodule class's ``forward``, and ``fn`` itself."""
+    seen: dict[int, dict[str, Any]] = {}
+    code = [fn] + [type(m).forward for m in modules]
+    for f in code:
+        g = getattr(inspect.unwrap(getattr(f, "__func__", f)), "__globals__", None)
+        if isinstance(g, dict):
+            seen[id(g)] = g
+    return list(seen.values())
+
+
+def _wrap_forward(m: nn.Module, brk: Break, dispatch: Callable[..., Any]) -> Callable[[], None]:
+    had = "forward" in m.__dict__
+    original = m.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return dispatch(brk, original, args, kwargs)
+
+    m.forward = forward  # type: ignore[method-assign]
+
+    def undo() -> None:
+        if had:
+            m.forward = original  # type: ignore[method-assign]
+        else:
+            del m.forward
+
+    return undo
+
+
+def _rebind(namespace: dict[str, Any], key: str, brk: Break, dispatch: Callable[..., Any]) -> Callable[[], None]:
+    original = namespace[key]
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return dispatch(brk, original, args, kwargs)
+
+    namespace[key] = wrapper
+
+    def undo() -> None:
+        namespace[key] = original
+
+    return undo
+
+
+def plan_breaks(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None,
+    breaks: Any,
+) -> list[BreakCall]:
+    """Run ``fn(*args, **kwargs)`` once, eagerly, and return each break call with the rule for
+    each of its argument leaves (the segment plan a capture would follow).
+
+    Raises:
+        CaptureError: a break in ``breaks`` that the call never reached (nothing to break at).
+    """
+    kwargs = dict(kwargs or {})
+    resolved = resolve_breaks(breaks)
+    caller = _leaves_by_id(("args", tuple(args)), ("kwargs", kwargs))
+    calls: list[BreakCall] = []
+
+    def record(brk: Break, call: Callable[..., Any], a: Any, k: Any) -> Any:
+        rules = []
+        for path, leaf in _leaves(("args", tuple(a)), ("kwargs", dict(k))):
+            source = _source(caller, leaf)
+            if source is not None and isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu":
+                rules.append(ArgRule(path, "argument", source))
+            elif source is not None:
+                rules.append(ArgRule(path, "rebound", source))
+            elif isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu":
+                rules.append(ArgRule(path, "tensor"))
+            else:
+                rules.append(ArgRule(path, "constant"))
+        calls.append(BreakCall(len(calls), brk, tuple(rules), _user_line()))
+        return call(*a, **k)
+
+    reached: set[Break] = set()
+    with intercept(fn, resolved, record, reached):
+        fn(*args, **kwargs)
+    missing = [b.name for b in resolved if b not in reached]
+    if missing:
+        raise CaptureError(
+            f"breaks: {', '.join(missing)} never ran during the sample call, so there is nothing "
+            "to break at; check the names, or leave them out of breaks="
+        )
+    return calls
+
+
+def _leaves(*roots: tuple[str, Any]) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+
+    def walk(path: str, value: Any) -> None:
+        if isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{path}[{i}]", v)
+        elif isinstance(value, dict):
+            for key, v in value.items():
+                walk(f"{path}[{key!r}]", v)
+        else:
+            out.append((path, value))
+
+    for name, value in roots:
+        walk(name, value)
+    return out
+
+
+def _leaves_by_id(*roots: tuple[str, Any]) -> dict[Any, str]:
+    """The caller's leaves, found again in a break's arguments: tensors and other objects by
+    identity; plain numbers by value (Python shares small ints, so identity says nothing of
+    them), when exactly one of the caller's leaves has that value."""
+    found: dict[Any, str] = {}
+    by_value: dict[Any, list[str]] = {}
+    for path, v in _leaves(*roots):
+        if isinstance(v, (bool, int, float)):
+            by_value.setdefault((type(v), v), []).append(path)
+        elif v is not None and not isinstance(v, str):
+            found[id(v)] = path
+    for key, paths in by_value.items():
+        if len(paths) == 1:
+            found[key] = paths[0]
+    return found
+
+
+def _source(caller: dict[Any, str], leaf: Any) -> str | None:
+    if isinstance(leaf, (bool, int, float)):
+        return caller.get((type(leaf), leaf))
+    return caller.get(id(leaf))
+
+
+def _user_line() -> str:
+    """The first frame outside torchreplay and torch: where the model called the break."""
+    for frame in inspect.stack()[2:]:
+        f = frame.filename
+        if "/torchreplay/" not in f and "/torch/" not in f and "contextlib" not in f:
+            return f"{f}:{frame.lineno}"
+    return ""
