@@ -11,10 +11,13 @@ runs each on a :class:`~torchreplay.pieces.runtime.PiecewiseRuntime` of its own 
   held (a second forward before the first backward, ``model(a).sum() + model(b).sum()``), a call
   runs its compiled code without the graph, into fresh memory, counted. Never an overwritten
   activation.
-- backward: the saved activations are read in place, where the forward's replay left them; a
-  call whose forward ran without its graph (they are elsewhere) runs ungraphed too. Gradients
-  are handed out as clones (``AccumulateGrad`` may keep a gradient as ``.grad``: a view of the
-  pool would be overwritten by the next backward).
+- backward: the saved values that lie in the forward's pool (and parameters) are read in place,
+  where the forward's replay left them; the others (an input the forward saved as is) are copied
+  in. Which is which is decided at the first backward. A call whose forward ran without its graph
+  (its activations are elsewhere) runs ungraphed too. The values read in place are put back
+  after capture (Inductor may reuse the memory of the last reads as scratch: donated buffers).
+  Gradients are handed out as clones (``AccumulateGrad`` may keep a gradient as ``.grad``: a
+  view of the pool would be overwritten by the next backward).
 
 Eager pieces (what cannot be captured) run between them with ordinary autograd.
 """

@@ -517,6 +517,7 @@ class PiecewiseRuntime:
                 reset=reset if initial else None,
             )
         except CaptureError as exc:
+            reset()  # the piece runs ungraphed next, from the call's state
             if self.strict:
                 raise CaptureError(f"'{self.name}' {piece.name}: {exc} (strict=True)") from exc
             self._graphable[k] = False
