@@ -108,8 +108,7 @@ class _NonzeroBetween(_TwoBlocks):
         return self.b(h), idx
 
 
-def test_nonzero_between_two_blocks() -> None:
-    model = _NonzeroBetween().to(DEV).eval()
+def _nonzero_equals_eager(model: nn.Module) -> tr.Compiled:
     c = tr.compile(model)
     with torch.no_grad():
         for _ in range(CALLS):
@@ -118,19 +117,17 @@ def test_nonzero_between_two_blocks() -> None:
             wy, widx = model(x)
             _close(y, wy)
             assert torch.equal(idx, widx)
+    return c
+
+
+def test_nonzero_between_two_blocks() -> None:
+    _nonzero_equals_eager(_NonzeroBetween().to(DEV).eval())
 
 
 def test_nonzero_inside_one_fx_graph_is_an_eager_piece() -> None:
     model = _NonzeroBetween().to(DEV).eval()
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        c = tr.compile(model)
-        with torch.no_grad():
-            for _ in range(CALLS):
-                x = torch.randn(8, 64, device=DEV)
-                y, idx = c(x)
-                wy, widx = model(x)
-                _close(y, wy)
-                assert torch.equal(idx, widx)
+        c = _nonzero_equals_eager(model)
     report = tr.explain(c)
     assert "nonzero" in report, report
 
