@@ -21,9 +21,10 @@ from torchreplay.errors import (
     VerifyError,
 )
 from torchreplay.compile import Compiled, compile, explain
+from torchreplay.breaks.graph import BreakableGraph
 from torchreplay.core.graphed import Graphed
 from torchreplay.core.pool import Pool
-from torchreplay.sizes.api import graph
+from torchreplay.api import graph
 from torchreplay.sizes.bucketed import BucketedGraph
 from torchreplay.sizes.plan import default_sizes
 from torchreplay.stats import GraphStats, TrainingStats
@@ -37,8 +38,9 @@ __all__ = [
     "graph",
     "Graphed",
     "Pool",
-    # many sizes
+    # many sizes, breakable graphs
     "BucketedGraph",
+    "BreakableGraph",
     "default_sizes",
     # torch.compile backend (backend="torchreplay")
     "compile",

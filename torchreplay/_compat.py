@@ -129,6 +129,18 @@ tensor_from_storage: Callable[[dict[str, Any], torch.UntypedStorage], torch.Tens
 )
 
 
+def weak_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory that does not keep that memory allocated (``t`` itself where
+    this torch cannot build one). For values in a graph pool whose graphs keep the pool: once the
+    last owner is gone, later captures in the pool may use the memory as well."""
+    if _construct_storage is None:
+        return t
+    st = t.untyped_storage()
+    storage = _construct_storage(st.data_ptr(), t.device, st.nbytes())
+    out = torch.empty((0,), dtype=t.dtype, device=t.device)
+    return out.set_(storage, t.storage_offset(), t.shape, t.stride())
+
+
 def invalidate_storage(storage: torch.UntypedStorage, message: str) -> None:
     """Make every later read of ``storage`` (and of every view of it) raise ``message``."""
     assert _set_storage_error is not None

@@ -81,7 +81,7 @@ def test_every_call_of_a_class_or_op_is_a_break_and_host_lengths_are_rebound(bre
         # the hidden state: made inside the model, read where the segment before left it
         assert rules["args[0]"] == ("tensor", "")
         # the caller's host-side lengths: taken from each call, never frozen
-        assert rules["args[1]"] == ("rebound", "args[1]")
+        assert rules["args[1]"] == ("rebound", "args[1] 'lengths'")
         if breaks != [Attention]:
             assert rules["args[2]"] == ("constant", "")  # the scale, computed inside
         assert "test_breaks_plan.py:" in call.where  # the model's line that called it
@@ -128,7 +128,7 @@ def test_a_caller_number_is_rebound_by_value_a_computed_one_is_constant() -> Non
 
     calls = plan_breaks(fn, (torch.randn(2, 4, 8), 3), None, ["trbreaks.host_attention"])
     rules = {r.path: (r.kind, r.source) for r in calls[0].rules}
-    assert rules["args[0]"] == ("rebound", "args[0]")  # the caller's tensor (a CPU one here)
+    assert rules["args[0]"] == ("rebound", "args[0] 'x'")  # the caller's tensor (a CPU one here)
     assert rules["args[1]"] == ("constant", "")  # a tensor the function made
     assert rules["args[2]"] == ("constant", "")
 

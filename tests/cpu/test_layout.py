@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("torchreplay.core",),
     ("torchreplay.sizes", "torchreplay.training", "torchreplay.pieces"),
     ("torchreplay.compile", "torchreplay.breaks"),
+    ("torchreplay.api",),  # tr.graph: one shape, sizes or breaks
     ("torchreplay",),  # __init__: the public names
     ("torchreplay.bench",),
     ("torchreplay.cli",),

@@ -1,7 +1,6 @@
 """Which calls of a model run eagerly between graph segments (``breaks=``), and what each one reads.
 
-Groundwork of breakable graphs (issue 11; the capture driver that stops and resumes stream capture
-at each break is not built yet, and nothing public uses this module). A break is named by:
+What ``tr.graph(..., breaks=...)`` (:mod:`torchreplay.breaks.graph`) breaks at. A break is named by:
 
 - a module instance (that one submodule) or a module class (every instance of it in the model):
   its ``forward`` is wrapped while the model runs;
@@ -33,9 +32,13 @@ import torch
 import torch.nn as nn
 
 from torchreplay import _compat
+from torchreplay.core.args import CallArgs, format_path
 from torchreplay.errors import CaptureError, UnsupportedError
 
-__all__ = ["Break", "ArgRule", "BreakCall", "resolve_breaks", "intercept", "plan_breaks"]
+__all__ = [
+    "Break", "ArgRule", "BreakCall", "Recorder", "resolve_breaks", "intercept", "plan_breaks",
+    "check_reached",
+]
 
 BreakKind = Literal["module", "class", "function", "op"]
 RuleKind = Literal["argument", "tensor", "rebound", "constant"]
@@ -57,22 +60,41 @@ class ArgRule:
     Attributes:
         path: the leaf in the break's call, e.g. ``"args[1]"`` or ``"kwargs['lengths']"``.
         kind: ``"argument"``, ``"tensor"``, ``"rebound"`` or ``"constant"`` (see the module).
-        source: for ``"argument"`` and ``"rebound"``: the path of the caller's leaf.
+        source: for ``"argument"`` and ``"rebound"``: the name of the caller's leaf.
+        leaf: for ``"argument"`` and ``"rebound"``: its position in the call's flat leaves.
     """
 
     path: str
     kind: RuleKind
     source: str = ""
+    leaf: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class BreakCall:
-    """One call of a break during the sample call, in order."""
+    """One call of a break during a run of the model, in order, with what it got and gave.
+
+    Attributes:
+        index: its place among the run's break calls.
+        brk: the break.
+        rules: per leaf of its arguments, where the leaf comes from at replay.
+        where: the model's ``file:line`` that called it.
+        call: what runs the break itself (the module's own ``forward``, the function, the op).
+        spec: the pytree structure of its ``(args, kwargs)``.
+        values: its argument leaves in this run.
+        outputs: its output leaves in this run.
+        out_spec: the pytree structure of its output.
+    """
 
     index: int
     brk: Break
     rules: tuple[ArgRule, ...]
     where: str
+    call: Callable[..., Any] = dataclasses.field(repr=False, compare=False, default=print)
+    spec: Any = dataclasses.field(repr=False, compare=False, default=None)
+    values: tuple[Any, ...] = dataclasses.field(repr=False, compare=False, default=())
+    outputs: tuple[Any, ...] = dataclasses.field(repr=False, compare=False, default=())
+    out_spec: Any = dataclasses.field(repr=False, compare=False, default=None)
 
 
 def resolve_breaks(breaks: Any) -> tuple[Break, ...]:
@@ -245,6 +267,51 @@ def _rebind(namespace: dict[str, Any], key: str, brk: Break, dispatch: Callable[
     return undo
 
 
+class Recorder:
+    """The ``on_break`` of :func:`intercept` that records each break call (a
+    :class:`BreakCall`) and runs it: ``run(record, call, args, kwargs)`` when given (a capture
+    stops there, and may hand the model other tensors than the break's own), else the call.
+
+    Args:
+        leaves, paths: the call's flat argument leaves (as the model sees them: a graph's
+            static buffers) and their names.
+    """
+
+    def __init__(
+        self,
+        leaves: Sequence[Any],
+        paths: Sequence[str],
+        run: Callable[[BreakCall, Callable[..., Any], Any, Any], Any] | None = None,
+    ) -> None:
+        self._caller = _leaves_by_id(leaves)
+        self._paths = list(paths)
+        self._run = run
+        self.calls: list[BreakCall] = []
+
+    def __call__(self, brk: Break, call: Callable[..., Any], a: Any, k: Any) -> Any:
+        flat, spec = _compat.tree_flatten_with_path((tuple(a), dict(k)))
+        rules = []
+        for keypath, leaf in flat:
+            path = format_path(keypath, ())
+            i = _source(self._caller, leaf)
+            source = self._paths[i] if i is not None else ""
+            if i is not None and isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu":
+                rules.append(ArgRule(path, "argument", source, i))
+            elif i is not None:
+                rules.append(ArgRule(path, "rebound", source, i))
+            elif isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu":
+                rules.append(ArgRule(path, "tensor"))
+            else:
+                rules.append(ArgRule(path, "constant"))
+        record = BreakCall(
+            len(self.calls), brk, tuple(rules), _user_line(), call, spec, tuple(v for _, v in flat)
+        )
+        out = call(*a, **k) if self._run is None else self._run(record, call, a, k)
+        outs, out_spec = _compat.tree_flatten(out)
+        self.calls.append(dataclasses.replace(record, outputs=tuple(outs), out_spec=out_spec))
+        return out
+
+
 def plan_breaks(
     fn: Callable[..., Any],
     args: Sequence[Any],
@@ -252,79 +319,49 @@ def plan_breaks(
     breaks: Any,
 ) -> list[BreakCall]:
     """Run ``fn(*args, **kwargs)`` once, eagerly, and return each break call with the rule for
-    each of its argument leaves (the segment plan a capture would follow).
+    each of its argument leaves (the segment plan a capture follows).
 
     Raises:
         CaptureError: a break in ``breaks`` that the call never reached (nothing to break at).
     """
-    kwargs = dict(kwargs or {})
+    call = CallArgs(fn, args, dict(kwargs or {}))
     resolved = resolve_breaks(breaks)
-    caller = _leaves_by_id(("args", tuple(args)), ("kwargs", kwargs))
-    calls: list[BreakCall] = []
-
-    def record(brk: Break, call: Callable[..., Any], a: Any, k: Any) -> Any:
-        rules = []
-        for path, leaf in _leaves(("args", tuple(a)), ("kwargs", dict(k))):
-            source = _source(caller, leaf)
-            if source is not None and isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu":
-                rules.append(ArgRule(path, "argument", source))
-            elif source is not None:
-                rules.append(ArgRule(path, "rebound", source))
-            elif isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu":
-                rules.append(ArgRule(path, "tensor"))
-            else:
-                rules.append(ArgRule(path, "constant"))
-        calls.append(BreakCall(len(calls), brk, tuple(rules), _user_line()))
-        return call(*a, **k)
-
+    recorder = Recorder(call.leaves, call.paths)
     reached: set[Break] = set()
-    with intercept(fn, resolved, record, reached):
-        fn(*args, **kwargs)
+    with intercept(fn, resolved, recorder, reached):
+        fn(*call.args, **call.kwargs)
+    check_reached(resolved, reached)
+    return recorder.calls
+
+
+def check_reached(resolved: Sequence[Break], reached: set[Break]) -> None:
+    """Raise when a break of ``breaks=`` never ran (a wrong name breaks nothing, silently)."""
     missing = [b.name for b in resolved if b not in reached]
     if missing:
         raise CaptureError(
             f"breaks: {', '.join(missing)} never ran during the sample call, so there is nothing "
             "to break at; check the names, or leave them out of breaks="
         )
-    return calls
 
 
-def _leaves(*roots: tuple[str, Any]) -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-
-    def walk(path: str, value: Any) -> None:
-        if isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                walk(f"{path}[{i}]", v)
-        elif isinstance(value, dict):
-            for key, v in value.items():
-                walk(f"{path}[{key!r}]", v)
-        else:
-            out.append((path, value))
-
-    for name, value in roots:
-        walk(name, value)
-    return out
-
-
-def _leaves_by_id(*roots: tuple[str, Any]) -> dict[Any, str]:
+def _leaves_by_id(leaves: Sequence[Any]) -> dict[Any, int]:
     """The caller's leaves, found again in a break's arguments: tensors and other objects by
     identity; plain numbers by value (Python shares small ints, so identity says nothing of
     them), when exactly one of the caller's leaves has that value."""
-    found: dict[Any, str] = {}
-    by_value: dict[Any, list[str]] = {}
-    for path, v in _leaves(*roots):
+    found: dict[Any, int] = {}
+    by_value: dict[Any, list[int]] = {}
+    for i, v in enumerate(leaves):
         if isinstance(v, (bool, int, float)):
-            by_value.setdefault((type(v), v), []).append(path)
+            by_value.setdefault((type(v), v), []).append(i)
         elif v is not None and not isinstance(v, str):
-            found[id(v)] = path
-    for key, paths in by_value.items():
-        if len(paths) == 1:
-            found[key] = paths[0]
+            found[id(v)] = i
+    for key, idx in by_value.items():
+        if len(idx) == 1:
+            found[key] = idx[0]
     return found
 
 
-def _source(caller: dict[Any, str], leaf: Any) -> str | None:
+def _source(caller: dict[Any, int], leaf: Any) -> int | None:
     if isinstance(leaf, (bool, int, float)):
         return caller.get((type(leaf), leaf))
     return caller.get(id(leaf))

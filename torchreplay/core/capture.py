@@ -34,6 +34,7 @@ from torchreplay.errors import CaptureError
 
 __all__ = [
     "Captured",
+    "Segments",
     "capture",
     "side_stream",
     "on_side_stream",
@@ -127,6 +128,57 @@ class Captured:
     seconds: float
     #: Positions in ``watch`` of the tensors the captured call wrote (empty when nothing was watched).
     written: tuple[int, ...] = ()
+    #: With ``segmented``: every segment's graph in order, ``None`` for a segment that recorded
+    #: no CUDA work (two breaks in a row); otherwise ``[graph]``.
+    graphs: tuple[torch.cuda.CUDAGraph | None, ...] = ()
+
+
+class Segments:
+    """The graphs of one captured call, in order: one, or several when the capture is stopped
+    and resumed (:meth:`cut`, :meth:`resume`) around work that runs eagerly (breakable graphs).
+
+    Every graph allocates from the same pool; each is ended before the next begins, so what
+    runs between two of them runs eagerly, on the capture stream, for real.
+    """
+
+    def __init__(self, pool: Pool, mode: str) -> None:
+        self._pool = pool
+        self._mode = mode
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.empty: list[bool] = []
+        #: the graph whose capture began and has not ended (``None`` between segments)
+        self.open: torch.cuda.CUDAGraph | None = None
+
+    def resume(self) -> None:
+        """Begin capturing the next segment."""
+        graph = torch.cuda.CUDAGraph()
+        # The capture's cuBLAS workspace must live in the graph's pool (see _compat).
+        _compat.clear_cublas_workspaces()
+        graph.capture_begin(pool=self._pool.handle, capture_error_mode=self._mode)
+        self.open = graph
+
+    def cut(self) -> torch.cuda.CUDAGraph | None:
+        """End the segment being captured; return its graph, or ``None`` when it recorded no
+        CUDA work. An empty graph is kept (and destroyed with the others) until the whole
+        capture is over: releasing it now could give back the pool's last reference."""
+        graph = self.open
+        assert graph is not None, "cut() with no segment open"
+        # torch warns at every capture_end that recorded no node (TORCH_WARN, not once).
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            graph.capture_end()
+        self.open = None
+        _compat.clear_cublas_workspaces()
+        empty = any("graph is empty" in str(w.message).lower() for w in caught)
+        self.graphs.append(graph)
+        self.empty.append(empty)
+        return None if empty else graph
+
+    def release(self) -> None:
+        """Destroy every ended graph (an undone capture, or the empty segments of a good one)."""
+        for graph in self.graphs:
+            with contextlib.suppress(Exception):
+                graph.reset()
 
 
 @contextlib.contextmanager
@@ -173,6 +225,7 @@ def capture(
     snapshot: StateSnapshot | None = None,
     watch: Sequence[torch.Tensor] = (),
     reset: Callable[[], None] | None = None,
+    segmented: Callable[[Segments], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> Captured:
     """Warm ``fn`` up on ``stream`` and capture one call of it into a new graph in ``pool``.
 
@@ -189,9 +242,12 @@ def capture(
         snapshot: restored after a failure (the caller restores it after success).
         watch: tensors (the static inputs) whose in-place writes by the captured call are
             recorded in ``Captured.written`` (:class:`~torchreplay.core.writes.WriteWatch`).
-        reset: called before each warm-up call: puts back what the last one wrote in place, so
-            that every warm-up sees the call's state (a counter the callable increments and
-            indexes with would otherwise run past its end).
+        reset: called before each warm-up call and before the capture: puts back what the
+            last one wrote in place, so that every run sees the call's state (a counter the
+            callable increments and indexes with would otherwise run past its end).
+        segmented: a context manager factory entered around the captured call with its
+            :class:`Segments`; code inside may cut the capture and resume it (breakable
+            graphs). ``Captured.graphs`` then holds every segment.
 
     Returns:
         the graph, the output of the captured call (living in the pool), and the seconds taken.
@@ -214,81 +270,73 @@ def capture(
                     raise _warmup_error(fn, i, exc) from exc
             stream.synchronize()  # surface asynchronous warm-up errors before capture begins
 
-        graph = torch.cuda.CUDAGraph()
+        segments = Segments(pool, config.capture_error_mode)
         watcher = WriteWatch(watch) if watch else contextlib.nullcontext()
         out = None
-        began = ended = False
-        caught: list[warnings.WarningMessage] = []
         try:
             with _gc_paused():
-                # The capture's cuBLAS workspace must live in the graph's pool (see _compat).
-                _compat.clear_cublas_workspaces()
-                graph.capture_begin(
-                    pool=pool.handle, capture_error_mode=config.capture_error_mode
-                )
-                began = True
+                if reset is not None:
+                    reset()
+                segments.resume()
                 try:
-                    with watcher:
+                    with watcher, segmented(segments) if segmented else contextlib.nullcontext():
                         out = fn(*args, **kwargs)
                 finally:
                     # Always end the capture, even when fn raised: a stream left capturing
                     # breaks every later CUDA call in the process.
-                    with warnings.catch_warnings(record=True) as caught:
-                        warnings.simplefilter("always")
-                        graph.capture_end()
-                    ended = True
-                    _compat.clear_cublas_workspaces()
+                    if segments.open is not None:
+                        segments.cut()
         except BaseException as exc:
             out = None
-            _undo(graph, device, pool, snapshot, exc, began=began, ended=ended)
-            del graph
+            _undo(segments, device, pool, snapshot, exc)
+            del segments
             if isinstance(exc, CaptureError) or not isinstance(exc, Exception):
                 raise
             raise _capture_error(fn, args, kwargs, exc, config, snapshot) from exc
-        # torch warns at every capture_end that recorded no node (TORCH_WARN, not once). Only
-        # the graph can tell: an optimizer step alone has no tensor argument and returns None,
-        # yet records real work on the device.
-        if any("graph is empty" in str(w.message).lower() for w in caught):
+        # Only the graph can tell an empty capture: an optimizer step alone has no tensor
+        # argument and returns None, yet records real work on the device.
+        if all(segments.empty):
             err = CaptureError(
                 f"capturing '{fn_name(fn)}' recorded no CUDA work (an empty graph): it ran on "
                 "the CPU or on another device; move the module and its tensor arguments to "
                 f"{device} before graphing"
             )
             out = None
-            _undo(graph, device, pool, snapshot, err, began=True, ended=True)
+            _undo(segments, device, pool, snapshot, err)
             raise err
     seconds = time.perf_counter() - start
     log.debug("captured %s on %s in %.4f s", fn_name(fn), device, seconds)
     written = tuple(watcher.written) if isinstance(watcher, WriteWatch) else ()
-    return Captured(graph, out, seconds, written)
+    graphs = tuple(None if e else g for g, e in zip(segments.graphs, segments.empty))
+    for g, e in zip(segments.graphs, segments.empty):
+        if e:
+            g.reset()
+    first = next(g for g in graphs if g is not None)
+    return Captured(first, out, seconds, written, graphs)
 
 
 def _undo(
-    graph: torch.cuda.CUDAGraph | None,
+    segments: Segments | None,
     device: torch.device,
     pool: Pool,
     snapshot: StateSnapshot | None,
     exc: BaseException,
-    *,
-    began: bool = False,
-    ended: bool = False,
 ) -> None:
     """Release what a failed warm-up or capture holds, so the process stays usable."""
     # The traceback's frames hold the user's locals, tensors in the graph's pool among them.
     for e in (exc, exc.__cause__, exc.__context__):
         if e is not None:
             traceback.clear_frames(e.__traceback__)
-    if graph is not None and began:
-        if ended:
-            # A finished capture (fn raised a Python error, or recorded nothing): reset()
-            # destroys the partial graph and gives back its reference on the pool.
-            with contextlib.suppress(Exception):
-                graph.reset()
-        else:
+    if segments is not None:
+        # Finished segments (fn raised a Python error, or recorded nothing): reset() destroys
+        # each partial graph and gives back its reference on the pool.
+        segments.release()
+        if segments.open is not None:
             # CUDA invalidated the capture and capture_end raised before it stopped routing
             # allocations into the pool or could give the pool back; do both here.
             _compat.abandon_pool(device.index, pool.handle)
             _compat.end_rng_capture()
+            segments.open = None
         _compat.clear_cublas_workspaces()  # a workspace made in the pool would keep it alive
     with contextlib.suppress(Exception):
         torch.cuda.synchronize(device)

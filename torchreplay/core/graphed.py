@@ -1,4 +1,4 @@
-"""Graphed: one captured shape and its replay hot path (``tr.graph`` is in sizes/api.py)."""
+"""Graphed: one captured shape and its replay hot path (``tr.graph`` is in api.py)."""
 
 from __future__ import annotations
 

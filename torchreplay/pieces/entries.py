@@ -22,9 +22,13 @@ class PieceGraph:
 
     def __init__(self, graph: Any, out: Sequence[Any], copies: list[tuple[int, Any]]):
         self.graph = graph
-        self.replay = graph.replay
+        self.replay = graph.replay if graph is not None else _nothing  # None: recorded no work
         self.out = tuple(out)
         self.copies = copies
+
+
+def _nothing() -> None:
+    return None
 
 
 class Entry:
@@ -57,7 +61,9 @@ class Entry:
 class Route:
     """A call of ``n`` rows with given input shapes: its entry and the views it copies into."""
 
-    __slots__ = ("n", "entry", "shapes", "dsts", "src_idx", "pads", "backs", "back_idx", "consts")
+    __slots__ = (
+        "n", "entry", "shapes", "dsts", "src_idx", "pads", "fills", "backs", "back_idx", "consts",
+    )
 
     def __init__(self, n: int | None, entry: Entry, shapes: tuple[Any, ...]) -> None:
         self.n = n
@@ -66,6 +72,8 @@ class Route:
         self.dsts: list[_Tensor] = []
         self.src_idx: list[int] = []
         self.pads: list[_Tensor] = []
+        #: padding rows filled with another value than 0: (view, value)
+        self.fills: list[tuple[_Tensor, Any]] = []
         self.backs: list[_Tensor] = []
         self.back_idx: list[int] = []
         #: the values of the keyed non-tensor inputs (ints other than the size, constants)

@@ -13,7 +13,7 @@ from typing import Any, Callable, Literal, Sequence
 
 __all__ = ["Input", "Split", "Piece", "Constant", "Program", "run_in_order"]
 
-InputKind = Literal["tensor", "static", "pinned", "int", "other"]
+InputKind = Literal["tensor", "static", "pinned", "int", "other", "host"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,11 +27,15 @@ class Input:
             if it does, the runtime captures again);
             ``"pinned"``: read in place where it was at capture (a backward's saved activation,
             left in the forward graph's pool); a call where it is elsewhere runs ungraphed;
-            ``"int"``: a Python int (a size); ``"other"``: any other constant.
+            ``"int"``: a Python int (a size); ``"other"``: any other constant (part of the
+            key: another value is another capture);
+            ``"host"``: a value only eager steps read (a break's host-side sequence lengths),
+            taken from each call as it is, never part of the key.
         dim: for a tensor: the dimension padded to a captured size, or ``None``.
         is_size: for an int: it is the padded size itself (replaced by the captured size).
         written: for a tensor: the program writes it in place; the runtime copies the written
             rows back into the caller's tensor after each replay (eager semantics).
+        fill: for a tensor with ``dim``: the value of the padding rows.
     """
 
     name: str
@@ -39,6 +43,7 @@ class Input:
     dim: int | None = None
     is_size: bool = False
     written: bool = False
+    fill: int | float | bool = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,10 +11,9 @@ Memory and copies, the properties this module is built for:
 - an in-place write to an input reaches the caller's tensor after the call, as in eager;
 - the caller's outputs follow ``tr.graph``'s output policy (``checked`` by default).
 
-Safety: a piece that fails to capture runs ungraphed (one warning naming the op and line, counted
-in ``stats.fallbacks``), or raises with ``strict=True``. A value made by an eager step whose shape
-differs from the one its graph was captured with (a data-dependent size) makes the rest of that
-call run ungraphed, counted. Without CUDA the program runs as is, with one INFO line.
+Safety: a piece that fails to capture runs ungraphed (one warning, counted in ``stats.fallbacks``)
+or raises (``strict=True``); a value from an eager step whose shape differs from the captured one
+makes the rest of that call run ungraphed, counted. Without CUDA the program runs as is.
 """
 
 from __future__ import annotations
@@ -112,7 +111,7 @@ class PiecewiseRuntime:
         # padded size): taken from the call's arguments every time.
         self._passed = [
             i for i, x in enumerate(self._inputs)
-            if x.kind in ("static", "pinned", "other") or (x.kind == "int" and not x.is_size)
+            if x.kind in ("static", "pinned", "other", "host") or (x.kind == "int" and not x.is_size)
         ]
         self._entries: dict[tuple[Any, ...], Entry] = {}
         self._routes: dict[int | None, Route] = {}
@@ -171,6 +170,8 @@ class PiecewiseRuntime:
             _compat.foreach_copy_(route.dsts, [args[i] for i in route.src_idx])
         if route.pads:
             torch._foreach_zero_(route.pads)
+            for view, value in route.fills:
+                view.fill_(value)
         pool = self.pool
         if pool is not None and pool.shared:
             pool.before_replay(entry.position)
@@ -189,7 +190,7 @@ class PiecewiseRuntime:
                         if value != buf:
                             ok = False
                             break
-                    elif value.shape != buf.shape:
+                    elif value.shape != buf.shape or value.dtype != buf.dtype:
                         ok = False
                         break
                     else:
@@ -319,20 +320,21 @@ class PiecewiseRuntime:
             route.src_idx.append(i)
             if d is not None and n != size:
                 route.pads.append(buf.narrow(d, n, size - n))
+                if self._inputs[i].fill != 0:
+                    route.fills.append((route.pads[-1], self._inputs[i].fill))
             if self._inputs[i].written:
                 route.backs.append(view)
                 route.back_idx.append(i)
-        if n is not None and (self.sizes is None or len(self._routes) < 4 * len(self.sizes) + 64):
+        if self.sizes is None or len(self._routes) < 4 * len(self.sizes) + 64:
             self._routes[n] = route
         return route
 
     # ------------------------------------------------------------------ capture
-    def _setup(self, args: tuple[Any, ...]) -> None:
+    def _setup(self, args: tuple[Any, ...], device: torch.device | None = None) -> None:
         self._ready = True
         self._n_slots = self.program.n_slots
-        device = next(
-            (a.device for a in args if isinstance(a, _Tensor) and a.is_cuda), None
-        )
+        if device is None:
+            device = next((a.device for a in args if isinstance(a, _Tensor) and a.is_cuda), None)
         if device is None or not torch.cuda.is_available():
             self._eager = True
             log.info(
@@ -349,13 +351,17 @@ class PiecewiseRuntime:
         self.pool.track(self, self._graphs, self._retire)
         if self.sizes is not None and self._sized:
             n = args[self._sized[0]].shape[self._inputs[self._sized[0]].dim]
-            todo = [(s, self._key(s, args)) for s in reversed(self.sizes)]
+            todo = [(s, self._key(s, args)) for s in reversed(self._ahead(n))]
             if self._bucket(n) == -1:
                 log.warning(
                     "torchreplay: '%s' first call has %d rows, above the largest size %d",
                     self.name, n, self.sizes[-1],
                 )
             self._capture_batch(todo, args)
+
+    def _ahead(self, n: int) -> Sequence[int]:
+        """The sizes captured at the first call (of ``n`` rows); the others on first use."""
+        return self.sizes or ()
 
     def _capture_batch(
         self, todo: list[tuple[int | None, tuple[Any, ...]]], args: tuple[Any, ...]
@@ -411,8 +417,9 @@ class PiecewiseRuntime:
             shape[d] = size
         return torch.zeros(shape, dtype=arg.dtype, device=arg.device)
 
-    def _capture_key(self, size: int | None, key: tuple[Any, ...], args: tuple[Any, ...]) -> Entry:
-        assert self.pool is not None and self.device is not None
+    def _stage(self, size: int | None, args: tuple[Any, ...]) -> tuple[Entry, list[Any]]:
+        """A new entry of ``size`` with its static input buffers filled from the call, and the
+        slot values a capture starts from."""
         entry = Entry(size)
         env: list[Any] = [None] * self._n_slots
         for i, inp in enumerate(self._inputs):
@@ -426,6 +433,7 @@ class PiecewiseRuntime:
                     else:  # the call's rows, as many as fit: realistic values for eager steps
                         m = min(rows, buf.shape[inp.dim])
                         buf.narrow(inp.dim, 0, m).copy_(a.narrow(inp.dim, 0, m))
+                        buf.narrow(inp.dim, m, buf.shape[inp.dim] - m).fill_(inp.fill)
                 env[i] = buf
             elif inp.kind == "int" and inp.is_size:
                 env[i] = size
@@ -434,6 +442,11 @@ class PiecewiseRuntime:
         entry.inputs = [None if i in self._passed else env[i] for i in range(len(self._inputs))]
         entry.inputs += [None] * (self._n_slots - len(entry.inputs))
         entry.pinned = [args[i].data_ptr() if i in self._pinned else None for i in range(len(args))]
+        return entry, env
+
+    def _capture_key(self, size: int | None, key: tuple[Any, ...], args: tuple[Any, ...]) -> Entry:
+        assert self.pool is not None and self.device is not None
+        entry, env = self._stage(size, args)
         graphs: list[PieceGraph | None] = []
         pool_outs: list[_Tensor] = []
         for k, piece in enumerate(self._pieces):
@@ -464,6 +477,14 @@ class PiecewiseRuntime:
                     pool_outs.append(env[o])
             else:
                 entry.sources.append(("env", o))
+        self._seal(entry, pool_outs)
+        self._entries[key] = entry
+        return entry
+
+    def _seal(self, entry: Entry, pool_outs: list[_Tensor]) -> None:
+        """Give ``entry`` (its ``sources`` set) the output policy over ``pool_outs`` and its
+        place in the pool's replay order."""
+        assert self.pool is not None
         entry.guard = frozenset(
             ref for k, (kind, ref) in enumerate(entry.sources)
             if kind == "pool" and k in self.guard_outputs
@@ -478,8 +499,6 @@ class PiecewiseRuntime:
             watch=entry.guard,
         )
         entry.position = self.pool.register(entry)
-        self._entries[key] = entry
-        return entry
 
     def _capture_piece(self, k: int, vals: list[Any]) -> tuple[PieceGraph | None, Any]:
         piece = self._pieces[k]
@@ -558,10 +577,7 @@ class PiecewiseRuntime:
             self._capture_batch([(s, self._key(s, args)) for s in reversed(self.sizes)], args)
 
     def _ptrs_of(self, args: tuple[Any, ...]) -> list[int | None]:
-        ptrs: list[int | None] = [None] * len(args)
-        for i in self._statics:
-            ptrs[i] = args[i].data_ptr()
-        return ptrs
+        return [args[i].data_ptr() if i in self._statics else None for i in range(len(args))]
 
     def _retire(self) -> None:
         for entry in self._entries.values():

@@ -1,7 +1,8 @@
 """``tr.graph``: the entry point that returns a :class:`~torchreplay.core.graphed.Graphed` (one
-shape) or a :class:`~torchreplay.sizes.bucketed.BucketedGraph` (``sizes=``).
+shape), a :class:`~torchreplay.sizes.bucketed.BucketedGraph` (``sizes=``) or a
+:class:`~torchreplay.breaks.graph.BreakableGraph` (``breaks=``).
 
-It lives here, above both, so that the one-shape module never imports the many-size one.
+It lives here, above all three, so that none of them imports another.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any, Callable, Iterable, Literal, overload
 
 import torch
 
+from torchreplay.breaks.graph import BreakableGraph
 from torchreplay.config import BucketConfig, GraphConfig
 from torchreplay.core.graphed import Graphed, resolve_config, resolve_pool
 from torchreplay.core.pool import Pool
@@ -24,6 +26,7 @@ def graph(
     fn: Callable[..., Any],
     *sample_args: Any,
     sizes: None = None,
+    breaks: None = None,
     outputs: str | None = None,
     num_warmup_iters: int | None = None,
     pool: Pool | tuple[int, int] | Any | None = None,
@@ -40,6 +43,7 @@ def graph(
     fn: Callable[..., Any],
     *sample_args: Any,
     sizes: Iterable[int],
+    breaks: None = None,
     dim: Any = None,
     fill_value: Any = None,
     capture: Literal["ahead", "lazy"] | None = None,
@@ -56,10 +60,30 @@ def graph(
 ) -> BucketedGraph: ...
 
 
+@overload
 def graph(
     fn: Callable[..., Any],
     *sample_args: Any,
     sizes: Iterable[int] | None = None,
+    breaks: Any,
+    dim: Any = None,
+    fill_value: Any = None,
+    outputs: str | None = None,
+    num_warmup_iters: int | None = None,
+    pool: Pool | tuple[int, int] | Any | None = None,
+    capture_error_mode: str | None = None,
+    config: GraphConfig | None = None,
+    device: torch.device | int | str | None = None,
+    sample_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> BreakableGraph: ...
+
+
+def graph(
+    fn: Callable[..., Any],
+    *sample_args: Any,
+    sizes: Iterable[int] | None = None,
+    breaks: Any = None,
     dim: Any = None,
     fill_value: Any = None,
     capture: Literal["ahead", "lazy"] | None = None,
@@ -73,7 +97,7 @@ def graph(
     device: torch.device | int | str | None = None,
     sample_kwargs: dict[str, Any] | None = None,
     **kwargs: Any,
-) -> Graphed | BucketedGraph:
+) -> Graphed | BucketedGraph | BreakableGraph:
     """Capture ``fn(*sample_args, **sample_kwargs)`` as a CUDA graph and return the replayer.
 
     ``fn`` is a function or an ``nn.Module``; arguments are any pytree of tensors and other
@@ -85,11 +109,28 @@ def graph(
     call is padded to the smallest captured size that holds it (see
     :class:`~torchreplay.sizes.bucketed.BucketedGraph`).
 
+    With ``breaks=[...]``, what cannot be captured runs eagerly between graph segments (see
+    :class:`~torchreplay.breaks.graph.BreakableGraph`).
+
     Args:
         fn: the callable to graph.
         *sample_args: positional arguments of a representative call.
         sizes: capture one graph per size (e.g. ``torchreplay.default_sizes(512)``); ``None``
             (default): one graph for the sample's shapes.
+        breaks: what runs eagerly between graph segments: module instances or classes, Python
+            functions, ``torch.library`` custom ops or aten ops (objects or names such as
+            ``"mylib.attention"`` or ``"aten.nonzero"``). During capture each call of a break
+            ends the current segment, runs eagerly and the next segment begins; at replay the
+            segments replay and each break is called again with the same tensor arguments
+            (same memory, this call's values) and this call's host values. The rule for what a
+            break reads: a tensor the caller passed is read in the graph's input buffer (it
+            holds this call's values); a tensor made inside the model is read where the segment
+            before left it; a non-tensor or CPU value the caller passed (sequence lengths, a
+            block table on the host) is taken from each call, never frozen; any other value,
+            computed inside the model, is the constant it was at capture. A break whose outputs
+            change shape, dtype or device from the captured ones raises
+            :class:`~torchreplay.ReplayInputError`. With ``sizes``, a break gets the padded
+            rows: pass the real count as a host argument (an int, or lengths on the CPU).
         dim: with ``sizes``: the varying dimension, one int for every tensor argument (default
             0), or a dict keyed by parameter name (or positional index) whose values are an int,
             ``None`` for a static argument, or a nested spec for a container argument, e.g.
@@ -168,6 +209,24 @@ def graph(
         num_warmup_iters=num_warmup_iters,
         capture_error_mode=capture_error_mode,
     )
+    if breaks is not None:
+        if capture is not None or fallback is not None or max_graphs is not None:
+            raise TypeError(
+                "capture=, fallback= and max_graphs= are not supported with breaks= yet: every "
+                "size is captured ahead, and a call above the largest runs eagerly (counted)"
+            )
+        return BreakableGraph(
+            fn,
+            sample_args,
+            kwargs,
+            breaks=breaks,
+            sizes=list(BucketConfig(sizes).sizes) if sizes is not None else None,  # type: ignore[arg-type]
+            dim=0 if dim is None else dim,
+            fill_value=0 if fill_value is None else fill_value,
+            config=cfg,
+            pool=resolve_pool(pool),
+            device=device,
+        )
     if sizes is not None:
         options = BucketConfig(
             sizes,  # type: ignore[arg-type]  # validated and made a sorted tuple there

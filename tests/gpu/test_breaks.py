@@ -1,0 +1,313 @@
+"""Breakable graphs (``tr.graph(..., breaks=...)``) on a real GPU, each against eager over many
+calls with fresh random inputs: attention that reads host-side lengths changing every call (a
+custom op over a CPU tensor), MoE routing with ``nonzero`` inside a break, a break whose output
+changes shape, ``sizes=`` with breaks, an input the model writes, and memory of sizes x segments
+in one pool."""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchreplay as tr
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+DEV = "cuda"
+H = 64
+T = 8
+CLOSE = {"rtol": 1e-5, "atol": 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def full_fp32_matmul():
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@torch.library.custom_op("trgpubreaks::host_attention", mutates_args=())
+def host_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Row ``b`` attends to its first ``lengths[b]`` keys; ``lengths`` is on the host (a CPU
+    tensor read with ``tolist``: a graph would freeze it). Rows past ``len(lengths)`` are 0."""
+    out = torch.zeros_like(q)
+    for b, n in enumerate(lengths.tolist()):
+        if n > 0:
+            s = (q[b] @ k[b, :n].transpose(0, 1)) / math.sqrt(q.shape[-1])
+            out[b] = s.softmax(-1) @ v[b, :n]
+    return out
+
+
+@host_attention.register_fake
+def _(q, k, v, lengths):
+    return torch.empty_like(q)
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(H, 3 * H)
+        self.o = nn.Linear(H, H)
+
+    def forward(self, x, lengths):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.o(torch.ops.trgpubreaks.host_attention(q, k, v, lengths))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n1 = nn.LayerNorm(H)
+        self.attn = Attention()
+        self.n2 = nn.LayerNorm(H)
+        self.mlp = nn.Sequential(nn.Linear(H, 4 * H), nn.GELU(), nn.Linear(4 * H, H))
+
+    def forward(self, x, lengths):
+        x = x + self.attn(self.n1(x), lengths)
+        return x + self.mlp(self.n2(x))
+
+
+class Net(nn.Module):
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(depth)])
+        self.head = nn.Linear(H, 16)
+
+    def forward(self, x, lengths):
+        for b in self.blocks:
+            x = b(x, lengths)
+        return self.head(x)
+
+
+def net(depth: int = 3) -> Net:
+    torch.manual_seed(0)
+    return Net(depth).to(DEV).eval()
+
+
+def lengths_for(n: int) -> torch.Tensor:
+    return torch.randint(1, T + 1, (n,))
+
+
+@pytest.mark.parametrize("breaks", [[Attention], ["trgpubreaks.host_attention"]], ids=["class", "op"])
+def test_host_lengths_change_every_call_and_match_eager(breaks) -> None:
+    model = net()
+    x = torch.randn(4, T, H, device=DEV)
+    g = tr.graph(model, x, lengths_for(4), breaks=breaks)
+    assert isinstance(g, tr.BreakableGraph)
+    assert len(g.breaks) == 3 and g.stats.captures == 4  # 3 breaks, 4 segments
+    for _ in range(25):
+        x = torch.randn(4, T, H, device=DEV)
+        lengths = lengths_for(4)
+        with torch.no_grad():
+            want = model(x, lengths)
+        got = g(x, lengths)
+        torch.testing.assert_close(got, want, **CLOSE)
+    assert g.stats.replays == 25 and g.stats.fallbacks == 0
+    rules = {r.path: r.kind for r in g.breaks[0].rules}
+    assert rules["args[1]"] == "rebound" or rules.get("args[3]") == "rebound"
+
+
+def route(x: torch.Tensor, logits: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Top-1 MoE dispatch: ``nonzero`` gives each expert its rows (data-dependent shapes)."""
+    out = torch.zeros_like(x)
+    choice = logits.argmax(-1)
+    for e in range(w.shape[0]):
+        rows = (choice == e).nonzero().squeeze(1)
+        if rows.numel():
+            out[rows] = torch.relu(x[rows] @ w[e])
+    return out
+
+
+class MoE(nn.Module):
+    def __init__(self, experts: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(H, H)
+        self.router = nn.Linear(H, experts)
+        self.w = nn.Parameter(torch.randn(experts, H, H) / math.sqrt(H))
+        self.out = nn.Linear(H, H)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = h + route(h, self.router(h), self.w)
+        return self.out(h)
+
+
+def test_moe_routing_with_nonzero_inside_a_break() -> None:
+    torch.manual_seed(0)
+    model = MoE().to(DEV).eval()
+    x = torch.randn(32, H, device=DEV)
+    with pytest.raises(tr.CaptureError):
+        tr.graph(model, x)  # nonzero syncs: the whole model cannot be one graph
+    g = tr.graph(model, x, breaks=[route])
+    for _ in range(20):
+        x = torch.randn(32, H, device=DEV)
+        with torch.no_grad():
+            want = model(x)
+        torch.testing.assert_close(g(x), want, **CLOSE)
+    assert g.stats.fallbacks == 0 and g.stats.captures == 2
+
+
+def trim(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    return x[: int(n)] * 2
+
+
+class Trims(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(H, H)
+        self.b = nn.Linear(H, H)
+
+    def forward(self, x, n):
+        return self.b(trim(self.a(x), n)).sum(0)
+
+
+def test_a_break_whose_output_changes_shape_raises_naming_it_and_both_shapes() -> None:
+    torch.manual_seed(0)
+    model = Trims().to(DEV).eval()
+    x = torch.randn(8, H, device=DEV)
+    g = tr.graph(model, x, torch.tensor(5), breaks=[trim])
+    with torch.no_grad():
+        torch.testing.assert_close(g(x, torch.tensor(5)), model(x, torch.tensor(5)), **CLOSE)
+    with pytest.raises(tr.ReplayInputError, match=r"break trim#0.*\(3, 64\).*\(5, 64\)"):
+        g(x, torch.tensor(3))
+    x = torch.randn(8, H, device=DEV)
+    with torch.no_grad():  # still usable, and right, after the error
+        torch.testing.assert_close(g(x, torch.tensor(5)), model(x, torch.tensor(5)), **CLOSE)
+
+
+def test_sizes_with_breaks_pad_and_slice_back_every_size() -> None:
+    model = net()
+    sizes = [1, 2, 4, 8, 16, 32]
+    x = torch.randn(5, T, H, device=DEV)
+    g = tr.graph(model, x, lengths_for(5), breaks=[Attention], sizes=sizes)
+    # Sizes below the sample's 5 rows would see its 5 host lengths: captured at first use.
+    assert g.stats.captures == 4 * 3
+    gen = torch.Generator().manual_seed(1)
+    for n in [1, 3, 32, 7, 16, 2, 9, 31, 4, 17, 1, 5]:
+        x = torch.randn(n, T, H, device=DEV)
+        lengths = torch.randint(1, T + 1, (n,), generator=gen)
+        with torch.no_grad():
+            want = model(x, lengths)
+        got = g(x, lengths)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert g.stats.fallbacks == 0 and g.stats.captures == 4 * len(sizes)
+    with torch.no_grad():  # above the largest size: eager, counted
+        x = torch.randn(40, T, H, device=DEV)
+        lengths = lengths_for(40)
+        torch.testing.assert_close(g(x, lengths), model(x, lengths), **CLOSE)
+    assert g.stats.fallbacks == 1
+
+
+def reserved() -> int:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+def test_segments_times_sizes_share_one_pool() -> None:
+    """The pool of 9 sizes x 5 segments is the pool of the largest size alone (what the breaks
+    read is held without owning it, so each size reuses the memory of the one before)."""
+    model = net(4)
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    x = torch.randn(1, 256, H, device=DEV)  # one row: every size is captured ahead
+    lengths = torch.randint(1, 257, (1,))
+    pools = []
+    for s in ([64], sizes):
+        reserved()
+        g = tr.graph(model, x, lengths, breaks=[Attention], sizes=s)
+        assert g.stats.captures == 5 * len(s)
+        pools.append(g.runtime.pool.reserved_bytes())
+        del g
+    one, many = pools
+    print(f"pool: largest size alone {one / 2**20:.1f} MiB, {len(sizes)} sizes {many / 2**20:.1f} MiB")
+    assert many <= 1.2 * one, (one, many)
+
+
+class Cached(nn.Module):
+    """Writes its cache argument in place (inside and outside the break) and returns it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x, cache, lengths):
+        h = self.lin(x)
+        cache.mul_(0.5).add_(h)
+        return torch.ops.trgpubreaks.host_attention(h, cache, cache, lengths) + cache
+
+
+def test_an_input_the_model_writes_reaches_the_callers_tensor() -> None:
+    torch.manual_seed(0)
+    model = Cached().to(DEV).eval()
+    cache = torch.randn(2, T, H, device=DEV)
+    g = tr.graph(model, torch.randn(2, T, H, device=DEV), cache.clone(), lengths_for(2),
+                 breaks=["trgpubreaks.host_attention"])
+    for _ in range(10):
+        x = torch.randn(2, T, H, device=DEV)
+        lengths = lengths_for(2)
+        mine, theirs = cache.clone(), cache.clone()
+        with torch.no_grad():
+            want = model(x, theirs, lengths)
+        got = g(x, mine, lengths)
+        torch.testing.assert_close(got, want, **CLOSE)
+        torch.testing.assert_close(mine, theirs, **CLOSE)
+        cache = theirs
+
+
+def first_break(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    return x * lengths.to(x.device, non_blocking=False).view(-1, 1).float()
+
+
+class Leading(nn.Module):
+    """Begins with a break (segment 0 records nothing) and calls two breaks in a row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x, lengths):
+        h = first_break(x, lengths)
+        h = first_break(h, lengths)
+        return self.lin(h)
+
+
+def test_empty_segments_and_breaks_in_a_row() -> None:
+    torch.manual_seed(0)
+    model = Leading().to(DEV).eval()
+    g = tr.graph(model, torch.randn(4, H, device=DEV), torch.arange(4), breaks=[first_break])
+    assert g.stats.captures == 1  # only the last segment recorded work
+    for _ in range(10):
+        x, lengths = torch.randn(4, H, device=DEV), torch.randint(0, 9, (4,))
+        with torch.no_grad():
+            torch.testing.assert_close(g(x, lengths), model(x, lengths), **CLOSE)
+
+
+def test_checked_outputs_and_errors() -> None:
+    model = net(1)
+    x = torch.randn(2, T, H, device=DEV)
+    g = tr.graph(model, x, lengths_for(2), breaks=[Attention])
+    kept = g(x, lengths_for(2)).clone()
+    first = g(x, torch.full((2,), T))
+    first_value = first.clone()
+    g(torch.randn(2, T, H, device=DEV), lengths_for(2))
+    with pytest.raises(RuntimeError, match="StaleOutputError"):
+        first.sum().item()
+    assert kept.shape == first_value.shape
+    with pytest.raises(tr.CaptureError, match="never ran during the sample call"):
+        tr.graph(model, x, lengths_for(2), breaks=[nn.Conv2d])
+    with pytest.raises(tr.UnsupportedError, match=r"args\[2\] 'unused' is a CPU tensor that no break"):
+        tr.graph(two, torch.randn(4, H, device=DEV), torch.arange(4), torch.ones(2), breaks=[first_break])
+
+
+def two(x, lengths, unused):
+    return first_break(x, lengths) * 2

@@ -1,0 +1,576 @@
+"""``tr.graph(fn, *args, breaks=[...])``: CUDA graphs of everything between the calls that run eagerly.
+
+A capture (once per size, largest first, all sizes in one pool) is one run of the model:
+
+1. the stream capture begins; the model's Python runs;
+2. at each break call the capture ends (segment ``k`` is a graph), the segment is replayed once so
+   that its memory holds real values, the break runs eagerly for real on the capture stream, and
+   the capture of segment ``k + 1`` begins; the break's outputs stay where segment ``k + 1`` read
+   them;
+3. after the model returns, the last segment ends.
+
+A replay runs the :class:`~torchreplay.pieces.runtime.PiecewiseRuntime` (the runtime of the
+``torch.compile`` backend: one runtime, two front ends): segment 0 replays, break 0 is called with
+the tensors it got at capture (same addresses, this call's contents) and this call's host values,
+its outputs are checked and copied to where segment 1 reads them, segment 1 replays, and so on. No
+Python of the rest of the model runs.
+
+What a break reads at replay (the rule, fixed at the first capture; see
+:mod:`torchreplay.breaks.plan`): a CUDA tensor the caller passed is read in the graph's input
+buffer, which holds this call's values; a tensor made inside the model is read where the segment
+before left it; a non-tensor or CPU value the caller passed (sequence lengths, a block table on
+the host) is taken from this call, never frozen; any other value (computed inside the model) is
+the constant it was at capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+
+from torchreplay import _compat
+from torchreplay.config import GraphConfig
+from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
+from torchreplay.core.capture import (
+    Segments,
+    StateSnapshot,
+    capture,
+    on_side_stream,
+    side_stream,
+    warn_mode_changed,
+)
+from torchreplay.core.pool import Pool
+from torchreplay.core.writes import WriteWatch
+from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
+from torchreplay.breaks.plan import BreakCall, Recorder, check_reached, intercept, resolve_breaks
+from torchreplay.pieces.entries import Entry, PieceGraph
+from torchreplay.pieces.program import Input, Piece, Program, Split
+from torchreplay.pieces.runtime import PiecewiseRuntime
+from torchreplay.sizes.plan import plan_inputs
+
+__all__ = ["BreakableGraph"]
+
+log = logging.getLogger(__name__)
+
+_Tensor = torch.Tensor
+_LEAF = _compat.tree_flatten(0)[1]
+
+
+class _Eager:
+    """What the runtime hands back for a call it ran ungraphed: the model's own result."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _no_segment(*_: Any) -> Sequence[Any]:
+    raise AssertionError("a segment of a breakable graph has no code of its own to run")
+
+
+class BreakStep:
+    """The eager step of one break: calls it, checks what it returned against what the graph
+    after it was captured reading, and copies its tensors there.
+
+    Called with the break's argument leaves, then the tensors (and values) it returned at capture.
+    """
+
+    def __init__(self, rec: BreakCall, name: str) -> None:
+        self.call = rec.call
+        self.name = name
+        self.where = rec.where
+        self.n = len(rec.rules)
+        self.spec = rec.spec
+        self.out_spec = rec.out_spec
+        self.m = len(rec.outputs)
+        args, kwargs = _compat.tree_unflatten(list(rec.values), rec.spec)
+        plain = _compat.tree_flatten((tuple(range(len(args))), dict.fromkeys(kwargs, 0)))[1]
+        # Fast paths: every argument is itself a leaf; the output is one leaf or a flat tuple.
+        self.flat = plain == rec.spec
+        self.na = len(args)
+        self.kw = tuple(kwargs)
+        self.single = rec.out_spec == _LEAF
+        self.tuple = rec.out_spec == _compat.tree_flatten(tuple(range(self.m)))[1]
+
+    def __call__(self, *vals: Any) -> Sequence[Any]:
+        n = self.n
+        if self.flat and not self.kw:
+            out = self.call(*vals[:n])
+        elif self.flat:
+            out = self.call(*vals[: self.na], **dict(zip(self.kw, vals[self.na : n])))
+        else:
+            args, kwargs = _compat.tree_unflatten(list(vals[:n]), self.spec)
+            out = self.call(*args, **kwargs)
+        if self.single:
+            outs: Sequence[Any] = (out,)
+        elif self.tuple and type(out) is tuple and len(out) == self.m:
+            outs = out
+        else:
+            outs, spec = _compat.tree_flatten(out)
+            if spec != self.out_spec:
+                raise ReplayInputError(
+                    f"break {self.name} (called at {self.where}) returned {spec}, but the graph "
+                    f"after it was captured with {self.out_spec}: a break must return the same "
+                    "structure every call"
+                )
+        bufs = vals[n:]
+        dsts: list[_Tensor] = []
+        srcs: list[_Tensor] = []
+        for j in range(self.m):
+            o, b = outs[j], bufs[j]
+            if type(b) is _Tensor and b.is_cuda:
+                if o is b:
+                    continue
+                if (
+                    not isinstance(o, _Tensor)
+                    or o.shape != b.shape
+                    or o.dtype != b.dtype
+                    or o.device != b.device
+                ):
+                    raise self._changed(j, o, b)
+                if o.data_ptr() != b.data_ptr():
+                    dsts.append(b)
+                    srcs.append(o)
+            elif not _same(o, b):
+                raise self._changed(j, o, b)
+        if len(dsts) == 1:
+            dsts[0].copy_(srcs[0])
+        elif dsts:
+            _compat.foreach_copy_(dsts, srcs)
+        return outs
+
+    def _changed(self, j: int, o: Any, b: Any) -> ReplayInputError:
+        which = "its output" if self.single else f"its output {j}"
+        return ReplayInputError(
+            f"break {self.name} (called at {self.where}): {which} is {_describe(o)} now, but the "
+            f"graph after it was captured reading {_describe(b)}. A break's outputs must keep "
+            "their shape, dtype and device (the next segment reads them where they were at "
+            "capture): pad them to a fixed shape, or move the code that uses them into the break"
+        )
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, _Tensor):
+        return f"a tensor of shape {tuple(v.shape)} {v.dtype} on {v.device}"
+    return f"{type(v).__name__} {v!r}"
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, _Tensor) or isinstance(b, _Tensor):
+        return (
+            isinstance(a, _Tensor) and isinstance(b, _Tensor) and a.shape == b.shape
+            and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
+        )
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
+
+
+class BreakableGraph:
+    """A callable captured as CUDA graph segments around the calls named in ``breaks=``.
+
+    Built by ``tr.graph(fn, *sample_args, breaks=[...])`` (see :func:`torchreplay.graph` for the
+    options it shares). Attributes: ``stats`` (captures, replays, fallbacks), ``breaks`` (each
+    break call of the plan, in order, with its rules and the model's ``file:line``), ``runtime``.
+
+    With ``sizes=``, every segment is captured per size, in one pool, and a break gets the padded
+    rows: its tensor arguments have the captured size, not the call's. To let a break see the
+    real count, pass it as a host argument of the call (an int, or a CPU tensor of lengths): it is
+    re-bound each call.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        sample_args: Sequence[Any],
+        sample_kwargs: dict[str, Any],
+        *,
+        breaks: Any,
+        sizes: Sequence[int] | None,
+        dim: Any,
+        fill_value: Any,
+        config: GraphConfig,
+        pool: Pool | None,
+        device: torch.device | int | str | None,
+    ) -> None:
+        resolved = resolve_breaks(breaks)
+        if not resolved:
+            raise ValueError(
+                "breaks= names nothing: give the modules, functions or ops to run eagerly, or "
+                "graph without breaks="
+            )
+        call = CallArgs(fn, sample_args, sample_kwargs)
+        self.fn = fn
+        self.name = fn_name(fn)
+        self.device = infer_device(fn, call, device)
+        self.config = config
+        self._breaks = resolved
+        self._module = owning_module(fn)
+        self._training = self._module.training if self._module is not None else None
+        self._warned_mode = False
+        self._spec = call.spec
+        self._paths = tuple(call.paths)
+        self._nargs = call.nargs
+        self._only_args = len(call.leaves) == call.nargs and not call.kw_keys
+        self._unflatten = call.unflatten
+        dims = plan_inputs(call, dim, fill_value) if sizes is not None else None
+        self.breaks, out, written = self._plan(call)
+        self._out_spec = _compat.tree_flatten(out)[1]
+        self._out_single = self._out_spec == _LEAF
+        self._sample_rows = dims.size if dims is not None else None
+        self._sample_out = [tuple(t.shape) if isinstance(t, _Tensor) else None for t in _compat.tree_flatten(out)[0]]
+        program = self._program(call, dims, written, len(self._sample_out))
+        self.runtime = _Runtime(
+            self, program, name=self.name, sizes=sizes, config=config, pool=pool,
+            max_graphs=1 if sizes is None else 8,
+        )
+        self.stats = self.runtime.stats
+        self.runtime.prepare(tuple(call.leaves))
+
+    # ------------------------------------------------------------------ the plan
+    def _plan(self, call: CallArgs) -> tuple[list[BreakCall], Any, set[int]]:
+        """Run the model once, eagerly, on copies of the sample: which breaks it calls, in what
+        order, with what, and which arguments it writes. Module state is put back after."""
+        device = self.device
+        for path, leaf in zip(call.paths, call.leaves):
+            if isinstance(leaf, _Tensor) and leaf.is_cuda and leaf.device != device:
+                raise CaptureError(f"{path} is on {leaf.device}, but '{self.name}' runs on {device}")
+        with torch.no_grad():
+            leaves = [x.clone() if isinstance(x, _Tensor) else x for x in call.leaves]
+        tensors = [i for i, x in enumerate(leaves) if isinstance(x, _Tensor) and x.is_cuda]
+        recorder = Recorder(leaves, call.paths)
+        reached: set[Any] = set()
+        snapshot = StateSnapshot(self._module, device)
+        watch = WriteWatch([leaves[i] for i in tensors])
+        args, kwargs = call.unflatten(leaves)
+        try:
+            with on_side_stream(side_stream(device), device), torch.no_grad():
+                with watch, intercept(self.fn, self._breaks, recorder, reached):
+                    out = self.fn(*args, **kwargs)
+        except Exception as exc:
+            raise CaptureError(
+                f"the sample call of '{self.name}' raised {type(exc).__name__}: {exc}; it fails "
+                "eagerly too: fix the call before graphing it"
+            ) from exc
+        finally:
+            snapshot.restore()
+        check_reached(self._breaks, reached)
+        read = {r.leaf for c in recorder.calls for r in c.rules if r.leaf is not None}
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, _Tensor) and not leaf.is_cuda and i not in read:
+                raise UnsupportedError(
+                    f"{call.paths[i]} is a CPU tensor that no break reads: a graph would hold its "
+                    "value at capture. Pass it on the GPU, or break at the code that reads it "
+                    "(breaks=[...]), where it is taken from each call"
+                )
+        return recorder.calls, out, {tensors[j] for j in watch.written}
+
+    def _program(self, call: CallArgs, dims: Any, written: set[int], n_out: int) -> Program:
+        rebound = {r.leaf for c in self.breaks for r in c.rules if r.kind == "rebound"}
+        inputs = []
+        for i, (path, leaf) in enumerate(zip(call.paths, call.leaves)):
+            if isinstance(leaf, _Tensor) and leaf.is_cuda:
+                d = dims.dims[i] if dims is not None else None
+                fill = dims.fills[i] if d is not None else 0
+                inputs.append(Input(path, "tensor", dim=d, written=i in written, fill=fill))
+            else:
+                inputs.append(Input(path, "host" if i in rebound else "other"))
+        slot = len(inputs)
+        pieces = []
+
+        def take(n: int) -> tuple[int, ...]:
+            nonlocal slot
+            slot += n
+            return tuple(range(slot - n, slot))
+
+        for k, rec in enumerate(self.breaks):
+            own = take(sum(r.leaf is None for r in rec.rules))  # read where the segment left them
+            bufs = take(len(rec.outputs))
+            mine = iter(own)
+            reads = tuple(r.leaf if r.leaf is not None else next(mine) for r in rec.rules) + bufs
+            pieces.append(Piece(_no_segment, (), own + bufs, True, f"segment {k}"))
+            name = f"{rec.brk.name}#{k}"
+            pieces.append(Piece(
+                BreakStep(rec, name), reads, take(len(rec.outputs)), False, f"break {k}",
+                Split(rec.brk.name, "named in breaks=", rec.where),
+            ))
+        final = take(n_out)
+        pieces.append(Piece(_no_segment, (), final, True, f"segment {len(self.breaks)}"))
+        return Program(tuple(inputs), pieces, final)
+
+    # ------------------------------------------------------------------ the call
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._only_args and not kwargs and len(args) == self._nargs:
+            leaves: Sequence[Any] = args
+        else:
+            leaves = self._flatten(args, kwargs)
+        module = self._module
+        if module is not None and module.training != self._training:
+            if not self._warned_mode:
+                self._warned_mode = True
+                warn_mode_changed(self.name, bool(self._training))
+            self.stats.fallbacks += 1
+            return self.fn(*args, **kwargs)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                out = self.runtime(*leaves)
+        else:
+            out = self.runtime(*leaves)
+        if out.__class__ is _Eager:
+            return out.value  # type: ignore[attr-defined]
+        if self._out_single:
+            return out[0]
+        return _compat.tree_unflatten(list(out), self._out_spec)
+
+    def _flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        leaves, spec = _compat.tree_flatten((args, kwargs))
+        if spec != self._spec:
+            raise ReplayInputError(
+                f"'{self.name}' was captured with arguments {self._spec}, called with {spec}: "
+                "pass the same structure (the same positional and keyword arguments)"
+            )
+        return leaves
+
+    def run_eagerly(self, leaves: Sequence[Any]) -> _Eager:
+        args, kwargs = self._unflatten(leaves)
+        return _Eager(self.fn(*args, **kwargs))
+
+    def same_path(self, calls: list[BreakCall], out: Any, size: int | None) -> None:
+        """Raise when a capture's run took another path than the plan's (other breaks, other
+        argument rules, another output structure): its segments would not fit the program."""
+        at = f"at size {size}" if size is not None else "at capture"
+        plan = [(c.brk, tuple((r.kind, r.leaf) for r in c.rules), len(c.outputs)) for c in self.breaks]
+        got = [(c.brk, tuple((r.kind, r.leaf) for r in c.rules), len(c.outputs)) for c in calls]
+        if got != plan:
+            first = next((k for k, (a, b) in enumerate(zip(plan, got)) if a != b), min(len(plan), len(got)))
+            raise CaptureError(
+                f"'{self.name}' {at} took another path than the sample call: its break calls "
+                f"differ from call {first} on ({len(got)} calls, {len(plan)} in the sample). A "
+                "breakable graph needs the same breaks, with arguments of the same kinds, at "
+                "every size; branch on sizes inside a break, not around it"
+            )
+        if _compat.tree_flatten(out)[1] != self._out_spec:
+            raise CaptureError(f"'{self.name}' {at} returned another output structure than the sample call")
+
+    def __repr__(self) -> str:
+        names = sorted({c.brk.name for c in self.breaks})
+        return (
+            f"BreakableGraph({self.name}, {len(self.breaks)} break calls of {', '.join(names)}, "
+            f"{len(self.breaks) + 1} segments, {self.stats.explain()})"
+        )
+
+
+class _Runtime(PiecewiseRuntime):
+    """The piecewise runtime, captured the breakable way: one run of the model per size."""
+
+    def __init__(self, front: BreakableGraph, program: Program, **kwargs: Any) -> None:
+        super().__init__(program, **kwargs)
+        self._front = front
+        self._snapshot: StateSnapshot | None = None
+        self._warm = False
+        self._segments: Segments | None = None
+        self._pending: list[tuple[_Tensor, _Tensor]] = []
+        self._state_ptrs: set[int] = set()
+        self._capturing: int | None = None
+
+    def prepare(self, args: tuple[Any, ...]) -> None:
+        """Capture now (every size with ``sizes=``, else the sample's shapes)."""
+        self._setup(args, self._front.device)
+        if self.sizes is None:
+            self._route(args)
+
+    def _ahead(self, n: int) -> Sequence[int]:
+        # A size below the sample's rows would run the breaks with the sample's host values
+        # (lengths of more rows than the tensors have): it is captured at its first call.
+        return [s for s in self.sizes or () if s >= n]
+
+    def _run_ungraphed(self, args: tuple[Any, ...]) -> Any:
+        return self._front.run_eagerly(args)
+
+    def _capture_batch(self, todo: list[tuple[int | None, tuple[Any, ...]]], args: tuple[Any, ...]) -> list[Entry]:
+        assert self.device is not None
+        module = self._front._module
+        self._snapshot = StateSnapshot(module, self.device)
+        state = [*module.parameters(), *module.buffers()] if module is not None else []
+        state += [a for a in args if isinstance(a, _Tensor)]
+        self._state_ptrs = {t.untyped_storage().data_ptr() for t in state}
+        try:
+            entries = super()._capture_batch(todo, args)
+        finally:
+            self._snapshot.restore()
+            self._snapshot = None
+        self._learn_output_dims()
+        return entries
+
+    def _run_break(self, rec: BreakCall, call: Callable[..., Any], a: Any, k: Any) -> Any:
+        """A break call in the captured run: end the segment; replay it, so that its memory
+        holds real values for the break to read; run the break for real; begin the next segment,
+        and hand the model buffers in the pool that hold the break's new tensors (the break's
+        own memory is gone at replay: each replay copies its new outputs there)."""
+        segments = self._segments
+        assert segments is not None
+        graph = segments.cut()
+        self._flush()
+        if graph is not None:
+            graph.replay()
+        try:
+            out = call(*a, **k)
+        except Exception as exc:
+            size = self._capturing
+            at = f" at size {size} (a break gets the padded rows)" if size is not None else ""
+            raise CaptureError(
+                f"break {rec.brk.name} (called at {rec.where}) raised {type(exc).__name__} "
+                f"while '{self.name}' was captured{at}: {exc}. It runs eagerly, so it fails "
+                "eagerly too with these arguments"
+            ) from exc
+        outs, spec = _compat.tree_flatten(out)
+        # Outputs that alias memory the break got (a view of an argument, module state) stay
+        # what they are: later segments must read and write that memory itself.
+        kept = self._state_ptrs | {
+            v.untyped_storage().data_ptr() for v in rec.values if isinstance(v, _Tensor)
+        }
+        segments.resume()
+        handed = []
+        for o in outs:
+            if isinstance(o, _Tensor) and o.is_cuda and o.untyped_storage().data_ptr() not in kept:
+                buf = torch.empty_like(o)  # allocated in the pool: the capture is on
+                self._pending.append((buf, o))
+                handed.append(buf)
+            else:
+                handed.append(o)
+        return _compat.tree_unflatten(handed, spec)
+
+    def _flush(self) -> None:
+        """Copy the last break's outputs into the buffers the model got, eagerly."""
+        with torch.no_grad():
+            for buf, o in self._pending:
+                buf.copy_(o)
+        self._pending.clear()
+
+    def _capture_key(self, size: int | None, key: tuple[Any, ...], args: tuple[Any, ...]) -> Entry:
+        assert self.pool is not None and self.device is not None
+        front = self._front
+        entry, env = self._stage(size, args)
+        self._capturing = size
+        leaves = env[: len(self._inputs)]
+        with torch.no_grad():
+            initial = [(leaves[i], leaves[i].clone()) for i in self._tensors if self._inputs[i].written]
+        snapshot = self._snapshot
+
+        def reset() -> None:
+            if snapshot is not None:
+                snapshot.restore()
+            with torch.no_grad():
+                for t, init in initial:
+                    t.copy_(init)
+
+        self._state_ptrs |= {leaves[i].untyped_storage().data_ptr() for i in self._tensors}
+        recorder = Recorder(leaves, front._paths, run=self._run_break)
+        reached: set[Any] = set()
+
+        def segmented(segments: Segments) -> contextlib.AbstractContextManager[Any]:
+            self._segments = segments
+            return intercept(front.fn, front._breaks, recorder, reached)
+
+        call_args, call_kwargs = front._unflatten(leaves)
+        try:
+            captured = capture(
+                front.fn, call_args, call_kwargs, device=self.device, stream=self._stream,
+                pool=self.pool, config=self.config, warmup=not self._warm, snapshot=snapshot,
+                reset=reset, segmented=segmented,
+            )
+        finally:
+            self._segments = None
+            self._pending.clear()
+        self._warm = True
+        reset()  # the captured run ran the breaks (and replayed the segments) for real
+        front.same_path(recorder.calls, captured.out, size)
+        segs = captured.graphs
+        self._graphs.extend(g for g in segs if g is not None)
+        self.stats.captures += sum(g is not None for g in segs)
+        self.stats.capture_seconds += captured.seconds
+        # What the breaks read in the pool is held without owning it: once this size is
+        # captured, the next one may use the same memory (each replay writes it before the
+        # break reads it), so the pool grows with the largest size, not with their number.
+        ranges = self.pool.segment_ranges()
+
+        def held(v: Any) -> Any:
+            if isinstance(v, _Tensor) and v.is_cuda:
+                ptr = v.untyped_storage().data_ptr()
+                if any(lo <= ptr < hi for lo, hi in ranges):
+                    return _compat.weak_alias(v)
+            return v
+
+        graphs: list[PieceGraph | None] = []
+        for k, rec in enumerate(recorder.calls):
+            own = [held(v) for r, v in zip(rec.rules, rec.values) if r.leaf is None]
+            graphs += [PieceGraph(segs[k], own + [held(o) for o in rec.outputs], []), None]
+        outs = _compat.tree_flatten(captured.out)[0]
+        graphs.append(PieceGraph(segs[-1], outs, []))
+        entry.graphs = graphs
+        entry.sources, pool_outs = self._sources(outs, leaves, ranges)
+        self._seal(entry, pool_outs)
+        self._entries[key] = entry
+        return entry
+
+    def _sources(
+        self, outs: list[Any], leaves: list[Any], ranges: list[tuple[int, int]]
+    ) -> tuple[list[tuple[str, Any]], list[_Tensor]]:
+        """Where each output leaf of a replay comes from (see Entry.sources)."""
+        by_id = {id(v): i for i, v in enumerate(leaves) if not isinstance(v, (int, float, bool))}
+        buffers = {leaves[i].untyped_storage().data_ptr(): i for i in self._tensors}
+        sources: list[tuple[str, Any]] = []
+        pool_outs: list[_Tensor] = []
+        for j, v in enumerate(outs):
+            where = f"output {j} of '{self.name}'"
+            if id(v) in by_id:
+                sources.append(("input", by_id[id(v)]))
+            elif not isinstance(v, _Tensor):
+                sources.append(("const", v))
+            elif not v.is_cuda:
+                raise UnsupportedError(
+                    f"{where} is a CPU tensor made inside the model: a graph would return its "
+                    "value at capture every call. Make it in a break, or return it on the GPU"
+                )
+            elif any(lo <= v.untyped_storage().data_ptr() < hi for lo, hi in ranges):
+                sources.append(("pool", len(pool_outs)))
+                pool_outs.append(v)
+            elif v.untyped_storage().data_ptr() in buffers:
+                i = buffers[v.untyped_storage().data_ptr()]
+                raise UnsupportedError(
+                    f"{where} is a view of the argument {self._inputs[i].name}; a breakable graph "
+                    "returns the caller's argument itself but not a view of it: return a clone"
+                )
+            else:
+                sources.append(("const", v))  # module state (a cache buffer): returned as is
+        return sources, pool_outs
+
+    def _learn_output_dims(self) -> None:
+        """With sizes: which dimension of each output has the call's rows (sliced back to
+        them): the first dimension equal to the size at every captured size and in the
+        sample call."""
+        if self.sizes is None:
+            return
+        front = self._front
+        seen = [(front._sample_rows, front._sample_out)]
+        for entry in self._entries.values():
+            last = entry.graphs[-1]
+            if last is not None:
+                seen.append((entry.size, [tuple(t.shape) if isinstance(t, _Tensor) else None for t in last.out]))
+        dims: list[int | None] = []
+        for j in range(len(front._sample_out)):
+            shapes = [(n, s[j]) for n, s in seen]
+            if any(s is None for _, s in shapes):
+                dims.append(None)
+                continue
+            rank = len(shapes[0][1])  # type: ignore[arg-type]
+            found = [d for d in range(rank) if all(len(s) == rank and s[d] == n for n, s in shapes)]  # type: ignore[arg-type]
+            dims.append(found[0] if found else None)
+        self.program.output_dims = tuple(dims)
