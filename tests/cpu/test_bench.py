@@ -21,11 +21,11 @@ from torchreplay.cli import results_table
 
 def test_rows_registry() -> None:
     assert list(bench.ROWS) == [
-        "mlp", "resnet50", "llama", "llama-sizes", "mlp-train", "resnet50-train",
+        "mlp", "resnet50", "llama", "llama-sizes", "llama-breaks", "mlp-train", "resnet50-train",
         "compile-mlp", "compile-if", "compile-nonzero", "compile-bert", "compile-sweep",
         "compile-resnet50", "compile-memory", "compile-split-cost",
     ]
-    assert bench.COMPILE_ROWS == tuple(bench.ROWS)[6:]
+    assert bench.COMPILE_ROWS == tuple(bench.ROWS)[7:]
     with pytest.raises(TypeError):
         bench.ROWS["x"] = None  # type: ignore[index]  # read-only: rows are defined in bench/__init__.py
 

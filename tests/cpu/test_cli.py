@@ -268,7 +268,11 @@ def test_bench_subprocess_without_cuda_checks_every_row() -> None:
     assert proc.stdout.startswith("CUDA is not available")
     for row, spec in factories.ROW_FACTORIES.items():
         assert f"\n{row}: torchreplay check {spec}\n" in proc.stdout
-        # Every built-in row is clean: its only finding is the one expected without CUDA.
+        if row == "llama-breaks":  # host-side lengths: what breakable graphs are for
+            assert "\nllama-breaks: 1 finding would break capture on a GPU" in proc.stdout
+            assert "code: span = int(lens.max())" in proc.stdout
+            continue
+        # Every other built-in row is clean: its only finding is the one expected without CUDA.
         assert f"\n{row}: {EXIT_0_NO_CUDA.removeprefix('exit 0: ')}\n" in proc.stdout
     assert "compile-" not in proc.stdout  # `all` leaves the compile rows out
     proc = run_subprocess("bench", "--model", "compile")

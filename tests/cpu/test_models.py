@@ -134,6 +134,21 @@ def test_decode_matches_naive_full_recompute() -> None:
             torch.testing.assert_close(logits[row].double(), ref, rtol=1e-4, atol=1e-5)
 
 
+def test_host_lengths_attention_equals_the_masked_one() -> None:
+    """lengths = positions + 1 on the host gives the logits of the mask made on the device;
+    padded rows (past len(lengths)) do not change the real rows."""
+    gen = torch.Generator().manual_seed(0)
+    masked, host = build_llama(TINY, seed=3), build_llama(TINY, seed=3)
+    for _ in range(3):
+        positions = torch.randint(0, TINY.max_seq_len, (3,), generator=gen)
+        ids = torch.randint(0, TINY.vocab_size, (3, 1), generator=gen)
+        want = masked(ids, positions)
+        got = host(ids, positions, positions + 1)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    padded = host(torch.cat([ids, ids[:1]]), torch.cat([positions, positions[:1]]), positions + 1)
+    torch.testing.assert_close(padded[:3], want, rtol=1e-5, atol=1e-5)
+
+
 def test_kv_cache_is_written_in_place_only_at_given_positions() -> None:
     cfg = dataclasses.replace(TINY, max_batch=4)
     model = build_llama(cfg, seed=1)

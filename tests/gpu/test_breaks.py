@@ -311,3 +311,38 @@ def test_checked_outputs_and_errors() -> None:
 
 def two(x, lengths, unused):
     return first_break(x, lengths) * 2
+
+
+def test_builtin_llama_with_host_lengths_decodes_like_eager_at_every_size() -> None:
+    from torchreplay.models.llama import LlamaConfig, build_llama, host_attention
+
+    cfg = LlamaConfig(n_layers=3, dim=128, n_heads=8, n_kv_heads=2, vocab_size=500,
+                      intermediate_size=256, max_seq_len=64, max_batch=8)
+    model = build_llama(cfg, DEV, torch.float32, seed=0)
+    caches = [c for layer in model.layers for c in (layer.attention.k_cache, layer.attention.v_cache)]
+    with torch.no_grad():
+        for c in caches:
+            c.normal_()
+    gen = torch.Generator().manual_seed(0)
+
+    def step(n: int):
+        positions = torch.randint(0, cfg.max_seq_len, (n,), generator=gen)
+        ids = torch.randint(0, cfg.vocab_size, (n, 1), generator=gen)
+        return ids.to(DEV), positions.to(DEV), positions + 1
+
+    g = tr.graph(model, *step(1), breaks=[host_attention], sizes=[1, 2, 4, 8])
+    assert len(g.breaks) == 3 and g.stats.captures == 4 * 4
+    for n in [1, 5, 8, 3, 2, 7, 4, 6, 1, 8]:
+        args = step(n)
+        before = [c.clone() for c in caches]
+        with torch.no_grad():
+            want = model(*args)
+        after = [c.clone() for c in caches]
+        with torch.no_grad():
+            for c, b in zip(caches, before):
+                c.copy_(b)
+        got = g(*args)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for c, a in zip(caches, after):  # the real rows' cache writes are eager's
+            torch.testing.assert_close(c[:n], a[:n])
+    assert g.stats.fallbacks == 0

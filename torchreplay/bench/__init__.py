@@ -3,6 +3,7 @@
 - :mod:`~torchreplay.bench.timing`: options, the clock, one measurement, the hand-written floor;
 - :mod:`~torchreplay.bench.inference`: the ``mlp``, ``resnet50``, ``llama`` and ``llama-sizes``
   rows and a user's ``module:factory``;
+- :mod:`~torchreplay.bench.breaks`: the ``llama-breaks`` row (breakable graphs);
 - :mod:`~torchreplay.bench.training`: the ``mlp-train`` and ``resnet50-train`` rows;
 - :mod:`~torchreplay.bench.compile`: the ``torch.compile`` backend rows (``compile-mlp``,
   ``compile-if``, ``compile-nonzero``, ``compile-bert``, ``compile-sweep``, ``compile-resnet50``);
@@ -22,8 +23,8 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
+from torchreplay.bench import breaks, compile_costs, inference, training
 from torchreplay.bench import compile as compile_rows
-from torchreplay.bench import compile_costs, inference, training
 from torchreplay.bench.inference import METHODS, Workload, run_factory, unpack_factory_result
 from torchreplay.bench.timing import (
     QUICK,
@@ -62,6 +63,7 @@ ROWS: Mapping[str, RowFn] = MappingProxyType(
         "resnet50": inference.resnet50_row,
         "llama": inference.llama_row,
         "llama-sizes": inference.llama_sizes_row,
+        "llama-breaks": breaks.llama_breaks_row,
         "mlp-train": training.mlp_train_row,
         "resnet50-train": training.resnet50_train_row,
         "compile-mlp": compile_rows.compile_mlp_row,

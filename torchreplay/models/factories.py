@@ -30,6 +30,7 @@ __all__ = [
     "resnet50_factory",
     "llama_factory",
     "llama_sizes_factory",
+    "llama_breaks_factory",
     "tiny_llama_factory",
     "mlp_train_factory",
     "resnet50_train_factory",
@@ -87,6 +88,14 @@ def llama_sizes_factory() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Te
     return llama_factory(batch=13, config=config)
 
 
+def llama_breaks_factory() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The ``llama-breaks`` row's call: a decode step at batch 8 whose attention reads host-side
+    lengths (``positions + 1`` on the CPU; :func:`~torchreplay.models.llama.host_attention`).
+    ``torchreplay check`` finds what the row breaks at."""
+    model, (ids, positions) = llama_factory(batch=8 if default_device().type == "cuda" else 2)
+    return model, (ids, positions, (positions + 1).cpu())
+
+
 def tiny_llama_factory() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """:func:`llama_factory` with the tiny config on any device (fast to build)."""
     return llama_factory(batch=2, config=TINY)
@@ -141,6 +150,7 @@ ROW_FACTORIES: Mapping[str, str] = MappingProxyType({
         ("resnet50", resnet50_factory),
         ("llama", llama_factory),
         ("llama-sizes", llama_sizes_factory),
+        ("llama-breaks", llama_breaks_factory),
         ("mlp-train", mlp_train_factory),
         ("resnet50-train", resnet50_train_factory),
     )

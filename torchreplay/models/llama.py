@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LlamaConfig", "Llama", "build_llama", "TINY"]
+__all__ = ["LlamaConfig", "Llama", "build_llama", "host_attention", "TINY"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +108,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def host_attention(
+    out: torch.Tensor,  # [B, KVH, G, D], written
+    q: torch.Tensor,  # [B, KVH, G, D]
+    k_cache: torch.Tensor,  # [B, KVH, S, D]
+    v_cache: torch.Tensor,  # [B, KVH, S, D]
+    lengths: torch.Tensor,  # [n <= B] long, on the CPU
+) -> None:
+    """Attention of each row over its first ``lengths[b]`` cache slots, the lengths on the host.
+
+    What serving engines do with host-side sequence lengths, and what a CUDA graph cannot hold:
+    the span ``L = max(lengths)`` is a host value (a graph would freeze it), and the mask is made
+    on the CPU and copied to the GPU each call. Rows past ``len(lengths)`` (padding) attend to
+    slot 0. Writes ``out`` and returns nothing, so that it fits every breakable-graph tool (some
+    refuse a break that returns a CUDA tensor).
+    """
+    B, n = q.shape[0], lengths.shape[0]
+    lens = lengths if n == B else torch.cat([lengths, lengths.new_ones(B - n)])
+    span = int(lens.max())
+    mask = (torch.arange(span) < lens[:, None]).to(q.device, non_blocking=True)  # [B, L]
+    out.copy_(F.scaled_dot_product_attention(
+        q, k_cache[:, :, :span], v_cache[:, :, :span], attn_mask=mask[:, None, None, :]
+    ))
+
+
 class Attention(nn.Module):
     """Grouped-query attention of one decode token over a static, in-place KV cache."""
 
@@ -128,7 +152,8 @@ class Attention(nn.Module):
         cos: torch.Tensor,  # [B, 1, D]
         sin: torch.Tensor,  # [B, 1, D]
         positions: torch.Tensor,  # [B] long
-        mask: torch.Tensor,  # [B, 1, 1, S] bool
+        mask: torch.Tensor | None,  # [B, 1, 1, S] bool
+        lengths: torch.Tensor | None = None,  # [B] long on the CPU: host_attention instead
     ) -> torch.Tensor:
         B = x.shape[0]
         H, KVH, D = self.n_heads, self.n_kv_heads, self.head_dim
@@ -147,7 +172,11 @@ class Attention(nn.Module):
         # One query per head, so the G query heads that share a KV head become G query rows of
         # that head: grouped-query attention without repeating (copying) the cache.
         q = q.view(B, KVH, H // KVH, D)  # [B, KVH, G, D]
-        y = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask)  # [B, KVH, G, D]
+        if lengths is None:
+            y = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask)  # [B, KVH, G, D]
+        else:
+            y = torch.empty_like(q)
+            host_attention(y, q, k_cache, v_cache, lengths)
         return self.wo(y.reshape(B, H * D))  # [B, dim]
 
 
@@ -172,9 +201,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, positions, mask)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor | None, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, positions, mask, lengths)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -199,12 +228,17 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)  # [S, D]
         self.register_buffer("seq_index", torch.arange(config.max_seq_len), persistent=False)  # [S]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Run one decode step and return the next-token logits.
 
         Args:
             input_ids: ``[B, 1]`` long, this step's token of each row.
             positions: ``[B]`` long, this token's position in each row's sequence.
+            lengths: ``None`` (default): attention over the whole cache with a mask made on the
+                GPU (capturable). Else ``[B]`` long on the CPU, ``positions + 1``: attention
+                through :func:`host_attention` (not capturable; what breakable graphs are for).
 
         Returns:
             ``[B, vocab_size]`` logits, in the model's dtype.
@@ -223,9 +257,11 @@ class Llama(nn.Module):
         cos = self.rope_cos[positions].unsqueeze(1)  # [B, 1, D], broadcast over heads
         sin = self.rope_sin[positions].unsqueeze(1)
         # Row b sees cache slots 0..positions[b]; later slots hold zeros or an older sequence.
-        mask = (self.seq_index[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        mask = None
+        if lengths is None:
+            mask = (self.seq_index[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, S]
         for layer in self.layers:
-            x = layer(x, cos, sin, positions, mask)
+            x = layer(x, cos, sin, positions, mask, lengths)
         return self.output(self.norm(x))  # [B, V]
 
     def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
