@@ -18,7 +18,8 @@ Methods (each a :class:`Measurement`; one that fails is a ``failed: <reason>`` e
 
 Notes: on ``tr.graph breaks=``, its time against the target ``whole-graph (device mask) + breaks
 alone + 10 us per break`` and against Meta's; capture of 32 sizes (``sizes=range(1, 33)``) in
-seconds; first call (capture) against reduce-overhead's (compile and record).
+seconds, after one eager call (the process's one-time CUDA start, kernels loading, is paid by
+whichever runs first); first call (capture) against reduce-overhead's (compile and record).
 """
 
 from __future__ import annotations
@@ -171,6 +172,8 @@ def llama_breaks_row(opts: BenchOptions, on_step: StepCallback | None) -> Iterat
     model = build_llama(device="cuda")
     has_meta = importlib.util.find_spec("piecewise_cuda_graphs") is not None
     with torch.no_grad():
+        model(*_inputs(model, 1))  # the process's one-time CUDA start (kernels load) is no one's
+        torch.cuda.synchronize()
         sizes_s, sizes_captures = _capture_sizes(model)
         for batch in BATCHES:
             workload = f"Llama decode b{batch}, host-side lengths, 16 breaks"

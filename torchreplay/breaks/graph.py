@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
 _LEAF = _compat.tree_flatten(0)[1]
+_NONE = _compat.tree_flatten(None)[1]
 
 
 class _Eager:
@@ -94,6 +95,7 @@ class BreakStep:
         self.na = len(args)
         self.kw = tuple(kwargs)
         self.single = rec.out_spec == _LEAF
+        self.none = rec.out_spec == _NONE
         self.tuple = rec.out_spec == _compat.tree_flatten(tuple(range(self.m)))[1]
 
     def __call__(self, *vals: Any) -> Sequence[Any]:
@@ -107,6 +109,8 @@ class BreakStep:
             out = self.call(*args, **kwargs)
         if self.single:
             outs: Sequence[Any] = (out,)
+        elif self.none and out is None:  # a break that writes its results into an argument
+            return ()
         elif self.tuple and type(out) is tuple and len(out) == self.m:
             outs = out
         else:
@@ -499,12 +503,9 @@ class _Runtime(PiecewiseRuntime):
         # What the breaks read in the pool is held without owning it: once this size is
         # captured, the next one may use the same memory (each replay writes it before the
         # break reads it), so the pool grows with the largest size, not with their number.
-        ranges = self.pool.segment_ranges()
-
         def held(v: Any) -> Any:
             if isinstance(v, _Tensor) and v.is_cuda:
-                ptr = v.untyped_storage().data_ptr()
-                if any(lo <= ptr < hi for lo, hi in ranges):
+                if v.untyped_storage().data_ptr() not in self._state_ptrs and self._pool_has(v):
                     return _compat.weak_alias(v)
             return v
 
@@ -515,14 +516,12 @@ class _Runtime(PiecewiseRuntime):
         outs = _compat.tree_flatten(captured.out)[0]
         graphs.append(PieceGraph(segs[-1], outs, []))
         entry.graphs = graphs
-        entry.sources, pool_outs = self._sources(outs, leaves, ranges)
+        entry.sources, pool_outs = self._sources(outs, leaves)
         self._seal(entry, pool_outs)
         self._entries[key] = entry
         return entry
 
-    def _sources(
-        self, outs: list[Any], leaves: list[Any], ranges: list[tuple[int, int]]
-    ) -> tuple[list[tuple[str, Any]], list[_Tensor]]:
+    def _sources(self, outs: list[Any], leaves: list[Any]) -> tuple[list[tuple[str, Any]], list[_Tensor]]:
         """Where each output leaf of a replay comes from (see Entry.sources)."""
         by_id = {id(v): i for i, v in enumerate(leaves) if not isinstance(v, (int, float, bool))}
         buffers = {leaves[i].untyped_storage().data_ptr(): i for i in self._tensors}
@@ -539,7 +538,7 @@ class _Runtime(PiecewiseRuntime):
                     f"{where} is a CPU tensor made inside the model: a graph would return its "
                     "value at capture every call. Make it in a break, or return it on the GPU"
                 )
-            elif any(lo <= v.untyped_storage().data_ptr() < hi for lo, hi in ranges):
+            elif v.untyped_storage().data_ptr() not in self._state_ptrs and self._pool_has(v):
                 sources.append(("pool", len(pool_outs)))
                 pool_outs.append(v)
             elif v.untyped_storage().data_ptr() in buffers:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import sys
 import types
 from typing import Any, Callable, Iterator, Literal, Sequence
 
@@ -368,9 +369,12 @@ def _source(caller: dict[Any, int], leaf: Any) -> int | None:
 
 
 def _user_line() -> str:
-    """The first frame outside torchreplay and torch: where the model called the break."""
-    for frame in inspect.stack()[2:]:
-        f = frame.filename
+    """The first frame outside torchreplay and torch: where the model called the break (frames
+    walked, not ``inspect.stack()``, which reads every file's source)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        f = frame.f_code.co_filename
         if "/torchreplay/" not in f and "/torch/" not in f and "contextlib" not in f:
-            return f"{f}:{frame.lineno}"
+            return f"{f}:{frame.f_lineno}"
+        frame = frame.f_back  # type: ignore[assignment]
     return ""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from torchreplay.core.outputs import Outputs
+from torchreplay.pieces.program import Program
 
-__all__ = ["PieceGraph", "Entry", "Route"]
+__all__ = ["PieceGraph", "Entry", "Route", "hand_out"]
 
 _Tensor = torch.Tensor
 
@@ -78,3 +79,39 @@ class Route:
         self.back_idx: list[int] = []
         #: the values of the keyed non-tensor inputs (ints other than the size, constants)
         self.consts: list[Any] = []
+
+
+def hand_out(
+    entry: Entry,
+    env: list[Any],
+    args: tuple[Any, ...],
+    program: Program,
+    n: int | None,
+    tainted: bool,
+    in_pool: Callable[[_Tensor], bool],
+) -> tuple[Any, ...]:
+    """The outputs of a replay of ``entry``: pool outputs through the output policy (clones for
+    a tainted call, whose graphs' outputs the next call would overwrite), sliced to the call's
+    ``n`` rows where the program says which dimension has them."""
+    handed = entry.outputs.emit() if entry.outputs is not None and not tainted else None
+    out: list[Any] = []
+    dims = program.output_dims
+    for k, (kind, ref) in enumerate(entry.sources):
+        if kind == "pool":
+            if handed is not None:
+                value = handed[ref]
+            else:
+                value = env[program.outputs[k]]  # type: ignore[index]
+                if isinstance(value, _Tensor) and in_pool(value):
+                    value = value.clone()
+        elif kind == "env":
+            value = env[ref]
+        elif kind == "input":
+            value = args[ref]
+        else:
+            value = ref
+        d = dims[k]
+        if n is not None and d is not None and isinstance(value, _Tensor) and kind != "input":
+            value = value.narrow(d, 0, n)
+        out.append(value)
+    return tuple(out)

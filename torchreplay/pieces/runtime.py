@@ -32,7 +32,7 @@ from torchreplay.core.io import write_back
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
 from torchreplay.errors import CaptureError
-from torchreplay.pieces.entries import Entry, PieceGraph, Route
+from torchreplay.pieces.entries import Entry, PieceGraph, Route, hand_out
 from torchreplay.pieces.program import Constant, Program, run_in_order
 from torchreplay.stats import GraphStats
 
@@ -226,33 +226,9 @@ class PiecewiseRuntime:
             self.stats.size_hits[size] = self.stats.size_hits.get(size, 0) + 1
             self.stats.real_rows += n
             self.stats.padded_rows += size - n
-        return self._emit(entry, env, args, None if n == size else n, tainted)
-
-    def _emit(
-        self, entry: Entry, env: list[Any], args: tuple[Any, ...], n: int | None, tainted: bool
-    ) -> tuple[Any, ...]:
-        handed = entry.outputs.emit() if entry.outputs is not None and not tainted else None
-        out: list[Any] = []
-        dims = self.program.output_dims
-        for k, (kind, ref) in enumerate(entry.sources):
-            if kind == "pool":
-                if handed is not None:
-                    value = handed[ref]
-                else:  # a tainted call: its graphs' outputs would be overwritten by the next
-                    value = env[self.program.outputs[k]]
-                    if isinstance(value, _Tensor) and self._in_pool(value):
-                        value = value.clone()
-            elif kind == "env":
-                value = env[ref]
-            elif kind == "input":
-                value = args[ref]
-            else:
-                value = ref
-            d = dims[k]
-            if n is not None and d is not None and isinstance(value, _Tensor) and kind != "input":
-                value = value.narrow(d, 0, n)
-            out.append(value)
-        return tuple(out)
+        return hand_out(
+            entry, env, args, self.program, None if n == size else n, tainted, self._in_pool
+        )
 
     def _run_ungraphed(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """Run every piece as is on the caller's own tensors (no graph, no copies)."""
@@ -489,12 +465,11 @@ class PiecewiseRuntime:
             ref for k, (kind, ref) in enumerate(entry.sources)
             if kind == "pool" and k in self.guard_outputs
         )
-        ranges = self.pool.segment_ranges()
         entry.outputs = Outputs(
             pool_outs,
             self.config.outputs,
             self.name,
-            lambda t: any(lo <= t.untyped_storage().data_ptr() < hi for lo, hi in ranges),
+            self._pool_has,
             reuse=not torch.is_grad_enabled() and not entry.guard,
             watch=entry.guard,
         )
@@ -594,6 +569,14 @@ class PiecewiseRuntime:
     def _in_pool(self, t: _Tensor) -> bool:
         ptr = t.untyped_storage().data_ptr()
         return any(lo <= ptr < hi for lo, hi in self._ranges)
+
+    def _pool_has(self, t: _Tensor) -> bool:
+        """Is ``t`` in the pool? The pool's segments only grow while its graphs live, so the
+        known ranges are asked again (a memory snapshot: milliseconds) only on a miss."""
+        if self._in_pool(t):
+            return True
+        self._ranges = self.pool.segment_ranges() if self.pool is not None else []
+        return self._in_pool(t)
 
     def _pool_bytes(self) -> int:
         return self.pool.reserved_bytes() if self.pool is not None else 0
