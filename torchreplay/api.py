@@ -12,9 +12,12 @@ from typing import Any, Callable, Iterable, Literal, overload
 
 import torch
 
+from torchreplay.breaks.auto import suggest
 from torchreplay.breaks.graph import BreakableGraph
 from torchreplay.config import BucketConfig, GraphConfig
+from torchreplay.core.args import CallArgs, infer_device
 from torchreplay.core.graphed import Graphed, resolve_config, resolve_pool
+from torchreplay.errors import CaptureError
 from torchreplay.core.pool import Pool
 from torchreplay.sizes.bucketed import BucketedGraph
 
@@ -227,6 +230,33 @@ def graph(
             pool=resolve_pool(pool),
             device=device,
         )
+    try:
+        return _graph(fn, sample_args, kwargs, sizes, dim, fill_value, capture, fallback,
+                      max_graphs, cfg, pool, device)
+    except CaptureError as exc:
+        if "failed at" not in str(exc) or not torch.cuda.is_available():
+            raise  # only a capture that an op broke (check found it) has a breaks= answer
+        d = infer_device(fn, CallArgs(fn, sample_args, kwargs), device)
+        hint = suggest(fn, sample_args, kwargs, d)
+        if not hint:
+            raise
+        raise CaptureError(f"{exc}{hint}") from exc
+
+
+def _graph(
+    fn: Callable[..., Any],
+    sample_args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    sizes: Iterable[int] | None,
+    dim: Any,
+    fill_value: Any,
+    capture: Any,
+    fallback: Any,
+    max_graphs: int | None,
+    cfg: GraphConfig,
+    pool: Any,
+    device: Any,
+) -> Graphed | BucketedGraph:
     if sizes is not None:
         options = BucketConfig(
             sizes,  # type: ignore[arg-type]  # validated and made a sorted tuple there

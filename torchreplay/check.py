@@ -353,15 +353,19 @@ def _touches_cuda(tensors: list[torch.Tensor], kwargs: dict[str, Any], out: Any)
 class _Recorder:
     """Collect findings from both hooks, deduplicated, in the order they happen."""
 
-    def __init__(self, fallback: tuple[str, int], previous: Callable[..., Any] | None) -> None:
+    def __init__(self, fallback: tuple[str, int], previous: Callable[..., Any] | None,
+                 on_finding: Callable[[str, str, str, int], None] | None = None) -> None:
         self.findings: list[Finding] = []
         self._seen: set[tuple[str, str, int]] = set()
         self.fallback = fallback
         self.previous = previous  # the profiler that was set before check, chained to
         self.saw_cuda = False
+        self.on_finding = on_finding
 
     def add(self, op: str, rule: _Rule, at: tuple[str, int] | None, code: str | None = None) -> None:
         filename, lineno = at or self.fallback
+        if self.on_finding is not None:  # every occurrence, before the de-duplication
+            self.on_finding(op, rule.kind, filename, lineno)
         # One line is reported once per kind: `.item()` is both a Python call and an aten op.
         key = (rule.kind, filename, lineno)
         if key in self._seen:
@@ -443,7 +447,8 @@ def _name(fn: Any) -> str:
 
 
 def check_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
-               origin: tuple[str, int] | None = None, swallow: bool = False) -> Report:
+               origin: tuple[str, int] | None = None, swallow: bool = False,
+               on_finding: Callable[[str, str, str, int], None] | None = None) -> Report:
     """Run ``fn(*args, **kwargs)`` eagerly once and report what would break CUDA graph capture.
 
     What :func:`check` and :func:`diagnose` run; the command line calls it to say where the call
@@ -455,6 +460,8 @@ def check_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
             points at, e.g. the factory that built the call. Default: the first frame outside
             torch and torchreplay that led here (the line that called :func:`check`).
         swallow: return the findings seen before an exception of ``fn`` instead of raising it.
+        on_finding: called with ``(op, kind, filename, lineno)`` at every occurrence of a
+            finding, as it happens (breakable graphs find the module running it).
 
     Returns:
         A :class:`Report`, as :func:`check` does.
@@ -465,7 +472,7 @@ def check_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     # where fn is defined: the command line's own frames mean nothing to its user.
     fallback = caller or _definition_location(fn) or origin or _UNKNOWN
     whole_call = origin or fallback
-    recorder = _Recorder(fallback, previous)
+    recorder = _Recorder(fallback, previous, on_finding)
     # A C-level profiler (cProfile before Python 3.12) is not callable and could not be restored
     # through sys.setprofile, so leave it alone and see aten ops only.
     hook_python = previous is None or callable(previous)

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from torchreplay.breaks.plan import plan_breaks, resolve_breaks
-from torchreplay.errors import CaptureError, UnsupportedError
+from torchreplay.errors import CaptureError
 
 
 @torch.library.custom_op("trbreaks::host_attention", mutates_args=())
@@ -138,10 +138,78 @@ def test_option_errors_name_the_entry_and_the_fix() -> None:
         resolve_breaks([Attention, "nolib.nothing"])
     with pytest.raises(ValueError, match=r"breaks\[0\] = 3 \(int\)"):
         resolve_breaks([3])
-    with pytest.raises(UnsupportedError, match="not built yet"):
+    with pytest.raises(ValueError, match="found by a run of the model"):
         resolve_breaks("auto")
     model, x, lengths = _sample()
     with pytest.raises(CaptureError, match="never ran during the sample call"):
         plan_breaks(model, (x, lengths), None, [nn.Conv2d])
     assert resolve_breaks(None) == ()
     assert [b.kind for b in resolve_breaks(Attention)] == ["class"]
+
+
+# -- breaks="auto" ----------------------------------------------------------------------------
+
+from torchreplay.breaks.auto import find_breaks, suggestion  # noqa: E402
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        if x.sum().item() > 0:  # a host read: cannot be captured
+            return x * 2
+        return x
+
+
+class Select(nn.Module):
+    def forward(self, x):
+        return x[x[:, 0] > 0]  # as many rows as the data says: not a fixed shape
+
+
+class Route(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.select = Select()
+
+    def forward(self, x):
+        y = self.select(x)
+        out = torch.zeros_like(x)
+        out[: y.shape[0]] = y
+        return out
+
+
+class Auto(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.gate = Gate()
+        self.route = Route()
+        self.gates = nn.ModuleList([Gate(), Gate()])
+
+    def forward(self, x):
+        x = self.gate(self.a(self.route(x)))
+        for g in self.gates:
+            x = g(x)
+        return x
+
+
+def test_auto_breaks_at_the_innermost_module_that_keeps_its_shapes() -> None:
+    torch.manual_seed(0)
+    model = Auto()
+    x = torch.randn(10, 8)
+    x[:, 0] = torch.tensor([1.0, -1, 1, -1, 1, -1, 1, -1, -1, -1])  # Select keeps 4 rows of 10
+    found = find_breaks(model, (x,), {})
+    assert [b.path for b in found] == ["route", "gate", "gates.0", "gates.1"]
+    # Select's output has a data-dependent row count: its parent Route is the break.
+    assert found[0].kind == "dynamic-shape"
+    assert found[1].kind == "host-sync" and "item" in found[1].op
+    assert "test_breaks_plan.py:" in found[1].where  # the user's line of the .item()
+    assert suggestion(found) == "breaks=[model.get_submodule('route'), Gate]"
+    assert "forward" not in model.gate.__dict__  # the module stack's wrappers are gone
+
+
+def test_auto_refuses_a_finding_in_the_top_level_code() -> None:
+    def fn(x):
+        return x * x.sum().item()
+
+    with pytest.raises(CaptureError, match=r"Tensor.item \(host-sync\) at .*test_breaks_plan.py:\d+ .*nothing to break at"):
+        find_breaks(fn, (torch.randn(3),), {})
+    assert find_breaks(nn.Linear(3, 3), (torch.randn(2, 3),), {}) == []

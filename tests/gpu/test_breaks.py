@@ -346,3 +346,41 @@ def test_builtin_llama_with_host_lengths_decodes_like_eager_at_every_size() -> N
         for c, a in zip(caches, after):  # the real rows' cache writes are eager's
             torch.testing.assert_close(c[:n], a[:n])
     assert g.stats.fallbacks == 0
+
+
+class Clip(nn.Module):
+    """Reads a value on the host: the graph of a whole model with it cannot be captured."""
+
+    def forward(self, x):
+        limit = float(x.abs().max().item())
+        return x.clamp(-limit / 2, limit / 2)
+
+
+class WithItem(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(H, H)
+        self.clip = Clip()
+        self.b = nn.Linear(H, H)
+
+    def forward(self, x):
+        return self.b(self.clip(torch.relu(self.a(x))))
+
+
+def test_auto_breaks_at_the_item_and_explain_lists_it() -> None:
+    torch.manual_seed(0)
+    model = WithItem().to(DEV).eval()
+    x = torch.randn(16, H, device=DEV)
+    with pytest.raises(tr.CaptureError, match=r"breaks=\[model.get_submodule\('clip'\)\] or breaks=\"auto\""):
+        tr.graph(model, x)  # the capture error says which breaks= would work
+    g = tr.graph(model, x, breaks="auto")
+    assert [b.path for b in g.auto] == ["clip"] and "item" in g.auto[0].op
+    for _ in range(20):
+        x = torch.randn(16, H, device=DEV) * torch.rand(1, device=DEV) * 4
+        with torch.no_grad():
+            want = model(x)
+        torch.testing.assert_close(g(x), want, **CLOSE)
+    assert g.stats.fallbacks == 0 and g.stats.captures == 2
+    text = tr.explain(g)
+    assert "break 0: clip" in text and "auto: Tensor.item (host-sync) at" in text
+    assert "test_breaks.py:" in text

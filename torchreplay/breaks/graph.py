@@ -45,7 +45,15 @@ from torchreplay.core.capture import (
 from torchreplay.core.pool import Pool
 from torchreplay.core.writes import WriteWatch
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
-from torchreplay.breaks.plan import BreakCall, Recorder, check_reached, intercept, resolve_breaks
+from torchreplay.breaks.auto import AutoBreak, find_breaks
+from torchreplay.breaks.plan import (
+    Break,
+    BreakCall,
+    Recorder,
+    check_reached,
+    intercept,
+    resolve_breaks,
+)
 from torchreplay.pieces.entries import Entry, PieceGraph
 from torchreplay.pieces.program import Input, Piece, Program, Split
 from torchreplay.pieces.runtime import PiecewiseRuntime
@@ -204,19 +212,25 @@ class BreakableGraph:
         pool: Pool | None,
         device: torch.device | int | str | None,
     ) -> None:
-        resolved = resolve_breaks(breaks)
-        if not resolved:
-            raise ValueError(
-                "breaks= names nothing: give the modules, functions or ops to run eagerly, or "
-                "graph without breaks="
-            )
         call = CallArgs(fn, sample_args, sample_kwargs)
         self.fn = fn
         self.name = fn_name(fn)
         self.device = infer_device(fn, call, device)
         self.config = config
-        self._breaks = resolved
         self._module = owning_module(fn)
+        #: with ``breaks="auto"``: the modules chosen, each with the op that made it a break
+        self.auto: list[AutoBreak] = []
+        if isinstance(breaks, str) and breaks == "auto":
+            self.auto = self._find(call)
+            resolved = tuple(Break("module", b.module, b.path) for b in self.auto)
+        else:
+            resolved = resolve_breaks(breaks)
+            if not resolved:
+                raise ValueError(
+                    "breaks= names nothing: give the modules, functions or ops to run eagerly "
+                    '(or "auto"), or graph without breaks='
+                )
+        self._breaks = resolved
         self._training = self._module.training if self._module is not None else None
         self._warned_mode = False
         self._spec = call.spec
@@ -239,15 +253,33 @@ class BreakableGraph:
         self.runtime.prepare(tuple(call.leaves))
 
     # ------------------------------------------------------------------ the plan
+    def _copies(self, call: CallArgs) -> list[Any]:
+        """The sample's leaves, tensors cloned (a run on them leaves the caller's alone)."""
+        for path, leaf in zip(call.paths, call.leaves):
+            if isinstance(leaf, _Tensor) and leaf.is_cuda and leaf.device != self.device:
+                raise CaptureError(f"{path} is on {leaf.device}, but '{self.name}' runs on {self.device}")
+        with torch.no_grad():
+            return [x.clone() if isinstance(x, _Tensor) else x for x in call.leaves]
+
+    def _find(self, call: CallArgs) -> list[AutoBreak]:
+        """``breaks="auto"``: one checked eager run on copies of the sample (module state put
+        back after) finds the modules to break at."""
+        args, kwargs = call.unflatten(self._copies(call))
+        snapshot = StateSnapshot(self._module, self.device)
+        try:
+            with on_side_stream(side_stream(self.device), self.device), torch.no_grad():
+                found = find_breaks(self.fn, args, kwargs)
+        finally:
+            snapshot.restore()
+        for b in found:
+            log.info("torchreplay: '%s' breaks at %s", self.name, b)
+        return found
+
     def _plan(self, call: CallArgs) -> tuple[list[BreakCall], Any, set[int]]:
         """Run the model once, eagerly, on copies of the sample: which breaks it calls, in what
         order, with what, and which arguments it writes. Module state is put back after."""
         device = self.device
-        for path, leaf in zip(call.paths, call.leaves):
-            if isinstance(leaf, _Tensor) and leaf.is_cuda and leaf.device != device:
-                raise CaptureError(f"{path} is on {leaf.device}, but '{self.name}' runs on {device}")
-        with torch.no_grad():
-            leaves = [x.clone() if isinstance(x, _Tensor) else x for x in call.leaves]
+        leaves = self._copies(call)
         tensors = [i for i, x in enumerate(leaves) if isinstance(x, _Tensor) and x.is_cuda]
         recorder = Recorder(leaves, call.paths)
         reached: set[Any] = set()
@@ -362,6 +394,36 @@ class BreakableGraph:
             )
         if _compat.tree_flatten(out)[1] != self._out_spec:
             raise CaptureError(f"'{self.name}' {at} returned another output structure than the sample call")
+
+    def explain(self) -> str:
+        """What was graphed and what runs eagerly: each break call with the model's line, why it
+        breaks (named, or the op ``breaks="auto"`` found) and where its arguments come from at
+        replay; segments; sizes; captures, replays, fallbacks with reasons; pool memory."""
+        rt = self.runtime
+        why = {id(b.module): f"auto: {b.op} ({b.kind}) at {b.where}" for b in self.auto}
+        lines = [repr(self)]
+        for k, rec in enumerate(self.breaks):
+            target = rec.brk.target
+            reason = why.get(id(target), "named in breaks=")
+            lines.append(f"  break {k}: {rec.brk.name} at {rec.where} ({reason})")
+            reads = [
+                f"{r.path} {r.kind}" + (f" from {r.source}" if r.source else "")
+                for r in rec.rules if r.kind != "constant"
+            ]
+            if reads:
+                lines.append("    reads: " + "; ".join(reads))
+        empty = sum(
+            1 for e in rt._entries.values() for g in e.graphs[::2] if g is not None and g.graph is None
+        )
+        sizes = rt.captured_sizes()
+        lines.append(
+            f"  segments: {len(self.breaks) + 1} per size, {len(sizes)} size(s) "
+            f"{[s for s in sizes if s is not None] or ''} ({empty} empty segment(s) replay nothing)"
+        )
+        lines.append(f"  {self.stats.explain()}")
+        for reason, n in rt.fallback_reasons.items():
+            lines.append(f"  ran ungraphed {n}x: {reason}")
+        return "\n".join(lines)
 
     def __repr__(self) -> str:
         names = sorted({c.brk.name for c in self.breaks})

@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from torchreplay import _compat
 from torchreplay.core.args import CallArgs, format_path
-from torchreplay.errors import CaptureError, UnsupportedError
+from torchreplay.errors import CaptureError
 
 __all__ = [
     "Break", "ArgRule", "BreakCall", "Recorder", "resolve_breaks", "intercept", "plan_breaks",
@@ -103,15 +103,14 @@ def resolve_breaks(breaks: Any) -> tuple[Break, ...]:
 
     Raises:
         ValueError: an entry that is none of the kinds above, or an op name that torch does not
-            know, named with its position.
-        UnsupportedError: ``breaks="auto"`` (finding the breaks by itself is not built yet).
+            know, named with its position; ``"auto"`` (found by a run: :mod:`.auto`).
     """
     if breaks is None:
         return ()
     if isinstance(breaks, str) and breaks == "auto":
-        raise UnsupportedError(
-            'breaks="auto" is not built yet: name the modules, functions or ops to run eagerly, '
-            "e.g. breaks=[Attention] or breaks=['mylib.attention']"
+        raise ValueError(
+            'breaks="auto" is found by a run of the model (torchreplay.breaks.auto), not '
+            "resolved from names: pass it to tr.graph"
         )
     if isinstance(breaks, (str, nn.Module, type)) or not isinstance(breaks, (list, tuple)):
         breaks = [breaks]

@@ -23,7 +23,8 @@ def explain(obj: Any) -> str:
     Args:
         obj: what ``tr.compile`` returned, or its ``.backend`` (a
             :class:`~torchreplay.compile.backend.Backend`), one of its compiled graphs, or what
-            ``tr.graph``, ``tr.graph_step`` or ``tr.make_graphed_callables`` returned.
+            ``tr.graph`` (breakable graphs included), ``tr.graph_step`` or
+            ``tr.make_graphed_callables`` returned.
 
     Raises:
         TypeError: ``obj`` is none of those.
@@ -34,6 +35,9 @@ def explain(obj: Any) -> str:
         return _backend(obj)
     if isinstance(obj, PiecewiseRuntime):
         return _runtime(obj)
+    own = getattr(obj, "explain", None)
+    if callable(own):  # a breakable graph (tr.graph(..., breaks=)) reports itself
+        return str(own())
     stats = getattr(obj, "stats", None)
     if stats is not None and hasattr(stats, "explain"):
         return f"{obj!r}\n  {stats.explain()}"

@@ -1,0 +1,146 @@
+"""``breaks="auto"``: find what cannot be captured and the module to break at around each.
+
+One eager run of the call under :func:`torchreplay.check.check_call` sees every op that would break
+capture (a host read such as ``.item()``, a data-dependent shape such as ``nonzero``, a copy from
+the host), with the user's ``file:line``; while it runs, every submodule's ``forward`` keeps a
+stack of the modules being called. Each finding breaks at the innermost module around it whose
+outputs keep their shapes (every size of its outputs is a size of its inputs or of its own
+parameters and buffers: a ``nonzero``'s count is neither), so that the graph after the break can
+read its outputs at fixed addresses. A finding in the model's own top-level code has no module to
+break at: that is a :class:`~torchreplay.errors.CaptureError` naming it and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from torchreplay import _compat
+from torchreplay.check import NO_CUDA_OP, check_call
+from torchreplay.core.args import CallArgs, owning_module
+from torchreplay.core.capture import StateSnapshot, on_side_stream, side_stream
+from torchreplay.errors import CaptureError
+
+__all__ = ["AutoBreak", "find_breaks", "suggestion", "suggest"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoBreak:
+    """A module ``breaks="auto"`` chose, and the first finding that made it a break."""
+
+    path: str
+    module: nn.Module = dataclasses.field(repr=False, compare=False)
+    op: str = ""
+    kind: str = ""
+    where: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.path} ({type(self.module).__name__}): {self.op} ({self.kind}) at {self.where}"
+
+
+def _sizes(values: Any) -> set[int]:
+    out: set[int] = set()
+    for leaf in _compat.tree_flatten(values)[0]:
+        if isinstance(leaf, torch.Tensor):
+            out.update(int(d) for d in leaf.shape)
+    return out
+
+
+def find_breaks(
+    fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+) -> list[AutoBreak]:
+    """Run ``fn(*args, **kwargs)`` once, eagerly, under the check, and return the modules to break
+    at, in the order their first finding happened (none when nothing would break capture).
+
+    Raises:
+        CaptureError: a finding outside every submodule (in the top-level code itself).
+    """
+    root = owning_module(fn)
+    named = [(p, m) for p, m in root.named_modules() if m is not root] if root is not None else []
+    stack: list[nn.Module] = []
+    keeps: dict[int, bool] = {}  # id(module) -> its outputs kept their shapes at every call
+    hits: list[tuple[str, str, str, tuple[nn.Module, ...]]] = []
+    undo = []
+
+    def wrap(m: nn.Module) -> None:
+        had = "forward" in m.__dict__
+        original = m.forward
+
+        def forward(*a: Any, **k: Any) -> Any:
+            stack.append(m)
+            try:
+                out = original(*a, **k)
+            finally:
+                stack.pop()
+            own = {int(d) for t in [*m.parameters(), *m.buffers()] for d in t.shape}
+            ok = _sizes(out) <= _sizes((a, k)) | own | {1}
+            keeps[id(m)] = keeps.get(id(m), True) and ok
+            return out
+
+        m.forward = forward  # type: ignore[method-assign]
+        undo.append(lambda: setattr(m, "forward", original) if had else delattr(m, "forward"))
+
+    def on_finding(op: str, kind: str, filename: str, lineno: int) -> None:
+        if op != NO_CUDA_OP:
+            hits.append((op, kind, f"{filename}:{lineno}", tuple(stack)))
+
+    try:
+        for _, m in named:
+            wrap(m)
+        check_call(fn, tuple(args), dict(kwargs), on_finding=on_finding)
+    finally:
+        for u in reversed(undo):
+            u()
+    paths = {id(m): p for p, m in named}
+    chosen: dict[int, AutoBreak] = {}
+    for op, kind, where, around in hits:
+        module = next((m for m in reversed(around) if keeps.get(id(m), False)), None)
+        if module is None:
+            raise CaptureError(
+                f'breaks="auto": {op} ({kind}) at {where} cannot be captured and runs outside '
+                "every submodule whose outputs keep their shapes, so there is nothing to break at; "
+                "move it into a function or module and name that in breaks=[...], or keep it out "
+                "of the graphed call"
+            )
+        if id(module) not in chosen:
+            chosen[id(module)] = AutoBreak(paths[id(module)], module, op, kind, where)
+    return list(chosen.values())
+
+
+def suggestion(found: Sequence[AutoBreak]) -> str:
+    """``breaks=[Attention]`` (a class when several instances of it were chosen), else
+    ``model.get_submodule('path')``."""
+    by_class: dict[type, list[AutoBreak]] = {}
+    for b in found:
+        by_class.setdefault(type(b.module), []).append(b)
+    names = []
+    for cls, chosen in by_class.items():
+        names.append(cls.__name__ if len(chosen) > 1 else f"model.get_submodule({chosen[0].path!r})")
+    return "breaks=[" + ", ".join(names) + ']' if names else ""
+
+
+def suggest(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], device: torch.device) -> str:
+    """For the message of a failed capture: the ``breaks=`` that would graph the rest (a run on
+    copies of the arguments, module state put back), or ``""`` when none would."""
+    call = CallArgs(fn, args, kwargs)
+    with torch.no_grad():
+        leaves = [x.clone() if isinstance(x, torch.Tensor) else x for x in call.leaves]
+    a, k = call.unflatten(leaves)
+    snapshot = StateSnapshot(owning_module(fn), device)
+    try:
+        with on_side_stream(side_stream(device), device), torch.no_grad():
+            found = find_breaks(fn, a, k)
+    except Exception:  # noqa: BLE001 - a suggestion must not hide the capture's own error
+        return ""
+    finally:
+        snapshot.restore()
+    if not found:
+        return ""
+    where = "; ".join(str(b) for b in found[:3]) + ("; ..." if len(found) > 3 else "")
+    return (
+        f'. To graph everything around what cannot be captured: tr.graph(..., {suggestion(found)})'
+        f' or breaks="auto" (it would break at {where})'
+    )
