@@ -289,7 +289,6 @@ def capture(
         except BaseException as exc:
             out = None
             _undo(segments, device, pool, snapshot, exc)
-            del segments
             if isinstance(exc, CaptureError) or not isinstance(exc, Exception):
                 raise
             raise _capture_error(fn, args, kwargs, exc, config, snapshot) from exc
