@@ -371,7 +371,7 @@ def test_auto_breaks_at_the_item_and_explain_lists_it() -> None:
     torch.manual_seed(0)
     model = WithItem().to(DEV).eval()
     x = torch.randn(16, H, device=DEV)
-    with pytest.raises(tr.CaptureError, match=r"breaks=\[model.get_submodule\('clip'\)\] or breaks=\"auto\""):
+    with pytest.raises(tr.CaptureError, match=r"breaks=\[model.get_submodule\('clip'\)\]\) or breaks=\"auto\""):
         tr.graph(model, x)  # the capture error says which breaks= would work
     g = tr.graph(model, x, breaks="auto")
     assert [b.path for b in g.auto] == ["clip"] and "item" in g.auto[0].op

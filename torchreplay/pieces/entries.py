@@ -36,7 +36,7 @@ class Entry:
     """Everything captured for one key (one padded size and the other input shapes)."""
 
     __slots__ = (
-        "size", "graphs", "sources", "outputs", "position", "inputs", "pinned", "guard",
+        "size", "graphs", "sources", "outputs", "position", "inputs", "pinned", "guard", "steps",
         "__weakref__",
     )
 
@@ -53,6 +53,8 @@ class Entry:
         self.pinned: list[int | None] = []
         #: the pool outputs (indices into what Outputs hands out) that must be free to replay
         self.guard: frozenset[int] = frozenset()
+        #: per piece: (graph or None, fn, reads, writes, slots last read there, index)
+        self.steps: list[tuple[Any, ...]] = []
 
     def invalidate_outputs(self) -> None:
         if self.outputs is not None:

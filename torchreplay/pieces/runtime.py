@@ -179,40 +179,25 @@ class PiecewiseRuntime:
         for i in self._passed:
             env[i] = args[i]
         tainted = False
-        pieces = self._pieces
-        for k, graph in enumerate(entry.graphs):
-            piece = pieces[k]
+        for graph, fn, reads, writes, last, k in entry.steps:
             if graph is not None and not tainted:
-                ok = True
-                for pos, buf in graph.copies:
-                    value = env[piece.reads[pos]]
-                    if not isinstance(buf, _Tensor):  # a number the graph holds as captured
-                        if value != buf:
-                            ok = False
-                            break
-                    elif value.shape != buf.shape or value.dtype != buf.dtype:
-                        ok = False
-                        break
-                    else:
-                        buf.copy_(value)
-                if ok:
-                    graph.replay()
-                    for w, t in zip(piece.writes, graph.out):
-                        env[w] = t
-                    for f in self._last[k]:
+                if not graph.copies or self._copy_in(graph, reads, env):
+                    graph.replay()  # its outputs are in env already (Entry.inputs)
+                    for f in last:
                         env[f] = None
                     continue
                 tainted = True
                 self._count_fallback(
-                    f"{piece.name}: an input made by an eager step has another shape (or, for a "
-                    "number, another value) than at capture; the rest of the call runs ungraphed"
+                    f"{self._pieces[k].name}: an input made by an eager step has another shape "
+                    "(or, for a number, another value) than at capture; the rest of the call "
+                    "runs ungraphed"
                 )
             elif graph is None and k in self.failures:
-                self._count_fallback(f"{piece.name} failed to capture and runs ungraphed")
-            outs = piece.fn(*[env[r] for r in piece.reads])
-            for w, t in zip(piece.writes, outs):
+                self._count_fallback(f"{self._pieces[k].name} failed to capture and runs ungraphed")
+            outs = fn(*[env[r] for r in reads])
+            for w, t in zip(writes, outs):
                 env[w] = t
-            for f in self._last[k]:
+            for f in last:
                 env[f] = None
         if route.backs:  # eager semantics: the callable's writes reach the caller's tensors
             write_back([args[i] for i in route.back_idx], route.backs)
@@ -229,6 +214,21 @@ class PiecewiseRuntime:
         return hand_out(
             entry, env, args, self.program, None if n == size else n, tainted, self._in_pool
         )
+
+    @staticmethod
+    def _copy_in(graph: PieceGraph, reads: tuple[int, ...], env: list[Any]) -> bool:
+        """Copy the values eager steps made into the graph's own buffers; False when one has
+        another shape or dtype (or, for a number, another value) than at capture."""
+        for pos, buf in graph.copies:
+            value = env[reads[pos]]
+            if not isinstance(buf, _Tensor):  # a number the graph holds as captured
+                if value != buf:
+                    return False
+            elif value.shape != buf.shape or value.dtype != buf.dtype:
+                return False
+            else:
+                buf.copy_(value)
+        return True
 
     def _run_ungraphed(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """Run every piece as is on the caller's own tensors (no graph, no copies)."""
@@ -461,6 +461,14 @@ class PiecewiseRuntime:
         """Give ``entry`` (its ``sources`` set) the output policy over ``pool_outs`` and its
         place in the pool's replay order."""
         assert self.pool is not None
+        # The replay loop, per piece; a graph's outputs are constant per entry: they sit in the
+        # slot values every call starts from, so a replay only replays.
+        entry.steps = []
+        for k, (graph, piece) in enumerate(zip(entry.graphs, self._pieces)):
+            entry.steps.append((graph, piece.fn, piece.reads, piece.writes, self._last[k], k))
+            if graph is not None:
+                for w, t in zip(piece.writes, graph.out):
+                    entry.inputs[w] = t
         entry.guard = frozenset(
             ref for k, (kind, ref) in enumerate(entry.sources)
             if kind == "pool" and k in self.guard_outputs
