@@ -228,9 +228,12 @@ class BreakableGraph:
             mine = iter(own)
             reads = tuple(r.leaf if r.leaf is not None else next(mine) for r in rec.rules) + bufs
             pieces.append(Piece(_no_segment, (), own + bufs, True, f"segment {k}"))
-            name = f"{rec.brk.name}#{k}"
+            step = BreakStep(rec, f"{rec.brk.name}#{k}")
+            # A break that returns nothing, called with its arguments as they are: the step is
+            # the break itself (nothing to check or copy after it).
+            fn = rec.call if step.none and step.flat and not step.kw else step
             pieces.append(Piece(
-                BreakStep(rec, name), reads, take(len(rec.outputs)), False, f"break {k}",
+                fn, reads, take(len(rec.outputs)), False, f"break {k}",
                 Split(rec.brk.name, "named in breaks=", rec.where),
             ))
         final = take(n_out)

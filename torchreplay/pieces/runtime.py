@@ -195,8 +195,9 @@ class PiecewiseRuntime:
             elif graph is None and k in self.failures:
                 self._count_fallback(f"{self._pieces[k].name} failed to capture and runs ungraphed")
             outs = fn(*[env[r] for r in reads])
-            for w, t in zip(writes, outs):
-                env[w] = t
+            if writes:  # a step that writes no slot may return anything (a break: None)
+                for w, t in zip(writes, outs):
+                    env[w] = t
             for f in last:
                 env[f] = None
         if route.backs:  # eager semantics: the callable's writes reach the caller's tensors
