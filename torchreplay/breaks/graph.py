@@ -136,8 +136,8 @@ class BreakableGraph:
         self._unflatten = call.unflatten
         dims = plan_inputs(call, dim, fill_value) if sizes is not None else None
         self.breaks, out, written = self._plan(call)
-        self._out_spec = _compat.tree_flatten(out)[1]
-        self._out_single = self._out_spec == _LEAF
+        out_leaves, self._out_spec = _compat.tree_flatten(out)
+        self._out_single = len(out_leaves) == 1 and self._out_spec == _LEAF
         self._sample_rows = dims.size if dims is not None else None
         self._sample_out = [tuple(t.shape) if isinstance(t, _Tensor) else None for t in _compat.tree_flatten(out)[0]]
         program = self._program(call, dims, written, len(self._sample_out))

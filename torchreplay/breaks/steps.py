@@ -15,7 +15,6 @@ __all__ = ["BreakStep"]
 
 _Tensor = torch.Tensor
 _LEAF = _compat.tree_flatten(0)[1]
-_NONE = _compat.tree_flatten(None)[1]
 
 
 class BreakStep:
@@ -39,8 +38,10 @@ class BreakStep:
         self.flat = plain == rec.spec
         self.na = len(args)
         self.kw = tuple(kwargs)
-        self.single = rec.out_spec == _LEAF
-        self.none = rec.out_spec == _NONE
+        self.single = self.m == 1 and rec.out_spec == _LEAF
+        # Returns nothing to read (None, an empty tuple): the output structure is not compared
+        # (a leaf and None compare equal on some torch versions' specs).
+        self.none = self.m == 0
         self.tuple = rec.out_spec == _compat.tree_flatten(tuple(range(self.m)))[1]
 
     def __call__(self, *vals: Any) -> Sequence[Any]:
