@@ -213,3 +213,34 @@ def test_auto_refuses_a_finding_in_the_top_level_code() -> None:
     with pytest.raises(CaptureError, match=r"Tensor.item \(host-sync\) at .*test_breaks_plan.py:\d+ .*nothing to break at"):
         find_breaks(fn, (torch.randn(3),), {})
     assert find_breaks(nn.Linear(3, 3), (torch.randn(2, 3),), {}) == []
+
+
+def test_graph_option_errors_with_breaks_come_before_any_device_work() -> None:
+    import torchreplay as tr
+
+    model, x, lengths = _sample()
+    with pytest.raises(TypeError, match="capture=, fallback= and max_graphs= are not supported with breaks="):
+        tr.graph(model, x, lengths, breaks=[Attention], sizes=[1, 2], capture="lazy")
+    with pytest.raises(ValueError, match="breaks= names nothing"):
+        tr.graph(model, x, lengths, breaks=[])
+    with pytest.raises(ValueError, match=r"breaks\[0\] = 'nolib.nothing': no such op"):
+        tr.graph(model, x, lengths, breaks=["nolib.nothing"])
+
+
+def test_a_break_that_returns_nothing_is_called_as_it_is() -> None:
+    from torchreplay.breaks.steps import BreakStep
+
+    def fill(out, x):
+        out.copy_(x * 2)
+
+    def fn(x):
+        out = torch.empty_like(x)
+        fill(out, x)
+        return out + 1
+
+    x = torch.randn(3)
+    calls = plan_breaks(fn, (x,), None, [fill])
+    step = BreakStep(calls[0], "fill#0")
+    assert step.none and step.flat and not step.kw and step.m == 0  # None is a pytree leaf
+    assert step(torch.empty(3), x) == ()
+    assert [r.kind for r in calls[0].rules] == ["constant", "rebound"]  # on the CPU: host values

@@ -46,7 +46,7 @@ from torchreplay.core.pool import Pool
 from torchreplay.core.writes import WriteWatch
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
 from torchreplay.breaks.auto import AutoBreak, find_breaks
-from torchreplay.breaks.steps import BreakStep
+from torchreplay.breaks.steps import BreakStep, returns_nothing
 from torchreplay.breaks.plan import (
     Break,
     BreakCall,
@@ -108,6 +108,13 @@ class BreakableGraph:
         pool: Pool | None,
         device: torch.device | int | str | None,
     ) -> None:
+        auto = isinstance(breaks, str) and breaks == "auto"
+        resolved = () if auto else resolve_breaks(breaks)
+        if not auto and not resolved:
+            raise ValueError(
+                "breaks= names nothing: give the modules, functions or ops to run eagerly "
+                '(or "auto"), or graph without breaks='
+            )
         call = CallArgs(fn, sample_args, sample_kwargs)
         self.fn = fn
         self.name = fn_name(fn)
@@ -116,16 +123,9 @@ class BreakableGraph:
         self._module = owning_module(fn)
         #: with ``breaks="auto"``: the modules chosen, each with the op that made it a break
         self.auto: list[AutoBreak] = []
-        if isinstance(breaks, str) and breaks == "auto":
+        if auto:
             self.auto = self._find(call)
             resolved = tuple(Break("module", b.module, b.path) for b in self.auto)
-        else:
-            resolved = resolve_breaks(breaks)
-            if not resolved:
-                raise ValueError(
-                    "breaks= names nothing: give the modules, functions or ops to run eagerly "
-                    '(or "auto"), or graph without breaks='
-                )
         self._breaks = resolved
         self._training = self._module.training if self._module is not None else None
         self._warned_mode = False
@@ -224,7 +224,8 @@ class BreakableGraph:
 
         for k, rec in enumerate(self.breaks):
             own = take(sum(r.leaf is None for r in rec.rules))  # read where the segment left them
-            bufs = take(len(rec.outputs))
+            outputs = () if returns_nothing(rec) else rec.outputs
+            bufs = take(len(outputs))
             mine = iter(own)
             reads = tuple(r.leaf if r.leaf is not None else next(mine) for r in rec.rules) + bufs
             pieces.append(Piece(_no_segment, (), own + bufs, True, f"segment {k}"))
@@ -233,7 +234,7 @@ class BreakableGraph:
             # the break itself (nothing to check or copy after it).
             fn = rec.call if step.none and step.flat and not step.kw else step
             pieces.append(Piece(
-                fn, reads, take(len(rec.outputs)), False, f"break {k}",
+                fn, reads, take(len(outputs)), False, f"break {k}",
                 Split(rec.brk.name, "named in breaks=", rec.where),
             ))
         final = take(n_out)
@@ -473,7 +474,8 @@ class _Runtime(PiecewiseRuntime):
         graphs: list[PieceGraph | None] = []
         for k, rec in enumerate(recorder.calls):
             own = [held(v) for r, v in zip(rec.rules, rec.values) if r.leaf is None]
-            graphs += [PieceGraph(segs[k], own + [held(o) for o in rec.outputs], []), None]
+            outputs = () if returns_nothing(rec) else rec.outputs
+            graphs += [PieceGraph(segs[k], own + [held(o) for o in outputs], []), None]
         outs = _compat.tree_flatten(captured.out)[0]
         graphs.append(PieceGraph(segs[-1], outs, []))
         entry.graphs = graphs

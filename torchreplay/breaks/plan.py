@@ -5,7 +5,9 @@ What ``tr.graph(..., breaks=...)`` (:mod:`torchreplay.breaks.graph`) breaks at. 
 - a module instance (that one submodule) or a module class (every instance of it in the model):
   its ``forward`` is wrapped while the model runs;
 - a Python function: the names that refer to it in the globals of the model's code (the
-  ``forward`` of every submodule's class, or the function itself) are rebound while the model runs;
+  ``forward`` of every submodule's class, or the function itself) and in that code's closures are
+  rebound while the model runs (a function the code imports under another name, or reaches
+  through an attribute, is not seen: name the module that calls it, or make it a custom op);
 - an op: a ``torch.library`` custom op or an aten op, as an op object or a name (``"mylib.attn"``,
   ``"mylib::attn"``, ``"aten.nonzero"``, with or without an overload): seen at dispatch by a
   ``TorchDispatchMode``.
@@ -211,6 +213,9 @@ def intercept(
                     for key, value in list(namespace.items()):
                         if value is brk.target:
                             undo.append(_rebind(namespace, key, brk, dispatch))
+                for cell in _cells(fn, modules):  # a function the model's code closes over
+                    if cell.cell_contents is brk.target:
+                        undo.append(_rebind_cell(cell, brk, dispatch))
         ops = {brk.target: brk for brk in breaks if brk.kind == "op"}
         with _OpBreaks(ops, dispatch) if ops else contextlib.nullcontext():
             yield
@@ -233,6 +238,33 @@ def _namespaces(fn: Callable[..., Any], modules: list[nn.Module]) -> list[dict[s
         if isinstance(g, dict):
             seen[id(g)] = g
     return list(seen.values())
+
+
+def _cells(fn: Callable[..., Any], modules: list[nn.Module]) -> list[Any]:
+    """The closure cells of the model's code (``fn`` and each submodule class's ``forward``)."""
+    out = []
+    for f in [fn] + [type(m).forward for m in modules]:
+        for cell in getattr(inspect.unwrap(getattr(f, "__func__", f)), "__closure__", None) or ():
+            try:
+                cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            out.append(cell)
+    return out
+
+
+def _rebind_cell(cell: Any, brk: Break, dispatch: Callable[..., Any]) -> Callable[[], None]:
+    original = cell.cell_contents
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return dispatch(brk, original, args, kwargs)
+
+    cell.cell_contents = wrapper
+
+    def undo() -> None:
+        cell.cell_contents = original
+
+    return undo
 
 
 def _wrap_forward(m: nn.Module, brk: Break, dispatch: Callable[..., Any]) -> Callable[[], None]:

@@ -11,10 +11,15 @@ from torchreplay import _compat
 from torchreplay.breaks.plan import BreakCall
 from torchreplay.errors import ReplayInputError
 
-__all__ = ["BreakStep"]
+__all__ = ["BreakStep", "returns_nothing"]
 
 _Tensor = torch.Tensor
 _LEAF = _compat.tree_flatten(0)[1]
+
+
+def returns_nothing(rec: BreakCall) -> bool:
+    """Did the break return nothing a later segment could read (``None`` is a pytree leaf)?"""
+    return all(o is None for o in rec.outputs)
 
 
 class BreakStep:
@@ -31,7 +36,10 @@ class BreakStep:
         self.n = len(rec.rules)
         self.spec = rec.spec
         self.out_spec = rec.out_spec
-        self.m = len(rec.outputs)
+        # Returned nothing to read (None, nothing, Nones: a break that writes an argument): its
+        # return is not read at replay (the graphs after it never saw one), nor compared.
+        self.none = returns_nothing(rec)
+        self.m = 0 if self.none else len(rec.outputs)
         args, kwargs = _compat.tree_unflatten(list(rec.values), rec.spec)
         plain = _compat.tree_flatten((tuple(range(len(args))), dict.fromkeys(kwargs, 0)))[1]
         # Fast paths: every argument is itself a leaf; the output is one leaf or a flat tuple.
@@ -39,9 +47,6 @@ class BreakStep:
         self.na = len(args)
         self.kw = tuple(kwargs)
         self.single = self.m == 1 and rec.out_spec == _LEAF
-        # Returns nothing to read (None, an empty tuple): the output structure is not compared
-        # (a leaf and None compare equal on some torch versions' specs).
-        self.none = self.m == 0
         self.tuple = rec.out_spec == _compat.tree_flatten(tuple(range(self.m)))[1]
 
     def __call__(self, *vals: Any) -> Sequence[Any]:
@@ -53,10 +58,10 @@ class BreakStep:
         else:
             args, kwargs = _compat.tree_unflatten(list(vals[:n]), self.spec)
             out = self.call(*args, **kwargs)
+        if self.none:
+            return ()
         if self.single:
             outs: Sequence[Any] = (out,)
-        elif self.none and out is None:  # a break that writes its results into an argument
-            return ()
         elif self.tuple and type(out) is tuple and len(out) == self.m:
             outs = out
         else:
