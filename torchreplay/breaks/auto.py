@@ -24,7 +24,7 @@ from torchreplay.core.args import CallArgs, owning_module
 from torchreplay.core.capture import StateSnapshot, on_side_stream, side_stream
 from torchreplay.errors import CaptureError
 
-__all__ = ["AutoBreak", "find_breaks", "suggestion", "suggest"]
+__all__ = ["AutoBreak", "find_breaks", "find_on_copies", "suggestion", "suggest"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,21 +122,27 @@ def suggestion(found: Sequence[AutoBreak]) -> str:
     return "breaks=[" + ", ".join(names) + ']' if names else ""
 
 
-def suggest(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], device: torch.device) -> str:
-    """For the message of a failed capture: the ``breaks=`` that would graph the rest (a run on
-    copies of the arguments, module state put back), or ``""`` when none would."""
-    call = CallArgs(fn, args, kwargs)
+def find_on_copies(fn: Callable[..., Any], call: CallArgs, device: torch.device) -> list[AutoBreak]:
+    """:func:`find_breaks` on copies of the call's tensors, on the device's side stream, without
+    gradients; module state (buffers, RNG) is put back after."""
     with torch.no_grad():
         leaves = [x.clone() if isinstance(x, torch.Tensor) else x for x in call.leaves]
     a, k = call.unflatten(leaves)
     snapshot = StateSnapshot(owning_module(fn), device)
     try:
         with on_side_stream(side_stream(device), device), torch.no_grad():
-            found = find_breaks(fn, a, k)
-    except Exception:  # noqa: BLE001 - a suggestion must not hide the capture's own error
-        return ""
+            return find_breaks(fn, a, k)
     finally:
         snapshot.restore()
+
+
+def suggest(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], device: torch.device) -> str:
+    """For the message of a failed capture: the ``breaks=`` that would graph the rest, or ``""``
+    when none would."""
+    try:
+        found = find_on_copies(fn, CallArgs(fn, args, kwargs), device)
+    except Exception:  # noqa: BLE001 - a suggestion must not hide the capture's own error
+        return ""
     if not found:
         return ""
     where = "; ".join(str(b) for b in found[:3]) + ("; ..." if len(found) > 3 else "")

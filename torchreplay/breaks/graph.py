@@ -45,7 +45,7 @@ from torchreplay.core.capture import (
 from torchreplay.core.pool import Pool
 from torchreplay.core.writes import WriteWatch
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
-from torchreplay.breaks.auto import AutoBreak, find_breaks
+from torchreplay.breaks.auto import AutoBreak, find_on_copies
 from torchreplay.breaks.steps import BreakStep, returns_nothing
 from torchreplay.breaks.plan import (
     Break,
@@ -149,24 +149,21 @@ class BreakableGraph:
         self.runtime.prepare(tuple(call.leaves))
 
     # ------------------------------------------------------------------ the plan
-    def _copies(self, call: CallArgs) -> list[Any]:
-        """The sample's leaves, tensors cloned (a run on them leaves the caller's alone)."""
+    def _check_devices(self, call: CallArgs) -> None:
         for path, leaf in zip(call.paths, call.leaves):
             if isinstance(leaf, _Tensor) and leaf.is_cuda and leaf.device != self.device:
                 raise CaptureError(f"{path} is on {leaf.device}, but '{self.name}' runs on {self.device}")
+
+    def _copies(self, call: CallArgs) -> list[Any]:
+        """The sample's leaves, tensors cloned (a run on them leaves the caller's alone)."""
+        self._check_devices(call)
         with torch.no_grad():
             return [x.clone() if isinstance(x, _Tensor) else x for x in call.leaves]
 
     def _find(self, call: CallArgs) -> list[AutoBreak]:
-        """``breaks="auto"``: one checked eager run on copies of the sample (module state put
-        back after) finds the modules to break at."""
-        args, kwargs = call.unflatten(self._copies(call))
-        snapshot = StateSnapshot(self._module, self.device)
-        try:
-            with on_side_stream(side_stream(self.device), self.device), torch.no_grad():
-                found = find_breaks(self.fn, args, kwargs)
-        finally:
-            snapshot.restore()
+        """``breaks="auto"``: one checked eager run on copies of the sample finds the modules."""
+        self._check_devices(call)
+        found = find_on_copies(self.fn, call, self.device)
         for b in found:
             log.info("torchreplay: '%s' breaks at %s", self.name, b)
         return found
