@@ -139,7 +139,7 @@ class BreakableGraph:
         out_leaves, self._out_spec = _compat.tree_flatten(out)
         self._out_single = len(out_leaves) == 1 and self._out_spec == _LEAF
         self._sample_rows = dims.size if dims is not None else None
-        self._sample_out = [tuple(t.shape) if isinstance(t, _Tensor) else None for t in _compat.tree_flatten(out)[0]]
+        self._sample_out = [tuple(t.shape) if isinstance(t, _Tensor) else None for t in out_leaves]
         program = self._program(call, dims, written, len(self._sample_out))
         self.runtime = _Runtime(
             self, program, name=self.name, sizes=sizes, config=config, pool=pool,
