@@ -499,3 +499,13 @@ def data_ptrs_equal(values: Sequence[Any], ptrs: Sequence[int | None], idxs: Seq
     if _ptrs_equal is not None:
         return _ptrs_equal(values, ptrs, idxs)
     return all(values[i].data_ptr() == ptrs[i] for i in idxs)
+
+
+@contextlib.contextmanager
+def dispatch_modes_off() -> Iterator[None]:
+    """No ``TorchDispatchMode`` sees the ops run inside (a break's own ops, while the check
+    looks at the rest of a model)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield

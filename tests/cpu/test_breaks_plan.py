@@ -244,3 +244,25 @@ def test_a_break_that_returns_nothing_is_called_as_it_is() -> None:
     assert step.none and step.flat and not step.kw and step.m == 0  # None is a pytree leaf
     assert step(torch.empty(3), x) == ()
     assert [r.kind for r in calls[0].rules] == ["constant", "rebound"]  # on the CPU: host values
+
+
+def test_the_diagnosis_of_a_failed_segment_does_not_look_inside_the_breaks() -> None:
+    """What a failed capture's error names: the op in a segment, not the break's own ops."""
+    from torchreplay.breaks.plan import outside_breaks
+    from torchreplay.check import check
+
+    def host_scale(x):
+        return x * x.sum().item()  # inside the break: fine, it runs eagerly
+
+    class M(nn.Module):
+        def forward(self, x):
+            y = host_scale(x)
+            return y * float(y.max())  # in a segment: this is what breaks capture  # LINE: seg
+
+    model, x = M(), torch.randn(4)
+    everything = check(model, x)
+    assert len([f for f in everything if f.kind == "host-sync"]) == 2
+    seen = check(outside_breaks(model, resolve_breaks([host_scale])), x)
+    host = [f for f in seen if f.kind == "host-sync"]
+    assert len(host) == 1 and "LINE: seg" in host[0].code
+    assert "forward" not in model.__dict__

@@ -53,6 +53,7 @@ from torchreplay.breaks.plan import (
     Recorder,
     check_reached,
     intercept,
+    outside_breaks,
     resolve_breaks,
 )
 from torchreplay.pieces.entries import Entry, PieceGraph
@@ -448,6 +449,7 @@ class _Runtime(PiecewiseRuntime):
                 front.fn, call_args, call_kwargs, device=self.device, stream=self._stream,
                 pool=self.pool, config=self.config, warmup=not self._warm, snapshot=snapshot,
                 reset=reset, segmented=segmented,
+                diagnose_fn=outside_breaks(front.fn, front._breaks),
             )
         finally:
             self._segments = None

@@ -40,7 +40,7 @@ from torchreplay.errors import CaptureError
 
 __all__ = [
     "Break", "ArgRule", "BreakCall", "Recorder", "resolve_breaks", "intercept", "plan_breaks",
-    "check_reached",
+    "check_reached", "outside_breaks",
 ]
 
 BreakKind = Literal["module", "class", "function", "op"]
@@ -342,6 +342,28 @@ class Recorder:
         outs, out_spec = _compat.tree_flatten(out)
         self.calls.append(dataclasses.replace(record, outputs=tuple(outs), out_spec=out_spec))
         return out
+
+
+def outside_breaks(fn: Callable[..., Any], breaks: Sequence[Break]) -> Callable[..., Any]:
+    """``fn``, with every break run unseen by dispatch modes and the profile hook: what
+    ``tr.check`` looks at when a segment of a breakable graph fails to capture (the breaks run
+    eagerly; their ops are no reason)."""
+
+    def unseen(brk: Break, call: Callable[..., Any], a: Any, k: Any) -> Any:
+        hook = sys.getprofile()
+        sys.setprofile(None)
+        try:
+            with _compat.dispatch_modes_off():
+                return call(*a, **k)
+        finally:
+            sys.setprofile(hook)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with intercept(fn, breaks, unseen):
+            return fn(*args, **kwargs)
+
+    run.__qualname__ = getattr(fn, "__qualname__", type(fn).__name__)
+    return run
 
 
 def plan_breaks(

@@ -226,6 +226,7 @@ def capture(
     watch: Sequence[torch.Tensor] = (),
     reset: Callable[[], None] | None = None,
     segmented: Callable[[Segments], contextlib.AbstractContextManager[Any]] | None = None,
+    diagnose_fn: Callable[..., Any] | None = None,
 ) -> Captured:
     """Warm ``fn`` up on ``stream`` and capture one call of it into a new graph in ``pool``.
 
@@ -248,6 +249,8 @@ def capture(
         segmented: a context manager factory entered around the captured call with its
             :class:`Segments`; code inside may cut the capture and resume it (breakable
             graphs). ``Captured.graphs`` then holds every segment.
+        diagnose_fn: what the check runs to name the op that broke a failed capture (default
+            ``fn``; a breakable graph passes ``fn`` with its breaks unseen).
 
     Returns:
         the graph, the output of the captured call (living in the pool), and the seconds taken.
@@ -291,7 +294,7 @@ def capture(
             _undo(segments, device, pool, snapshot, exc)
             if isinstance(exc, CaptureError) or not isinstance(exc, Exception):
                 raise
-            raise _capture_error(fn, args, kwargs, exc, config, snapshot) from exc
+            raise _capture_error(fn, args, kwargs, exc, config, snapshot, diagnose_fn) from exc
         # Only the graph can tell an empty capture: an optimizer step alone has no tensor
         # argument and returns None, yet records real work on the device.
         if all(segments.empty):
@@ -360,6 +363,7 @@ def _capture_error(
     exc: Exception,
     config: GraphConfig,
     snapshot: StateSnapshot | None,
+    diagnose_fn: Callable[..., Any] | None = None,
 ) -> CaptureError:
     name = fn_name(fn)
     if isinstance(exc, torch.OutOfMemoryError):
@@ -388,7 +392,7 @@ def _capture_error(
         from torchreplay.check import NO_CUDA_OP, diagnose  # check.py imports nothing of core/
 
         try:
-            report = diagnose(fn, args, kwargs)
+            report = diagnose(diagnose_fn or fn, args, kwargs)
             finding = report.first()
         finally:
             if snapshot is not None:
