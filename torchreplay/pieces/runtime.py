@@ -107,8 +107,7 @@ class PiecewiseRuntime:
         self._statics = [i for i, x in enumerate(self._inputs) if x.kind == "static"]
         self._pinned = [i for i, x in enumerate(self._inputs) if x.kind == "pinned"]
         self._checks = bool(self._pinned or self.guard_outputs)
-        # Inputs the call passes straight through (parameters, constants, ints that are not the
-        # padded size): taken from the call's arguments every time.
+        # Inputs taken from the call as they are (parameters, constants, host values, ints).
         self._passed = [
             i for i, x in enumerate(self._inputs)
             if x.kind in ("static", "pinned", "other", "host") or (x.kind == "int" and not x.is_size)
