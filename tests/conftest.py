@@ -1,4 +1,5 @@
-"""Test-suite wide: the ``gpu`` marker, and skipping GPU tests cleanly where CUDA is absent.
+"""Test-suite wide: the ``gpu`` marker, skipping GPU tests cleanly where CUDA is absent, and a
+compile-cache folder of the suite's own.
 
 Every test under ``tests/gpu`` gets the ``gpu`` marker, so ``-m "not gpu"`` deselects them and,
 without CUDA, they are skipped with one reason instead of failing on the first ``.cuda()``.
@@ -6,16 +7,27 @@ without CUDA, they are skipped with one reason instead of failing on the first `
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 GPU_DIR = Path(__file__).parent / "gpu"
+_CACHE_DIR = tempfile.mkdtemp(prefix="torchreplay-test-cache-")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
+    # The compile cache is on by default: the tests (and the processes they start) use a
+    # folder of their own, never the user's ~/.cache/torchreplay.
+    os.environ["TORCHREPLAY_CACHE_DIR"] = _CACHE_DIR
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,4 +1,4 @@
-"""The ``torchreplay`` command line: ``bench``, ``check`` and ``explain``.
+"""The ``torchreplay`` command line: ``bench``, ``check``, ``explain`` and ``cache``.
 
 The only module that prints and the only one that configures logging handlers. Importing it
 initialises no CUDA; CUDA is first touched when a benchmark runs.
@@ -32,6 +32,8 @@ import json
 import logging
 import os
 import sys
+import time
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -43,6 +45,7 @@ from rich.text import Text
 import torchreplay
 from torchreplay import bench
 from torchreplay.check import NO_CUDA_OP, Finding, Report, check_call
+from torchreplay.compile import cache
 from torchreplay.compile.preview import preview_split
 from torchreplay.models.factories import ROW_FACTORIES
 
@@ -88,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-v", "--verbose", action="count", default=0,
         help="log torchreplay's INFO lines (-v) or DEBUG lines (-vv) to stderr",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{bench,check,explain}")
+    sub = parser.add_subparsers(dest="command", metavar="{bench,check,explain,cache}")
     sub.required = True
 
     b = sub.add_parser(
@@ -153,7 +156,41 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-inductor", action="store_true",
                    help="compile each piece as FX code instead of with Inductor (faster to build)")
     e.set_defaults(run=_cmd_explain)
+
+    k = sub.add_parser(
+        "cache", help="list or clear the compile cache of tr.compile / backend='torchreplay'",
+        description="The compile cache holds each piece's Inductor code (default folder: "
+        f"${cache.ENV_VAR}, else ~/.cache/torchreplay). `list` prints its entries; `clear` "
+        "removes them (all, or those older than --older-than). Exit 0, or 2 for a bad age.",
+    )
+    k.add_argument("action", choices=["list", "clear"])
+    k.add_argument("--dir", metavar="PATH", help="the cache folder (default: as tr.compile's)")
+    k.add_argument("--older-than", metavar="AGE",
+                   help="with clear: only entries older than AGE, e.g. 30m, 12h, 7d")
+    k.set_defaults(run=_cmd_cache)
     return parser
+
+
+def _cmd_cache(ns: argparse.Namespace, out: Console, err: Console) -> int:
+    folder = Path(ns.dir) if ns.dir else cache.default_dir()
+    now = time.time()
+    if ns.action == "list":
+        found = cache.entries(folder)
+        total = sum(e.bytes for e in found)
+        out.print(f"{folder}: {len(found)} entr{'y' if len(found) == 1 else 'ies'}, "
+                  f"{total / 1e6:.1f} MB", highlight=False)
+        for entry in found:
+            out.print(f"  {entry.line(now)}", highlight=False)
+        return 0
+    try:
+        age = cache.parse_age(ns.older_than) if ns.older_than else None
+    except ValueError as exc:
+        err.print(f"torchreplay cache clear: {exc}", highlight=False)
+        return 2
+    removed = cache.clear(folder, age)
+    out.print(f"{folder}: removed {len(removed)} entr{'y' if len(removed) == 1 else 'ies'}, "
+              f"{sum(e.bytes for e in removed) / 1e6:.1f} MB", highlight=False)
+    return 0
 
 
 def _sizes(text: str) -> tuple[int, ...]:

@@ -8,9 +8,13 @@ Options are never mutated; derive variants with :func:`dataclasses.replace`::
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Literal
 
-__all__ = ["GraphConfig", "OutputPolicy", "SAFE", "FAST", "DEBUG", "BucketConfig", "CompileConfig"]
+__all__ = [
+    "GraphConfig", "OutputPolicy", "SAFE", "FAST", "DEBUG", "BucketConfig", "CompileConfig",
+    "DEFAULT_CACHE_DIR",
+]
 
 OutputPolicy = Literal["checked", "clone", "static"]
 CaptureErrorMode = Literal["global", "thread_local", "relaxed"]
@@ -19,6 +23,17 @@ _OUTPUT_POLICIES = ("checked", "clone", "static")
 _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 _CAPTURE_MODES = ("ahead", "lazy")
 _FALLBACKS = ("eager", "error")
+
+
+class _DefaultCacheDir:
+    """The default of ``cache_dir``: resolved when a backend is made (compile/cache.py)."""
+
+    def __repr__(self) -> str:
+        return "<$TORCHREPLAY_CACHE_DIR, else ~/.cache/torchreplay>"
+
+
+#: ``cache_dir``'s default: ``$TORCHREPLAY_CACHE_DIR``, else ``torchreplay`` in the user's cache.
+DEFAULT_CACHE_DIR = _DefaultCacheDir()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +175,11 @@ class CompileConfig:
             ungraphed with a warning.
         max_graphs: without ``sizes``, the most shapes captured per compiled graph.
         num_warmup_iters: eager runs of each piece before its capture.
+        cache_dir: the folder of the persistent compile cache (each piece's Inductor code,
+            loaded by the next process instead of compiled). Default: ``$TORCHREPLAY_CACHE_DIR``,
+            else ``torchreplay`` under ``$XDG_CACHE_HOME`` or ``~/.cache``; ``None``: no cache.
+        cache_strict: a bad cache entry or an unusable folder raises ``CacheError`` instead of
+            one warning and a compile as if there were no cache.
     """
 
     sizes: tuple[int, ...] | None = None
@@ -170,10 +190,14 @@ class CompileConfig:
     strict: bool = False
     max_graphs: int = 16
     num_warmup_iters: int = 3
+    cache_dir: str | os.PathLike[str] | _DefaultCacheDir | None = DEFAULT_CACHE_DIR
+    cache_strict: bool = False
 
     def __post_init__(self) -> None:
         if self.sizes is not None:
             object.__setattr__(self, "sizes", _normalize_sizes(self.sizes))
+        if not (self.cache_dir is None or isinstance(self.cache_dir, (str, os.PathLike, _DefaultCacheDir))):
+            raise ValueError(f"cache_dir must be a path or None, got {self.cache_dir!r}")
         ops = self.splitting_ops
         object.__setattr__(self, "splitting_ops", (ops,) if isinstance(ops, str) else tuple(ops))
         if self.outputs not in _OUTPUT_POLICIES:

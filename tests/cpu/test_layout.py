@@ -17,7 +17,7 @@ PKG = Path(__file__).resolve().parents[2] / "torchreplay"
 # The layers, lowest first. A module may import its own layer (inside one package) or lower ones.
 # sizes/, training/ and pieces/ are side by side: none imports another. compile/ builds on pieces/.
 LAYERS: list[tuple[str, ...]] = [
-    ("torchreplay._compat", "torchreplay.errors", "torchreplay.config", "torchreplay.stats"),
+    ("torchreplay._version", "torchreplay._compat", "torchreplay.errors", "torchreplay.config", "torchreplay.stats"),
     ("torchreplay.check",),
     ("torchreplay.core",),
     ("torchreplay.sizes", "torchreplay.training", "torchreplay.pieces"),

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from torchreplay.compile.backend import Backend
-from torchreplay.config import CompileConfig, OutputPolicy
+from torchreplay.config import DEFAULT_CACHE_DIR, CompileConfig, OutputPolicy
 
 __all__ = ["Compiled", "compile"]
 
@@ -67,6 +67,8 @@ def compile(
     max_graphs: int = 16,
     num_warmup_iters: int = 3,
     fullgraph: bool = False,
+    cache_dir: Any = DEFAULT_CACHE_DIR,
+    cache_strict: bool = False,
 ) -> Compiled:
     """Compile ``model`` with ``torch.compile`` and run it as CUDA graphs, piece by piece.
 
@@ -82,6 +84,12 @@ def compile(
         max_graphs: without ``sizes``, the most shapes captured per graph.
         num_warmup_iters: eager runs of each piece before it is captured.
         fullgraph: passed to ``torch.compile``: a Dynamo graph break raises.
+        cache_dir: the persistent compile cache: each piece's Inductor code is saved there and
+            the next process loads it instead of compiling (the capture still runs). Default:
+            ``$TORCHREPLAY_CACHE_DIR``, else ``~/.cache/torchreplay``; ``None`` turns it off.
+            Manage it with ``torchreplay cache list|clear``.
+        cache_strict: a bad cache entry raises ``CacheError`` instead of a warning and a
+            compile as if there were no cache.
 
     Returns:
         a :class:`Compiled` to call like ``model``.
@@ -98,6 +106,8 @@ def compile(
         strict=strict,
         max_graphs=max_graphs,
         num_warmup_iters=num_warmup_iters,
+        cache_dir=cache_dir,
+        cache_strict=cache_strict,
     )
     backend = Backend(config)
     return Compiled(torch.compile(model, backend=backend, fullgraph=fullgraph), backend)

@@ -29,10 +29,12 @@ import torch
 import torch.fx as fx
 
 from torchreplay import _compat
+from torchreplay.compile.cache import CompileCache, default_dir
 from torchreplay.compile.split import Segment, node_value, split_graph
 from torchreplay.compile.training import GraphingCompiler, training_program_fn
-from torchreplay.config import CompileConfig
+from torchreplay.config import DEFAULT_CACHE_DIR, CompileConfig
 from torchreplay.core.pool import Pool
+from torchreplay.errors import CacheError
 from torchreplay.pieces.program import Constant, Input, Piece, Program
 from torchreplay.pieces.runtime import PiecewiseRuntime
 
@@ -52,7 +54,15 @@ class Backend:
         # (the graphs between Dynamo's breaks share memory, replayed in a known order).
         self._pools: dict[torch.device, Pool] = {}
         self.compiles = 0
+        self.training_compiles = 0
         self.compile_seconds = 0.0
+        #: the persistent compile cache of the inference pieces (None: off)
+        self.cache = _open_cache(self.config)
+        self._options = {
+            f.name: getattr(self.config, f.name)
+            for f in dataclasses.fields(self.config)
+            if not f.name.startswith("cache")
+        }
 
     @property
     def runtimes(self) -> list[PiecewiseRuntime]:
@@ -69,15 +79,28 @@ class Backend:
                 "torchreplay: %s has no CUDA tensor input; compiled %s, without CUDA graphs",
                 name, "with Inductor" if cfg.inductor else "as FX code",
             )
-            fn = _compat.inductor_compile(gm, example_inputs) if cfg.inductor else gm.forward
+            # Dynamo's own fake values: the compile sees Dynamo's symbols, makes none of its own
+            values = [node_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+            if not cfg.inductor:
+                fn = gm.forward
+            elif _needs_grad(example_inputs):  # training graphs are not in the cache
+                fn = _inductor_or_fx(gm, list(example_inputs), name, _compat.inductor_compile)
+            else:
+                fn = self._inductor(gm, values, name, torch.device("cpu"))
             self.compile_seconds += time.perf_counter() - start
             return fn
-        if torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
-        ):
+        if _needs_grad(example_inputs):
             return self._training(gm, example_inputs, name, start)
         device = next(t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda)
-        program, segments, sized = build_program(gm, example_inputs, cfg, device)
+
+        def compile_piece(
+            k: int, module: fx.GraphModule, examples: list[Any], static: frozenset[int]
+        ) -> Callable[..., Any]:
+            return self._inductor(module, examples, f"{name} piece {k}", device)
+
+        program, segments, sized = build_program(
+            gm, example_inputs, cfg, device, compile_piece if cfg.inductor else None
+        )
         runtime = PiecewiseRuntime(
             program,
             name=name,
@@ -99,6 +122,7 @@ class Backend:
         """A graph that needs gradients: each capturable piece's forward and backward graphs
         (from AOT autograd, inside Inductor) run as CUDA graphs (:mod:`.training`)."""
         cfg = self.config
+        self.training_compiles += 1
         if not cfg.inductor:
             log.warning(
                 "torchreplay: %s needs gradients; with inductor=False training runs the FX code "
@@ -128,6 +152,38 @@ class Backend:
 
     def _register(self, runtime: PiecewiseRuntime) -> None:
         self._runtimes.append(weakref.ref(runtime))
+
+    def _inductor(
+        self, module: fx.GraphModule, examples: list[Any], name: str, device: torch.device
+    ) -> Callable[..., Any]:
+        """Inductor's code for one piece, from the compile cache where it is on."""
+        cache = self.cache
+        if cache is None:
+            return _inductor_or_fx(module, examples, name, _compat.inductor_compile)
+
+        def cached(m: fx.GraphModule, ex: list[Any]) -> Callable[..., Any]:
+            return cache.compile(m, ex, name=name, options=self._options, device=device)
+
+        return _inductor_or_fx(module, examples, name, cached)
+
+
+def _needs_grad(example_inputs: Sequence[Any]) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
+    )
+
+
+def _open_cache(cfg: CompileConfig) -> CompileCache | None:
+    if cfg.cache_dir is None or not cfg.inductor:
+        return None
+    if not _compat.has_standalone_compile():
+        log.warning(
+            "torchreplay: torch %s has no torch._inductor.standalone_compile; running without "
+            "the compile cache (every start compiles)", torch.__version__,
+        )
+        return None
+    directory = default_dir() if cfg.cache_dir is DEFAULT_CACHE_DIR else cfg.cache_dir
+    return CompileCache(directory, strict=cfg.cache_strict)  # type: ignore[arg-type]
 
 
 def torchreplay_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options: Any) -> Any:
@@ -190,7 +246,8 @@ def build_program(
             )
             fn = compile_piece(k, seg.module, [node_value(a) for a in seg.inputs], static)
         elif seg.graphed and cfg.inductor:
-            fn = _inductor_or_fx(seg.module, [node_value(a) for a in seg.inputs], f"piece {k}")
+            examples = [node_value(a) for a in seg.inputs]
+            fn = _inductor_or_fx(seg.module, examples, f"piece {k}", _compat.inductor_compile)
         else:
             fn = seg.module.forward  # not GraphModule.__call__: 2 us less per eager step
         pieces.append(
@@ -230,11 +287,18 @@ def build_program(
     return program, segments, sized
 
 
-def _inductor_or_fx(module: fx.GraphModule, examples: list[Any], name: str) -> Callable[..., Any]:
+def _inductor_or_fx(
+    module: fx.GraphModule,
+    examples: list[Any],
+    name: str,
+    compile_fn: Callable[[fx.GraphModule, list[Any]], Callable[..., Any]],
+) -> Callable[..., Any]:
     """Inductor's code for a piece; where Inductor fails on it, the FX code as is (still
     captured), with a warning: one piece Inductor cannot compile does not fail the model."""
     try:
-        return _compat.inductor_compile(module, examples)
+        return compile_fn(module, examples)
+    except CacheError:
+        raise
     except Exception as exc:  # Inductor's own errors: codegen, Triton compile, lowering
         log.warning(
             "torchreplay: Inductor could not compile %s (%s: %s); it runs as FX code, still "

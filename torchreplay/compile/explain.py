@@ -56,7 +56,7 @@ def _backend(backend: Backend) -> str:
         f" (options: sizes={list(cfg.sizes) if cfg.sizes else None}, "
         f"splitting_ops={list(cfg.splitting_ops)}, inductor={cfg.inductor})"
     )
-    lines = [head, *(_runtime(r) for r in runtimes)]
+    lines = [head, *_cache(backend), *(_runtime(r) for r in runtimes)]
     if backend.compiles == 0:
         lines.append("  nothing compiled yet: call the compiled model once, then explain it")
     elif len(runtimes) < backend.compiles:
@@ -67,6 +67,30 @@ def _backend(backend: Backend) -> str:
             "logging at INFO), or they were freed"
         )
     return "\n".join(lines)
+
+
+def _cache(backend: Backend) -> list[str]:
+    """What the compile cache did: hits and what they saved, misses, bad entries."""
+    cache = backend.cache
+    if not backend.config.inductor:
+        return []  # nothing compiled, nothing to cache
+    if cache is None:
+        return ["  compile cache: off (cache_dir=None, or this torch has no standalone_compile)"]
+    outcomes = cache.outcomes
+    hits = [o for o in outcomes if o.status == "hit"]
+    head = f"  compile cache: {cache.directory}: {len(hits)} hit(s) of {len(outcomes)} piece(s)"
+    if hits:
+        loaded = sum(o.seconds for o in hits)
+        saved = sum(o.saved_seconds for o in hits)
+        head += f", loaded in {loaded:.2f} s instead of compiled in {saved:.2f} s"
+    lines = [head]
+    if backend.training_compiles:
+        lines.append(
+            f"    {backend.training_compiles} training graph(s): not in this cache (torch's own "
+            "Inductor caches apply)"
+        )
+    lines.extend(f"    {o.line()}" for o in outcomes)
+    return lines
 
 
 def piece_line(name: str, nodes: int, what: str) -> str:

@@ -1,0 +1,87 @@
+"""The compile cache on the GPU: a cold start, then a warm start in a fresh process, of a model
+with a Dynamo graph break and of HF BERT with a padding mask. Both starts equal eager over many
+calls with fresh inputs, give the same outputs as each other, and the warm one loads every piece
+(a hit each) without one Inductor compile."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys, torch
+    import torch._inductor.compile_fx as cfx
+    import torchreplay as tr
+    calls = []
+    inner = cfx.compile_fx
+    def counting(*a, **k):
+        calls.append(1)
+        return inner(*a, **k)
+    cfx.compile_fx = counting  # counts Inductor compiles in this test process only
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    if sys.argv[1] == "data-if":
+        from torchreplay.models.blocks import DataDependentIf
+        model = DataDependentIf().to(dev).eval()
+        make = lambda n: (torch.randn(n, 1024, device=dev),)
+        sizes = [2, 4, 8]
+    else:
+        from torchreplay.models.blocks import bert_encoder
+        model = bert_encoder().to(dev).eval()
+        def make(n):
+            ids = torch.randint(0, 30000, (n, 64), device=dev)
+            mask = (torch.arange(64, device=dev) < torch.randint(1, 65, (n, 1), device=dev)).long()
+            return ids, mask
+        sizes = None
+    c = tr.compile(model, sizes=sizes)
+    with torch.no_grad():
+        for i in range(20):
+            args = make(4 if sizes is None else (3, 8, 2)[i % 3])
+            y = c(*args)
+            torch.testing.assert_close(y, model(*args), rtol=2e-3, atol=2e-3)
+        torch.manual_seed(7)
+        x = make(4)
+        fixed = c(*x).float().sum().item()
+    outcomes = c.backend.cache.outcomes
+    print("RESULT " + json.dumps({
+        "inductor": len(calls), "fixed": fixed,
+        "statuses": [o.status for o in outcomes],
+        "explain": tr.explain(c),
+    }))
+    """
+)
+
+
+def _start(model: str, folder: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCHREPLAY_CACHE_DIR": str(folder)}
+    out = subprocess.run([sys.executable, "-c", CHILD, model], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.parametrize("model", ["data-if", "bert"])
+def test_cold_then_warm_start_loads_every_piece_and_matches(model: str, tmp_path: Path) -> None:
+    if model == "bert":
+        pytest.importorskip("transformers")
+    assert torch.cuda.is_available()
+    cold = _start(model, tmp_path)
+    warm = _start(model, tmp_path)
+    assert cold["inductor"] > 0 and "miss" in cold["statuses"], cold
+    assert "hit" not in cold["statuses"], cold
+    assert warm["inductor"] == 0, warm["explain"]  # no Inductor compile at the warm start
+    assert warm["statuses"] and set(warm["statuses"]) == {"hit"}, warm["explain"]
+    assert len(warm["statuses"]) == len([s for s in cold["statuses"] if s == "miss"])
+    assert "cache hit" in warm["explain"] and "instead of compiled" in warm["explain"]
+    assert warm["fixed"] == pytest.approx(cold["fixed"], rel=1e-5, abs=1e-4)
