@@ -30,7 +30,7 @@ from torchreplay.sizes.plan import default_sizes
 from torchreplay.stats import GraphStats, TrainingStats
 from torchreplay.training.callables import GraphedCallable, make_graphed_callables
 from torchreplay.training.step import GraphedStep, graph_step
-from torchreplay._version import __version__
+from torchreplay._version import __version__ as __version__
 
 __all__ = [
     # capture and replay
