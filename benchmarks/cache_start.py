@@ -93,6 +93,7 @@ if MODE == "tr":
     out["hits"] = sum(o.status == "hit" for o in outcomes)
     out["pieces"] = len(outcomes)
     out["compile_seconds"] = c.backend.compile_seconds
+    out["capture_seconds"] = sum(r.stats.capture_seconds for r in c.backend.runtimes)
 print("RESULT " + json.dumps(out))
 '''
 

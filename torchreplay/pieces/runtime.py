@@ -19,6 +19,7 @@ makes the rest of that call run ungraphed, counted. Without CUDA the program run
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -123,6 +124,7 @@ class PiecewiseRuntime:
             if x.kind == "other" or (x.kind == "int" and not x.is_size)
         ]
         self._graphs: list[Any] = []
+        self._warmed: set[int] = set()  # captured once: one warm-up at a next size, as trees do
         self._ready = False
         self._eager = False
         self._warned: set[str] = set()
@@ -514,7 +516,8 @@ class PiecewiseRuntime:
                 device=self.device,  # type: ignore[arg-type]
                 stream=self._stream,
                 pool=self.pool,  # type: ignore[arg-type]
-                config=self.config,
+                config=self.config if k not in self._warmed else dataclasses.replace(
+                    self.config, num_warmup_iters=min(1, self.config.num_warmup_iters)),
                 grad=torch.is_grad_enabled(),
                 reset=reset if initial else None,
             )
@@ -531,6 +534,7 @@ class PiecewiseRuntime:
             )
             return None, None
         self._graphs.append(captured.graph)
+        self._warmed.add(k)
         reset()
         captured.graph.replay()  # real values in its outputs, for the eager steps that follow
         self.stats.captures += 1
