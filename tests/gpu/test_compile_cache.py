@@ -20,14 +20,10 @@ REPO = Path(__file__).resolve().parents[2]
 CHILD = textwrap.dedent(
     """
     import json, sys, torch
-    import torch._inductor.compile_fx as cfx
+    sys.path.insert(0, sys.argv[2])
     import torchreplay as tr
-    calls = []
-    inner = cfx.compile_fx
-    def counting(*a, **k):
-        calls.append(1)
-        return inner(*a, **k)
-    cfx.compile_fx = counting  # counts Inductor compiles in this test process only
+    from inductor_counter import count_inductor_compiles
+    calls = count_inductor_compiles()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     if sys.argv[1] == "data-if":
@@ -64,8 +60,9 @@ CHILD = textwrap.dedent(
 
 def _start(model: str, folder: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCHREPLAY_CACHE_DIR": str(folder)}
-    out = subprocess.run([sys.executable, "-c", CHILD, model], env=env, capture_output=True,
-                         text=True, timeout=600)
+    tests = str(Path(__file__).parents[1])
+    out = subprocess.run([sys.executable, "-c", CHILD, model, tests], env=env,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     (line,) = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     return json.loads(line[len("RESULT "):])
