@@ -567,26 +567,6 @@ def inductor_config_hash() -> str:
     return hashlib.sha256(repr(sorted(config.get_config_copy().items())).encode()).hexdigest()
 
 
-def software_versions() -> dict[str, str]:
-    """torch (with its git commit), CUDA and Triton versions, for the cache key. Triton's is
-    read from the installed package's metadata (importing Triton costs a second)."""
-    from importlib import metadata
-
-    triton = ""
-    for dist in ("triton", "pytorch-triton"):
-        try:
-            triton = metadata.version(dist)
-            break
-        except metadata.PackageNotFoundError:
-            continue
-    return {
-        "torch": torch.__version__,
-        "torch_git": str(getattr(torch.version, "git_version", "")),
-        "cuda": str(torch.version.cuda),
-        "triton": triton,
-    }
-
-
 def shape_ranges(values: Sequence[Any]) -> list[str]:
     """The value range of every free symbol in the shapes of ``values`` (fake tensors, SymInts),
     sorted: what a compiled piece assumes about its dynamic sizes."""

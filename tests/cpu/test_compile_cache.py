@@ -112,11 +112,11 @@ def test_each_ingredient_changes_the_key(monkeypatch: pytest.MonkeyPatch) -> Non
     assert piece_key(gm, values, options, CPU) == base
     with torch._inductor.config.patch(max_autotune=True):
         variants["Inductor's config"] = piece_key(gm, values, options, CPU)
-    versions = _compat.software_versions()
+    versions = cache_mod.software_versions()
     for name in ("torch", "torch_git", "cuda", "triton"):
-        monkeypatch.setattr(_compat, "software_versions", lambda n=name: {**versions, n: "other"})
+        monkeypatch.setattr(cache_mod, "software_versions", lambda n=name: {**versions, n: "other"})
         variants[f"another {name}"] = piece_key(gm, values, options, CPU)
-    monkeypatch.setattr(_compat, "software_versions", lambda: versions)
+    monkeypatch.setattr(cache_mod, "software_versions", lambda: versions)
     monkeypatch.setattr(cache_mod, "__version__", "9.9.9")
     variants["another torchreplay"] = piece_key(gm, values, options, CPU)
     monkeypatch.setattr(cache_mod, "__version__", cache_mod.__version__)

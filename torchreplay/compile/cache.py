@@ -73,6 +73,26 @@ _COLLECTIVES = ("c10d", "_c10d_functional", "torch.distributed")
 _UNREADABLE = "cannot be read"
 
 
+def software_versions() -> dict[str, str]:
+    """torch (with its git commit), CUDA and Triton versions, for the cache key. Triton's is
+    read from the installed package's metadata (importing Triton costs a second)."""
+    from importlib import metadata
+
+    triton = ""
+    for dist in ("triton", "pytorch-triton"):
+        try:
+            triton = metadata.version(dist)
+            break
+        except metadata.PackageNotFoundError:
+            continue
+    return {
+        "torch": torch.__version__,
+        "torch_git": str(getattr(torch.version, "git_version", "")),
+        "cuda": str(torch.version.cuda),
+        "triton": triton,
+    }
+
+
 def default_dir() -> Path:
     """``$TORCHREPLAY_CACHE_DIR``, else ``torchreplay`` under the user's cache folder
     (``$XDG_CACHE_HOME``, else ``~/.cache``)."""
@@ -143,7 +163,7 @@ def piece_key(
     parts: dict[str, Any] = {
         "format": FORMAT,
         "torchreplay": __version__,
-        "software": _compat.software_versions(),
+        "software": software_versions(),
         "inductor_config": _compat.inductor_config_hash(),
         "options": {k: _plain(v) for k, v in sorted(options.items())},
         "code": code,
@@ -343,7 +363,7 @@ class CompileCache:
                 "key": key,
                 "name": name,
                 "torchreplay": __version__,
-                **_compat.software_versions(),
+                **software_versions(),
                 "compile_seconds": round(seconds, 3),
                 "created": time.time(),
                 "bytes": len(data),
@@ -408,7 +428,7 @@ class CompileCache:
 def _incompatible(meta: Any, key: str) -> str:
     if not isinstance(meta, dict):
         return "meta.json holds no entry description"
-    here = {"format": FORMAT, "torchreplay": __version__, **_compat.software_versions()}
+    here = {"format": FORMAT, "torchreplay": __version__, **software_versions()}
     for name in ("format", "torchreplay", "torch", "torch_git", "cuda", "triton"):
         if meta.get(name) != here[name]:
             return (
