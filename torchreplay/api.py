@@ -7,6 +7,7 @@ It lives here, above all three, so that none of them imports another.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Callable, Iterable, Literal, overload
 
@@ -14,7 +15,7 @@ import torch
 
 from torchreplay.breaks.auto import suggest
 from torchreplay.breaks.graph import BreakableGraph
-from torchreplay.config import BucketConfig, GraphConfig
+from torchreplay.config import RANKS, BucketConfig, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, infer_device
 from torchreplay.core.graphed import Graphed, resolve_config, resolve_pool
 from torchreplay.errors import CaptureError
@@ -98,6 +99,8 @@ def graph(
     capture_error_mode: str | None = None,
     config: GraphConfig | None = None,
     device: torch.device | int | str | None = None,
+    sync_sizes: Any = None,
+    ranks: RankConfig | None = None,
     sample_kwargs: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> Graphed | BucketedGraph | BreakableGraph:
@@ -157,6 +160,17 @@ def graph(
         device: the CUDA device to capture on. Default: that of the first CUDA tensor argument,
             else of the module's parameters; give it for a function without CUDA tensor
             arguments (one that samples noise with ``torch.randn(..., device="cuda")``).
+        sync_sizes: with ``sizes`` and several ranks: ``True`` or a process group makes every
+            rank of the group replay the same size (the one that holds the largest call of any
+            rank; each rank's rows padded up to it), and run eagerly all together above the
+            largest size. Default: on when the graph holds a ``torch.distributed`` collective
+            (its group). ``False``: each rank picks its own size (then they must agree, or
+            every rank raises).
+        ranks: a :class:`~torchreplay.config.RankConfig`: how ranks agree before replaying a
+            graph that holds collectives (the group, the per-call check, its timeout). A rank
+            that would replay another graph or size, or run eagerly, makes every rank raise
+            :class:`~torchreplay.ReplayInputError` before anything is launched; one that does not
+            come makes the others raise after ``timeout`` seconds. Never a hang in NCCL.
         sample_kwargs: keyword arguments of the sample call, for names that clash with the
             options above.
         **kwargs: keyword arguments of the sample call.
@@ -190,6 +204,7 @@ def graph(
         "capture": capture,
         "fallback": fallback,
         "max_graphs": max_graphs,
+        "sync_sizes": sync_sizes,
     }
     if sizes is None:
         given = [k for k, v in bucket_options.items() if v is not None]
@@ -212,7 +227,13 @@ def graph(
         num_warmup_iters=num_warmup_iters,
         capture_error_mode=capture_error_mode,
     )
+    rank_cfg = _rank_config(ranks, sync_sizes)
     if breaks is not None:
+        if sync_sizes is not None or ranks is not None:
+            raise TypeError(
+                "sync_sizes= and ranks= are not supported with breaks= yet: a breakable graph's "
+                "ranks do not agree before a replay"
+            )
         if capture is not None or fallback is not None or max_graphs is not None:
             raise TypeError(
                 "capture=, fallback= and max_graphs= are not supported with breaks= yet: every "
@@ -232,7 +253,7 @@ def graph(
         )
     try:
         return _graph(fn, sample_args, kwargs, sizes, dim, fill_value, capture, fallback,
-                      max_graphs, cfg, pool, device)
+                      max_graphs, cfg, pool, device, rank_cfg)
     except CaptureError as exc:
         if "failed at" not in str(exc) or not torch.cuda.is_available():
             raise  # only a capture that an op broke (check found it) has a breaks= answer
@@ -256,6 +277,7 @@ def _graph(
     cfg: GraphConfig,
     pool: Any,
     device: Any,
+    ranks: RankConfig,
 ) -> Graphed | BucketedGraph:
     if sizes is not None:
         options = BucketConfig(
@@ -274,8 +296,24 @@ def _graph(
             config=cfg,
             pool=resolve_pool(pool),
             device=device,
+            ranks=ranks,
         )
-    return Graphed(fn, sample_args, kwargs, config=cfg, pool=resolve_pool(pool), device=device)
+    return Graphed(
+        fn, sample_args, kwargs, config=cfg, pool=resolve_pool(pool), device=device, ranks=ranks
+    )
+
+
+def _rank_config(ranks: RankConfig | None, sync_sizes: Any) -> RankConfig:
+    """``ranks`` (default :data:`~torchreplay.config.RANKS`) with ``sync_sizes`` folded in: a
+    bool sets it, a process group sets the group and turns it on."""
+    cfg = RANKS if ranks is None else ranks
+    if not isinstance(cfg, RankConfig):
+        raise TypeError(f"ranks must be a torchreplay.config.RankConfig, got {ranks!r}")
+    if sync_sizes is None:
+        return cfg
+    if isinstance(sync_sizes, bool):
+        return dataclasses.replace(cfg, sync_sizes=sync_sizes)
+    return dataclasses.replace(cfg, group=sync_sizes, sync_sizes=True)
 
 
 def _accepts_keyword(fn: Callable[..., Any], name: str) -> bool:

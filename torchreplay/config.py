@@ -13,7 +13,7 @@ from typing import Literal
 
 __all__ = [
     "GraphConfig", "OutputPolicy", "SAFE", "FAST", "DEBUG", "BucketConfig", "CompileConfig",
-    "DEFAULT_CACHE_DIR",
+    "DEFAULT_CACHE_DIR", "RankConfig", "RANKS",
 ]
 
 OutputPolicy = Literal["checked", "clone", "static"]
@@ -156,6 +156,55 @@ def _normalize_sizes(sizes: object) -> tuple[int, ...]:
             "sizes=torchreplay.default_sizes(512), or sizes=None for one shape"
         )
     return tuple(sorted(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class RankConfig:
+    """How the ranks of a process group agree before they replay graphs that hold collectives.
+
+    NCCL needs every rank to launch the same collectives in the same order: one rank that
+    replays another size, runs eagerly or skips a call makes the others wait forever. When a
+    graph holds a ``torch.distributed`` collective (or ``sync_sizes``/``group`` is given), each
+    call first exchanges a few numbers with the other ranks of ``group``, on the host, outside
+    the graph: through shared memory when the ranks share a host (a few us), else through the
+    process group's store.
+
+    Args:
+        group: the process group to agree in. ``None``: the group of the graph's collectives
+            (the default group when they use several).
+        sync_sizes: with ``sizes=``: every rank replays the size that holds the largest call of
+            any rank (its own rows padded up to it), and a call above the largest size runs
+            eagerly on every rank or on none. ``None`` (default): on when the graph holds a
+            collective.
+        check: compare before every replay what each rank is about to run (a fingerprint of the
+            captured collectives and sizes, the size, graph or eager) and raise
+            :class:`~torchreplay.ReplayInputError` on every rank when they differ. ``False``:
+            no exchange at all (and no ``sync_sizes``) once a job is trusted; a rank that
+            then replays something else hangs in NCCL.
+        timeout: seconds one rank waits at the exchange for the others before it raises
+            (naming the graph, the call and the ranks that did not come).
+    """
+
+    group: object = None
+    sync_sizes: bool | None = None
+    check: bool = True
+    timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.sync_sizes not in (None, True, False):
+            raise ValueError(f"sync_sizes must be None, True or False, got {self.sync_sizes!r}")
+        if not isinstance(self.timeout, (int, float)) or isinstance(self.timeout, bool) or (
+            self.timeout <= 0
+        ):
+            raise ValueError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
+        if self.sync_sizes and not self.check:
+            raise ValueError(
+                "sync_sizes=True needs check=True: the sizes are agreed in the same exchange"
+            )
+
+
+#: Ranks agree through the group of the graph's collectives, sizes synced, 300 s timeout.
+RANKS = RankConfig()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ PKG = Path(__file__).resolve().parents[2] / "torchreplay"
 LAYERS: list[tuple[str, ...]] = [
     ("torchreplay._version", "torchreplay._compat", "torchreplay.errors", "torchreplay.config", "torchreplay.stats"),
     ("torchreplay.check",),
+    ("torchreplay.distributed",),  # collectives and rank agreement: no graphs in here
     ("torchreplay.core",),
     ("torchreplay.sizes", "torchreplay.training", "torchreplay.pieces"),
     ("torchreplay.compile", "torchreplay.breaks"),

@@ -20,6 +20,7 @@ from torchreplay.training import callables as training
 from torchreplay.training.pair import Pair
 from torchreplay.training import optimizers as optim_mod
 from torchreplay.training import step as step_mod
+from torchreplay.training import step_parts as step_parts_mod
 from torchreplay.errors import (
     ReplayInputError,
     StaleOutputError,
@@ -851,6 +852,8 @@ def _emulated_step_capture(fn, args, kwargs, *, device, stream, pool, config, gr
         out: object
         seconds: float
         written: tuple = ()
+        collectives: tuple = ()
+        collective_log: object = None
 
     return Captured(_FakeGraph(replay), out, 0.0)
 
@@ -861,7 +864,7 @@ _capturing = step_mod.capturing
 @pytest.fixture
 def emulated_step(monkeypatch):
     monkeypatch.setattr(step_mod, "capture", _emulated_step_capture)
-    monkeypatch.setattr(step_mod, "infer_device", lambda fn, call, device=None: CPU)
+    monkeypatch.setattr(step_parts_mod, "infer_device", lambda fn, call, device=None: CPU)
     monkeypatch.setattr(step_mod, "side_stream", lambda device: None)
     yield
 

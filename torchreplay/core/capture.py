@@ -30,6 +30,7 @@ from torchreplay.config import GraphConfig
 from torchreplay.core.args import fn_name
 from torchreplay.core.pool import Pool
 from torchreplay.core.writes import WriteWatch
+from torchreplay.distributed.collectives import Collective, CollectiveLog
 from torchreplay.errors import CaptureError
 
 __all__ = [
@@ -131,6 +132,11 @@ class Captured:
     #: With ``segmented``: every segment's graph in order, ``None`` for a segment that recorded
     #: no CUDA work (two breaks in a row); otherwise ``[graph]``.
     graphs: tuple[torch.cuda.CUDAGraph | None, ...] = ()
+    #: The ``torch.distributed`` collectives the captured call issued, in order (recorded only
+    #: when a process group is initialised).
+    collectives: tuple[Collective, ...] = ()
+    #: The log that recorded them (it keeps each group object by name).
+    collective_log: CollectiveLog | None = None
 
 
 class Segments:
@@ -275,6 +281,7 @@ def capture(
 
         segments = Segments(pool, config.capture_error_mode)
         watcher = WriteWatch(watch) if watch else contextlib.nullcontext()
+        collectives = CollectiveLog() if _compat.dist_ready() else None
         out = None
         try:
             with _gc_paused():
@@ -282,7 +289,11 @@ def capture(
                     reset()
                 segments.resume()
                 try:
-                    with watcher, segmented(segments) if segmented else contextlib.nullcontext():
+                    with (
+                        watcher,
+                        collectives if collectives is not None else contextlib.nullcontext(),
+                        segmented(segments) if segmented else contextlib.nullcontext(),
+                    ):
                         out = fn(*args, **kwargs)
                 finally:
                     # Always end the capture, even when fn raised: a stream left capturing
@@ -314,7 +325,13 @@ def capture(
         if e:
             g.reset()
     first = next(g for g in graphs if g is not None)
-    return Captured(first, out, seconds, written, graphs)
+    if collectives is not None and collectives.collectives:
+        log.debug("captured %s holds %d collective(s)", fn_name(fn), len(collectives.collectives))
+    return Captured(
+        first, out, seconds, written, graphs,
+        tuple(collectives.collectives) if collectives is not None else (),
+        collectives,
+    )
 
 
 def _undo(

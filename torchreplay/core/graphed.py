@@ -9,12 +9,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from torchreplay import _compat
-from torchreplay.config import SAFE, GraphConfig
+from torchreplay.config import RANKS, SAFE, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
 from torchreplay.core.capture import StateSnapshot, capture, side_stream, warn_mode_changed
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
+from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import CaptureError
 from torchreplay.stats import GraphStats
 
@@ -48,6 +49,7 @@ class Graphed:
         config: GraphConfig = SAFE,
         pool: Pool | None = None,
         device: torch.device | int | str | None = None,
+        ranks: RankConfig = RANKS,
     ) -> None:
         self.fn = fn
         self.name = fn_name(fn)
@@ -95,6 +97,8 @@ class Graphed:
         self.stats.captures = 1
         self.stats.capture_seconds = captured.seconds
         self.stats.written_inputs = self._inputs.written_paths()
+        self.collectives = captured.collectives
+        self._ranks = agreement(ranks, captured.collectives, captured.collective_log, name=self.name)
         del captured
         self._position = self.pool.register(self)
         self.pool.track(self, [self._graph], self._outputs.retire)
@@ -113,7 +117,10 @@ class Graphed:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._module
-        if module is not None and module.training != self._training:
+        fallback = module is not None and module.training != self._training
+        if self._ranks is not None:  # collectives inside: every rank replays, or all raise
+            self._ranks(0, EAGER if fallback else GRAPH)
+        if fallback:
             return self._fallback(args, kwargs)
         if self._check_device and torch.cuda.current_device() != self._device_index:
             with torch.cuda.device(self._device_index):

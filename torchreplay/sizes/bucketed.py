@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from torchreplay import _compat
-from torchreplay.config import SAFE, BucketConfig, GraphConfig
+from torchreplay.config import RANKS, SAFE, BucketConfig, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
 from torchreplay.core.capture import (
     StateSnapshot,
@@ -39,6 +39,7 @@ from torchreplay.core.capture import (
 from torchreplay.core.io import Inputs, same_constant, widens, write_back
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
+from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import CaptureError, ReplayInputError
 from torchreplay.sizes.buffers import pad_sample
 from torchreplay.sizes.guards import fits, input_error, probe_error, refuse_row_mixing
@@ -51,7 +52,10 @@ from torchreplay.sizes.plan import (
     format_sizes,
     narrow_leading,
     plan_inputs,
+    target_size,
 )
+from torchreplay.sizes.routes import Route as _Route
+from torchreplay.sizes.routes import SizeGraph as _SizeGraph
 from torchreplay.stats import GraphStats
 
 __all__ = ["BucketedGraph"]
@@ -59,55 +63,6 @@ __all__ = ["BucketedGraph"]
 log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
-
-
-class _SizeGraph:
-    """One captured size: its graph and the external outputs (module state) it returned."""
-
-    __slots__ = ("size", "graph", "externals", "seconds", "written")
-
-    def __init__(
-        self,
-        size: int,
-        graph: Any,
-        externals: dict[int, torch.Tensor],
-        seconds: float,
-        written: tuple[int, ...] = (),
-    ):
-        self.size = size
-        self.graph = graph
-        self.externals = externals
-        self.seconds = seconds
-        self.written = written
-
-
-class _Route:
-    """Everything a call of ``n`` rows needs, built the first time that size comes.
-
-    ``dsts[i]``/``shapes[i]``: where leaf i is copied and the shape it must have (the leading
-    ``n`` rows of a varying buffer, the whole buffer of a static one, None for a constant).
-    """
-
-    __slots__ = ("n", "size", "pad", "replay", "dsts", "shapes", "outputs", "clean_after")
-
-    def __init__(
-        self,
-        n: int,
-        size: int,
-        replay: Callable[[], None],
-        dsts: list[torch.Tensor | None],
-        shapes: list[torch.Size | None],
-        outputs: Outputs,
-        clean_after: int,
-    ) -> None:
-        self.n = n
-        self.size = size
-        self.pad = size - n
-        self.replay = replay
-        self.dsts = dsts
-        self.shapes = shapes
-        self.outputs = outputs
-        self.clean_after = clean_after
 
 
 class BucketedGraph:
@@ -158,6 +113,7 @@ class BucketedGraph:
         config: GraphConfig = SAFE,
         pool: Pool | None = None,
         device: torch.device | int | str | None = None,
+        ranks: RankConfig = RANKS,
     ) -> None:
         self.fn = fn
         self.name = fn_name(fn)
@@ -179,6 +135,8 @@ class BucketedGraph:
         self._warned_sizes: set[int] = set()
         self._graphs: dict[int, _SizeGraph] = {}
         self._routes: list[_Route | None] = [None] * (self._max + 1)
+        # With sync_sizes: routes of a call size to a larger graph than its own (n, size).
+        self._wide: dict[tuple[int, int], _Route] = {}
         self._last: Outputs | None = None
         self._warned_casts: set[tuple[int, torch.dtype]] = set()
 
@@ -217,6 +175,17 @@ class BucketedGraph:
         probe_seconds = time.perf_counter() - start
         self._graph_list: list[Any] = []  # every size's graph, for the release on drop
         first = self._capture_size(self._max, warmup=True, snapshot=snapshot, watch=True)
+        collectives, collective_log = self._first_collectives
+        self.collectives = collectives
+        self._ranks = agreement(
+            ranks,
+            collectives,
+            collective_log,
+            name=self.name,
+            parts=[options.sizes, options.capture, options.max_graphs, options.fallback],
+            sizes=True,
+        )
+        del collective_log
         self._inputs.set_written(first.written)
         self._writes = bool(self._inputs.written)
         self.stats.written_inputs = self._inputs.written_paths()
@@ -230,7 +199,7 @@ class BucketedGraph:
         self.stats.capture_seconds += probe_seconds
         self._position = self.pool.register(self)
         # Not a bound method: the finalizer must not keep this object alive.
-        self.pool.track(self, self._graph_list, functools.partial(_retire_routes, self._routes))
+        self.pool.track(self, self._graph_list, functools.partial(_retire_routes, self._routes, self._wide))
 
         if options.capture == "ahead":
             rest = self.sizes[-2::-1]  # largest first: smaller graphs fit in the pool's blocks
@@ -352,6 +321,8 @@ class BucketedGraph:
             snapshot=snapshot,
             watch=[slot.static for slot in self._inputs.tensor_slots] if watch else (),
         )
+        if watch:  # the first capture: what the ranks agree on
+            self._first_collectives = (captured.collectives, captured.collective_log)
         leaves = _compat.tree_flatten(captured.out)[0]
         externals = {i: leaves[i] for i in plan.external}
         # Drop the callable's own outputs: their memory goes back to the pool for smaller sizes.
@@ -370,6 +341,8 @@ class BucketedGraph:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._module
         if module is not None and module.training != self._training:
+            if self._ranks is not None:  # every rank falls back, or all raise
+                self._ranks(0, EAGER)
             return self._mode_fallback(args, kwargs)
         if self._check_device and torch.cuda.current_device() != self._device_index:
             with torch.cuda.device(self._device_index):
@@ -382,9 +355,14 @@ class BucketedGraph:
             n = leaves[self._lead].shape[self._lead_dim]
         except (AttributeError, IndexError, TypeError):
             raise self._input_error(leaves, None) from None
+        if self._ranks is not None:
+            return self._run_agreed(n, leaves, args, kwargs)
         route = self._routes[n] if n <= self._max else None
         if route is None:
             return self._new_size(n, leaves, args, kwargs)
+        return self._replay(route, n, leaves)
+
+    def _replay(self, route: _Route, n: int, leaves: list[Any]) -> Any:
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         widened: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -484,12 +462,7 @@ class BucketedGraph:
         if decision.action == "error":
             raise ReplayInputError(decision.message)
         if decision.action == "eager":
-            self.stats.fallbacks += 1
-            if n not in self._warned_sizes:
-                self._warned_sizes.add(n)
-                log.warning("%s", decision.message)
-            with torch.no_grad():  # what the graph would have computed, without autograd
-                return self.fn(*args, **kwargs)
+            return self._eager(n, decision.message, args, kwargs)
         assert decision.size is not None
         if decision.action == "capture":
             log.debug("torchreplay: capturing '%s' at size %d (first call of size %d)",
@@ -497,6 +470,47 @@ class BucketedGraph:
             self._capture_size(decision.size, warmup=False, snapshot=None)
         self._routes[n] = self._build_route(n, self._graphs[decision.size])
         return self._run(args, kwargs)
+
+    def _run_agreed(
+        self, n: int, leaves: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Ranks agree first (collectives inside): with ``sync_sizes`` every rank runs what the
+        largest call of any rank needs, its ``n`` rows padded up to it; else sizes must match."""
+        ranks = self._ranks
+        assert ranks is not None
+        if ranks.sync_sizes:
+            agreed = ranks(n, GRAPH)
+        else:
+            s = target_size(self.sizes, n)
+            ranks(s or 0, GRAPH if s is not None else EAGER)
+            agreed = n
+        decision = decide(self.options, agreed, self._graphs, name=self.name, where=self._plan.where())
+        if decision.action == "error":
+            raise ReplayInputError(decision.message)
+        if decision.action == "eager":
+            return self._eager(agreed, decision.message, args, kwargs)
+        assert decision.size is not None
+        route = self._routes[n] if n <= self._max else None
+        if route is None or route.size != decision.size:
+            route = self._wide.get((n, decision.size))
+        if route is None:
+            self._check_call(leaves, n)
+            if decision.action == "capture":
+                self._capture_size(decision.size, warmup=False, snapshot=None)
+            route = self._build_route(n, self._graphs[decision.size])
+            if target_size(self.sizes, n) == decision.size:
+                self._routes[n] = route
+            else:
+                self._wide[(n, decision.size)] = route
+        return self._replay(route, n, leaves)
+
+    def _eager(self, n: int, message: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.stats.fallbacks += 1
+        if n not in self._warned_sizes:
+            self._warned_sizes.add(n)
+            log.warning("%s", message)
+        with torch.no_grad():  # what the graph would have computed, without autograd
+            return self.fn(*args, **kwargs)
 
     def _build_route(self, n: int, entry: _SizeGraph) -> _Route:
         s = entry.size
@@ -582,8 +596,8 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _retire_routes(routes: list[_Route | None]) -> None:
+def _retire_routes(routes: list[_Route | None], wide: dict[tuple[int, int], _Route]) -> None:
     """The graph is being destroyed: outputs handed out by any size raise when read."""
-    for route in routes:
+    for route in [*routes, *wide.values()]:
         if route is not None:
             route.outputs.retire()

@@ -29,18 +29,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-from typing import Any, Callable, Iterable, Sequence
+import dataclasses
+from typing import Any, Callable, Sequence
 
 import torch
 
 from torchreplay import _compat
-from torchreplay.config import GraphConfig
-from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
+from torchreplay.config import RANKS, GraphConfig, RankConfig
+from torchreplay.core.args import CallArgs, fn_name, owning_module
 from torchreplay.core.capture import capture, side_stream
 from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
+from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
 from torchreplay.stats import TrainingStats
 from torchreplay.training.pair import capturing
@@ -52,7 +54,15 @@ from torchreplay.training.optimizers import (
     fused_hint,
     reads_lr_tensor,
 )
-from torchreplay.training.state import StateKeeper, find_instances, referenced_objects
+from torchreplay.training.state import StateKeeper, referenced_objects
+from torchreplay.training.step_parts import (
+    as_optimizers,
+    as_scalers,
+    ddp_warmup,
+    param_names,
+    roots_of,
+    step_device,
+)
 from torchreplay.training.verify import (
     Tolerance,
     check_close,
@@ -97,6 +107,7 @@ class GraphedStep:
         pool: Pool | None,
         verify: int,
         tol: Tolerance | None,
+        ranks: RankConfig = RANKS,
     ) -> None:
         self.fn = step_fn
         self.name = fn_name(step_fn)
@@ -114,7 +125,7 @@ class GraphedStep:
             if self._scalers:
                 check_scaler_support(opt)
         call = CallArgs(step_fn, args, kwargs)
-        device = _step_device(step_fn, call, optimizers)
+        device = step_device(step_fn, call, optimizers)
         self.device = device
         self.pool = pool if pool is not None else Pool(device)
         self.stats = TrainingStats(self.pool.reserved_bytes)
@@ -142,6 +153,9 @@ class GraphedStep:
         leaves = [o for o in named if isinstance(o, torch.Tensor) and o.is_leaf and o.requires_grad]
         self._named_leaves = [p for o in opts for g in o.param_groups for p in g["params"]] + leaves
         keeper.add_params(self._named_leaves)
+        warmup = ddp_warmup(modules, config.num_warmup_iters)
+        if warmup != config.num_warmup_iters:
+            config = dataclasses.replace(config, num_warmup_iters=warmup)
         self._keeper = keeper
         self._discovered = False
         self._grads_before: list[torch.Tensor | None] = []
@@ -194,10 +208,10 @@ class GraphedStep:
         self._identity = [
             (opt, opt.state, opt.param_groups, len(opt.param_groups)) for opt in self.optimizers
         ]
-        roots = _roots(keeper.called_modules)
+        roots = roots_of(keeper.called_modules)
         self._roots = roots
         self._modes = [(m, m.training) for m in roots]
-        self._param_names = _param_names(self._params, roots, self.optimizers)
+        self._param_names = param_names(self._params, roots, self.optimizers)
 
         leaves, spec = _compat.tree_flatten(captured.out)
         owned = owned_by(self.pool, self._inputs)
@@ -214,6 +228,8 @@ class GraphedStep:
         self.pool.track(self, [self._graph], self._outputs.retire)
         self.stats.captures = 1
         self.stats.capture_seconds = captured.seconds
+        self.collectives = captured.collectives
+        self._ranks = agreement(ranks, captured.collectives, captured.collective_log, name=self.name)
         self._device_index = device.index
         self._check_device = torch.cuda.device_count() > 1
         log.info(
@@ -301,9 +317,11 @@ class GraphedStep:
     # -- replay --------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        for module, training in self._modes:
-            if module.training != training:
-                return self._fallback(args, kwargs)
+        fallback = any(module.training != training for module, training in self._modes)
+        if self._ranks is not None:  # collectives inside (DDP): every rank replays, or all raise
+            self._ranks(0, EAGER if fallback else GRAPH)
+        if fallback:
+            return self._fallback(args, kwargs)
         if self._check_device and torch.cuda.current_device() != self._device_index:
             with torch.cuda.device(self._device_index):
                 return self._dispatch(args, kwargs)
@@ -422,83 +440,6 @@ class GraphedStep:
         return f"GraphedStep({self.name}, device={self.device}, {self.stats.explain()})"
 
 
-def _roots(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The modules that are not a submodule of another one in ``modules``."""
-    inner: set[int] = set()
-    for m in modules:
-        for sub in m.modules():
-            if sub is not m:
-                inner.add(id(sub))
-    return [m for m in modules if id(m) not in inner]
-
-
-def _param_names(
-    params: Sequence[torch.Tensor],
-    roots: Sequence[torch.nn.Module],
-    optimizers: Sequence[torch.optim.Optimizer],
-) -> list[str]:
-    names: dict[int, str] = {}
-    for m in roots:
-        for n, p in m.named_parameters():
-            names.setdefault(id(p), n)
-    for opt in optimizers:
-        for gi, group in enumerate(opt.param_groups):
-            given = group.get("param_names")
-            for k, p in enumerate(group["params"]):
-                label = given[k] if given and k < len(given) else f"param_groups[{gi}]['params'][{k}]"
-                names.setdefault(id(p), label)
-    return [names.get(id(p), f"parameter {i} {tuple(p.shape)}") for i, p in enumerate(params)]
-
-
-def _step_device(
-    step_fn: Callable[..., Any],
-    call: CallArgs,
-    optimizers: Iterable[torch.optim.Optimizer],
-) -> torch.device:
-    try:
-        return infer_device(step_fn, call)
-    except CaptureError:
-        # No CUDA tensor argument (an optimizer step alone): the optimizers' parameters say it,
-        # the given ones or those the step reaches by name (a closure, a global, self.opt).
-        reached = find_instances(step_fn, torch.optim.Optimizer)
-        for opt in [*optimizers, *reached]:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    if p.is_cuda:
-                        return p.device
-        raise
-
-
-def _as_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
-    if optimizers is None:
-        return []
-    items = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers
-    if not isinstance(items, (list, tuple)):
-        raise TypeError(
-            f"optimizers must be an optimizer or a list of them, got {type(optimizers).__name__}"
-        )
-    for i, opt in enumerate(items):
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizers[{i}] is a {type(opt).__name__}, not a torch.optim.Optimizer"
-            )
-    return list(items)
-
-
-def _as_scalers(scaler: Any, step_fn: Callable[..., Any]) -> list[Any]:
-    grad_scaler = torch.amp.GradScaler
-    given = [] if scaler is None else [scaler]
-    for s in given:
-        if not isinstance(s, grad_scaler):
-            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(s).__name__}")
-    found = find_instances(step_fn, grad_scaler)
-    out: list[Any] = []
-    for s in given + found:
-        if s.is_enabled() and not any(o is s for o in out):
-            out.append(s)
-    return out
-
-
 def graph_step(
     step_fn: Callable[..., Any],
     *sample_args: Any,
@@ -511,6 +452,7 @@ def graph_step(
     config: GraphConfig | None = None,
     verify: int = 0,
     verify_tol: Any = None,
+    ranks: RankConfig | None = None,
     sample_kwargs: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> GraphedStep:
@@ -537,6 +479,9 @@ def graph_step(
         verify: the first ``verify`` calls also run the step eagerly from the same state and
             compare outputs and parameters after the step (:class:`~torchreplay.VerifyError`).
         verify_tol: ``(rtol, atol)`` for ``verify`` (default: per dtype).
+        ranks: a :class:`~torchreplay.config.RankConfig`: with collectives in the step (a
+            ``DistributedDataParallel`` model's gradient all-reduce), the ranks check before
+            each replay that all replay (or all fall back), and raise on every rank otherwise.
         sample_kwargs: keyword arguments of the step, for names that clash with the options.
         **kwargs: keyword arguments of the step.
 
@@ -560,6 +505,12 @@ def graph_step(
         With a ``GradScaler``, the optimizer must be fused (``fused=True``): the unfused
         ``GradScaler.step`` syncs with the host. bfloat16 autocast needs no scaler.
 
+    .. note::
+        DistributedDataParallel: every rank builds the graphed step at the same point. Warm-up
+        takes at least 11 eager steps (DDP times its first 10 iterations on the host, which a
+        capture cannot hold); they do not count either. Build the DDP module with the default
+        ``find_unused_parameters=False`` (finding them reads the graph on the host).
+
     .. warning::
         Tensors the step changes that belong to no module, optimizer or ``GradScaler`` (a global
         step counter tensor, say) are not restored after warm-up.
@@ -571,8 +522,8 @@ def graph_step(
         if clash:
             raise TypeError(f"keyword arguments given twice: {sorted(clash)}")
         kwargs = {**kwargs, **sample_kwargs}
-    opts = _as_optimizers(optimizers)
-    scalers = _as_scalers(scaler, step_fn)
+    opts = as_optimizers(optimizers)
+    scalers = as_scalers(scaler, step_fn)
     verify = check_verify(verify)
     tol = resolve_tolerance(verify_tol)
     cfg = resolve_config(
@@ -597,4 +548,5 @@ def graph_step(
         pool=resolve_pool(pool),
         verify=verify,
         tol=tol,
+        ranks=RANKS if ranks is None else ranks,
     )

@@ -1,6 +1,7 @@
-"""The only module that touches private torch APIs, and the version checks.
+"""The only package that touches private torch APIs, and the version checks.
 
-Each private name is imported here, with a comment saying why it is needed and what happens on a
+``distributed.py`` holds the ``torch.distributed`` ones (re-exported here). Each private name is
+imported here, with a comment saying why it is needed and what happens on a
 torch version that lacks it. Everything else in torchreplay imports from here, never from
 ``torch._C`` or ``torch.utils._*`` directly. Importing this module initialises no CUDA.
 """
@@ -583,3 +584,14 @@ def shape_ranges(values: Sequence[Any]) -> list[str]:
                 symbols |= set(getattr(expr, "free_symbols", ()))
     ranges = getattr(env, "var_to_range", {})
     return sorted(f"{s}: {ranges.get(s)}" for s in symbols)
+
+
+from torchreplay._compat.distributed import (  # noqa: E402  (the torch.distributed names)
+    default_store,
+    dist_ready,
+    group_named,
+    group_of_arg,
+    group_ranks,
+)
+
+__all__ += ["default_store", "dist_ready", "group_named", "group_of_arg", "group_ranks"]

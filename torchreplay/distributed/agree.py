@@ -1,0 +1,333 @@
+"""Ranks agree on what they replay, before they replay it, or all raise.
+
+A graph that holds NCCL collectives must be replayed by every rank of its group at the same time:
+a rank that replays another size, runs the call eagerly, or does not call at all leaves the others
+blocked inside NCCL, with no error until a watchdog kills the job. Before each replay every rank
+posts three numbers (its call's size, the fingerprint of what it captured, graph or eager) and
+reads everybody's:
+
+- with ``sync_sizes``, the largest size posted is the size every rank replays (padding its own
+  rows up to it), so ranks with different local batches launch the same graph;
+- any other difference (fingerprints, eager on one rank and a graph on another, another size
+  without ``sync_sizes``) raises :class:`~torchreplay.ReplayInputError` on every rank, naming
+  each rank's choice, before anything is launched;
+- a rank that does not come within ``timeout`` seconds (it skipped the call, stopped, or is stuck
+  before it) makes the waiting ranks raise, naming the graph, the call and the missing ranks.
+
+The exchange runs on the host, outside the graph, and needs no GPU synchronisation. Ranks on one
+host share a small memory-mapped file (a few us per call); across hosts it goes through the
+process group's store (a network round trip). The file is made and mapped at capture, when every
+rank is there anyway, through the same store, then unlinked (nothing is left in ``/dev/shm``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import itertools
+import mmap
+import os
+import secrets
+import socket
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+import torch.distributed as dist
+
+from torchreplay import _compat
+from torchreplay.errors import ReplayInputError
+
+__all__ = ["Agreement", "open_exchange", "Exchange", "GRAPH", "EAGER", "ABSENT"]
+
+#: What a rank is about to run, posted with its fingerprint.
+GRAPH, EAGER = 0, 1
+#: Posted by a rank that gave up waiting, so that a rank coming late raises instead of replaying.
+ABSENT = -1
+
+_FIELDS = 8  # int64 per slot: seq, size, fingerprint, choice, then padding (one cache line)
+_opened: dict[str, itertools.count[int]] = {}
+
+
+class Exchange:
+    """Every rank posts ``values`` (three ints) for call ``seq`` and gets everybody's back."""
+
+    size: int = 1  #: ranks in the group
+    me: int = 0  #: this rank's position in the group
+    kind: str = "local"
+
+    def __call__(self, seq: int, values: Sequence[int], timeout: float) -> list[tuple[int, ...]]:
+        return [tuple(values)]
+
+    def missing(self, seq: int) -> list[int]:
+        """Positions of the ranks that have not posted call ``seq``."""
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class SharedExchange(Exchange):
+    """Ranks of one host: one slot pair per rank in a shared mapping; a rank writes its values,
+    then the call number (the reader's signal); x86 keeps stores in order. Two slots per rank
+    (by the parity of the call), so a rank that is one call ahead never overwrites what a slower
+    rank is still reading; it cannot get two ahead, since that needs the slow rank's next post."""
+
+    kind = "shared memory"
+
+    def __init__(self, mm: mmap.mmap, size: int, me: int) -> None:
+        self._mm = mm
+        self._mv = memoryview(mm).cast("q")
+        self.size = size
+        self.me = me
+
+    def _slot(self, rank: int, seq: int) -> int:
+        return (rank * 2 + (seq & 1)) * _FIELDS
+
+    def __call__(self, seq: int, values: Sequence[int], timeout: float) -> list[tuple[int, ...]]:
+        mv = self._mv
+        o = self._slot(self.me, seq)
+        mv[o + 1], mv[o + 2], mv[o + 3] = values[0], values[1], values[2]
+        mv[o] = seq  # last: the others read the values once they see it
+        out: list[tuple[int, ...]] = []
+        deadline = 0.0
+        spins = 0
+        for r in range(self.size):
+            p = self._slot(r, seq)
+            while mv[p] != seq:
+                if mv[p] == -seq:  # that rank gave up waiting for this call
+                    out.append((0, 0, ABSENT))
+                    break
+                spins += 1
+                if spins & 255 == 0:
+                    now = time.monotonic()
+                    if not deadline:
+                        deadline = now + timeout
+                        start = now
+                    elif now > deadline:
+                        mv[o] = -seq  # a rank that comes later raises instead of replaying
+                        raise TimeoutError
+                    elif now - start > 1e-3:
+                        time.sleep(0.0001 if now - start > 0.05 else 0)
+            else:
+                out.append((mv[p + 1], mv[p + 2], mv[p + 3]))
+        return out
+
+    def missing(self, seq: int) -> list[int]:
+        return [r for r in range(self.size) if self._mv[self._slot(r, seq)] not in (seq,)]
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._mv.release()
+            self._mm.close()
+
+
+class StoreExchange(Exchange):
+    """Ranks on several hosts: one store key per rank and call, deleted two calls later."""
+
+    kind = "store"
+
+    def __init__(self, store: Any, prefix: str, size: int, me: int) -> None:
+        self._store = store
+        self._prefix = prefix
+        self.size = size
+        self.me = me
+
+    def _key(self, seq: int, rank: int) -> str:
+        return f"{self._prefix}/{seq}/{rank}"
+
+    def __call__(self, seq: int, values: Sequence[int], timeout: float) -> list[tuple[int, ...]]:
+        store = self._store
+        store.set(self._key(seq, self.me), ",".join(str(int(v)) for v in values))
+        keys = [self._key(seq, r) for r in range(self.size)]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=timeout))
+        except Exception as exc:  # DistStoreError (a RuntimeError) on timeout
+            raise TimeoutError from exc
+        if seq >= 2:  # every rank posted seq - 1, so all have read seq - 2
+            with contextlib.suppress(Exception):
+                store.delete_key(self._key(seq - 2, self.me))
+        return [tuple(int(v) for v in store.get(k).decode().split(",")) for k in keys]
+
+    def missing(self, seq: int) -> list[int]:
+        try:
+            return [r for r in range(self.size) if not self._store.check([self._key(seq, r)])]
+        except Exception:
+            return []
+
+
+def open_exchange(group: Any, timeout: float) -> Exchange:
+    """Set up the exchange of ``group``; every rank of it must call this at the same point (at
+    capture). Ranks on one host (by host name and a token they can all read back) share a
+    mapped file, otherwise they use the default process group's store."""
+    ranks = _compat.group_ranks(group)
+    size = len(ranks)
+    if size <= 1:
+        return Exchange()
+    me = dist.get_rank(group)
+    store = _compat.default_store()
+    name = str(getattr(group, "group_name", "world"))
+    count = _opened.setdefault(name, itertools.count())
+    prefix = f"torchreplay/agree/{name}/{next(count)}"
+    wait = datetime.timedelta(seconds=timeout)
+    every = range(size)
+    store.set(f"{prefix}/host/{me}", socket.gethostname())
+    store.wait([f"{prefix}/host/{r}" for r in every], wait)
+    hosts = {store.get(f"{prefix}/host/{r}").decode() for r in every}
+    mm = None
+    if len(hosts) == 1:
+        mm = _map_shared(store, prefix, size, me, wait)
+    store.set(f"{prefix}/ok/{me}", "1" if mm is not None else "0")
+    store.wait([f"{prefix}/ok/{r}" for r in every], wait)
+    if all(store.get(f"{prefix}/ok/{r}") == b"1" for r in every):
+        return SharedExchange(mm, size, me)  # type: ignore[arg-type]
+    if mm is not None:
+        mm.close()
+    return StoreExchange(store, f"{prefix}/calls", size, me)
+
+
+def _map_shared(store: Any, prefix: str, size: int, me: int, wait: datetime.timedelta) -> mmap.mmap | None:
+    """Rank 0 makes the file and writes a token into it; every rank maps it and reads the token
+    back (a host name shared by two machines fails here); rank 0 unlinks it once all mapped."""
+    nbytes = size * 2 * _FIELDS * 8 + 64
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = ""
+    mm = None
+    try:
+        if me == 0:
+            token = secrets.token_hex(16)
+            fd, path = tempfile.mkstemp(prefix="torchreplay-agree-", dir=folder)
+            try:
+                os.ftruncate(fd, nbytes)
+                os.pwrite(fd, token.encode(), nbytes - 64)
+                mm = mmap.mmap(fd, nbytes)
+            finally:
+                os.close(fd)
+            store.set(f"{prefix}/shm", f"{path}|{token}")
+        else:
+            path, token = store.get(f"{prefix}/shm").decode().split("|")
+            fd = os.open(path, os.O_RDWR)
+            try:
+                mm = mmap.mmap(fd, nbytes)
+            finally:
+                os.close(fd)
+            if mm[nbytes - 64 : nbytes - 32].decode(errors="replace") != token:
+                mm.close()
+                mm = None
+    except OSError:
+        mm = None
+    finally:
+        if me != 0 or path:
+            store.set(f"{prefix}/mapped/{me}", "1")
+        if me == 0 and path:
+            store.wait([f"{prefix}/mapped/{r}" for r in range(size)], wait)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    return mm
+
+
+class Agreement:
+    """One graph's per-call exchange (see the module docstring).
+
+    Args:
+        group: the process group whose ranks agree.
+        name: the graph's name, for messages.
+        fingerprint: what this rank captured (:func:`~torchreplay.distributed.collectives.fingerprint`).
+        sync_sizes: the agreed size is the largest posted; otherwise sizes must be equal.
+        timeout: seconds to wait for the other ranks.
+        describe: turns a rank's posted ``(size, choice)`` into words for the error.
+    """
+
+    def __init__(
+        self,
+        group: Any,
+        name: str,
+        fingerprint: int,
+        *,
+        sync_sizes: bool,
+        timeout: float,
+        describe: Callable[[int, int], str] | None = None,
+    ) -> None:
+        self.group = group
+        self.name = name
+        self.fingerprint = fingerprint
+        self.sync_sizes = sync_sizes
+        self.timeout = timeout
+        self.ranks = _compat.group_ranks(group)
+        self._describe = describe or (lambda n, c: "eager" if c == EAGER else "its graph")
+        self._exchange = open_exchange(group, timeout)
+        self.kind = self._exchange.kind
+        self.calls = 0
+        self._broken = ""
+
+    def __call__(self, size: int, choice: int = GRAPH) -> int:
+        """Post this rank's call and return the size every rank runs: the largest posted with
+        ``sync_sizes``, else ``size`` (equal on every rank, or this raises).
+
+        Raises:
+            ReplayInputError: on every rank, when the ranks' fingerprints or choices differ
+                (or sizes, without ``sync_sizes``), or after ``timeout`` seconds without
+                the other ranks; the agreement is then broken and every later call raises.
+        """
+        if self._broken:
+            raise ReplayInputError(self._broken)
+        self.calls += 1
+        seq = self.calls
+        try:
+            posted = self._exchange(seq, (size, self.fingerprint, choice), self.timeout)
+        except TimeoutError:
+            missing = [self.ranks[r] for r in self._exchange.missing(seq)] or "?"
+            self._broken = (
+                f"'{self.name}': rank {self.ranks[self._exchange.me]} waited {self.timeout:g} s "
+                f"at call {seq} for rank(s) {missing}, which did not come to this call (it "
+                "skipped a call, stopped, or is stuck before it); nothing was launched, so no "
+                "collective hangs. Every rank must call the graph the same number of times; "
+                "the graph refuses further calls"
+            )
+            raise ReplayInputError(self._broken) from None
+        if any(c == ABSENT for _, _, c in posted):
+            gone = [self.ranks[r] for r, p in enumerate(posted) if p[2] == ABSENT]
+            self._broken = (
+                f"'{self.name}': rank(s) {gone} gave up waiting for the others at call {seq} "
+                "(a rank skipped a call or came too late); this rank does not replay either, "
+                "so no collective hangs; the graph refuses further calls"
+            )
+            raise ReplayInputError(self._broken)
+        target = max(p[0] for p in posted) if self.sync_sizes else size
+        first = posted[0]
+        same = all(
+            p[1] == first[1] and p[2] == first[2] and (self.sync_sizes or p[0] == first[0])
+            for p in posted
+        )
+        if not same:
+            raise ReplayInputError(self._disagreement(seq, posted))
+        return target
+
+    def _disagreement(self, seq: int, posted: list[tuple[int, ...]]) -> str:
+        lines = []
+        for r, (n, fp, choice) in enumerate(posted):
+            lines.append(
+                f"rank {self.ranks[r]}: {self._describe(n, choice)} (fingerprint {fp:016x})"
+            )
+        fps = {p[1] for p in posted}
+        why = (
+            "they captured different graphs (other sizes, or other collectives in another "
+            "order): build the graph the same way on every rank"
+            if len(fps) > 1
+            else "every rank must run the same graph at the same call, or all run eagerly: "
+            "keep the modules in the same mode (train/eval) and, without sync_sizes, call "
+            "with sizes that pad to the same graph"
+        )
+        return (
+            f"ranks disagree on what to run at call {seq} of '{self.name}', so nothing was "
+            f"launched (it would hang in NCCL): {'; '.join(lines)}. {why}"
+        )
+
+    def close(self) -> None:
+        self._exchange.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Agreement('{self.name}', ranks={self.ranks}, via {self.kind}, "
+            f"sync_sizes={self.sync_sizes}, calls={self.calls})"
+        )

@@ -1,0 +1,105 @@
+"""Helpers of :mod:`torchreplay.training.step`: what a step's arguments name (its device, its
+optimizers and scalers, its modules' names), and what a DistributedDataParallel module needs."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from torchreplay.core.args import CallArgs, infer_device
+from torchreplay.errors import CaptureError
+from torchreplay.training.state import find_instances
+
+__all__ = ["roots_of", "param_names", "step_device", "as_optimizers", "as_scalers", "ddp_warmup"]
+
+#: DDP collects runtime statistics (timed with CUDA events, read on the host) in its first 10
+#: iterations and every 100th: a capture must come after the 10th.
+DDP_WARMUP = 11
+
+
+def ddp_warmup(modules: Sequence[Any], warmup: int) -> int:
+    """The warm-up count a step over ``modules`` needs: at least :data:`DDP_WARMUP` when one
+    of them is a ``DistributedDataParallel`` (torch's CUDA-graph notes ask for 11 eager DDP
+    iterations before a capture)."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    if any(isinstance(m, ddp) for m in modules):
+        return max(warmup, DDP_WARMUP)
+    return warmup
+
+
+def roots_of(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The modules that are not a submodule of another one in ``modules``."""
+    inner: set[int] = set()
+    for m in modules:
+        for sub in m.modules():
+            if sub is not m:
+                inner.add(id(sub))
+    return [m for m in modules if id(m) not in inner]
+
+
+def param_names(
+    params: Sequence[torch.Tensor],
+    roots: Sequence[torch.nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+) -> list[str]:
+    names: dict[int, str] = {}
+    for m in roots:
+        for n, p in m.named_parameters():
+            names.setdefault(id(p), n)
+    for opt in optimizers:
+        for gi, group in enumerate(opt.param_groups):
+            given = group.get("param_names")
+            for k, p in enumerate(group["params"]):
+                label = given[k] if given and k < len(given) else f"param_groups[{gi}]['params'][{k}]"
+                names.setdefault(id(p), label)
+    return [names.get(id(p), f"parameter {i} {tuple(p.shape)}") for i, p in enumerate(params)]
+
+
+def step_device(
+    step_fn: Callable[..., Any],
+    call: CallArgs,
+    optimizers: Iterable[torch.optim.Optimizer],
+) -> torch.device:
+    try:
+        return infer_device(step_fn, call)
+    except CaptureError:
+        # No CUDA tensor argument (an optimizer step alone): the optimizers' parameters say it,
+        # the given ones or those the step reaches by name (a closure, a global, self.opt).
+        reached = find_instances(step_fn, torch.optim.Optimizer)
+        for opt in [*optimizers, *reached]:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p.is_cuda:
+                        return p.device
+        raise
+
+
+def as_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
+    if optimizers is None:
+        return []
+    items = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers
+    if not isinstance(items, (list, tuple)):
+        raise TypeError(
+            f"optimizers must be an optimizer or a list of them, got {type(optimizers).__name__}"
+        )
+    for i, opt in enumerate(items):
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizers[{i}] is a {type(opt).__name__}, not a torch.optim.Optimizer"
+            )
+    return list(items)
+
+
+def as_scalers(scaler: Any, step_fn: Callable[..., Any]) -> list[Any]:
+    grad_scaler = torch.amp.GradScaler
+    given = [] if scaler is None else [scaler]
+    for s in given:
+        if not isinstance(s, grad_scaler):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(s).__name__}")
+    found = find_instances(step_fn, grad_scaler)
+    out: list[Any] = []
+    for s in given + found:
+        if s.is_enabled() and not any(o is s for o in out):
+            out.append(s)
+    return out
