@@ -114,7 +114,8 @@ class SharedExchange(Exchange):
         return out
 
     def missing(self, seq: int) -> list[int]:
-        return [r for r in range(self.size) if self._mv[self._slot(r, seq)] not in (seq,)]
+        mv = self._mv
+        return [r for r in range(self.size) if r != self.me and mv[self._slot(r, seq)] != seq]
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -311,10 +312,10 @@ class Agreement:
             )
         fps = {p[1] for p in posted}
         why = (
-            "they captured different graphs (other sizes, or other collectives in another "
+            "They captured different graphs (other sizes, or other collectives in another "
             "order): build the graph the same way on every rank"
             if len(fps) > 1
-            else "every rank must run the same graph at the same call, or all run eagerly: "
+            else "Every rank must run the same graph at the same call, or all run eagerly: "
             "keep the modules in the same mode (train/eval) and, without sync_sizes, call "
             "with sizes that pad to the same graph"
         )

@@ -1,0 +1,211 @@
+"""distributed/ on the CPU: the collectives a call issues (gloo, one rank), the fingerprint, and
+the ranks' agreement across real processes (2 and 3 ranks of a gloo group): sizes synced to the
+largest, every kind of disagreement raising on every rank, a rank that does not come making the
+others raise within the timeout (never a hang), and both exchanges (shared memory, the store).
+The graphs themselves (NCCL in a capture) are in tests/gpu/test_distributed.py."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchreplay as tr
+from torchreplay import _compat
+from torchreplay.config import RankConfig
+from torchreplay.distributed import EAGER, GRAPH, Agreement, CollectiveLog, agreement, fingerprint
+from torchreplay.distributed import agree as agree_mod
+from torchreplay.errors import ReplayInputError, UnsupportedError
+from ranks import free_port, run_ranks
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is absent")
+
+
+@pytest.fixture
+def one_rank():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_collective_log_records_each_collective_in_order(one_rank) -> None:
+    import torch.distributed._functional_collectives as fc
+
+    x = torch.randn(6)
+    out = torch.empty(6)
+    with CollectiveLog() as log:
+        y = x * 2  # not a collective
+        dist.all_reduce(y)
+        dist.broadcast(y, 0)
+        dist.all_gather_into_tensor(out, x)
+        z = fc.all_reduce(x.double(), "sum", dist.group.WORLD)
+        fc.wait_tensor(z)
+    ops = [c.op for c in log.collectives]
+    assert ops == ["allreduce_", "broadcast_", "_allgather_base_", "all_reduce"]
+    assert all(c.group == dist.group.WORLD.group_name and c.ranks == (0,) for c in log.collectives)
+    assert [c.numel for c in log.collectives] == [6, 6, 6, 6]
+    assert log.collectives[3].dtype == "float64"
+    assert log.groups[dist.group.WORLD.group_name] is dist.group.WORLD
+
+
+def test_fingerprint_is_stable_and_tells_captures_apart() -> None:
+    a = fingerprint([[("allreduce_", "0", (0, 1), "float32", 1024)], (1, 2, 4)])
+    assert a == fingerprint([[("allreduce_", "0", (0, 1), "float32", 1024)], (1, 2, 4)])
+    assert a != fingerprint([[("allreduce_", "0", (0, 1), "float32", 2048)], (1, 2, 4)])
+    assert a != fingerprint([[("allreduce_", "0", (0, 1), "float32", 1024)], (1, 4)])
+    assert a not in (GRAPH, EAGER) and 0 < a < 2**62
+
+
+def test_no_agreement_without_a_process_group_or_collectives(one_rank) -> None:
+    assert agreement(RankConfig(), (), None, name="f") is None  # no collective, nothing asked
+    # A group of one rank has nobody to agree with.
+    assert agreement(RankConfig(sync_sizes=True), (), None, name="f", sizes=True) is None
+
+
+def test_sync_sizes_without_a_process_group_is_refused() -> None:
+    assert not _compat.dist_ready()
+    assert agreement(RankConfig(), (), None, name="f") is None
+    with pytest.raises(UnsupportedError, match="init_process_group"):
+        agreement(RankConfig(sync_sizes=True), (), None, name="f", sizes=True)
+
+
+def test_rank_config_and_graph_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        RankConfig(timeout=0)
+    with pytest.raises(ValueError, match="sync_sizes"):
+        RankConfig(sync_sizes="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs check=True"):
+        RankConfig(sync_sizes=True, check=False)
+    f = lambda x: x * 2  # noqa: E731
+    with pytest.raises(TypeError, match="only apply with sizes"):
+        tr.graph(f, torch.zeros(2), sync_sizes=True)
+    with pytest.raises(TypeError, match="ranks must be"):
+        tr.graph(f, torch.zeros(2), ranks={"check": False})
+    with pytest.raises(TypeError, match="not supported with breaks"):
+        tr.graph(f, torch.zeros(2), breaks=[f], ranks=RankConfig())
+
+
+# -- several ranks ---------------------------------------------------------------------------
+
+
+def _agree(kind: str, timeout: float = 20.0) -> Agreement:
+    if kind == "store":  # what ranks on several hosts use
+        orig = agree_mod._map_shared
+        agree_mod._map_shared = lambda *a, **k: None
+        try:
+            return Agreement(dist.group.WORLD, "g", 12345, sync_sizes=True, timeout=timeout)
+        finally:
+            agree_mod._map_shared = orig
+    return Agreement(dist.group.WORLD, "g", 12345, sync_sizes=True, timeout=timeout)
+
+
+def w_sync(rank: int, world: int, kind: str) -> list:
+    a = _agree(kind)
+    agreed = [a((rank + 1) * (i + 1) % 7 + rank, GRAPH) for i in range(200)]
+    return [a.kind, agreed]
+
+
+@pytest.mark.parametrize("kind", ["shared memory", "store"])
+def test_ranks_agree_on_the_largest_size(kind: str) -> None:
+    out = run_ranks(w_sync, 3, kind)
+    assert [s for s, _ in out] == ["ok"] * 3, out
+    want = [max((r + 1) * (i + 1) % 7 + r for r in range(3)) for i in range(200)]
+    for _, (used, agreed) in out:
+        assert used == kind
+        assert agreed == want
+
+
+def w_disagree(rank: int, world: int, case: str) -> str:
+    fp = 777 if case != "fingerprint" or rank == 0 else 778
+    sync = case != "size"
+    a = Agreement(dist.group.WORLD, "mlp", fp, sync_sizes=sync, timeout=20.0)
+    for _ in range(3 if case != "fingerprint" else 0):
+        a(4, GRAPH)  # agreed calls first (different captures disagree from the first call)
+    choice = EAGER if case == "eager" and rank == 1 else GRAPH
+    size = 8 if case == "size" and rank == 1 else 4
+    try:
+        a(size, choice)
+    except ReplayInputError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("case", ["fingerprint", "eager", "size"])
+def test_a_disagreement_raises_on_every_rank_naming_each_choice(case: str) -> None:
+    out = run_ranks(w_disagree, 2, case)
+    for status, msg in out:
+        assert status == "ok", msg
+        call = 1 if case == "fingerprint" else 4
+        assert f"ranks disagree on what to run at call {call} of 'mlp'" in msg, msg
+        assert "rank 0:" in msg and "rank 1:" in msg
+    if case == "eager":
+        assert "rank 1: eager" in out[0][1]
+    if case == "size":
+        assert "rank 0: its graph" in out[0][1] or "size 4" in out[0][1]
+    if case == "fingerprint":
+        assert "captured different graphs" in out[0][1]
+
+
+def w_skip(rank: int, world: int, kind: str) -> list:
+    a = _agree(kind, timeout=3.0)
+    got = []
+    for i in range(5):
+        if rank == 1 and i == 2:
+            continue  # this rank skips a call: rank 0 will wait at its 5th
+        a(1, GRAPH)
+        got.append(i)
+    if rank == 0:
+        return got
+    # rank 1 comes back late, for one more call: it must refuse too, not replay alone
+    time.sleep(4.0)
+    try:
+        a(1, GRAPH)
+    except ReplayInputError as exc:
+        return [str(exc)]
+    return ["no error"]
+
+
+def w_skip_rank0(rank: int, world: int, kind: str) -> list:
+    try:
+        return w_skip(rank, world, kind)
+    except ReplayInputError as exc:
+        return [str(exc)]
+
+
+def test_a_rank_that_skips_a_call_makes_the_others_raise_within_the_timeout() -> None:
+    start = time.monotonic()
+    out = run_ranks(w_skip_rank0, 2, "shared memory", timeout=60)
+    assert time.monotonic() - start < 40
+    (s0, v0), (s1, v1) = out
+    assert s0 == "ok" and s1 == "ok", out
+    assert "waited 3 s at call 5 for rank(s) [1]" in v0[0], v0
+    assert "gave up waiting" in v1[0], v1
+
+
+def test_store_exchange_times_out_naming_the_missing_rank() -> None:
+    out = run_ranks(w_skip_rank0, 2, "store", timeout=60)
+    assert out[0][0] == "ok" and "waited 3 s at call 5 for rank(s) [1]" in out[0][1][0], out
+
+
+def w_cost(rank: int, world: int) -> float:
+    a = _agree("shared memory")
+    for _ in range(200):
+        a(1, GRAPH)
+    n = 2000
+    start = time.perf_counter()
+    for _ in range(n):
+        a(1, GRAPH)
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def test_shared_memory_exchange_is_microseconds() -> None:
+    # A counter, not a timing target: the exchange must not cost a network round trip (the
+    # store's is ~100 us+). Two processes on a loaded CI machine can be descheduled, so the
+    # bound is loose.
+    out = run_ranks(w_cost, 2)
+    assert all(s == "ok" for s, _ in out), out
+    assert min(v for _, v in out) < 500, out

@@ -1,0 +1,264 @@
+"""Collectives in graphs, on real ranks (spawned processes, each test bounded by a timeout).
+
+- NCCL on every GPU there is (2 ranks on 2 GPUs; on a 1-GPU machine the same tests run one rank,
+  which still captures NCCL kernels and DDP's bucketed all-reduce):
+  a tensor-parallel MLP (column- then row-parallel linear, all_reduce) under
+  ``tr.graph(sizes=)`` with a different local batch per rank equals the one-GPU reference at
+  every size and every rank replays the same padded size; a DDP ``graph_step`` equals eager DDP
+  for 20 steps; graphs, pools and the process group torn down in three orders exit cleanly.
+- 2 ranks sharing GPU 0 (gloo group, graphs without collectives, ``sync_sizes=True``): the
+  agreement around real replays: synced sizes, a rank above the largest size (every rank runs
+  eagerly), ranks that captured different size lists, and a rank that skips a call all raise on
+  every rank or agree; nothing hangs.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import torchreplay as tr
+from torchreplay.config import RankConfig
+from ranks import run_ranks
+
+NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
+WORLD = min(2, NGPU)
+SIZES = [1, 2, 4, 8, 16, 32]
+D, H = 256, 1024
+
+
+def _tp_weights(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=dev).manual_seed(0)  # the same full weights on every rank
+    w1 = torch.randn(H, D, device=dev, generator=g) / D**0.5
+    w2 = torch.randn(D, H, device=dev, generator=g) / H**0.5
+    return w1, w2
+
+
+def w_tp_mlp(rank: int, world: int) -> dict:
+    dev = torch.device("cuda", rank)
+    w1, w2 = _tp_weights(dev)
+    shard = H // world
+    a = w1[rank * shard:(rank + 1) * shard].contiguous()  # column-parallel
+    b = w2[:, rank * shard:(rank + 1) * shard].contiguous()  # row-parallel
+
+    def tp_mlp(x: torch.Tensor) -> torch.Tensor:
+        y = F.gelu(x @ a.t()) @ b.t()
+        dist.all_reduce(y)
+        return y
+
+    g = tr.graph(tp_mlp, torch.randn(SIZES[-1], D, device=dev), sizes=SIZES)
+    gen = torch.Generator(device=dev).manual_seed(100 + rank)
+    worst = 0.0
+    batches = [1, 3, 5, 8, 13, 16, 17, 31, 32, 2] * 3
+    padded = []
+    for i, base in enumerate(batches):
+        n = max(1, base - 2 * rank) if i % 2 else base  # ranks differ on every other call
+        x = torch.randn(n, D, device=dev, generator=gen)
+        y = g(x)
+        ref = F.gelu(x @ w1.t()) @ w2.t()  # the one-GPU reference
+        assert y.shape == ref.shape
+        worst = max(worst, ((y - ref).abs().max() / ref.abs().max()).item())
+        padded.append(g.stats.size_hits.copy())
+    above = g(torch.randn(40 + rank, D, device=dev, generator=gen))  # above 32: eager on all
+    return {
+        "worst": worst,
+        "hits": padded,
+        "fallbacks": g.stats.fallbacks,
+        "above_rows": above.shape[0],
+        "collectives": [c.op for c in g.collectives],
+        "agrees": g._ranks is not None,
+    }
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
+def test_tensor_parallel_mlp_with_sizes_equals_the_one_gpu_reference() -> None:
+    out = run_ranks(w_tp_mlp, WORLD, backend="nccl", timeout=240)
+    assert all(s == "ok" for s, _ in out), out
+    results = [v for _, v in out]
+    for r in results:
+        assert r["worst"] < 1e-4, r["worst"]
+        assert r["collectives"] == ["allreduce_"]
+        assert r["fallbacks"] == 1 and r["above_rows"] >= 40
+        assert r["agrees"] == (WORLD > 1)
+    # Every rank replayed the same padded size at every call.
+    assert all(r["hits"] == results[0]["hits"] for r in results)
+
+
+def _mlp(dev: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(D, H), torch.nn.GELU(), torch.nn.Linear(H, D)
+    ).to(dev).eval()
+
+
+def w_shared_gpu(rank: int, world: int, case: str) -> dict:
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(0)
+    model = _mlp(dev)
+    sizes = [1, 2, 4, 8] if not (case == "sizes" and rank == 1) else [1, 4, 8]
+    g = tr.graph(model, torch.randn(8, D, device=dev), sizes=sizes, sync_sizes=True,
+                 ranks=RankConfig(timeout=5.0))
+    gen = torch.Generator(device=dev).manual_seed(7 + rank)
+    worst, hits, errors = 0.0, [], []
+    plan = {"sync": [(1, 3), (2, 2), (5, 1), (8, 7), (3, 4)] * 4,
+            "above": [(2, 3), (4, 12), (1, 1)],
+            "sizes": [(2, 2)],
+            "skip": [(1, 1)] * 4}[case]
+    for i, pair in enumerate(plan):
+        if case == "skip" and rank == 1 and i == 1:
+            continue
+        n = pair[rank]
+        x = torch.randn(n, D, device=dev, generator=gen)
+        try:
+            with torch.no_grad():
+                y = g(x)
+                ref = model(x)
+        except tr.ReplayInputError as exc:
+            errors.append(str(exc))
+            break
+        worst = max(worst, (y - ref).abs().max().item())
+        hits.append(dict(g.stats.size_hits))
+    return {"worst": worst, "hits": hits, "errors": errors, "fallbacks": g.stats.fallbacks}
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
+def test_ranks_replay_the_same_padded_size() -> None:
+    out = run_ranks(w_shared_gpu, 2, "sync", timeout=240)
+    assert all(s == "ok" for s, _ in out), out
+    r0, r1 = out[0][1], out[1][1]
+    assert r0["errors"] == [] and r1["errors"] == []
+    assert r0["worst"] < 1e-4 and r1["worst"] < 1e-4
+    assert r0["hits"] == r1["hits"]  # the same size, call by call
+    # (1, 3) -> both replay 4; (5, 1) -> both 8
+    assert r0["hits"][0][4] == 1 and r0["hits"][2][8] == 1
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
+def test_one_rank_above_the_largest_size_makes_every_rank_run_eagerly() -> None:
+    out = run_ranks(w_shared_gpu, 2, "above", timeout=240)
+    assert all(s == "ok" for s, _ in out), out
+    for _, r in out:
+        assert r["errors"] == [] and r["fallbacks"] == 1 and r["worst"] < 1e-4
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
+def test_ranks_that_captured_different_sizes_raise_on_every_rank() -> None:
+    out = run_ranks(w_shared_gpu, 2, "sizes", timeout=240)
+    assert all(s == "ok" for s, _ in out), out
+    for _, r in out:
+        assert len(r["errors"]) == 1 and "captured different graphs" in r["errors"][0], r
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
+def test_a_rank_that_skips_a_call_makes_every_caller_raise_not_hang() -> None:
+    out = run_ranks(w_shared_gpu, 2, "skip", timeout=120)
+    assert all(s == "ok" for s, _ in out), out
+    r0, r1 = out[0][1], out[1][1]
+    # rank 0 waits at its 4th call for rank 1, which made only 3: it raises after 5 s.
+    assert len(r0["errors"]) == 1 and "for rank(s) [1]" in r0["errors"][0], r0
+
+
+def w_ddp(rank: int, world: int, steps: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dev = torch.device("cuda", rank)
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256), torch.nn.GELU(),
+            torch.nn.Linear(256, 8),
+        ).to(dev)
+        ddp = DDP(model, device_ids=[rank])
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, capturable=True)
+        return ddp, opt
+
+    ddp, opt = make()
+    ref, ref_opt = make()
+
+    def step(model, optimizer, x, y):
+        optimizer.zero_grad(set_to_none=False)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    gen = torch.Generator(device=dev).manual_seed(11 + rank)
+    x0, y0 = torch.randn(8, 64, device=dev, generator=gen), torch.randn(8, 8, device=dev, generator=gen)
+    graphed = tr.graph_step(lambda x, y: step(ddp, opt, x, y), x0, y0)
+    worst_loss = 0.0
+    for _ in range(steps):
+        x = torch.randn(8, 64, device=dev, generator=gen)
+        y = torch.randn(8, 8, device=dev, generator=gen)
+        loss = graphed(x, y).clone()
+        ref_loss = step(ref, ref_opt, x, y)
+        worst_loss = max(worst_loss, (loss - ref_loss).abs().item())
+    worst_param = max(
+        (p - q).abs().max().item() for p, q in zip(ddp.parameters(), ref.parameters())
+    )
+    flat = torch.cat([p.detach().flatten() for p in ddp.parameters()]).cpu()
+    return {
+        "loss": worst_loss,
+        "param": worst_param,
+        "flat": flat,
+        "replays": graphed.stats.replays,
+        "collectives": len(graphed.collectives),
+    }
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
+def test_ddp_graph_step_equals_eager_ddp() -> None:
+    out = run_ranks(w_ddp, WORLD, 20, backend="nccl", timeout=300)
+    assert all(s == "ok" for s, _ in out), out
+    for _, r in out:
+        assert r["replays"] == 20 and r["collectives"] >= 1
+        assert r["loss"] < 1e-5 and r["param"] < 1e-5, r
+    # DDP keeps the parameters identical across ranks; so must the graph.
+    assert all(torch.equal(r["flat"], out[0][1]["flat"]) for _, r in out)
+
+
+_KEEP: list = []
+
+
+def w_teardown(rank: int, world: int, order: str) -> str:
+    import os
+
+    dev = torch.device("cuda", rank)
+    x = torch.randn(4, D, device=dev)
+
+    def f(t):
+        y = t * 2
+        dist.all_reduce(y)
+        return y
+
+    g = tr.graph(f, x, sizes=[1, 2, 4])
+    small = tr.graph(f, x)
+    for _ in range(3):
+        g(x)
+        small(x)
+    torch.cuda.synchronize()
+    if order == "graphs first":
+        del g, small
+        gc.collect()
+        dist.destroy_process_group()
+    elif order == "group first":
+        dist.destroy_process_group()
+        del g, small
+        gc.collect()
+    else:  # both alive at interpreter exit
+        _KEEP.extend([g, small])
+        os.environ["TR_KEEP_GROUP"] = "1"
+    return order
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
+@pytest.mark.parametrize("order", ["graphs first", "group first", "at exit"])
+def test_teardown_in_any_order_exits_cleanly(order: str) -> None:
+    exits: list = []
+    out = run_ranks(w_teardown, WORLD, order, backend="nccl", timeout=180, exits=exits)
+    assert all(s == "ok" for s, _ in out), out
+    assert exits == [0] * WORLD, exits
