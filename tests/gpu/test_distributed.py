@@ -160,6 +160,7 @@ def test_a_rank_that_skips_a_call_makes_every_caller_raise_not_hang() -> None:
     r0, r1 = out[0][1], out[1][1]
     # rank 0 waits at its 4th call for rank 1, which made only 3: it raises after 5 s.
     assert len(r0["errors"]) == 1 and "for rank(s) [1]" in r0["errors"][0], r0
+    assert r1["errors"] == [] and len(r1["hits"]) == 3  # its three calls were answered
 
 
 def w_ddp(rank: int, world: int, steps: int) -> dict:
