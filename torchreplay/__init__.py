@@ -22,6 +22,7 @@ from torchreplay.errors import (
 )
 from torchreplay.compile import Compiled, compile, explain
 from torchreplay.breaks.graph import BreakableGraph
+from torchreplay.core.capture import capture_stream
 from torchreplay.core.graphed import Graphed
 from torchreplay.core.pool import Pool
 from torchreplay.api import graph
@@ -50,6 +51,7 @@ __all__ = [
     "GraphedCallable",
     "graph_step",
     "GraphedStep",
+    "capture_stream",
     # diagnosis
     "check",
     "Report",

@@ -163,23 +163,27 @@ def test_a_rank_that_skips_a_call_makes_every_caller_raise_not_hang() -> None:
     assert r1["errors"] == [] and len(r1["hits"]) == 3  # its three calls were answered
 
 
-def w_ddp(rank: int, world: int, steps: int) -> dict:
+def w_ddp(rank: int, world: int, steps: int, on_stream: bool = True) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dev = torch.device("cuda", rank)
 
-    def make():
+    def make(graphed: bool):
         torch.manual_seed(0)
         model = torch.nn.Sequential(
             torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256), torch.nn.GELU(),
             torch.nn.Linear(256, 8),
         ).to(dev)
-        ddp = DDP(model, device_ids=[rank])
+        if graphed and on_stream:  # DDP keeps its gradient accumulators from construction
+            with tr.capture_stream(dev):
+                ddp = DDP(model, device_ids=[rank])
+        else:
+            ddp = DDP(model, device_ids=[rank])
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, capturable=True)
         return ddp, opt
 
-    ddp, opt = make()
-    ref, ref_opt = make()
+    ddp, opt = make(True)
+    ref, ref_opt = make(False)
 
     def step(model, optimizer, x, y):
         optimizer.zero_grad(set_to_none=False)
@@ -190,7 +194,12 @@ def w_ddp(rank: int, world: int, steps: int) -> dict:
 
     gen = torch.Generator(device=dev).manual_seed(11 + rank)
     x0, y0 = torch.randn(8, 64, device=dev, generator=gen), torch.randn(8, 8, device=dev, generator=gen)
-    graphed = tr.graph_step(lambda x, y: step(ddp, opt, x, y), x0, y0)
+    try:
+        graphed = tr.graph_step(lambda x, y: step(ddp, opt, x, y), x0, y0)
+    except tr.CaptureError as exc:
+        if on_stream:
+            raise
+        return {"error": str(exc)}
     worst_loss = 0.0
     for _ in range(steps):
         x = torch.randn(8, 64, device=dev, generator=gen)
@@ -220,6 +229,14 @@ def test_ddp_graph_step_equals_eager_ddp() -> None:
         assert r["loss"] < 1e-5 and r["param"] < 1e-5, r
     # DDP keeps the parameters identical across ranks; so must the graph.
     assert all(torch.equal(r["flat"], out[0][1]["flat"]) for _, r in out)
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
+def test_ddp_built_on_the_default_stream_gets_the_fix_named() -> None:
+    out = run_ranks(w_ddp, WORLD, 1, False, backend="nccl", timeout=300)
+    assert all(s == "ok" for s, _ in out), out
+    for _, r in out:
+        assert "with tr.capture_stream()" in r["error"], r
 
 
 _KEEP: list = []

@@ -36,6 +36,7 @@ from torchreplay.errors import CaptureError
 __all__ = [
     "Captured",
     "Segments",
+    "capture_stream",
     "capture",
     "side_stream",
     "on_side_stream",
@@ -65,6 +66,32 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     if stream is None:
         stream = _SIDE_STREAMS[index] = torch.cuda.Stream(index)
     return stream
+
+
+@contextlib.contextmanager
+def capture_stream(device: torch.device | int | str | None = None) -> Iterator[torch.cuda.Stream]:
+    """Run the block on the stream torchreplay warms up and captures on (joined to the
+    caller's stream before and after); yields that stream.
+
+    Build a ``DistributedDataParallel`` model inside it before :func:`torchreplay.graph_step`
+    captures it: DDP keeps each parameter's gradient accumulator from its construction, and
+    an accumulator made on the default stream makes every captured backward fail (torch's
+    CUDA-graph notes ask for DDP to be built on the capture's side stream)::
+
+        with tr.capture_stream():
+            model = DistributedDataParallel(model, device_ids=[rank])
+
+    Args:
+        device: the CUDA device (default: the current one).
+    """
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"capture_stream needs a CUDA device, got {dev}")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    stream = side_stream(dev)
+    with on_side_stream(stream, dev):
+        yield stream
 
 
 def warn_mode_changed(name: str, captured_training: bool) -> None:

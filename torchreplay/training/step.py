@@ -189,6 +189,14 @@ class GraphedStep:
             self._uninstall()
             if isinstance(exc.__cause__, (UnsupportedError, ReplayInputError)):
                 raise exc.__cause__ from None
+            if ddp_warmup(modules, 0) and "legacy" in str(exc):
+                raise CaptureError(
+                    f"capture of '{self.name}' failed: its DistributedDataParallel module was "
+                    "built on the default stream, where DDP keeps each parameter's gradient "
+                    "accumulator, and a captured backward cannot accumulate there. Build it on "
+                    "the capture stream: `with tr.capture_stream(): model = "
+                    f"DistributedDataParallel(model, ...)`. ({exc})"
+                ) from exc
             raise
         except BaseException:
             self._uninstall()
