@@ -55,6 +55,7 @@ from torchreplay.sizes.plan import (
     target_size,
 )
 from torchreplay.sizes.routes import Route as _Route
+from torchreplay.sizes.routes import log_summary
 from torchreplay.sizes.routes import SizeGraph as _SizeGraph
 from torchreplay.stats import GraphStats
 
@@ -137,6 +138,7 @@ class BucketedGraph:
         self._routes: list[_Route | None] = [None] * (self._max + 1)
         # With sync_sizes: routes of a call size to a larger graph than its own (n, size).
         self._wide: dict[tuple[int, int], _Route] = {}
+        self._agreed: list[int | None] = [None] * (self._max + 1)  # agreed size -> graph size
         self._last: Outputs | None = None
         self._warned_casts: set[tuple[int, torch.dtype]] = set()
 
@@ -208,25 +210,7 @@ class BucketedGraph:
                 for s in rest:
                     self._capture_size(s, warmup=False, snapshot=None)
                     advance()
-        self._log_summary()
-
-    def _log_summary(self) -> None:
-        if not log.isEnabledFor(logging.INFO):
-            return  # reserved_bytes() walks the allocator's segments: only when it is logged
-        lazy = self.options.capture == "lazy"
-        log.info(
-            "torchreplay: captured '%s' at %s on %s in %.2f s%s; pool %.1f MiB, buffers %.1f MiB "
-            "(outputs=%s)",
-            self.name,
-            f"its largest size {self._max}" if lazy else f"{len(self.sizes)} sizes "
-            f"({format_sizes(self.sizes)})",
-            self.device,
-            self.stats.capture_seconds,
-            "; the other sizes are captured on first use (capture='lazy')" if lazy else "",
-            self.pool.reserved_bytes() / 2**20,
-            self.buffer_bytes / 2**20,
-            self.config.outputs,
-        )
+        log_summary(self)
 
     # -- capture --------------------------------------------------------------------------------
 
@@ -484,12 +468,20 @@ class BucketedGraph:
             s = target_size(self.sizes, n)
             ranks(s or 0, GRAPH if s is not None else EAGER)
             agreed = n
+        if agreed == n:
+            route = self._routes[n] if n <= self._max else None
+        else:  # another rank's call is larger: the graph of the agreed size, if known
+            size = self._agreed[agreed] if agreed <= self._max else None
+            route = self._wide.get((n, size)) if size is not None else None
+        if route is not None:
+            return self._replay(route, n, leaves)
         decision = decide(self.options, agreed, self._graphs, name=self.name, where=self._plan.where())
         if decision.action == "error":
             raise ReplayInputError(decision.message)
         if decision.action == "eager":
             return self._eager(agreed, decision.message, args, kwargs)
         assert decision.size is not None
+        self._agreed[agreed] = decision.size
         route = self._routes[n] if n <= self._max else None
         if route is None or route.size != decision.size:
             route = self._wide.get((n, decision.size))

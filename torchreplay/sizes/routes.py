@@ -3,13 +3,17 @@ size, and the route of a call size to it."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import torch
 
 from torchreplay.core.outputs import Outputs
+from torchreplay.sizes.plan import format_sizes
 
-__all__ = ["SizeGraph", "Route"]
+__all__ = ["SizeGraph", "Route", "log_summary"]
+
+log = logging.getLogger("torchreplay.sizes.bucketed")
 
 
 class SizeGraph:
@@ -59,3 +63,23 @@ class Route:
         self.shapes = shapes
         self.outputs = outputs
         self.clean_after = clean_after
+
+
+def log_summary(graph: Any) -> None:
+    """Log what a BucketedGraph captured (at INFO)."""
+    if not log.isEnabledFor(logging.INFO):
+        return  # reserved_bytes() walks the allocator's segments: only when it is logged
+    lazy = graph.options.capture == "lazy"
+    log.info(
+        "torchreplay: captured '%s' at %s on %s in %.2f s%s; pool %.1f MiB, buffers %.1f MiB "
+        "(outputs=%s)",
+        graph.name,
+        f"its largest size {graph._max}" if lazy else f"{len(graph.sizes)} sizes "
+        f"({format_sizes(graph.sizes)})",
+        graph.device,
+        graph.stats.capture_seconds,
+        "; the other sizes are captured on first use (capture='lazy')" if lazy else "",
+        graph.pool.reserved_bytes() / 2**20,
+        graph.buffer_bytes / 2**20,
+        graph.config.outputs,
+    )
