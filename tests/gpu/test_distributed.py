@@ -280,3 +280,121 @@ def test_teardown_in_any_order_exits_cleanly(order: str) -> None:
     out = run_ranks(w_teardown, WORLD, order, backend="nccl", timeout=180, exits=exits)
     assert all(s == "ok" for s, _ in out), out
     assert exits == [0] * WORLD, exits
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's row-parallel output: all_reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return g
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's column-parallel input: identity forward, all_reduce backward."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        g = g.clone()
+        dist.all_reduce(g)
+        return g
+
+
+class _TPBlock(torch.nn.Module):
+    def __init__(self, rank: int, world: int, dev: torch.device) -> None:
+        super().__init__()
+        w1, w2 = _tp_weights(dev)
+        shard = H // world
+        self.a = torch.nn.Parameter(w1[rank * shard:(rank + 1) * shard].clone())
+        self.b = torch.nn.Parameter(w2[:, rank * shard:(rank + 1) * shard].clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _CopyToTP.apply(x)
+        return _ReduceFromTP.apply(F.gelu(x @ self.a.t()) @ self.b.t())
+
+
+def w_mgc(rank: int, world: int) -> dict:
+    import copy
+
+    dev = torch.device("cuda", rank)
+    block = _TPBlock(rank, world, dev)
+    ref = copy.deepcopy(block)
+    x0 = torch.randn(8, D, device=dev, requires_grad=True)
+    graphed = tr.make_graphed_callables(block, (x0,))
+    gen = torch.Generator(device=dev).manual_seed(3)  # the same inputs on every rank (TP)
+    worst = 0.0
+    for _ in range(10):
+        x = torch.randn(8, D, device=dev, generator=gen)
+        xg, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yg, yr = graphed(xg), ref(xr)
+        g = torch.randn_like(yr)
+        yg.backward(g)
+        yr.backward(g)
+        for a, b in [(yg, yr), (xg.grad, xr.grad), (block.a.grad, ref.a.grad),
+                     (block.b.grad, ref.b.grad)]:
+            worst = max(worst, (a - b).abs().max().item())
+        for p in [*block.parameters(), *ref.parameters()]:
+            p.grad = None
+    return {"worst": worst, "collectives": [c.op for c in graphed.collectives],
+            "agrees": graphed._ranks is not None}
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
+def test_make_graphed_callables_with_collectives_in_forward_and_backward() -> None:
+    out = run_ranks(w_mgc, WORLD, backend="nccl", timeout=240)
+    assert all(s == "ok" for s, _ in out), out
+    for _, r in out:
+        assert r["worst"] < 1e-4, r
+        assert r["collectives"] == ["allreduce_", "allreduce_"]  # forward's, then backward's
+        assert r["agrees"] == (WORLD > 1)
+
+
+def w_functional(rank: int, world: int) -> dict:
+    import torch.distributed._functional_collectives as fc
+
+    dev = torch.device("cuda", rank)
+
+    def f(x):
+        y = fc.all_reduce(x * (rank + 1), "sum", dist.group.WORLD)
+        return fc.wait_tensor(y) + 1
+
+    g = tr.graph(f, torch.randn(16, device=dev))
+    worst = 0.0
+    for i in range(20):
+        x = torch.randn(16, device=dev, generator=torch.Generator(device=dev).manual_seed(i))
+        worst = max(worst, (g(x) - f(x)).abs().max().item())
+    return {"worst": worst, "collectives": [c.op for c in g.collectives]}
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
+def test_functional_collectives_in_a_graph() -> None:
+    out = run_ranks(w_functional, WORLD, backend="nccl", timeout=240)
+    assert all(s == "ok" for s, _ in out), out
+    for _, r in out:
+        assert r["worst"] < 1e-5 and r["collectives"] == ["all_reduce"], r
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+def test_graphs_on_two_devices_of_one_process() -> None:
+    graphs, refs = [], []
+    for i in range(2):
+        dev = torch.device("cuda", i)
+        model = _mlp(dev)
+        graphs.append(tr.graph(model, torch.randn(8, D, device=dev), sizes=[2, 8]))
+        refs.append(model)
+    assert graphs[0].pool is not graphs[1].pool
+    for _ in range(10):
+        for i in (1, 0):
+            x = torch.randn(5, D, device=f"cuda:{i}")
+            with torch.no_grad():
+                torch.testing.assert_close(graphs[i](x), refs[i](x))

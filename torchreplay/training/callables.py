@@ -120,6 +120,8 @@ def _capture_pairs(
             graphs=(fwd.graph, bwd.graph if bwd is not None else None),
             seconds=seconds,
             written=fwd.written,
+            collectives=fwd.collectives + (bwd.collectives if bwd is not None else ()),
+            collective_log=fwd.collective_log or (bwd.collective_log if bwd is not None else None),
         )
         forwards[i] = None  # type: ignore[call-overload]
         del leaves, fwd, bwd

@@ -38,12 +38,13 @@ from typing import Any, Callable
 import torch
 
 from torchreplay import _compat
-from torchreplay.config import GraphConfig
+from torchreplay.config import RANKS, GraphConfig
 from torchreplay.core.args import CallArgs, fn_name, owning_module
 from torchreplay.core.capture import warn_mode_changed
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import LiveWindow, Pool
+from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import ReplayInputError, StaleOutputError, UnsupportedError
 from torchreplay.stats import TrainingStats
 from torchreplay.training.pair import Member, Order, Pair, capturing
@@ -92,6 +93,7 @@ class GraphedCallable:
         self.fn = fn
         self.name = fn_name(fn)
         self.device = device
+        self._ranks: Any = None  # set at _adopt when the graphs hold collectives
         self.config = config
         self._module = owning_module(fn)
         # Capture and eager fallback run the forward itself: a module's own hooks stay outside
@@ -260,6 +262,8 @@ class GraphedCallable:
         self._inputs.set_written(pair.written)
         self._writes = bool(self._inputs.written)
         self.stats.written_inputs = self._inputs.written_paths()
+        self.collectives = pair.collectives
+        self._ranks = agreement(RANKS, pair.collectives, pair.collective_log, name=self.name)
         self._warned_grad: set[int] = set()
         for s in self._inputs.tensor_slots:
             s.static.requires_grad_(False)  # type: ignore[union-attr]  # copy_in writes into them
@@ -277,7 +281,10 @@ class GraphedCallable:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._module
-        if module is not None and module.training != self._training:
+        fallback = module is not None and module.training != self._training
+        if self._ranks is not None:  # collectives inside: every rank replays, or all raise
+            self._ranks(0, EAGER if fallback else GRAPH)
+        if fallback:
             return self._fallback(args, kwargs)
         enabled, dtype = self._autocast
         if torch.is_autocast_enabled("cuda") != enabled or (

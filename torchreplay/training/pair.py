@@ -49,6 +49,8 @@ class Pair:
         static_grad_inputs: the backward's results, one per ``GraphedCallable._grad_inputs``.
         graphs: keeps the graph objects alive.
         seconds: warm-up and capture time.
+        collectives, collective_log: the ``torch.distributed`` collectives of the forward and
+            then the backward, and the forward's log (it holds their groups).
     """
 
     fwd_replay: Callable[[], Any]
@@ -62,6 +64,8 @@ class Pair:
     graphs: tuple[Any, ...] = ()
     seconds: float = 0.0
     written: tuple[int, ...] = ()
+    collectives: tuple[Any, ...] = ()
+    collective_log: Any = None
 
 
 def capturing() -> bool:
