@@ -399,3 +399,40 @@ def test_graphs_on_two_devices_of_one_process() -> None:
             x = torch.randn(5, D, device=f"cuda:{i}")
             with torch.no_grad():
                 torch.testing.assert_close(graphs[i](x), refs[i](x))
+
+
+def _host_scale(y: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """A break: reads host values (cannot be captured), returns a new tensor."""
+    return y * (1.0 + float(lengths.sum()) / 100.0)
+
+
+def w_breaks(rank: int, world: int) -> dict:
+    dev = torch.device("cuda", rank)
+    w1, w2 = _tp_weights(dev)
+    shard = H // world
+    a = w1[rank * shard:(rank + 1) * shard].contiguous()
+    b = w2[:, rank * shard:(rank + 1) * shard].contiguous()
+
+    def f(x, lengths):
+        y = F.gelu(x @ a.t()) @ b.t()
+        dist.all_reduce(y)  # in the first segment
+        y = _host_scale(y, lengths)
+        z = F.gelu(y @ a.t()) @ b.t()
+        dist.all_reduce(z)  # in the second
+        return z
+
+    lengths = torch.tensor([3, 4])
+    g = tr.graph(f, torch.randn(8, D, device=dev), lengths, breaks=[_host_scale])
+    worst = 0.0
+    for i in range(10):
+        x = torch.randn(8, D, device=dev)
+        lens = torch.randint(0, 50, (2,))
+        worst = max(worst, ((g(x, lens) - f(x, lens)).abs().max()).item())
+    return {"worst": worst}
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
+def test_breakable_graph_with_a_collective_in_each_segment() -> None:
+    out = run_ranks(w_breaks, WORLD, backend="nccl", timeout=240)
+    assert all(s == "ok" for s, _ in out), out
+    assert all(r["worst"] < 1e-3 for _, r in out), out
