@@ -375,7 +375,7 @@ def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     order: list[int] = []
 
     def fake_capture(fn, args, kwargs, *, device, stream, pool, config, grad=False, warmup=True,
-                     snapshot=None, watch=()):
+                     snapshot=None, watch=(), collectives=True):
         watcher = WriteWatch(watch)
         with torch.no_grad():
             for _ in range(config.num_warmup_iters if warmup else 0):

@@ -449,7 +449,7 @@ class _Runtime(PiecewiseRuntime):
                 front.fn, call_args, call_kwargs, device=self.device, stream=self._stream,
                 pool=self.pool, config=self.config, warmup=not self._warm, snapshot=snapshot,
                 reset=reset, segmented=segmented,
-                diagnose_fn=outside_breaks(front.fn, front._breaks),
+                diagnose_fn=outside_breaks(front.fn, front._breaks), collectives=False,
             )
         finally:
             self._segments = None

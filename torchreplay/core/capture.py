@@ -260,6 +260,7 @@ def capture(
     reset: Callable[[], None] | None = None,
     segmented: Callable[[Segments], contextlib.AbstractContextManager[Any]] | None = None,
     diagnose_fn: Callable[..., Any] | None = None,
+    collectives: bool = True,
 ) -> Captured:
     """Warm ``fn`` up on ``stream`` and capture one call of it into a new graph in ``pool``.
 
@@ -284,6 +285,9 @@ def capture(
             graphs). ``Captured.graphs`` then holds every segment.
         diagnose_fn: what the check runs to name the op that broke a failed capture (default
             ``fn``; a breakable graph passes ``fn`` with its breaks unseen).
+        collectives: record the ``torch.distributed`` collectives of the captured call
+            (``Captured.collectives``; only when a process group exists: a dispatch mode sees
+            every op of the capture, so callers that do not use them pass False).
 
     Returns:
         the graph, the output of the captured call (living in the pool), and the seconds taken.
@@ -308,7 +312,7 @@ def capture(
 
         segments = Segments(pool, config.capture_error_mode)
         watcher = WriteWatch(watch) if watch else contextlib.nullcontext()
-        collectives = CollectiveLog() if _compat.dist_ready() else None
+        recorder = CollectiveLog() if collectives and _compat.dist_ready() else None
         out = None
         try:
             with _gc_paused():
@@ -318,7 +322,7 @@ def capture(
                 try:
                     with (
                         watcher,
-                        collectives if collectives is not None else contextlib.nullcontext(),
+                        recorder if recorder is not None else contextlib.nullcontext(),
                         segmented(segments) if segmented else contextlib.nullcontext(),
                     ):
                         out = fn(*args, **kwargs)
@@ -352,12 +356,12 @@ def capture(
         if e:
             g.reset()
     first = next(g for g in graphs if g is not None)
-    if collectives is not None and collectives.collectives:
-        log.debug("captured %s holds %d collective(s)", fn_name(fn), len(collectives.collectives))
+    if recorder is not None and recorder.collectives:
+        log.debug("captured %s holds %d collective(s)", fn_name(fn), len(recorder.collectives))
     return Captured(
         first, out, seconds, written, graphs,
-        tuple(collectives.collectives) if collectives is not None else (),
-        collectives,
+        tuple(recorder.collectives) if recorder is not None else (),
+        recorder,
     )
 
 

@@ -518,8 +518,7 @@ class PiecewiseRuntime:
                 pool=self.pool,  # type: ignore[arg-type]
                 config=self.config if k not in self._warmed else dataclasses.replace(
                     self.config, num_warmup_iters=min(1, self.config.num_warmup_iters)),
-                grad=torch.is_grad_enabled(),
-                reset=reset if initial else None,
+                grad=torch.is_grad_enabled(), reset=reset if initial else None, collectives=False,
             )
         except CaptureError as exc:
             reset()  # the piece runs ungraphed next, from the call's state

@@ -304,6 +304,7 @@ class BucketedGraph:
             warmup=warmup,
             snapshot=snapshot,
             watch=[slot.static for slot in self._inputs.tensor_slots] if watch else (),
+            collectives=watch,  # the first capture's are what the ranks agree on
         )
         if watch:  # the first capture: what the ranks agree on
             self._first_collectives = (captured.collectives, captured.collective_log)
