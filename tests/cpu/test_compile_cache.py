@@ -372,6 +372,41 @@ def test_eight_processes_on_one_key_at_once(tmp_path: Path) -> None:
     assert entry.meta["sha256"]
 
 
+def test_a_fact_is_computed_once_then_loaded_and_a_bad_one_recomputed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # What the backend keeps per Dynamo graph (which inputs it writes): computed at the cold
+    # start, read at the warm one, recomputed (one warning) when its entry is bad.
+    gm, args = _module()
+    folder = tmp_path / "cache"
+    computed: list[int] = []
+
+    def fact(c: CompileCache, valid=lambda v: isinstance(v, list)) -> Any:
+        return c.fact(gm, args, kind="written_inputs", name="toy written", device=CPU,
+                      compute=lambda: computed.append(1) or [0, 2], valid=valid)
+
+    assert fact(CompileCache(folder)) == [0, 2] and computed == [1]
+    assert fact(CompileCache(folder)) == [0, 2] and computed == [1]  # a new process's view
+    (entry,) = [e for e in (folder / "entries").iterdir() if (e / cache_mod.FACT).exists()]
+    assert not (entry / cache_mod.ARTIFACT).exists()
+    assert [e.meta["name"] for e in entries(folder)] == ["toy written"]
+    # the fact's key is not a piece's: the same graph's compiled code is another entry
+    assert entry.name != piece_key(gm, args, {}, CPU)
+    caplog.set_level(logging.WARNING)
+    (entry / cache_mod.FACT).write_text("[9]")  # bytes no longer match meta.json
+    assert fact(CompileCache(folder)) == [0, 2] and computed == [1, 1]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and str(entry) in warnings[0] and "truncated" in warnings[0]
+    caplog.clear()
+    # a well-formed entry holding a value the caller refuses: recomputed, said once
+    assert fact(CompileCache(folder), valid=lambda v: v == "never") == [0, 2]
+    assert computed == [1, 1, 1]
+    assert any("cannot use" in r.getMessage() for r in caplog.records)
+    with pytest.raises(CacheError, match="truncated"):
+        (entry / cache_mod.FACT).write_text("[0, 2, 7]")
+        fact(CompileCache(folder, strict=True))
+
+
 # --- tr.compile, cold then warm in fresh processes -------------------------------------------
 
 

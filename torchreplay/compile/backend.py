@@ -99,7 +99,8 @@ class Backend:
             return self._inductor(module, examples, f"{name} piece {k}", device)
 
         program, segments, sized = build_program(
-            gm, example_inputs, cfg, device, compile_piece if cfg.inductor else None
+            gm, example_inputs, cfg, device, compile_piece if cfg.inductor else None,
+            written_fn=self._written_fn(example_inputs, name, device),
         )
         runtime = PiecewiseRuntime(
             program,
@@ -150,6 +151,30 @@ class Backend:
         self.compile_seconds += time.perf_counter() - start
         return training_program_fn(program)
 
+    def _written_fn(
+        self, example_inputs: Sequence[Any], name: str, device: torch.device
+    ) -> Callable[[fx.GraphModule, list[fx.Node]], set[fx.Node] | None]:
+        """Which placeholders the graph writes: the fake run, or its result from the cache."""
+        cache = self.cache
+        if cache is None:
+            return _written_inputs
+
+        def written(gm: fx.GraphModule, placeholders: list[fx.Node]) -> set[fx.Node] | None:
+            def compute() -> list[int] | None:
+                found = _written_inputs(gm, placeholders)
+                return None if found is None else [i for i, p in enumerate(placeholders) if p in found]
+
+            n = len(placeholders)
+            idx = cache.fact(
+                gm, example_inputs, kind="written_inputs", name=f"{name} written inputs",
+                device=device, compute=compute,
+                valid=lambda v: v is None or (isinstance(v, list) and all(
+                    isinstance(i, int) and 0 <= i < n for i in v)),
+            )
+            return None if idx is None else {placeholders[i] for i in idx}
+
+        return written
+
     def _register(self, runtime: PiecewiseRuntime) -> None:
         self._runtimes.append(weakref.ref(runtime))
 
@@ -199,6 +224,7 @@ def build_program(
     device: torch.device,
     compile_piece: Callable[[int, fx.GraphModule, list[Any], frozenset[int]], Callable[..., Any]]
     | None = None,
+    written_fn: Callable[[fx.GraphModule, list[fx.Node]], set[fx.Node] | None] | None = None,
 ) -> tuple[Program, list[Segment], bool]:
     """Split ``gm``, compile its pieces, and describe its inputs and outputs for the runtime.
 
@@ -206,12 +232,15 @@ def build_program(
     Inductor, or the FX code as is with ``inductor=False``); ``static``: the positions of its
     inputs that are parameters or buffers.
 
+    ``written_fn(gm, placeholders)``: the placeholders the graph writes (default: a fake run;
+    the backend passes one that keeps the answer in the compile cache).
+
     Returns the program, the segments (for the report) and whether padding to ``cfg.sizes`` is
     possible (a dynamic dimension was found and every output's size is that dimension or fixed).
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     segments = split_graph(gm, cfg.splitting_ops, device)
-    written = _written_inputs(gm, placeholders)
+    written = (written_fn or _written_inputs)(gm, placeholders)
     symbol = _padded_symbol(placeholders, example_inputs, cfg) if cfg.sizes else None
     inputs = []
     for p, ex in zip(placeholders, example_inputs):

@@ -8,7 +8,10 @@ split run again at every start (seconds at most), and so does the capture.
 **Entries.** One folder per key, ``<cache_dir>/entries/<key>/``, holding ``artifact.bin`` (a
 ``CompiledArtifact`` of ``torch._inductor.standalone_compile``) and ``meta.json`` (the versions it
 was made with, its size and SHA-256, the piece's name and what its compile cost). An entry is
-written in a temporary folder and renamed into place: a reader sees a whole entry or none.
+written in a temporary folder and renamed into place: a reader sees a whole entry or none. An
+entry may instead hold ``fact.json``: a small value the backend works out from a whole Dynamo
+graph before splitting it (which inputs it writes: a run on fake tensors, seconds on a large
+model), keyed like a piece.
 
 **The key** is a SHA-256 of everything the compiled code depends on: the piece's FX code (not
 file paths) and the shape, stride, dtype and device of every input with the value range of each
@@ -69,6 +72,8 @@ ENV_VAR = "TORCHREPLAY_CACHE_DIR"
 FORMAT = 1
 #: Seconds a miss waits for another process compiling the same piece.
 LOCK_TIMEOUT = 600.0
+ARTIFACT = "artifact.bin"  # a piece's compiled code
+FACT = "fact.json"  # a small value worked out from a graph (which inputs it writes)
 _COLLECTIVES = ("c10d", "_c10d_functional", "torch.distributed")
 _UNREADABLE = "cannot be read"
 
@@ -157,8 +162,11 @@ def piece_key(
     example_inputs: Sequence[Any],
     options: Mapping[str, Any],
     device: torch.device | None,
+    contents: bool = True,
 ) -> str:
-    """The cache key of one piece: a SHA-256 over everything its compiled code depends on."""
+    """The cache key of one piece: a SHA-256 over everything its compiled code depends on.
+    ``contents=False``: tensor constants by description only, not by content (for a fact that
+    does not depend on their values)."""
     code = module.code
     parts: dict[str, Any] = {
         "format": FORMAT,
@@ -169,7 +177,7 @@ def piece_key(
         "code": code,
         "inputs": [_describe(v) for v in example_inputs],
         "ranges": _compat.shape_ranges(example_inputs),
-        "constants": _constants(module),
+        "constants": _constants(module, contents),
         "device": _device(device),
     }
     if any(c in code for c in _COLLECTIVES) and torch.distributed.is_available() \
@@ -202,7 +210,7 @@ def _describe(value: Any) -> Any:
     return _plain(value)
 
 
-def _constants(module: fx.GraphModule) -> list[Any]:
+def _constants(module: fx.GraphModule, contents: bool = True) -> list[Any]:
     """Tensor attributes the graph reads (``get_attr``), by content: Inductor may bake them in."""
     out = []
     for node in module.graph.nodes:
@@ -212,9 +220,10 @@ def _constants(module: fx.GraphModule) -> list[Any]:
         for part in str(node.target).split("."):
             value = getattr(value, part, None)
         if isinstance(value, torch.Tensor):
-            data = value.detach().contiguous().cpu()
-            digest = hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest() \
-                if data.numel() else ""
+            digest = ""
+            if contents and value.numel():
+                data = value.detach().contiguous().cpu()
+                digest = hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
             out.append([str(node.target), _describe(value), digest])
         elif isinstance(value, fx.GraphModule):
             out.append([str(node.target), value.code])
@@ -310,6 +319,17 @@ class CompileCache:
 
     def _load(self, key: str) -> tuple[Any, str | None]:
         """``(artifact, None)``; ``(None, None)`` for no entry; ``(None, what is wrong)``."""
+        artifact, problem = self._read(key, ARTIFACT)
+        if artifact is None:
+            return None, problem
+        try:
+            return _compat.load_artifact(str(artifact)), None
+        except Exception as exc:  # torch's loader: any error means "not usable"
+            return None, f"torch could not load the artifact: {type(exc).__name__}: {exc}"
+
+    def _read(self, key: str, filename: str) -> tuple[Path | None, str | None]:
+        """The entry's ``filename``, checked against its ``meta.json`` (versions, byte count,
+        SHA-256): ``(path, None)``; ``(None, None)`` for no entry; ``(None, what is wrong)``."""
         path = self._entry(key)
         try:
             if not path.exists():
@@ -324,22 +344,19 @@ class CompileCache:
             wrong = _incompatible(meta, key)
             if wrong:
                 return None, wrong
-            artifact = path / "artifact.bin"
+            target = path / filename
             try:
-                data = artifact.read_bytes()
+                data = target.read_bytes()
             except FileNotFoundError:
-                return None, "artifact.bin is missing"
+                return None, f"{filename} is missing"
             if len(data) != meta.get("bytes"):
-                return None, f"artifact.bin is truncated or grown: {len(data)} bytes, " \
+                return None, f"{filename} is truncated or grown: {len(data)} bytes, " \
                     f"{meta.get('bytes')} written"
             if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
-                return None, "artifact.bin is corrupt: its SHA-256 differs from the one written"
+                return None, f"{filename} is corrupt: its SHA-256 differs from the one written"
         except OSError as exc:
             return None, f"{_UNREADABLE}: {exc}"
-        try:
-            return _compat.load_artifact(str(artifact)), None
-        except Exception as exc:  # torch's loader: any error means "not usable"
-            return None, f"torch could not load the artifact: {type(exc).__name__}: {exc}"
+        return target, None
 
     def _bad(self, key: str, problem: str) -> None:
         message = f"torchreplay: compile cache entry {self._entry(key)}: {problem}"
@@ -351,13 +368,20 @@ class CompileCache:
         """Write the entry atomically; return why nothing was saved ("" when saved)."""
         if not _compat.artifact_saveable(artifact):
             return "torch left nothing to save (a graph it cannot serialise; Inductor's caches off?)"
+        return self._write(key, ARTIFACT, lambda path: _compat.save_artifact(artifact, str(path)),
+                           name, seconds)
+
+    def _write(self, key: str, filename: str, write: Callable[[Path], None], name: str,
+               seconds: float) -> str:
+        """Write ``filename`` (by ``write(path)``) and its ``meta.json`` in a temporary folder
+        and rename it into place; return why nothing was saved ("" when saved)."""
         if self.write_failure:
             return self.write_failure
         tmp = self.directory / "tmp" / f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         try:
             tmp.mkdir(parents=True)
-            _compat.save_artifact(artifact, str(tmp / "artifact.bin"))
-            data = (tmp / "artifact.bin").read_bytes()
+            write(tmp / filename)
+            data = (tmp / filename).read_bytes()
             meta = {
                 "format": FORMAT,
                 "key": key,
@@ -384,6 +408,47 @@ class CompileCache:
             return self.write_failure
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def fact(
+        self,
+        module: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        *,
+        kind: str,
+        name: str,
+        device: torch.device | None,
+        compute: Callable[[], Any],
+        valid: Callable[[Any], bool] = lambda value: True,
+    ) -> Any:
+        """A small JSON value worked out from ``module`` (``kind`` names what: which inputs it
+        writes), loaded from its entry or computed by ``compute()`` and saved. Keyed like a
+        piece, with ``kind`` among the options; a bad entry (or a value ``valid`` refuses) is
+        said once and computed again, as for compiled code."""
+        start = time.perf_counter()
+        key = piece_key(module, example_inputs, {"fact": kind}, device, contents=False)
+        problem = None
+        if not self.read_failure:
+            path, problem = self._read(key, FACT)
+            if path is not None:
+                try:
+                    value = json.loads(path.read_text())
+                    if valid(value):
+                        return value
+                    problem = f"{FACT} holds a value torchreplay cannot use: {value!r:.80}"
+                except (OSError, ValueError, UnicodeDecodeError) as exc:
+                    problem = f"{FACT} cannot be read: {exc}"
+            if problem and problem.startswith(_UNREADABLE):
+                message = f"torchreplay: compile cache folder {self.directory} {problem}"
+                if self.strict:
+                    raise CacheError(message)
+                log.warning("%s; running without the cache in this process", message)
+                self.read_failure = self.write_failure = problem
+            elif problem:
+                self._bad(key, problem)
+        value = compute()
+        self._write(key, FACT, lambda p: p.write_text(json.dumps(value)), name,
+                    time.perf_counter() - start)
+        return value
 
     @contextlib.contextmanager
     def _locked(self, key: str) -> Iterator[None]:
