@@ -369,9 +369,9 @@ class _Snapshot:
             b.copy_(saved)
 
 
-@pytest.fixture
-def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Make tr.graph(sizes=...) run on the CPU; returns the sizes captured, in order."""
+def install_cpu_graphs(setattr_: Any) -> list[int]:
+    """Make tr.graph(sizes=...) run on the CPU through ``setattr_`` (monkeypatch's, or plain
+    ``setattr`` in a spawned rank); returns the sizes captured, in order."""
     order: list[int] = []
 
     def fake_capture(fn, args, kwargs, *, device, stream, pool, config, grad=False, warmup=True,
@@ -387,12 +387,18 @@ def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         order.append(max((t.shape[0] for t in leaves if t.dim()), default=0))
         return Captured(_EagerGraph(fn, args, kwargs), out, 0.0, tuple(watcher.written))
 
-    monkeypatch.setattr(buckets, "capture", fake_capture)
-    monkeypatch.setattr(buckets, "infer_device", lambda fn, call, device=None: torch.device("cpu"))
-    monkeypatch.setattr(buckets, "side_stream", lambda device: None)
-    monkeypatch.setattr(buckets, "on_side_stream", lambda s, d: contextlib.nullcontext())
-    monkeypatch.setattr(buckets, "StateSnapshot", _Snapshot)
+    setattr_(buckets, "capture", fake_capture)
+    setattr_(buckets, "infer_device", lambda fn, call, device=None: torch.device("cpu"))
+    setattr_(buckets, "side_stream", lambda device: None)
+    setattr_(buckets, "on_side_stream", lambda s, d: contextlib.nullcontext())
+    setattr_(buckets, "StateSnapshot", _Snapshot)
     return order
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make tr.graph(sizes=...) run on the CPU; returns the sizes captured, in order."""
+    return install_cpu_graphs(monkeypatch.setattr)
 
 
 SIZES = [1, 2, 4, 8, 16]

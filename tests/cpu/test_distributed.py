@@ -209,3 +209,63 @@ def test_shared_memory_exchange_is_microseconds() -> None:
     out = run_ranks(w_cost, 2)
     assert all(s == "ok" for s, _ in out), out
     assert min(v for _, v in out) < 500, out
+
+
+# -- tr.graph(sizes=) with agreeing ranks, the graphs emulated on the CPU (test_buckets.py) ----
+
+
+def w_bucketed(rank: int, world: int, case: str) -> dict:
+    import test_buckets
+
+    test_buckets.install_cpu_graphs(setattr)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
+    sizes = [1, 4, 8] if case == "sizes" and rank == 1 else [1, 2, 4, 8]
+    g = tr.graph(model, torch.randn(8, 4), sizes=sizes, sync_sizes=True,
+                 ranks=RankConfig(timeout=5.0))
+    calls = {"sync": [(1, 3), (2, 2), (5, 1), (0, 2), (3, 4), (1, 3)],
+             "above": [(2, 3), (3, 9)],
+             "mode": [(2, 2), (2, 2)],
+             "sizes": [(2, 2)]}[case]
+    seen, errors, before = [], [], {}
+    for i, pair in enumerate(calls):
+        if case == "mode" and rank == 1 and i == 1:
+            model.train()  # this rank would fall back eagerly, the other replay
+        x = torch.randn(pair[rank], 4)
+        try:
+            with torch.no_grad():
+                y = g(x)
+        except ReplayInputError as exc:
+            errors.append(str(exc))
+            break
+        with torch.no_grad():
+            torch.testing.assert_close(y, model(x))
+        now = dict(g.stats.size_hits)
+        seen.append([s for s in now if now[s] != before.get(s, 0)])  # the size this call ran
+        before = now
+    return {"seen": seen, "errors": errors, "fallbacks": g.stats.fallbacks}
+
+
+def test_bucketed_ranks_replay_the_size_of_the_largest_call() -> None:
+    out = run_ranks(w_bucketed, 2, "sync")
+    assert all(s == "ok" for s, _ in out), out
+    (_, r0), (_, r1) = out
+    assert r0["errors"] == [] == r1["errors"]
+    # (1, 3) -> 4; (2, 2) -> 2; (5, 1) -> 8; (0, 2) -> 2 (rank 0 replays with no rows); ...
+    assert r0["seen"] == r1["seen"] == [[4], [2], [8], [2], [4], [4]]
+
+
+def test_bucketed_fallback_is_taken_by_every_rank_or_none() -> None:
+    out = run_ranks(w_bucketed, 2, "above")
+    assert all(s == "ok" for s, _ in out), out
+    assert all(r["errors"] == [] and r["fallbacks"] == 1 for _, r in out), out
+
+
+@pytest.mark.parametrize("case", ["mode", "sizes"])
+def test_bucketed_disagreement_raises_on_every_rank(case: str) -> None:
+    out = run_ranks(w_bucketed, 2, case)
+    assert all(s == "ok" for s, _ in out), out
+    for _, r in out:
+        assert len(r["errors"]) == 1 and "ranks disagree" in r["errors"][0], r
+    if case == "mode":
+        assert "rank 1: eager" in out[0][1]["errors"][0]
