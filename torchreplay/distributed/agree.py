@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import itertools
 import mmap
 import os
 import secrets
@@ -46,7 +45,6 @@ GRAPH, EAGER = 0, 1
 ABSENT = -1
 
 _FIELDS = 8  # int64 per slot: seq, size, fingerprint, choice, then padding (one cache line)
-_opened: dict[str, itertools.count[int]] = {}
 
 
 class Exchange:
@@ -168,8 +166,10 @@ def open_exchange(group: Any, timeout: float) -> Exchange:
     me = dist.get_rank(group)
     store = _compat.default_store()
     name = str(getattr(group, "group_name", "world"))
-    count = _opened.setdefault(name, itertools.count())
-    prefix = f"torchreplay/agree/{name}/{next(count)}"
+    # The n-th agreement of this group on each rank meets the n-th of the others: a per-rank
+    # counter in the store (ranks build their graphs in the same order, as NCCL needs anyway).
+    index = store.add(f"torchreplay/agree/{name}/opened/{me}", 1)
+    prefix = f"torchreplay/agree/{name}/{index}"
     wait = datetime.timedelta(seconds=timeout)
     every = range(size)
     store.set(f"{prefix}/host/{me}", socket.gethostname())
