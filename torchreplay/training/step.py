@@ -27,9 +27,9 @@ module and optimizer pre-hooks); pass ``optimizers=`` to have them checked befor
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import operator
-import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
