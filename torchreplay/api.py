@@ -229,11 +229,6 @@ def graph(
     )
     rank_cfg = _rank_config(ranks, sync_sizes)
     if breaks is not None:
-        if sync_sizes is not None or ranks is not None:
-            raise TypeError(
-                "sync_sizes= and ranks= are not supported with breaks= yet: a breakable graph's "
-                "ranks do not agree before a replay"
-            )
         if capture is not None or fallback is not None or max_graphs is not None:
             raise TypeError(
                 "capture=, fallback= and max_graphs= are not supported with breaks= yet: every "
@@ -250,6 +245,7 @@ def graph(
             config=cfg,
             pool=resolve_pool(pool),
             device=device,
+            ranks=rank_cfg,
         )
     try:
         return _graph(fn, sample_args, kwargs, sizes, dim, fill_value, capture, fallback,

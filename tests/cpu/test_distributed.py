@@ -85,8 +85,6 @@ def test_rank_config_and_graph_options_are_checked() -> None:
         tr.graph(f, torch.zeros(2), sync_sizes=True)
     with pytest.raises(TypeError, match="ranks must be"):
         tr.graph(f, torch.zeros(2), ranks={"check": False})
-    with pytest.raises(TypeError, match="not supported with breaks"):
-        tr.graph(f, torch.zeros(2), breaks=[f], ranks=RankConfig())
 
 
 # -- several ranks ---------------------------------------------------------------------------

@@ -436,3 +436,55 @@ def test_breakable_graph_with_a_collective_in_each_segment() -> None:
     out = run_ranks(w_breaks, WORLD, backend="nccl", timeout=240)
     assert all(s == "ok" for s, _ in out), out
     assert all(r["worst"] < 1e-3 for _, r in out), out
+
+
+def _host_gelu(y: torch.Tensor, n_real: int) -> torch.Tensor:
+    """A break that reads a host value."""
+    return F.gelu(y) * (1.0 if n_real >= 0 else 0.0)
+
+
+def w_shared_breaks(rank: int, world: int, case: str) -> dict:
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(0)
+    model = _mlp(dev)
+
+    def f(x, n_real):
+        return model[2](_host_gelu(model[0](x), n_real))
+
+    g = tr.graph(f, torch.randn(8, D, device=dev), 8, sizes=[2, 4, 8], breaks=[_host_gelu],
+                 sync_sizes=True, ranks=RankConfig(timeout=5.0))
+    plan = {"sync": [(1, 3), (2, 2), (5, 1), (3, 4)] * 3, "above": [(2, 9)], "mode": [(2, 2)]}[case]
+    seen, errors, worst, before = [], [], 0.0, {}
+    for pair in plan:
+        if case == "mode" and rank == 1:
+            model.train()
+        x = torch.randn(pair[rank], D, device=dev)
+        try:
+            with torch.no_grad():
+                y = g(x, pair[rank])
+        except tr.ReplayInputError as exc:
+            errors.append(str(exc))
+            break
+        with torch.no_grad():
+            worst = max(worst, (y - f(x, pair[rank])).abs().max().item())
+        now = dict(g.stats.size_hits)
+        seen.append([s for s in now if now[s] != before.get(s, 0)])
+        before = now
+    return {"seen": seen, "errors": errors, "worst": worst, "fallbacks": g.stats.fallbacks}
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
+@pytest.mark.parametrize("case", ["sync", "above", "mode"])
+def test_breakable_graph_ranks_agree(case: str) -> None:
+    out = run_ranks(w_shared_breaks, 2, case, timeout=240)
+    assert all(s == "ok" for s, _ in out), out
+    (_, r0), (_, r1) = out
+    if case == "sync":
+        assert r0["errors"] == [] == r1["errors"] and r0["worst"] < 1e-4 and r1["worst"] < 1e-4
+        assert r0["seen"] == r1["seen"] == [[4], [2], [8], [4]] * 3
+    elif case == "above":
+        assert r0["errors"] == [] == r1["errors"] and r0["fallbacks"] == r1["fallbacks"] == 1
+        assert r0["worst"] < 1e-4
+    else:
+        for r in (r0, r1):
+            assert len(r["errors"]) == 1 and "ranks disagree" in r["errors"][0], r

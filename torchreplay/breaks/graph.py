@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from torchreplay import _compat
-from torchreplay.config import GraphConfig
+from torchreplay.config import RANKS, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
 from torchreplay.core.capture import (
     Segments,
@@ -44,6 +44,7 @@ from torchreplay.core.capture import (
 )
 from torchreplay.core.pool import Pool
 from torchreplay.core.writes import WriteWatch
+from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
 from torchreplay.breaks.auto import AutoBreak, find_on_copies
 from torchreplay.breaks.steps import BreakStep, returns_nothing
@@ -108,6 +109,7 @@ class BreakableGraph:
         config: GraphConfig,
         pool: Pool | None,
         device: torch.device | int | str | None,
+        ranks: RankConfig = RANKS,
     ) -> None:
         auto = isinstance(breaks, str) and breaks == "auto"
         resolved = () if auto else resolve_breaks(breaks)
@@ -142,12 +144,20 @@ class BreakableGraph:
         self._sample_rows = dims.size if dims is not None else None
         self._sample_out = [tuple(t.shape) if isinstance(t, _Tensor) else None for t in out_leaves]
         program = self._program(call, dims, written, len(self._sample_out))
+        #: the collectives of the first capture (its segments and breaks), in order
+        self.collectives: tuple[Any, ...] | None = None
+        self._collective_log: Any = None
         self.runtime = _Runtime(
             self, program, name=self.name, sizes=sizes, config=config, pool=pool,
             max_graphs=1 if sizes is None else 8,
         )
         self.stats = self.runtime.stats
         self.runtime.prepare(tuple(call.leaves))
+        self._ranks = agreement(
+            ranks, self.collectives or (), self._collective_log, name=self.name,
+            parts=[sizes, [b.brk.name for b in self.breaks]], sizes=sizes is not None,
+        )
+        self._collective_log = None
 
     # ------------------------------------------------------------------ the plan
     def _check_devices(self, call: CallArgs) -> None:
@@ -246,7 +256,15 @@ class BreakableGraph:
         else:
             leaves = self._flatten(args, kwargs)
         module = self._module
-        if module is not None and module.training != self._training:
+        mode_changed = module is not None and module.training != self._training
+        size = None
+        if self._ranks is not None:  # collectives inside: the ranks agree first
+            size = self._agree(leaves, mode_changed)
+            if size == -1 and not mode_changed:
+                self.runtime._count_fallback("a call above the largest captured size (on a rank)")
+                with torch.no_grad():
+                    return self.fn(*args, **kwargs)
+        if mode_changed:
             if not self._warned_mode:
                 self._warned_mode = True
                 warn_mode_changed(self.name, bool(self._training))
@@ -254,14 +272,33 @@ class BreakableGraph:
             return self.fn(*args, **kwargs)
         if torch.is_grad_enabled():
             with torch.no_grad():
-                out = self.runtime(*leaves)
+                out = self.runtime(*leaves, size=size)
         else:
-            out = self.runtime(*leaves)
+            out = self.runtime(*leaves, size=size)
         if out.__class__ is _Eager:
             return out.value  # type: ignore[attr-defined]
         if self._out_single:
             return out[0]
         return _compat.tree_unflatten(list(out), self._out_spec)
+
+    def _agree(self, leaves: Sequence[Any], mode_changed: bool) -> int | None:
+        """Post this call to the other ranks; return the size to replay (``None``: the call's
+        own; -1: every rank runs eagerly). With ``sync_sizes`` the size that holds the largest
+        call of any rank, else each rank's own, which must be equal (or all raise)."""
+        ranks = self._ranks
+        rt = self.runtime
+        n = rt.rows(leaves)
+        if mode_changed:
+            ranks(0, EAGER)
+            return None
+        if ranks.sync_sizes:
+            agreed = ranks(n or 0, GRAPH)
+            size = rt._bucket(agreed)
+            return -1 if size == -1 or agreed == 0 else size
+        own = rt._bucket(n)
+        eager = own == -1 or n == 0
+        ranks(0 if eager or own is None else own, EAGER if eager else GRAPH)
+        return None
 
     def _flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         leaves, spec = _compat.tree_flatten((args, kwargs))
@@ -449,12 +486,15 @@ class _Runtime(PiecewiseRuntime):
                 front.fn, call_args, call_kwargs, device=self.device, stream=self._stream,
                 pool=self.pool, config=self.config, warmup=not self._warm, snapshot=snapshot,
                 reset=reset, segmented=segmented,
-                diagnose_fn=outside_breaks(front.fn, front._breaks), collectives=False,
+                diagnose_fn=outside_breaks(front.fn, front._breaks),
+                collectives=front.collectives is None,  # the first capture's are agreed on
             )
         finally:
             self._segments = None
             self._pending.clear()
         self._warm = True
+        if front.collectives is None:
+            front.collectives, front._collective_log = captured.collectives, captured.collective_log
         reset()  # the captured run ran the breaks (and replayed the segments) for real
         front.same_path(recorder.calls, captured.out, size)
         segs = captured.graphs

@@ -9,7 +9,7 @@ import torch
 from torchreplay.core.outputs import Outputs
 from torchreplay.pieces.program import Program
 
-__all__ = ["PieceGraph", "Entry", "Route", "hand_out"]
+__all__ = ["PieceGraph", "Entry", "Route", "hand_out", "entry_key"]
 
 _Tensor = torch.Tensor
 
@@ -117,3 +117,26 @@ def hand_out(
             value = value.narrow(d, 0, n)
         out.append(value)
     return tuple(out)
+
+
+_HASHABLE = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+def entry_key(
+    size: int | None, args: Sequence[Any], inputs: Sequence[Any], tensors: Sequence[int]
+) -> tuple[Any, ...]:
+    """What tells one captured entry from another: the size, each tensor's shape (at that
+    size) and dtype, ints other than the size, and constants a graph may hold."""
+    key: list[Any] = [size]
+    for i in tensors:
+        shape = list(args[i].shape)
+        d = inputs[i].dim
+        if d is not None:
+            shape[d] = size
+        key.append((tuple(shape), args[i].dtype))
+    for i, x in enumerate(inputs):
+        if x.kind == "int" and not x.is_size:
+            key.append(args[i])
+        elif x.kind == "other":  # a constant a graph may hold: another value, another key
+            key.append(args[i] if isinstance(args[i], _HASHABLE) else id(args[i]))
+    return tuple(key)

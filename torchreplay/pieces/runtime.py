@@ -33,7 +33,7 @@ from torchreplay.core.io import write_back
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
 from torchreplay.errors import CaptureError
-from torchreplay.pieces.entries import Entry, PieceGraph, Route, hand_out
+from torchreplay.pieces.entries import Entry, PieceGraph, Route, entry_key, hand_out
 from torchreplay.pieces.program import Constant, Program, run_in_order
 from torchreplay.stats import GraphStats
 
@@ -42,7 +42,6 @@ __all__ = ["PiecewiseRuntime"]
 log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
-_HASHABLE = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
 
 class PiecewiseRuntime:
@@ -131,14 +130,16 @@ class PiecewiseRuntime:
         self.compile_seconds = 0.0
 
     # ------------------------------------------------------------------ the call
-    def __call__(self, *args: Any) -> tuple[Any, ...]:
+    def __call__(self, *args: Any, size: int | None = None) -> tuple[Any, ...]:
+        """Run the program on ``args``; ``size``: replay the graphs of this captured size (a
+        larger one than the call's rows need: the size the ranks agreed on)."""
         if not self._ready:
             self._setup(args)
         if self._eager:
             return self._run_ungraphed(args)
         if self._statics and not self._statics_unchanged(args):
             self._recapture(args)
-        route = self._route(args)
+        route = self._route(args, size)
         if route is None or (self._checks and self._blocked(route.entry, args)):
             return self._run_ungraphed(args)
         return self._replay(route, args)
@@ -237,9 +238,14 @@ class PiecewiseRuntime:
         return run_in_order(self.program, args, self._last)
 
     # ------------------------------------------------------------------ routing
-    def _route(self, args: tuple[Any, ...]) -> Route | None:
-        n = args[self._sized[0]].shape[self._inputs[self._sized[0]].dim] if self._sized else None
-        route = self._routes.get(n)
+    def rows(self, args: Sequence[Any]) -> int | None:
+        """The call's size (rows of the varying dimension), ``None`` without one."""
+        return args[self._sized[0]].shape[self._inputs[self._sized[0]].dim] if self._sized else None
+
+    def _route(self, args: tuple[Any, ...], size: int | None = None) -> Route | None:
+        n = self.rows(args)
+        rkey = n if size is None or size == self._bucket(n) else (n, size)
+        route = self._routes.get(rkey)
         if route is not None:
             shapes = route.shapes
             for j, i in enumerate(self._tensors):
@@ -248,7 +254,7 @@ class PiecewiseRuntime:
             else:
                 if not self._keyed or route.consts == [args[i] for i in self._keyed]:
                     return route
-        return self._new_route(n, args)
+        return self._new_route(n, args, size, rkey)
 
     def _bucket(self, n: int | None) -> int | None:
         if n is None or self.sizes is None:
@@ -257,23 +263,13 @@ class PiecewiseRuntime:
         return self.sizes[k] if k < len(self.sizes) else -1
 
     def _key(self, size: int | None, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        key: list[Any] = [size]
-        for i in self._tensors:
-            shape = list(args[i].shape)
-            d = self._inputs[i].dim
-            if d is not None:
-                shape[d] = size
-            key.append((tuple(shape), args[i].dtype))
-        for i, x in enumerate(self._inputs):
-            if x.kind == "int" and not x.is_size:
-                key.append(args[i])
-            elif x.kind == "other":  # a constant a graph may hold: another value, another key
-                key.append(args[i] if isinstance(args[i], _HASHABLE) else id(args[i]))
-        return tuple(key)
+        return entry_key(size, args, self._inputs, self._tensors)
 
-    def _new_route(self, n: int | None, args: tuple[Any, ...]) -> Route | None:
-        size = self._bucket(n)
-        if size == -1 or n == 0:
+    def _new_route(
+        self, n: int | None, args: tuple[Any, ...], forced: int | None = None, rkey: Any = None
+    ) -> Route | None:
+        size = self._bucket(n) if forced is None else forced
+        if size == -1 or (n == 0 and forced is None):
             self._count_fallback(
                 f"{n} rows: above the largest captured size {self.sizes[-1] if self.sizes else ''}"
                 "; add a larger size to sizes="
@@ -304,7 +300,7 @@ class PiecewiseRuntime:
                 route.backs.append(view)
                 route.back_idx.append(i)
         if self.sizes is None or len(self._routes) < 4 * len(self.sizes) + 64:
-            self._routes[n] = route
+            self._routes[n if rkey is None else rkey] = route
         return route
 
     # ------------------------------------------------------------------ capture
@@ -582,11 +578,10 @@ class PiecewiseRuntime:
         return any(lo <= ptr < hi for lo, hi in self._ranges)
 
     def _pool_has(self, t: _Tensor) -> bool:
-        """Is ``t`` in the pool? The pool's segments only grow while its graphs live, so the
-        known ranges are asked again (a memory snapshot: milliseconds) only on a miss."""
-        if self._in_pool(t):
-            return True
-        self._ranges = self.pool.segment_ranges() if self.pool is not None else []
+        """Is ``t`` in the pool? Its segments only grow while its graphs live: the ranges are
+        asked again (a memory snapshot: milliseconds) only on a miss."""
+        if not self._in_pool(t):
+            self._ranges = self.pool.segment_ranges() if self.pool is not None else []
         return self._in_pool(t)
 
     def _pool_bytes(self) -> int:
