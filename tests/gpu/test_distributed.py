@@ -71,6 +71,7 @@ def w_tp_mlp(rank: int, world: int) -> dict:
         "above_rows": above.shape[0],
         "collectives": [c.op for c in g.collectives],
         "agrees": g._ranks is not None,
+        "explain": tr.explain(g),
     }
 
 
@@ -84,6 +85,7 @@ def test_tensor_parallel_mlp_with_sizes_equals_the_one_gpu_reference() -> None:
         assert r["collectives"] == ["allreduce_"]
         assert r["fallbacks"] == 1 and r["above_rows"] >= 40
         assert r["agrees"] == (WORLD > 1)
+        assert "collectives: allreduce_(" in r["explain"] and "ranks: " in r["explain"], r["explain"]
     # Every rank replayed the same padded size at every call.
     assert all(r["hits"] == results[0]["hits"] for r in results)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from torchreplay.compile.api import Compiled
 from torchreplay.compile.backend import Backend
+from torchreplay.distributed import describe
 from torchreplay.pieces.runtime import PiecewiseRuntime
 
 __all__ = ["explain", "piece_line"]
@@ -37,15 +38,27 @@ def explain(obj: Any) -> str:
         return _runtime(obj)
     own = getattr(obj, "explain", None)
     if callable(own):  # a breakable graph (tr.graph(..., breaks=)) reports itself
-        return str(own())
+        return str(own()) + _ranks(obj)
     stats = getattr(obj, "stats", None)
     if stats is not None and hasattr(stats, "explain"):
-        return f"{obj!r}\n  {stats.explain()}"
+        return f"{obj!r}\n  {stats.explain()}{_ranks(obj)}"
     raise TypeError(
         f"tr.explain takes what tr.compile, tr.graph, tr.graph_step or "
         f"tr.make_graphed_callables returned, got {type(obj).__name__}; for "
         "torch.compile(model, backend='torchreplay') use tr.compile(model) to keep the report"
     )
+
+
+def _ranks(obj: Any) -> str:
+    """The collectives a graph holds and how its ranks agree ("" when it holds none)."""
+    collectives = getattr(obj, "collectives", None)
+    if not collectives:
+        return ""
+    agreement = getattr(obj, "_ranks", None)
+    how = repr(agreement) if agreement is not None else (
+        "no agreement (one rank, or RankConfig(check=False))"
+    )
+    return f"\n  collectives: {describe(collectives)}\n  ranks: {how}"
 
 
 def _backend(backend: Backend) -> str:
