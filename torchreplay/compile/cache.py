@@ -293,20 +293,8 @@ class CompileCache:
         self, module: fx.GraphModule, example_inputs: Sequence[Any], name: str, key: str,
         start: float, problem: str | None,
     ) -> Callable[..., Any]:
-        if problem and problem.startswith(_UNREADABLE):
-            message = f"torchreplay: compile cache folder {self.directory} {problem}"
-            if self.strict:
-                raise CacheError(message)
-            log.warning("%s; running without the cache in this process", message)
-            self.read_failure = self.write_failure = problem
-            problem = None
         if problem:
-            message = f"torchreplay: compile cache entry {self._entry(key)}: {problem}"
-            if self.strict:
-                raise CacheError(
-                    f"{message} (cache_strict=True; remove it with `torchreplay cache clear`)"
-                )
-            log.warning("%s; compiling the piece again and rewriting the entry", message)
+            problem = self._bad(key, problem)
         artifact = _compat.standalone_compile(module, example_inputs)
         seconds = time.perf_counter() - start
         reason = self._save(key, artifact, name, seconds)
@@ -358,11 +346,21 @@ class CompileCache:
             return None, f"{_UNREADABLE}: {exc}"
         return target, None
 
-    def _bad(self, key: str, problem: str) -> None:
+    def _bad(self, key: str, problem: str) -> str | None:
+        """Say once what is wrong (or raise, when strict); return the problem, or None when it
+        is the folder's (unreadable: the cache is off for the rest of the process)."""
+        if problem.startswith(_UNREADABLE):
+            message = f"torchreplay: compile cache folder {self.directory} {problem}"
+            if self.strict:
+                raise CacheError(message)
+            log.warning("%s; running without the cache in this process", message)
+            self.read_failure = self.write_failure = problem
+            return None
         message = f"torchreplay: compile cache entry {self._entry(key)}: {problem}"
         if self.strict:
             raise CacheError(message + " (cache_strict=True; clear it with `torchreplay cache clear`)")
-        log.warning("%s; compiling it again and rewriting the entry", message)
+        log.warning("%s; computing it again and rewriting the entry", message)
+        return problem
 
     def _save(self, key: str, artifact: Any, name: str, seconds: float) -> str:
         """Write the entry atomically; return why nothing was saved ("" when saved)."""
@@ -437,13 +435,7 @@ class CompileCache:
                     problem = f"{FACT} holds a value torchreplay cannot use: {value!r:.80}"
                 except (OSError, ValueError, UnicodeDecodeError) as exc:
                     problem = f"{FACT} cannot be read: {exc}"
-            if problem and problem.startswith(_UNREADABLE):
-                message = f"torchreplay: compile cache folder {self.directory} {problem}"
-                if self.strict:
-                    raise CacheError(message)
-                log.warning("%s; running without the cache in this process", message)
-                self.read_failure = self.write_failure = problem
-            elif problem:
+            if problem:
                 self._bad(key, problem)
         value = compute()
         self._write(key, FACT, lambda p: p.write_text(json.dumps(value)), name,
