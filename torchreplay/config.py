@@ -188,7 +188,7 @@ class RankConfig:
     group: object = None
     sync_sizes: bool | None = None
     check: bool = True
-    timeout: float = 300.0
+    timeout: float = 600.0
 
     def __post_init__(self) -> None:
         if self.sync_sizes not in (None, True, False):
@@ -203,7 +203,7 @@ class RankConfig:
             )
 
 
-#: Ranks agree through the group of the graph's collectives, sizes synced, 300 s timeout.
+#: Ranks agree through the group of the graph's collectives, sizes synced, 600 s timeout (NCCL's own default watchdog timeout).
 RANKS = RankConfig()
 
 
