@@ -229,17 +229,19 @@ def graph(
     )
     rank_cfg = _rank_config(ranks, sync_sizes)
     if breaks is not None:
-        if capture is not None or fallback is not None or max_graphs is not None:
-            raise TypeError(
-                "capture=, fallback= and max_graphs= are not supported with breaks= yet: every "
-                "size is captured ahead, and a call above the largest runs eagerly (counted)"
-            )
+        options = None if sizes is None else BucketConfig(
+            sizes,  # type: ignore[arg-type]
+            capture=capture or "ahead",
+            fallback=fallback or "eager",
+            max_graphs=max_graphs,
+        )
         return BreakableGraph(
             fn,
             sample_args,
             kwargs,
             breaks=breaks,
-            sizes=list(BucketConfig(sizes).sizes) if sizes is not None else None,  # type: ignore[arg-type]
+            sizes=list(options.sizes) if options is not None else None,
+            options=options,
             dim=0 if dim is None else dim,
             fill_value=0 if fill_value is None else fill_value,
             config=cfg,

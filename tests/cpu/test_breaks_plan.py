@@ -219,8 +219,12 @@ def test_graph_option_errors_with_breaks_come_before_any_device_work() -> None:
     import torchreplay as tr
 
     model, x, lengths = _sample()
-    with pytest.raises(TypeError, match="capture=, fallback= and max_graphs= are not supported with breaks="):
-        tr.graph(model, x, lengths, breaks=[Attention], sizes=[1, 2], capture="lazy")
+    with pytest.raises(ValueError, match="capture must be one of"):
+        tr.graph(model, x, lengths, breaks=[Attention], sizes=[1, 2], capture="sometimes")
+    with pytest.raises(ValueError, match="max_graphs=1 but capture='ahead'"):
+        tr.graph(model, x, lengths, breaks=[Attention], sizes=[1, 2], max_graphs=1)
+    with pytest.raises(TypeError, match="only apply with sizes"):
+        tr.graph(model, x, lengths, breaks=[Attention], fallback="error")
     with pytest.raises(ValueError, match="breaks= names nothing"):
         tr.graph(model, x, lengths, breaks=[])
     with pytest.raises(ValueError, match=r"breaks\[0\] = 'nolib.nothing': no such op"):

@@ -207,6 +207,37 @@ def test_sizes_with_breaks_pad_and_slice_back_every_size() -> None:
     assert g.stats.fallbacks == 1
 
 
+def test_sizes_options_with_breaks_capture_lazy_fallback_error_max_graphs() -> None:
+    model = net(2)
+    gen = torch.Generator().manual_seed(3)
+
+    def call(g, n):
+        x = torch.randn(n, T, H, device=DEV)
+        lengths = torch.randint(1, T + 1, (n,), generator=gen)
+        with torch.no_grad():
+            want = model(x, lengths)
+        torch.testing.assert_close(g(x, lengths), want, rtol=1e-4, atol=1e-5)
+
+    # capture="lazy": only the largest size now, each other size at its first call;
+    # max_graphs=3: a size that would need a fourth graph runs eagerly, counted.
+    x = torch.randn(8, T, H, device=DEV)
+    g = tr.graph(model, x, lengths_for(8), breaks=[Attention], sizes=[1, 2, 4, 8],
+                 capture="lazy", max_graphs=3)
+    assert g.runtime.captured_sizes() == [8]
+    for n in (3, 4, 8, 2):
+        call(g, n)
+    assert sorted(g.runtime.captured_sizes()) == [2, 4, 8] and g.stats.fallbacks == 0
+    call(g, 1)  # size 1 would be a fourth graph: eager
+    assert sorted(g.runtime.captured_sizes()) == [2, 4, 8] and g.stats.fallbacks == 1
+    assert any("max_graphs=3" in r for r in g.runtime.fallback_reasons), g.runtime.fallback_reasons
+    # fallback="error": above the largest size raises, naming the size; within, graphs as usual.
+    h = tr.graph(model, x, lengths_for(8), breaks=[Attention], sizes=[4, 8], fallback="error")
+    call(h, 6)
+    with pytest.raises(tr.ReplayInputError, match="got size 9"):
+        call(h, 9)
+    assert h.stats.fallbacks == 0
+
+
 def reserved() -> int:
     gc.collect()
     torch.cuda.synchronize()

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from torchreplay import _compat
-from torchreplay.config import RANKS, GraphConfig, RankConfig
+from torchreplay.config import RANKS, BucketConfig, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
 from torchreplay.core.capture import (
     Segments,
@@ -44,9 +44,10 @@ from torchreplay.core.capture import (
 )
 from torchreplay.core.pool import Pool
 from torchreplay.core.writes import WriteWatch
-from torchreplay.distributed import EAGER, GRAPH, agreement
+from torchreplay.distributed import agreement
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
 from torchreplay.breaks.auto import AutoBreak, find_on_copies
+from torchreplay.breaks.policy import agree_size, eager_by_policy
 from torchreplay.breaks.steps import BreakStep, returns_nothing
 from torchreplay.breaks.plan import (
     Break,
@@ -110,6 +111,7 @@ class BreakableGraph:
         pool: Pool | None,
         device: torch.device | int | str | None,
         ranks: RankConfig = RANKS,
+        options: BucketConfig | None = None,
     ) -> None:
         auto = isinstance(breaks, str) and breaks == "auto"
         resolved = () if auto else resolve_breaks(breaks)
@@ -144,6 +146,11 @@ class BreakableGraph:
         self._sample_rows = dims.size if dims is not None else None
         self._sample_out = [tuple(t.shape) if isinstance(t, _Tensor) else None for t in out_leaves]
         program = self._program(call, dims, written, len(self._sample_out))
+        self._options = options
+        # capture="lazy", fallback="error" or max_graphs: each call's size goes through the policy
+        self._policy_on = options is not None and (
+            options.capture == "lazy" or options.fallback == "error" or options.max_graphs is not None
+        )
         #: the collectives of the first capture (its segments and breaks), in order
         self.collectives: tuple[Any, ...] | None = None
         self._collective_log: Any = None
@@ -259,11 +266,14 @@ class BreakableGraph:
         mode_changed = module is not None and module.training != self._training
         size = None
         if self._ranks is not None:  # collectives inside: the ranks agree first
-            size = self._agree(leaves, mode_changed)
+            size = agree_size(self, leaves, mode_changed)
             if size == -1 and not mode_changed:
                 self.runtime._count_fallback("a call above the largest captured size (on a rank)")
                 with torch.no_grad():
                     return self.fn(*args, **kwargs)
+        if self._policy_on and not mode_changed and eager_by_policy(self, leaves, size):
+            with torch.no_grad():
+                return self.fn(*args, **kwargs)
         if mode_changed:
             if not self._warned_mode:
                 self._warned_mode = True
@@ -280,25 +290,6 @@ class BreakableGraph:
         if self._out_single:
             return out[0]
         return _compat.tree_unflatten(list(out), self._out_spec)
-
-    def _agree(self, leaves: Sequence[Any], mode_changed: bool) -> int | None:
-        """Post this call to the other ranks; return the size to replay (``None``: the call's
-        own; -1: every rank runs eagerly). With ``sync_sizes`` the size that holds the largest
-        call of any rank, else each rank's own, which must be equal (or all raise)."""
-        ranks = self._ranks
-        rt = self.runtime
-        n = rt.rows(leaves)
-        if mode_changed:
-            ranks(0, EAGER)
-            return None
-        if ranks.sync_sizes:
-            agreed = ranks(n or 0, GRAPH)
-            size = rt._bucket(agreed)
-            return -1 if size == -1 or agreed == 0 else size
-        own = rt._bucket(n)
-        eager = own == -1 or n == 0
-        ranks(0 if eager or own is None else own, EAGER if eager else GRAPH)
-        return None
 
     def _flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         leaves, spec = _compat.tree_flatten((args, kwargs))
@@ -390,7 +381,9 @@ class _Runtime(PiecewiseRuntime):
     def _ahead(self, n: int) -> Sequence[int]:
         # A size below the sample's rows would run the breaks with the sample's host values
         # (lengths of more rows than the tensors have): it is captured at its first call.
-        return [s for s in self.sizes or () if s >= n]
+        ahead = [s for s in self.sizes or () if s >= n]
+        opts = self._front._options
+        return ahead[-1:] if opts is not None and opts.capture == "lazy" else ahead
 
     def _run_ungraphed(self, args: tuple[Any, ...]) -> Any:
         return self._front.run_eagerly(args)
