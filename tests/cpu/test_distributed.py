@@ -189,7 +189,7 @@ def test_store_exchange_times_out_naming_the_missing_rank() -> None:
     assert out[0][0] == "ok" and "waited 3 s at call 5 for rank(s) [1]" in out[0][1][0], out
 
 
-def w_cost(rank: int, world: int) -> float:
+def w_cost(rank: int, world: int) -> list:
     a = _agree("shared memory")
     for _ in range(200):
         a(1, GRAPH)
@@ -197,16 +197,17 @@ def w_cost(rank: int, world: int) -> float:
     start = time.perf_counter()
     for _ in range(n):
         a(1, GRAPH)
-    return (time.perf_counter() - start) / n * 1e6
+    return [a.kind, (time.perf_counter() - start) / n * 1e6]
 
 
 def test_shared_memory_exchange_is_microseconds() -> None:
-    # A counter, not a timing target: the exchange must not cost a network round trip (the
-    # store's is ~100 us+). Two processes on a loaded CI machine can be descheduled, so the
-    # bound is loose.
+    # Ranks of one host use the shared mapping, not the store's network round trip. Not a
+    # timing target (3 us here): the bound only catches a round trip per call, with room for
+    # a loaded CI machine descheduling one of the two processes.
     out = run_ranks(w_cost, 2)
     assert all(s == "ok" for s, _ in out), out
-    assert min(v for _, v in out) < 500, out
+    assert all(v[0] == "shared memory" for _, v in out), out
+    assert min(v[1] for _, v in out) < 100, out
 
 
 # -- tr.graph(sizes=) with agreeing ranks, the graphs emulated on the CPU (test_buckets.py) ----

@@ -54,9 +54,7 @@ from torchreplay.sizes.plan import (
     plan_inputs,
     target_size,
 )
-from torchreplay.sizes.routes import Route as _Route
-from torchreplay.sizes.routes import log_summary
-from torchreplay.sizes.routes import SizeGraph as _SizeGraph
+from torchreplay.sizes.routes import Route as _Route, SizeGraph as _SizeGraph, log_summary
 from torchreplay.stats import GraphStats
 
 __all__ = ["BucketedGraph"]

@@ -325,7 +325,11 @@ class GraphedStep:
     # -- replay --------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        fallback = any(module.training != training for module, training in self._modes)
+        fallback = False
+        for module, training in self._modes:  # a loop, not any(): no generator per call
+            if module.training != training:
+                fallback = True
+                break
         if self._ranks is not None:  # collectives inside (DDP): every rank replays, or all raise
             self._ranks(0, EAGER if fallback else GRAPH)
         if fallback:
