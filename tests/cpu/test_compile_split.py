@@ -196,3 +196,38 @@ def test_a_cpu_scalar_argument_is_read_eagerly_a_graph_would_keep_its_value() ->
     segs = split_graph(gm, device=META)
     assert _layout(segs) == [(False, ["mul"]), (True, ["relu"])]
     assert "CPU scalar tensor (s)" in segs[0].splits[0].reason
+
+
+def test_what_each_segment_writes_in_place_is_found_through_views() -> None:
+    """A value an eager step made and a later graphed piece writes through a view (a KV cache's
+    length counter moved to the GPU, then advanced in place), and a written input: both found,
+    and named against the piece that writes them."""
+    from torchreplay.compile.backend import _written_by, graph_writes
+
+    def f(x, s):
+        c = x * s  # eager: reads a CPU scalar
+        y = c.relu()
+        c.view(-1).add_(1)
+        x.add_(2)
+        return y, c
+
+    gm = torch.fx.symbolic_trace(f)
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    with mode:
+        args = [torch.empty(4, 4, device=META), torch.empty((), device="cpu")]
+    FakeTensorProp(gm, mode).propagate(*args)
+    wrote = graph_writes(gm)
+    assert wrote == {("add_", "mul"), ("add_", "view"), ("add__1", "x")}, wrote
+    segs = split_graph(gm, device=META)
+    assert _layout(segs) == [(False, ["mul"]), (True, ["relu", "view", "add_", "add__1"])]
+    assert _written_by(segs[0], wrote) == ()
+    inputs = [a.name for a in segs[1].inputs]
+    assert sorted(inputs[j] for j in _written_by(segs[1], wrote)) == ["mul", "x"]
+    assert _written_by(segs[1], None) == tuple(range(len(inputs)))  # unknown: all
+
+
+def test_a_graph_the_fake_run_cannot_run_counts_everything_written() -> None:
+    from torchreplay.compile.backend import graph_writes
+
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)  # no example values: no fake mode
+    assert graph_writes(gm) is None

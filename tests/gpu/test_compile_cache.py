@@ -27,8 +27,8 @@ CHILD = textwrap.dedent(
     from torchreplay.compile import backend
     calls = count_inductor_compiles()
     fake_runs = []  # the fake run that finds which inputs a graph writes
-    real = backend._written_inputs
-    backend._written_inputs = lambda *a: fake_runs.append(1) or real(*a)
+    real = backend.graph_writes
+    backend.graph_writes = lambda *a: fake_runs.append(1) or real(*a)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     if sys.argv[1] == "data-if":

@@ -100,7 +100,7 @@ class Backend:
 
         program, segments, sized = build_program(
             gm, example_inputs, cfg, device, compile_piece if cfg.inductor else None,
-            written_fn=self._written_fn(example_inputs, name, device),
+            writes_fn=self._writes_fn(example_inputs, name, device),
         )
         runtime = PiecewiseRuntime(
             program,
@@ -151,29 +151,29 @@ class Backend:
         self.compile_seconds += time.perf_counter() - start
         return training_program_fn(program)
 
-    def _written_fn(
+    def _writes_fn(
         self, example_inputs: Sequence[Any], name: str, device: torch.device
-    ) -> Callable[[fx.GraphModule, list[fx.Node]], set[fx.Node] | None]:
-        """Which placeholders the graph writes: the fake run, or its result from the cache."""
+    ) -> Callable[[fx.GraphModule], Writes | None]:
+        """Which values the graph writes in place: the fake run, or its result from the cache."""
         cache = self.cache
         if cache is None:
-            return _written_inputs
+            return graph_writes
 
-        def written(gm: fx.GraphModule, placeholders: list[fx.Node]) -> set[fx.Node] | None:
-            def compute() -> list[int] | None:
-                found = _written_inputs(gm, placeholders)
-                return None if found is None else [i for i, p in enumerate(placeholders) if p in found]
+        def writes(gm: fx.GraphModule) -> Writes | None:
+            def compute() -> list[list[str]] | None:
+                found = graph_writes(gm)
+                return None if found is None else sorted([w, v] for w, v in found)
 
-            n = len(placeholders)
-            idx = cache.fact(
-                gm, example_inputs, kind="written_inputs", name=f"{name} written inputs",
-                device=device, compute=compute,
+            pairs = cache.fact(
+                gm, example_inputs, kind="writes", name=f"{name} writes", device=device,
+                compute=compute,
                 valid=lambda v: v is None or (isinstance(v, list) and all(
-                    isinstance(i, int) and 0 <= i < n for i in v)),
+                    isinstance(p, list) and len(p) == 2 and all(isinstance(n, str) for n in p)
+                    for p in v)),
             )
-            return None if idx is None else {placeholders[i] for i in idx}
+            return None if pairs is None else {(w, v) for w, v in pairs}
 
-        return written
+        return writes
 
     def _register(self, runtime: PiecewiseRuntime) -> None:
         self._runtimes.append(weakref.ref(runtime))
@@ -224,7 +224,7 @@ def build_program(
     device: torch.device,
     compile_piece: Callable[[int, fx.GraphModule, list[Any], frozenset[int]], Callable[..., Any]]
     | None = None,
-    written_fn: Callable[[fx.GraphModule, list[fx.Node]], set[fx.Node] | None] | None = None,
+    writes_fn: Callable[[fx.GraphModule], Writes | None] | None = None,
 ) -> tuple[Program, list[Segment], bool]:
     """Split ``gm``, compile its pieces, and describe its inputs and outputs for the runtime.
 
@@ -232,15 +232,16 @@ def build_program(
     Inductor, or the FX code as is with ``inductor=False``); ``static``: the positions of its
     inputs that are parameters or buffers.
 
-    ``written_fn(gm, placeholders)``: the placeholders the graph writes (default: a fake run;
-    the backend passes one that keeps the answer in the compile cache).
+    ``writes_fn(gm)``: what the graph writes in place, where (default: :func:`graph_writes`; the
+    backend passes one that keeps the answer in the compile cache).
 
     Returns the program, the segments (for the report) and whether padding to ``cfg.sizes`` is
     possible (a dynamic dimension was found and every output's size is that dimension or fixed).
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     segments = split_graph(gm, cfg.splitting_ops, device)
-    written = (written_fn or _written_inputs)(gm, placeholders)
+    wrote = (writes_fn or graph_writes)(gm)
+    written = None if wrote is None else {v for _, v in wrote}
     symbol = _padded_symbol(placeholders, example_inputs, cfg) if cfg.sizes else None
     inputs = []
     for p, ex in zip(placeholders, example_inputs):
@@ -248,10 +249,10 @@ def build_program(
         if isinstance(ex, torch.Tensor):
             if _compat.is_static_input(ex):
                 # written: put back after capture (its warm-up runs wrote it several times)
-                inputs.append(Input(p.name, "static", written=written is None or p in written))
+                inputs.append(Input(p.name, "static", written=written is None or p.name in written))
             else:
                 dim = _dim_of(value, symbol)
-                is_written = written is None or p in written
+                is_written = written is None or p.name in written
                 inputs.append(Input(p.name, "tensor", dim=dim, written=is_written))
         elif isinstance(ex, (int, torch.SymInt)):
             is_size = symbol is not None and _compat.symbol_of(value) == symbol
@@ -288,6 +289,7 @@ def build_program(
                 name=f"piece {k}",
                 split=seg.splits[0] if seg.splits else None,
                 nodes=len(seg.nodes),
+                written=_written_by(seg, wrote),
             )
         )
     output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -369,24 +371,62 @@ def _paddable(value: Any, symbol: Any) -> bool:
     return True
 
 
-def _written_inputs(gm: fx.GraphModule, placeholders: list[fx.Node]) -> set[fx.Node] | None:
-    """The placeholders the graph writes in place, from a run on fake tensors: an in-place op
-    (and a write through a view) bumps the version counter of the tensor it writes. None when
-    the fake run fails: then every argument counts as written (copied back: slower, correct)."""
+Writes = set[tuple[str, str]]
+"""``(writer, written)`` node names: node ``writer`` writes the value of node ``written`` in
+place (directly or through a view)."""
+
+
+def graph_writes(gm: fx.GraphModule) -> Writes | None:
+    """What the graph writes in place, and which node writes it, from a run on fake tensors node
+    by node: an in-place op (or a write through a view) bumps the version counter of the tensor
+    it writes, and every value on that storage is written with it. None when the fake run fails:
+    then every tensor counts as written (put back after warm-ups, copied back after replays:
+    slower, correct)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     values = [node_value(p) for p in placeholders]
     mode = _compat.fake_mode_of(values)
     if mode is None:
         return None
+    found: Writes = set()
+    on_storage: dict[int, list[str]] = {}
+
+    class _Watch(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            read = [t for a in n.all_input_nodes for t in _tensor_leaves(self.env.get(a))]
+            before = [t._version for t in read]
+            out = super().run_node(n)
+            for t, b in zip(read, before):
+                if t._version != b:
+                    found.update((n.name, v) for v in on_storage.get(_storage_id(t), ()))
+            for t in _tensor_leaves(out):
+                on_storage.setdefault(_storage_id(t), []).append(n.name)
+            return out
+
     try:
         with mode, torch.no_grad(), _compat.fresh_unbacked_ignored(mode):
             clones = [v.detach().clone() if isinstance(v, torch.Tensor) else v for v in values]
-            before = [c._version if isinstance(c, torch.Tensor) else None for c in clones]
-            gm(*clones)
-        return {
-            p
-            for p, c, b in zip(placeholders, clones, before)
-            if isinstance(c, torch.Tensor) and c._version != b
-        }
+            _Watch(gm, garbage_collect_values=False).run(*clones)
+        return found
     except Exception as exc:  # a graph the fake run cannot handle: be conservative
-        log.debug("torchreplay: fake run to find input writes failed: %s", exc)
+        log.debug("torchreplay: fake run to find in-place writes failed: %s", exc)
         return None
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage()._cdata
+    except Exception:  # no storage (a sparse or nested tensor): itself only
+        return id(t)
+
+
+def _written_by(seg: Segment, wrote: Writes | None) -> tuple[int, ...]:
+    """The positions of ``seg``'s inputs that its nodes write in place (all, unknown)."""
+    if wrote is None:
+        return tuple(range(len(seg.inputs)))
+    mine = {n.name for n in seg.nodes}
+    hit = {v for w, v in wrote if w in mine}
+    return tuple(j for j, a in enumerate(seg.inputs) if a.name in hit)

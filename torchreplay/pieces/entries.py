@@ -17,15 +17,37 @@ _Tensor = torch.Tensor
 class PieceGraph:
     """One graphed piece at one key: its graph, the outputs it leaves in the pool, and the
     inputs (made by eager steps) it copies into buffers of its own, or, for a number an eager
-    step made (an ``.item()``), the value the graph holds (another value cannot replay)."""
+    step made (an ``.item()``), the value the graph holds (another value cannot replay); and
+    ``backs``: those of its buffers the graph writes in place, copied back after each replay."""
 
-    __slots__ = ("graph", "replay", "out", "copies")
+    __slots__ = ("graph", "replay", "out", "copies", "backs")
 
-    def __init__(self, graph: Any, out: Sequence[Any], copies: list[tuple[int, Any]]):
+    def __init__(
+        self,
+        graph: Any,
+        out: Sequence[Any],
+        copies: list[tuple[int, Any]],
+        backs: Sequence[tuple[int, torch.Tensor]] = (),
+    ):
         self.graph = graph
         self.replay = graph.replay if graph is not None else _nothing  # None: recorded no work
         self.out = tuple(out)
         self.copies = copies
+        self.backs = tuple(backs)
+
+    def copy_in(self, reads: tuple[int, ...], env: list[Any]) -> bool:
+        """Copy the values eager steps made into the graph's own buffers; False when one has
+        another shape or dtype (or, for a number, another value) than at capture."""
+        for pos, buf in self.copies:
+            value = env[reads[pos]]
+            if not isinstance(buf, _Tensor):  # a number the graph holds as captured
+                if value != buf:
+                    return False
+            elif value.shape != buf.shape or value.dtype != buf.dtype:
+                return False
+            else:
+                buf.copy_(value)
+        return True
 
 
 def _nothing() -> None:

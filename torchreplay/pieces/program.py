@@ -72,6 +72,10 @@ class Piece:
         name: ``"piece 0"``, shown in the report.
         split: for an eager piece, why it is not captured.
         nodes: how many FX nodes (or ops) the piece holds, for the report.
+        written: the positions in ``reads`` whose tensors the piece writes in place (a KV
+            cache's length counter that an eager step made): put back before each warm-up run,
+            and, for a value an eager step made, copied back from the graph's own buffer after
+            each replay.
     """
 
     fn: Callable[..., Sequence[Any]]
@@ -81,6 +85,7 @@ class Piece:
     name: str
     split: Split | None = None
     nodes: int = 0
+    written: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -183,8 +183,10 @@ class PiecewiseRuntime:
         tainted = False
         for graph, fn, reads, writes, last, k in entry.steps:
             if graph is not None and not tainted:
-                if not graph.copies or self._copy_in(graph, reads, env):
+                if not graph.copies or graph.copy_in(reads, env):
                     graph.replay()  # its outputs are in env already (Entry.inputs)
+                    for pos, buf in graph.backs:  # its writes to what eager steps made
+                        env[reads[pos]].copy_(buf)
                     for f in last:
                         env[f] = None
                     continue
@@ -217,21 +219,6 @@ class PiecewiseRuntime:
         return hand_out(
             entry, env, args, self.program, None if n == size else n, tainted, self._in_pool
         )
-
-    @staticmethod
-    def _copy_in(graph: PieceGraph, reads: tuple[int, ...], env: list[Any]) -> bool:
-        """Copy the values eager steps made into the graph's own buffers; False when one has
-        another shape or dtype (or, for a number, another value) than at capture."""
-        for pos, buf in graph.copies:
-            value = env[reads[pos]]
-            if not isinstance(buf, _Tensor):  # a number the graph holds as captured
-                if value != buf:
-                    return False
-            elif value.shape != buf.shape or value.dtype != buf.dtype:
-                return False
-            else:
-                buf.copy_(value)
-        return True
 
     def _run_ungraphed(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """Run every piece as is on the caller's own tensors (no graph, no copies)."""
@@ -483,6 +470,7 @@ class PiecewiseRuntime:
 
     def _capture_piece(self, k: int, vals: list[Any]) -> tuple[PieceGraph | None, Any]:
         piece = self._pieces[k]
+        made = list(vals)  # the values as eager steps made them (before the copies below)
         copies = []
         for pos, r in enumerate(piece.reads):
             if r in self._from_eager and isinstance(vals[pos], _Tensor):
@@ -491,14 +479,18 @@ class PiecewiseRuntime:
                 copies.append((pos, buf))
             elif r in self._from_eager and isinstance(vals[pos], (int, float, bool)):
                 copies.append((pos, vals[pos]))
-        # Inputs the piece writes in place: each warm-up, and the replay after capture, start
-        # from the call's values (a KV-cache counter advanced once per run would run past the
-        # end of its cache).
+        # What the piece writes in place: each warm-up, and the replay after capture, start
+        # from the values it got (a KV-cache counter advanced once per run would run past the
+        # end of its cache); a value an eager step made is written in the graph's own buffer,
+        # copied back after each replay.
+        written = set(piece.written) | {
+            pos for pos, r in enumerate(piece.reads)
+            if r < len(self._inputs) and self._inputs[r].written
+        }
         with torch.no_grad():
-            initial = [
-                (v, v.clone()) for r, v in zip(piece.reads, vals)
-                if r < len(self._inputs) and self._inputs[r].written and isinstance(v, _Tensor)
-            ]
+            initial = [(vals[pos], vals[pos].clone()) for pos in sorted(written)
+                       if isinstance(vals[pos], _Tensor)]
+        backs = [(pos, buf) for pos, buf in copies if pos in written and isinstance(buf, _Tensor)]
 
         def reset() -> None:
             for v, init in initial:
@@ -532,9 +524,12 @@ class PiecewiseRuntime:
         self._warmed.add(k)
         reset()
         captured.graph.replay()  # real values in its outputs, for the eager steps that follow
+        with torch.no_grad():
+            for pos, buf in backs:
+                made[pos].copy_(buf)
         self.stats.captures += 1
         self.stats.capture_seconds += captured.seconds
-        return PieceGraph(captured.graph, captured.out, copies), captured.out
+        return PieceGraph(captured.graph, captured.out, copies, backs), captured.out
 
     # ------------------------------------------------------------------ upkeep
     def _statics_unchanged(self, args: tuple[Any, ...]) -> bool:
