@@ -182,13 +182,21 @@ class RankConfig:
             no exchange at all (and no ``sync_sizes``) once a job is trusted; a rank that
             then replays something else hangs in NCCL.
         timeout: seconds one rank waits at the exchange for the others before it raises
-            (naming the graph, the call and the ranks that did not come).
+            (naming the graph, the call and the ranks that did not come); and, for graphs
+            that hold collectives, the longest the GPU work up to an agreed call may stay
+            unfinished (a rank died after the agreement) before ``on_hang`` applies.
+        on_hang: a replay still unfinished after ``timeout`` seconds is reported (graph, call,
+            what each rank posted last) by a watcher thread, which then ends the process
+            (``"exit"``, default, exit code 3: as NCCL's watchdog ends a process whose
+            collective timed out; a collective replayed from a graph is invisible to it, and
+            would hang forever) or only logs it (``"warn"``).
     """
 
     group: object = None
     sync_sizes: bool | None = None
     check: bool = True
     timeout: float = 600.0
+    on_hang: str = "exit"
 
     def __post_init__(self) -> None:
         if self.sync_sizes not in (None, True, False):
@@ -201,6 +209,8 @@ class RankConfig:
             raise ValueError(
                 "sync_sizes=True needs check=True: the sizes are agreed in the same exchange"
             )
+        if self.on_hang not in ("exit", "warn"):
+            raise ValueError(f"on_hang must be 'exit' or 'warn', got {self.on_hang!r}")
 
 
 #: Ranks agree through the group of the graph's collectives, sizes synced, 600 s timeout (NCCL's own default watchdog timeout).

@@ -76,6 +76,8 @@ def test_sync_sizes_without_a_process_group_is_refused() -> None:
 def test_rank_config_and_graph_options_are_checked() -> None:
     with pytest.raises(ValueError, match="timeout"):
         RankConfig(timeout=0)
+    with pytest.raises(ValueError, match="on_hang"):
+        RankConfig(on_hang="abort")
     with pytest.raises(ValueError, match="sync_sizes"):
         RankConfig(sync_sizes="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs check=True"):
@@ -268,3 +270,79 @@ def test_bucketed_disagreement_raises_on_every_rank(case: str) -> None:
         assert len(r["errors"]) == 1 and "ranks disagree" in r["errors"][0], r
     if case == "mode":
         assert "rank 1: eager" in out[0][1]["errors"][0]
+
+
+# -- a replay that never ends: the watcher reports it (and ends the process by default) --------
+
+
+class _Marker:
+    """Stands for the CUDA event the watcher records after a call's GPU work."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_a_replay_that_never_ends_is_reported_naming_the_graph_and_call(one_rank, caplog) -> None:
+    from torchreplay.distributed.watch import _WATCHER
+
+    markers: list[_Marker] = []
+
+    def marker() -> _Marker:
+        markers.append(_Marker(done=len(markers) == 0))  # the first call's work finishes
+        return markers[-1]
+
+    a = Agreement(dist.group.WORLD, "toy", fingerprint(["toy"]), sync_sizes=False, timeout=0.4,
+                  marker=marker, on_hang="warn")
+    time.sleep(0.3)
+    assert markers == []  # nothing to watch before a call
+    a(4, GRAPH)
+    deadline = time.monotonic() + 5
+    while len(markers) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    a(4, GRAPH)  # its work never finishes: a collective waits for a rank that died
+    with caplog.at_level("ERROR", logger="torchreplay.distributed.watch"):
+        while "has not finished" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert len(markers) == 2, markers
+    assert "rank 0: the GPU work up to call 2 of 'toy' has not finished after " in caplog.text
+    assert "Every rank agreed to run that call" in caplog.text
+    assert caplog.text.count("has not finished") == 1  # said once, not every second
+    del _WATCHER.watched[a]
+
+
+_ENDS = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+import torch.distributed as dist
+from torchreplay.distributed import Agreement, GRAPH
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r})
+dist.init_process_group("gloo", rank=0, world_size=1)
+class Never:
+    def query(self):
+        return False
+a = Agreement(dist.group.WORLD, "toy", 7, sync_sizes=False, timeout=0.3, marker=Never)
+a(4, GRAPH)
+time.sleep(20)
+print("not ended")
+"""
+
+
+def test_a_replay_that_never_ends_ends_the_process_by_default() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from torchreplay.distributed.watch import HANG_EXIT
+
+    root = str(Path(__file__).resolve().parents[2])
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _ENDS.format(root=root, port=str(free_port()))],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == HANG_EXIT, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert time.monotonic() - start < 15
+    assert "not ended" not in proc.stdout
+    assert "call 1 of 'toy' has not finished" in proc.stderr, proc.stderr[-2000:]
+    assert f"ending this process (exit code {HANG_EXIT})" in proc.stderr

@@ -489,3 +489,85 @@ def test_breakable_graph_ranks_agree(case: str) -> None:
     else:
         for r in (r0, r1):
             assert len(r["errors"]) == 1 and "captured different graphs" in r["errors"][0], r
+
+
+_HANG = """
+import os, sys, time, torch
+sys.path.insert(0, {root!r})
+import torch.distributed as dist
+import torchreplay as tr
+from torchreplay.distributed import GRAPH, Agreement, _cuda_marker
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r})
+dist.init_process_group("gloo", rank=0, world_size=1)
+x = torch.randn(4096, device="cuda")
+g = tr.graph(lambda t: t * 2 + 1, x)
+a = Agreement(dist.group.WORLD, "stuck", 7, sync_sizes=False, timeout=1.0,
+              marker=_cuda_marker(torch.cuda.current_stream()))
+end = time.monotonic() + 3  # no false alarm: 3 s of agreed replays whose work finishes
+while time.monotonic() < end:
+    a(4, GRAPH)
+    x = torch.randn(4096, device="cuda")
+    torch.testing.assert_close(g(x), x * 2 + 1)
+print("no false alarm", flush=True)
+a(4, GRAPH)
+torch.cuda._sleep(int(40e9))  # ~20 s of GPU work after an agreed call: a collective that waits
+torch.cuda.synchronize()  # the main thread blocks here; the watcher ends the process first
+print("not ended", flush=True)
+"""
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
+def test_gpu_work_that_never_finishes_after_an_agreed_call_ends_the_process_naming_it() -> None:
+    """The watcher with real CUDA events, while the main thread is blocked in a synchronize:
+    the process ends within seconds of the timeout (exit code 3), naming the graph and call;
+    replays whose work finishes never trip it."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from ranks import free_port
+    from torchreplay.distributed.watch import HANG_EXIT
+
+    root = str(Path(__file__).resolve().parents[2])
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _HANG.format(root=root, port=str(free_port()))],
+                          capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - start
+    assert "no false alarm" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
+    assert proc.returncode == HANG_EXIT and "not ended" not in proc.stdout, (
+        proc.returncode, proc.stdout, proc.stderr[-3000:])
+    assert "the GPU work up to call" in proc.stderr and "of 'stuck' has not finished" in proc.stderr
+    assert took < 60, took
+
+
+def w_dies(rank: int, world: int) -> str:
+    import os
+
+    dev = torch.device("cuda", rank)
+    x = torch.randn(4, D, device=dev)
+
+    def f(t):
+        y = t * 2
+        dist.all_reduce(y)
+        return y
+
+    g = tr.graph(f, x, ranks=RankConfig(timeout=5.0))
+    for _ in range(3):
+        torch.testing.assert_close(g(x), x * 2 * world)
+    torch.cuda.synchronize()
+    if rank == 1:  # posts the next call, then dies before its replay
+        g._ranks(0, tr.distributed.GRAPH)
+        os._exit(0)
+    g(x)
+    torch.cuda.synchronize()  # waits for rank 1 inside the all_reduce; the watcher ends this
+    return "not ended"
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+def test_a_rank_that_dies_after_the_agreement_ends_the_others_naming_the_graph() -> None:
+    from torchreplay.distributed.watch import HANG_EXIT
+
+    exits: list = []
+    out = run_ranks(w_dies, 2, backend="nccl", timeout=90, exits=exits)
+    assert out[0][1] != "not ended" and exits[0] == HANG_EXIT, (out, exits)

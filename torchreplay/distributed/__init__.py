@@ -4,6 +4,8 @@
   and the fingerprint of what was captured.
 - :mod:`~torchreplay.distributed.agree`: the per-call exchange that makes every rank replay the
   same graph (and the same padded size), or raise on every rank, never hang.
+- :mod:`~torchreplay.distributed.watch`: a replay that hangs all the same (a rank died after the
+  agreement) ends the process with the graph and call named, not a silent hang.
 
 This layer sits under ``core/``: it knows nothing of graphs, only of process groups.
 """
@@ -11,6 +13,8 @@ This layer sits under ``core/``: it knows nothing of graphs, only of process gro
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
+
+import torch
 
 from torchreplay import _compat
 from torchreplay.config import RankConfig
@@ -76,7 +80,24 @@ def agreement(
         sync_sizes=sync,
         timeout=ranks.timeout,
         describe=describe_call,
+        marker=_cuda_marker(torch.cuda.current_stream()) if collectives and _cuda() else None,
+        on_hang=ranks.on_hang,
     )
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _cuda_marker(stream: torch.cuda.Stream) -> Callable[[], Any]:
+    """Record a CUDA event on ``stream`` (the caller's stream at capture, where replays run)."""
+
+    def record() -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    return record
 
 
 _EAGER_WORDS = "eager (its module is in the other train/eval mode, or its size has no graph)"

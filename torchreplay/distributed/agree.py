@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 
 from torchreplay import _compat
+from torchreplay.distributed.watch import watch
 from torchreplay.errors import ReplayInputError
 
 __all__ = ["Agreement", "open_exchange", "Exchange", "GRAPH", "EAGER", "ABSENT"]
@@ -60,6 +61,11 @@ class Exchange:
     def missing(self, seq: int) -> list[int]:
         """Positions of the ranks that have not posted call ``seq``."""
         return []
+
+    def last(self, rank: int) -> tuple[int, ...] | None:
+        """What the rank at position ``rank`` posted last, ``(seq, size, fingerprint, choice)``,
+        without waiting; ``None`` where that cannot be read without waiting (the store)."""
+        return None
 
     def close(self) -> None:
         pass
@@ -114,6 +120,12 @@ class SharedExchange(Exchange):
     def missing(self, seq: int) -> list[int]:
         mv = self._mv
         return [r for r in range(self.size) if r != self.me and mv[self._slot(r, seq)] != seq]
+
+    def last(self, rank: int) -> tuple[int, ...] | None:
+        mv = self._mv
+        a, b = self._slot(rank, 0), self._slot(rank, 1)
+        p = a if abs(mv[a]) >= abs(mv[b]) else b
+        return (mv[p], mv[p + 1], mv[p + 2], mv[p + 3])
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -235,8 +247,13 @@ class Agreement:
         name: the graph's name, for messages.
         fingerprint: what this rank captured (:func:`~torchreplay.distributed.collectives.fingerprint`).
         sync_sizes: the agreed size is the largest posted; otherwise sizes must be equal.
-        timeout: seconds to wait for the other ranks.
+        timeout: seconds to wait for the other ranks; with ``marker``, also the longest the
+            GPU work up to a call may stay unfinished.
         describe: turns a rank's posted ``(size, choice)`` into words for the error.
+        marker: records a marker after the work enqueued so far and returns it (an object with
+            ``query()``: a CUDA event on the graph's stream); given, a replay that never ends is
+            reported by :mod:`.watch` (graphs that hold collectives).
+        on_hang: ``"exit"`` (end the process after the report) or ``"warn"``.
     """
 
     def __init__(
@@ -248,6 +265,8 @@ class Agreement:
         sync_sizes: bool,
         timeout: float,
         describe: Callable[[int, int], str] | None = None,
+        marker: Callable[[], Any] | None = None,
+        on_hang: str = "exit",
     ) -> None:
         self.group = group
         self.name = name
@@ -260,6 +279,14 @@ class Agreement:
         self.kind = self._exchange.kind
         self.calls = 0
         self._broken = ""
+        self.on_hang = on_hang
+        self.marker = marker
+        if marker is not None:
+            watch(self)
+
+    @property
+    def broken(self) -> bool:
+        return bool(self._broken)
 
     def __call__(self, size: int, choice: int = GRAPH) -> int:
         """Post this rank's call and return the size every rank runs: the largest posted with
@@ -324,11 +351,34 @@ class Agreement:
             f"launched (it would hang in NCCL): {'; '.join(lines)}. {why}"
         )
 
+    def hang_report(self, seq: int, seconds: float) -> str:
+        """Words for a call whose GPU work has not finished after ``seconds`` (see :mod:`.watch`)."""
+        me = self.ranks[self._exchange.me]
+        posted = []
+        for r, rank in enumerate(self.ranks):
+            last = self._exchange.last(r)
+            if last is not None:
+                n, choice = last[1], last[3]
+                what = "gave up waiting" if choice == ABSENT else self._describe(n, choice)
+                posted.append(f"rank {rank}: call {abs(last[0])}, {what}")
+        seen = (
+            f"What each rank posted last: {'; '.join(posted)}" if posted
+            else "(the other ranks' posts are in the store; read their logs)"
+        )
+        return (
+            f"rank {me}: the GPU work up to call {seq} of '{self.name}' has not finished after "
+            f"{seconds:.0f} s. Every rank agreed to run that call, so a collective inside it "
+            "waits for a rank that will not come: a rank that died or hit a GPU error, or a "
+            "collective launched between replays on some ranks only (NCCL's watchdog does not "
+            f"see collectives replayed from a graph). {seen}"
+        )
+
     def close(self) -> None:
         self._exchange.close()
 
     def __repr__(self) -> str:
         return (
             f"Agreement('{self.name}', ranks={self.ranks}, via {self.kind}, "
-            f"sync_sizes={self.sync_sizes}, calls={self.calls})"
+            f"sync_sizes={self.sync_sizes}, calls={self.calls}"
+            + (f", hang watch: {self.timeout:g} s, on_hang={self.on_hang})" if self.marker else ")")
         )

@@ -1,0 +1,110 @@
+"""A replay that never ends is ended with an error that names the graph each rank was running.
+
+A collective inside a graph waits for its peers on the GPU. The ranks agree before each replay
+(:mod:`.agree`), so a replay hangs only when something after the agreement goes wrong: a rank
+that died or hit a GPU fault, or a collective of the user's own launched between replays on some
+ranks only. NCCL's watchdog does not see collectives replayed from a graph (they were enqueued
+at capture), so such a hang would block every rank forever, silently.
+
+One daemon thread per process watches every agreement of graphs that hold collectives, at no
+cost to the call: about once a second it records a marker (a CUDA event) on the graph's stream
+after the latest agreed call, and checks the last one. A marker still pending ``timeout``
+seconds after it was recorded means the GPU work up to that call has not finished: the thread
+writes which graph, which call and what every rank last posted (ranks of one host: read from
+the shared exchange), then ends the process (``RankConfig(on_hang="exit")``, the default, as
+NCCL's own watchdog ends a process whose collective timed out) or only logs it (``"warn"``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+__all__ = ["HANG_EXIT", "watch"]
+
+log = logging.getLogger(__name__)
+
+#: The exit code of a process the watcher ended.
+HANG_EXIT = 3
+
+
+class _State:
+    __slots__ = ("seq", "at", "marker", "reported")
+
+    def __init__(self) -> None:
+        self.seq = 0  # the call the pending marker follows
+        self.at = 0.0  # when it was recorded (time.monotonic)
+        self.marker: Any = None
+        self.reported = False
+
+
+class _Watcher:
+    def __init__(self) -> None:
+        self.watched: weakref.WeakKeyDictionary[Any, _State] = weakref.WeakKeyDictionary()
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.period = 1.0
+
+    def add(self, agreement: Any) -> None:
+        with self.lock:
+            self.watched[agreement] = _State()
+            self.period = max(0.02, min(1.0, self.period, agreement.timeout / 4))
+            if self.thread is None:
+                self.thread = threading.Thread(
+                    target=self._run, name="torchreplay-hang-watch", daemon=True
+                )
+                self.thread.start()
+
+    def _run(self) -> None:
+        while not sys.is_finalizing():
+            time.sleep(self.period)
+            with self.lock:
+                items = list(self.watched.items())
+            for agreement, state in items:
+                try:
+                    self._look(agreement, state)
+                except Exception as exc:  # a CUDA error is the main thread's to raise
+                    log.debug("torchreplay: hang watch of '%s' skipped: %s", agreement.name, exc)
+
+    def _look(self, agreement: Any, state: _State) -> None:
+        now = time.monotonic()
+        if state.marker is not None:
+            if state.marker.query():
+                state.marker = None
+            elif not state.reported and now - state.at > agreement.timeout:
+                state.reported = True
+                _hung(agreement, state.seq, now - state.at)
+                return
+        seq = agreement.calls
+        if state.marker is None and seq != state.seq and not agreement.broken:
+            state.marker = agreement.marker()
+            state.seq, state.at, state.reported = seq, now, False
+
+
+_WATCHER = _Watcher()
+
+
+def watch(agreement: Any) -> None:
+    """Watch ``agreement`` (it needs ``name``, ``timeout``, ``on_hang``, ``calls``, ``broken``,
+    ``marker()``: record and return an object with ``query()``, and ``hang_report(seq, s)``)
+    until it is garbage."""
+    _WATCHER.add(agreement)
+
+
+def _hung(agreement: Any, seq: int, seconds: float) -> None:
+    message = agreement.hang_report(seq, seconds)
+    if agreement.on_hang == "warn":
+        log.error("torchreplay: %s", message)
+        return
+    try:
+        sys.stderr.write(f"torchreplay: {message}; ending this process (exit code {HANG_EXIT})\n")
+        sys.stderr.flush()
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+    finally:
+        os._exit(HANG_EXIT)
