@@ -291,7 +291,7 @@ def test_a_replay_that_never_ends_is_reported_naming_the_graph_and_call(one_rank
     markers: list[_Marker] = []
 
     def marker() -> _Marker:
-        markers.append(_Marker(done=len(markers) == 0))  # the first call's work finishes
+        markers.append(_Marker(done=len(markers) < 2))  # the first call's work finishes
         return markers[-1]
 
     a = Agreement(dist.group.WORLD, "toy", fingerprint(["toy"]), sync_sizes=False, timeout=0.4,
@@ -300,13 +300,15 @@ def test_a_replay_that_never_ends_is_reported_naming_the_graph_and_call(one_rank
     assert markers == []  # nothing to watch before a call
     a(4, GRAPH)
     deadline = time.monotonic() + 5
-    while len(markers) < 1 and time.monotonic() < deadline:
+    while len(markers) < 2 and time.monotonic() < deadline:  # a call gets two markers
         time.sleep(0.05)
+    time.sleep(0.3)
+    assert len(markers) == 2, markers  # then none while nothing is called
     a(4, GRAPH)  # its work never finishes: a collective waits for a rank that died
     with caplog.at_level("ERROR", logger="torchreplay.distributed.watch"):
         while "has not finished" not in caplog.text and time.monotonic() < deadline:
             time.sleep(0.05)
-    assert len(markers) == 2, markers
+    assert len(markers) == 3, markers
     assert "rank 0: the GPU work up to call 2 of 'toy' has not finished after " in caplog.text
     assert "Every rank agreed to run that call" in caplog.text
     assert caplog.text.count("has not finished") == 1  # said once, not every second

@@ -510,9 +510,10 @@ while time.monotonic() < end:
     torch.testing.assert_close(g(x), x * 2 + 1)
 print("no false alarm", flush=True)
 a(4, GRAPH)
+start = time.monotonic()
 torch.cuda._sleep(int(40e9))  # ~20 s of GPU work after an agreed call: a collective that waits
 torch.cuda.synchronize()  # the main thread blocks here; the watcher ends the process first
-print("not ended", flush=True)
+print(f"not ended: synchronized after {{time.monotonic() - start:.1f}} s", flush=True)
 """
 
 

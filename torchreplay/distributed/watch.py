@@ -34,13 +34,14 @@ HANG_EXIT = 3
 
 
 class _State:
-    __slots__ = ("seq", "at", "marker", "reported")
+    __slots__ = ("seq", "at", "marker", "reported", "again")
 
     def __init__(self) -> None:
         self.seq = 0  # the call the pending marker follows
         self.at = 0.0  # when it was recorded (time.monotonic)
         self.marker: Any = None
         self.reported = False
+        self.again = False  # one more marker for this call (its work may be enqueued after)
 
 
 class _Watcher:
@@ -81,7 +82,10 @@ class _Watcher:
                 _hung(agreement, state.seq, now - state.at)
                 return
         seq = agreement.calls
-        if state.marker is None and seq != state.seq and not agreement.broken:
+        if state.marker is None and (seq != state.seq or state.again) and not agreement.broken:
+            # A marker recorded between the agreement and the replay's launch would miss it:
+            # each call gets a second marker, a period after its first.
+            state.again = seq != state.seq
             state.marker = agreement.marker()
             state.seq, state.at, state.reported = seq, now, False
 
