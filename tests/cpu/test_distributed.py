@@ -348,3 +348,32 @@ def test_a_replay_that_never_ends_ends_the_process_by_default() -> None:
     assert "not ended" not in proc.stdout
     assert "call 1 of 'toy' has not finished" in proc.stderr, proc.stderr[-2000:]
     assert f"ending this process (exit code {HANG_EXIT})" in proc.stderr
+
+
+def test_shared_exchange_takes_a_post_only_when_its_checksum_matches() -> None:
+    """On a CPU that reorders stores (ARM), a reader may see a rank's call number before its
+    values: that post must read as not there yet, never as stale values."""
+    import mmap
+    import threading
+
+    from torchreplay.distributed.agree import _FIELDS, SharedExchange, _checksum
+
+    mm = mmap.mmap(-1, 2 * 2 * _FIELDS * 8 + 64)
+    me, peer = SharedExchange(mm, 2, 0, checked=True), SharedExchange(mm, 2, 1, checked=True)
+    mv = memoryview(mm).cast("q")
+    o = peer._slot(1, 1)
+    mv[o + 1], mv[o + 2], mv[o + 3] = 9, 9, 9  # the values of an older post
+    mv[o] = 1  # call 1's number, seen first
+
+    def finish() -> None:
+        time.sleep(0.05)
+        mv[o + 1], mv[o + 2], mv[o + 3] = 5, 77, GRAPH
+        mv[o + 4] = _checksum(1, 5, 77, GRAPH)
+
+    t = threading.Thread(target=finish)
+    t.start()
+    got = me(1, (4, 77, GRAPH), 5.0)
+    t.join()
+    assert got == [(4, 77, GRAPH), (5, 77, GRAPH)]
+    assert peer(1, (5, 77, GRAPH), 5.0) == got  # the peer's own read of the same call
+    mv.release()
