@@ -377,3 +377,47 @@ def test_shared_exchange_takes_a_post_only_when_its_checksum_matches() -> None:
     assert got == [(4, 77, GRAPH), (5, 77, GRAPH)]
     assert peer(1, (5, 77, GRAPH), 5.0) == got  # the peer's own read of the same call
     mv.release()
+
+
+def test_a_rank_posting_while_another_gives_up_is_decided_under_the_lock() -> None:
+    """The race the lock closes: A's wait ran out, B posts just then. A gives up only after
+    looking again under the lock, and B, whose call comes late against A's post, looks for a
+    give-up under the same lock: both go ahead (or, had A given up first, both raise)."""
+    import fcntl
+    import mmap
+    import tempfile
+    import threading
+
+    from torchreplay.distributed.agree import _FIELDS, SharedExchange
+
+    nbytes = 2 * 2 * _FIELDS * 8 + 64
+    with tempfile.NamedTemporaryFile() as f:
+        f.truncate(nbytes)
+        fds = [os.open(f.name, os.O_RDWR) for _ in range(3)]
+        mms = [mmap.mmap(fd, nbytes) for fd in fds[:2]]
+        a = SharedExchange(mms[0], 2, 0, lock_fd=fds[0])
+        b = SharedExchange(mms[1], 2, 1, lock_fd=fds[1])
+        fcntl.flock(fds[2], fcntl.LOCK_EX)  # held: A's give-up and B's late look both wait
+        got: dict[str, object] = {}
+
+        def run(name: str, ex: SharedExchange, value: int) -> None:
+            try:
+                got[name] = ex(1, (value, 77, GRAPH), 0.3)
+            except TimeoutError:
+                got[name] = "gave up"
+
+        ta = threading.Thread(target=run, args=("a", a, 4))
+        ta.start()
+        time.sleep(0.6)  # A's 0.3 s ran out; it waits for the lock to give up
+        assert "a" not in got
+        tb = threading.Thread(target=run, args=("b", b, 6))
+        tb.start()
+        time.sleep(0.2)  # B posted, found A's post, and waits for the lock too (A posted long ago)
+        assert "b" not in got
+        fcntl.flock(fds[2], fcntl.LOCK_UN)
+        ta.join(5)
+        tb.join(5)
+        assert got == {"a": [(4, 77, GRAPH), (6, 77, GRAPH)], "b": [(4, 77, GRAPH), (6, 77, GRAPH)]}
+        a.close()
+        b.close()
+        os.close(fds[2])

@@ -31,9 +31,14 @@ import secrets
 import socket
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch.distributed as dist
+
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): the rare give-up race of the module docstring stays
+    fcntl = None  # type: ignore[assignment]
 
 from torchreplay import _compat
 from torchreplay.distributed.watch import watch
@@ -46,8 +51,9 @@ GRAPH, EAGER = 0, 1
 #: Posted by a rank that gave up waiting, so that a rank coming late raises instead of replaying.
 ABSENT = -1
 
-_FIELDS = 8  # int64 per slot: seq, size, fingerprint, choice, checksum, then padding (a cache line)
+_FIELDS = 8  # int64 per slot: seq, size, fingerprint, choice, checksum, post time, padding
 _MASK = (1 << 63) - 1
+_now_ns = time.monotonic_ns  # the system-wide monotonic clock: comparable across processes
 #: CPUs whose stores and loads stay in program order for another core (total store order)
 _TSO = ("x86_64", "amd64", "i386", "i686", "x86")
 
@@ -95,35 +101,76 @@ class SharedExchange(Exchange):
 
     kind = "shared memory"
 
-    def __init__(self, mm: mmap.mmap, size: int, me: int, checked: bool | None = None) -> None:
+    def __init__(
+        self, mm: mmap.mmap, size: int, me: int, checked: bool | None = None, lock_fd: int = -1
+    ) -> None:
         self._mm = mm
         self._mv = memoryview(mm).cast("q")
         self.size = size
         self.me = me
         self.checked = platform.machine().lower() not in _TSO if checked is None else checked
+        self._fd = lock_fd
+        self._timeout = -1.0
+        self._late_ns = 0  # a call decided this long after its earliest post takes the lock
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The lock every decision near a deadline is taken under (see ``__call__``)."""
+        if self._fd < 0 or fcntl is None:
+            yield
+            return
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _posted(self, r: int, seq: int) -> bool:
+        mv = self._mv
+        p = self._slot(r, seq)
+        return mv[p] == seq and (
+            not self.checked or mv[p + 4] == _checksum(seq, mv[p + 1], mv[p + 2], mv[p + 3])
+        )
 
     def _slot(self, rank: int, seq: int) -> int:
         return (rank * 2 + (seq & 1)) * _FIELDS
 
     def __call__(self, seq: int, values: Sequence[int], timeout: float) -> list[tuple[int, ...]]:
+        """Post, then read every rank's post. A rank that waited ``timeout`` gives up (writes
+        ``-seq``) under the lock, after looking once more; a rank that finds every post there
+        close to someone's deadline (they were posted ``timeout - margin`` ago) looks for a
+        give-up under the same lock before it goes ahead. So either every rank goes ahead or
+        every rank that reaches the end of the exchange raises; far from any deadline (every
+        ordinary call) no lock is taken: a post seen there was seen by everyone long before
+        any of them could give up."""
         mv = self._mv
-        o = self._slot(self.me, seq)
         checked = self.checked
-        a, b, c = values[0], values[1], values[2]
-        mv[o + 1], mv[o + 2], mv[o + 3] = a, b, c
+        o = self._slot(self.me, seq)
+        mv[o + 1], mv[o + 2], mv[o + 3] = values[0], values[1], values[2]
+        earliest = mv[o + 5] = _now_ns()
         if checked:
-            mv[o + 4] = _checksum(seq, a, b, c)
+            mv[o + 4] = _checksum(seq, values[0], values[1], values[2])
         mv[o] = seq  # last: the others read the values once they see it
         out: list[tuple[int, ...]] = []
         deadline = 0.0
         spins = 0
+        par = seq & 1
         for r in range(self.size):
-            p = self._slot(r, seq)
+            p = (r * 2 + par) * _FIELDS
+            if not checked and mv[p] == seq:  # the common case, first time round
+                out.append((mv[p + 1], mv[p + 2], mv[p + 3]))
+                t = mv[p + 5]
+                if t < earliest:
+                    earliest = t
+                continue
             while True:
                 if mv[p] == seq:
                     got = (mv[p + 1], mv[p + 2], mv[p + 3])
                     if not checked or mv[p + 4] == _checksum(seq, *got):
                         out.append(got)
+                        t = mv[p + 5]
+                        if t < earliest:
+                            earliest = t
                         break
                 elif mv[p] == -seq:  # that rank gave up waiting for this call
                     out.append((0, 0, ABSENT))
@@ -135,10 +182,21 @@ class SharedExchange(Exchange):
                         deadline = now + timeout
                         start = now
                     elif now > deadline:
-                        mv[o] = -seq  # a rank that comes later raises instead of replaying
-                        raise TimeoutError
+                        with self._locked():
+                            if not all(self._posted(q, seq) for q in range(self.size)):
+                                mv[o] = -seq  # a rank that comes later raises, not replays
+                                raise TimeoutError
+                        deadline = float("inf")  # all came in the end: read them
                     elif now - start > 1e-3:
                         time.sleep(0.0001 if now - start > 0.05 else 0)
+        if timeout != self._timeout:
+            self._timeout = timeout
+            self._late_ns = int((timeout - min(1.0, timeout / 10)) * 1e9)
+        if _now_ns() - earliest > self._late_ns:
+            with self._locked():  # someone may be giving up right now: decide under the lock
+                for r in range(self.size):
+                    if mv[self._slot(r, seq)] == -seq:
+                        out[r] = (0, 0, ABSENT)
         return out
 
     def missing(self, seq: int) -> list[int]:
@@ -155,6 +213,10 @@ class SharedExchange(Exchange):
         with contextlib.suppress(Exception):
             self._mv.release()
             self._mm.close()
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
 
 
 class StoreExchange(Exchange):
@@ -211,56 +273,55 @@ def open_exchange(group: Any, timeout: float) -> Exchange:
     store.set(f"{prefix}/host/{me}", socket.gethostname())
     store.wait([f"{prefix}/host/{r}" for r in every], wait)
     hosts = {store.get(f"{prefix}/host/{r}").decode() for r in every}
-    mm = None
-    if len(hosts) == 1:
-        mm = _map_shared(store, prefix, size, me, wait)
-    store.set(f"{prefix}/ok/{me}", "1" if mm is not None else "0")
+    mapped = _map_shared(store, prefix, size, me, wait) if len(hosts) == 1 else None
+    store.set(f"{prefix}/ok/{me}", "1" if mapped is not None else "0")
     store.wait([f"{prefix}/ok/{r}" for r in every], wait)
-    if all(store.get(f"{prefix}/ok/{r}") == b"1" for r in every):
-        return SharedExchange(mm, size, me)  # type: ignore[arg-type]
-    if mm is not None:
-        mm.close()
+    if mapped is not None and all(store.get(f"{prefix}/ok/{r}") == b"1" for r in every):
+        return SharedExchange(mapped[0], size, me, lock_fd=mapped[1])
+    if mapped is not None:
+        mapped[0].close()
+        os.close(mapped[1])
     return StoreExchange(store, f"{prefix}/calls", size, me)
 
 
-def _map_shared(store: Any, prefix: str, size: int, me: int, wait: datetime.timedelta) -> mmap.mmap | None:
+def _map_shared(
+    store: Any, prefix: str, size: int, me: int, wait: datetime.timedelta
+) -> tuple[mmap.mmap, int] | None:
     """Rank 0 makes the file and writes a token into it; every rank maps it and reads the token
-    back (a host name shared by two machines fails here); rank 0 unlinks it once all mapped."""
+    back (a host name shared by two machines fails here); rank 0 unlinks it once all mapped.
+    Each rank keeps its descriptor open: it is the lock of the decision to give up."""
     nbytes = size * 2 * _FIELDS * 8 + 64
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     path = ""
+    fd = -1
     mm = None
     try:
         if me == 0:
             token = secrets.token_hex(16)
             fd, path = tempfile.mkstemp(prefix="torchreplay-agree-", dir=folder)
-            try:
-                os.ftruncate(fd, nbytes)
-                os.pwrite(fd, token.encode(), nbytes - 64)
-                mm = mmap.mmap(fd, nbytes)
-            finally:
-                os.close(fd)
+            os.ftruncate(fd, nbytes)
+            os.pwrite(fd, token.encode(), nbytes - 64)
+            mm = mmap.mmap(fd, nbytes)
             store.set(f"{prefix}/shm", f"{path}|{token}")
         else:
             path, token = store.get(f"{prefix}/shm").decode().split("|")
             fd = os.open(path, os.O_RDWR)
-            try:
-                mm = mmap.mmap(fd, nbytes)
-            finally:
-                os.close(fd)
+            mm = mmap.mmap(fd, nbytes)
             if mm[nbytes - 64 : nbytes - 32].decode(errors="replace") != token:
                 mm.close()
                 mm = None
     except OSError:
         mm = None
     finally:
+        if mm is None and fd >= 0:
+            os.close(fd)
         if me != 0 or path:
             store.set(f"{prefix}/mapped/{me}", "1")
         if me == 0 and path:
             store.wait([f"{prefix}/mapped/{r}" for r in range(size)], wait)
             with contextlib.suppress(OSError):
                 os.unlink(path)
-    return mm
+    return (mm, fd) if mm is not None else None
 
 
 class Agreement:
