@@ -237,6 +237,9 @@ class CompileConfig:
         cache_dir: the folder of the persistent compile cache (each piece's Inductor code,
             loaded by the next process instead of compiled). Default: ``$TORCHREPLAY_CACHE_DIR``,
             else ``torchreplay`` under ``$XDG_CACHE_HOME`` or ``~/.cache``; ``None``: no cache.
+        ranks: how the ranks of a process group agree before replays of graphs that hold
+            collectives (:class:`RankConfig`; with ``sizes``, ``sync_sizes`` pads every rank to
+            the largest call of any rank).
         cache_strict: a bad cache entry or an unusable folder raises ``CacheError`` instead of
             one warning and a compile as if there were no cache.
     """
@@ -251,6 +254,7 @@ class CompileConfig:
     num_warmup_iters: int = 3
     cache_dir: str | os.PathLike[str] | _DefaultCacheDir | None = DEFAULT_CACHE_DIR
     cache_strict: bool = False
+    ranks: RankConfig = RANKS
 
     def __post_init__(self) -> None:
         if self.sizes is not None:
@@ -259,6 +263,8 @@ class CompileConfig:
             raise ValueError(f"cache_dir must be a path or None, got {self.cache_dir!r}")
         ops = self.splitting_ops
         object.__setattr__(self, "splitting_ops", (ops,) if isinstance(ops, str) else tuple(ops))
+        if not isinstance(self.ranks, RankConfig):
+            raise ValueError(f"ranks must be a RankConfig, got {self.ranks!r}")
         if self.outputs not in _OUTPUT_POLICIES:
             raise ValueError(f"outputs must be one of {_OUTPUT_POLICIES}, got {self.outputs!r}")
         if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:

@@ -421,3 +421,101 @@ def test_a_rank_posting_while_another_gives_up_is_decided_under_the_lock() -> No
         a.close()
         b.close()
         os.close(fds[2])
+
+
+# -- the torch.compile backend: collectives read from the FX graph, the agreeing front ----------
+
+
+def test_the_collectives_of_a_dynamo_graph_are_read_from_its_nodes(one_rank) -> None:
+    import torch.distributed._functional_collectives as fc
+
+    from torchreplay.compile.ranks import collectives_in
+
+    def f(x):
+        y = x * 2
+        dist.all_reduce(y)
+        return fc.all_gather_tensor(y.relu(), 0, dist.group.WORLD) + 1
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(f, backend=keep)(torch.randn(4, 3))
+    found, groups = collectives_in(graphs[0])
+    name = dist.group.WORLD.group_name
+    assert [c.op for c in found] == ["all_reduce", "all_gather_into_tensor"], found
+    assert all(c.group == name and c.ranks == (0,) and c.dtype == "float32" for c in found)
+    assert [c.numel for c in found] == [12, 12]
+    assert groups == {name: dist.group.WORLD}
+    torch._dynamo.reset()
+
+
+class _StubRuntime:
+    """What AgreedRuntime uses of a PiecewiseRuntime, on the CPU: its sizes and its calls."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes, self.name, self.calls, self.fallbacks = sizes, "graph 0", [], []
+
+    def rows(self, leaves):
+        return leaves[0].shape[0]
+
+    def _bucket(self, n):
+        return next((s for s in self.sizes if s >= n), -1)
+
+    def __call__(self, *args, size=None):
+        self.calls.append(("graph", size))
+        return args[0]
+
+    def _run_ungraphed(self, args):
+        self.calls.append(("eager", None))
+        return args[0]
+
+    def _count_fallback(self, reason):
+        self.fallbacks.append(reason)
+
+
+def w_compiled(rank: int, world: int, case: str) -> dict:
+    from torchreplay.compile.ranks import AgreedRuntime
+
+    rt = _StubRuntime([2, 4, 8] if case == "sizes" and rank == 1 else [2, 4, 8, 16])
+    from torchreplay.distributed import Collective
+
+    ranks = RankConfig(sync_sizes=case != "nosync", timeout=5.0)
+    # without sync_sizes, what makes an agreement is a collective inside
+    held = [Collective("all_reduce", "0", (0, 1), "float32", 8)] if case == "nosync" else []
+    a = agreement(ranks, held, None, name="graph 0", parts=[tuple(rt.sizes)], sizes=True)
+    front = AgreedRuntime(rt, a)
+    rows = {"sync": [(3, 7), (1, 2)], "above": [(3, 20)], "sizes": [(3, 3)], "nosync": [(3, 7)]}
+    errors = []
+    for pair in rows[case]:
+        try:
+            front(torch.randn(pair[rank], 2))
+        except ReplayInputError as exc:
+            errors.append(str(exc))
+            break
+    return {"calls": rt.calls, "errors": errors, "fallbacks": len(rt.fallbacks)}
+
+
+@pytest.mark.parametrize("case", ["sync", "above", "sizes", "nosync"])
+def test_compiled_graphs_agree_like_tr_graph(case: str) -> None:
+    out = run_ranks(w_compiled, 2, case)
+    assert all(s == "ok" for s, _ in out), out
+    r0, r1 = (v for _, v in out)
+    if case == "sync":  # 3 and 7 rows: both replay 8; 1 and 2: both 2
+        assert r0["calls"] == r1["calls"] == [("graph", 8), ("graph", 2)], out
+    elif case == "above":  # 20 rows on rank 1, above 16: both run without graphs
+        assert r0["calls"] == r1["calls"] == [("eager", None)] and r0["fallbacks"] == 1, out
+    else:  # other size lists, or other sizes without sync_sizes: both raise, nothing runs
+        assert r0["calls"] == r1["calls"] == [] and r0["errors"] and r1["errors"], out
+        assert "ranks disagree" in r0["errors"][0], out
+
+
+def test_compile_config_takes_a_rank_config() -> None:
+    from torchreplay.config import CompileConfig
+
+    with pytest.raises(ValueError, match="RankConfig"):
+        CompileConfig(ranks="sync")  # type: ignore[arg-type]
+    assert CompileConfig(ranks=RankConfig(sync_sizes=True)).ranks.sync_sizes

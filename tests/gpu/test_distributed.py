@@ -572,3 +572,105 @@ def test_a_rank_that_dies_after_the_agreement_ends_the_others_naming_the_graph()
     exits: list = []
     out = run_ranks(w_dies, 2, backend="nccl", timeout=90, exits=exits)
     assert out[0][1] != "not ended" and exits[0] == HANG_EXIT, (out, exits)
+
+
+# -- the torch.compile backend: collectives in compiled pieces, ranks that agree ---------------
+
+
+def w_compiled_tp(rank: int, world: int) -> dict:
+    dev = torch.device("cuda", rank)
+    w1, w2 = _tp_weights(dev)
+    shard = H // world
+    a = w1[rank * shard:(rank + 1) * shard].contiguous()
+    b = w2[:, rank * shard:(rank + 1) * shard].contiguous()
+
+    def tp_mlp(x: torch.Tensor) -> torch.Tensor:
+        y = F.gelu(x @ a.t()) @ b.t()
+        dist.all_reduce(y)
+        return y
+
+    c = tr.compile(tp_mlp, sizes=SIZES)
+    gen = torch.Generator(device=dev).manual_seed(100 + rank)
+    worst, hits = 0.0, []
+    for i, base in enumerate([32, 1, 3, 5, 8, 13, 16, 17, 31, 2] * 2):
+        n = max(1, base - 2 * rank) if i % 2 else base  # ranks differ on every other call
+        x = torch.randn(n, D, device=dev, generator=gen)
+        with torch.no_grad():
+            y = c(x)
+        ref = F.gelu(x @ w1.t()) @ w2.t()  # the one-GPU reference
+        worst = max(worst, ((y - ref).abs().max() / ref.abs().max()).item())
+        hits.append(dict(c.backend.runtimes[0].stats.size_hits))
+    (rt,) = c.backend.runtimes
+    return {
+        "worst": worst,
+        "hits": hits,
+        "replays": rt.stats.replays,
+        "fallbacks": rt.stats.fallbacks,
+        "agrees": getattr(rt, "agreement", None) is not None,
+        "explain": tr.explain(c),
+    }
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
+def test_compiled_tensor_parallel_mlp_with_sizes_equals_the_one_gpu_reference() -> None:
+    """``tr.compile(sizes=)`` on a TP MLP whose ``dist.all_reduce`` Dynamo turns into a
+    functional collective inside a compiled, captured piece; ranks with different local batches
+    replay the same padded size (2 GPUs; with one, the collective runs in the graph alone)."""
+    out = run_ranks(w_compiled_tp, WORLD, backend="nccl", timeout=300)
+    assert all(s == "ok" for s, _ in out), out
+    results = [v for _, v in out]
+    for r in results:
+        assert r["worst"] < 2e-3, r["worst"]
+        assert r["replays"] >= 19 and r["fallbacks"] == 0, r["explain"]
+        assert r["agrees"] == (WORLD > 1), r["explain"]
+    assert all(r["hits"] == results[0]["hits"] for r in results)
+
+
+def w_compiled_shared(rank: int, world: int, case: str) -> dict:
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(0)
+    model = _mlp(dev)
+    sizes = [1, 4, 8] if case == "sizes" and rank == 1 else [1, 2, 4, 8]
+    c = tr.compile(model, sizes=sizes, ranks=RankConfig(sync_sizes=True, timeout=20.0))
+    gen = torch.Generator(device=dev).manual_seed(7 + rank)
+    plan = {"sync": [(1, 3), (2, 2), (5, 1), (8, 7), (3, 4)] * 3,
+            "above": [(2, 3), (4, 12), (1, 1)],
+            "sizes": [(2, 2)]}[case]
+    worst, hits, errors = 0.0, [], []
+    for pair in plan:
+        x = torch.randn(pair[rank], D, device=dev, generator=gen)
+        try:
+            with torch.no_grad():
+                y = c(x)
+        except tr.ReplayInputError as exc:
+            errors.append(str(exc))
+            break
+        with torch.no_grad():
+            worst = max(worst, (y - model(x)).abs().max().item())
+        hits.append(dict(c.backend.runtimes[0].stats.size_hits))
+    rt = c.backend.runtimes[0]
+    return {"worst": worst, "hits": hits, "errors": errors, "fallbacks": rt.stats.fallbacks,
+            "explain": tr.explain(c)}
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
+@pytest.mark.parametrize("case", ["sync", "above", "sizes"])
+def test_compiled_graphs_of_two_ranks_agree(case: str) -> None:
+    """Two ranks sharing GPU 0 (gloo), ``tr.compile(sizes=, ranks=RankConfig(sync_sizes=True))``:
+    both replay the size the larger call needs; one rank above the largest size makes both run
+    without graphs; other size lists raise on both."""
+    out = run_ranks(w_compiled_shared, 2, case, timeout=300)
+    assert all(s == "ok" for s, _ in out), out
+    r0, r1 = out[0][1], out[1][1]
+    if case == "sizes":
+        for r in (r0, r1):
+            assert len(r["errors"]) == 1 and "captured different graphs" in r["errors"][0], r
+        return
+    assert r0["errors"] == [] and r1["errors"] == [], (r0, r1)
+    assert r0["worst"] < 1e-4 and r1["worst"] < 1e-4
+    assert r0["hits"] == r1["hits"], (r0["hits"], r1["hits"])
+    assert "ranks: Agreement(" in r0["explain"], r0["explain"]
+    if case == "sync":  # (1, 3) -> both replay 4; (5, 1) -> both 8
+        assert r0["hits"][0] == {4: 1} and r0["hits"][2][8] == 1, r0["hits"]
+    else:
+        assert r0["fallbacks"] == r1["fallbacks"] == 1, (r0, r1)

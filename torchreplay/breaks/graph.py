@@ -47,7 +47,7 @@ from torchreplay.core.writes import WriteWatch
 from torchreplay.distributed import agreement
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
 from torchreplay.breaks.auto import AutoBreak, find_on_copies
-from torchreplay.breaks.policy import agree_size, eager_by_policy
+from torchreplay.breaks.policy import eager_by_policy
 from torchreplay.breaks.steps import BreakStep, returns_nothing
 from torchreplay.breaks.plan import (
     Break,
@@ -60,6 +60,7 @@ from torchreplay.breaks.plan import (
 )
 from torchreplay.pieces.entries import Entry, PieceGraph
 from torchreplay.pieces.program import Input, Piece, Program, Split
+from torchreplay.pieces.ranks import agree_size
 from torchreplay.pieces.runtime import PiecewiseRuntime
 from torchreplay.sizes.plan import plan_inputs
 
@@ -266,7 +267,7 @@ class BreakableGraph:
         mode_changed = module is not None and module.training != self._training
         size = None
         if self._ranks is not None:  # collectives inside: the ranks agree first
-            size = agree_size(self, leaves, mode_changed)
+            size = agree_size(self._ranks, self.runtime, leaves, mode_changed)
             if size == -1 and not mode_changed:
                 self.runtime._count_fallback("a call above the largest captured size (on a rank)")
                 with torch.no_grad():

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from torchreplay.compile.backend import Backend
-from torchreplay.config import DEFAULT_CACHE_DIR, CompileConfig, OutputPolicy
+from torchreplay.config import DEFAULT_CACHE_DIR, RANKS, CompileConfig, OutputPolicy, RankConfig
 
 __all__ = ["Compiled", "compile"]
 
@@ -73,6 +73,7 @@ def compile(
     fullgraph: bool = False,
     cache_dir: Any = DEFAULT_CACHE_DIR,
     cache_strict: bool = False,
+    ranks: RankConfig | None = None,
 ) -> Compiled:
     """Compile ``model`` with ``torch.compile`` and run it as CUDA graphs, piece by piece.
 
@@ -94,6 +95,13 @@ def compile(
             Manage it with ``torchreplay cache list|clear``.
         cache_strict: a bad cache entry raises ``CacheError`` instead of a warning and a
             compile as if there were no cache.
+        ranks: a graph that holds ``torch.distributed`` collectives (a tensor-parallel model)
+            makes its ranks agree before each replay, as ``tr.graph``'s do: with ``sizes``,
+            every rank replays the size the largest call of any rank needs (its own rows
+            padded), a call above the largest runs without graphs on every rank, and any other
+            difference raises ``ReplayInputError`` on every rank instead of hanging in NCCL.
+            A :class:`~torchreplay.config.RankConfig` changes how (``check=False``: no
+            exchange; ``sync_sizes=True``: agree on sizes without a collective inside).
 
     Returns:
         a :class:`Compiled` to call like ``model``.
@@ -112,6 +120,7 @@ def compile(
         num_warmup_iters=num_warmup_iters,
         cache_dir=cache_dir,
         cache_strict=cache_strict,
+        ranks=ranks if ranks is not None else RANKS,
     )
     backend = Backend(config)
     return Compiled(torch.compile(model, backend=backend, fullgraph=fullgraph), backend)

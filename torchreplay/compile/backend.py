@@ -30,6 +30,7 @@ import torch.fx as fx
 
 from torchreplay import _compat
 from torchreplay.compile.cache import CompileCache, default_dir
+from torchreplay.compile.ranks import agreed
 from torchreplay.compile.split import Segment, node_value, split_graph
 from torchreplay.compile.training import GraphingCompiler, training_program_fn
 from torchreplay.config import DEFAULT_CACHE_DIR, CompileConfig
@@ -58,10 +59,10 @@ class Backend:
         self.compile_seconds = 0.0
         #: the persistent compile cache of the inference pieces (None: off)
         self.cache = _open_cache(self.config)
-        self._options = {
+        self._options = {  # what the compiled code depends on (the cache key's options)
             f.name: getattr(self.config, f.name)
             for f in dataclasses.fields(self.config)
-            if not f.name.startswith("cache")
+            if not f.name.startswith("cache") and f.name != "ranks"
         }
 
     @property
@@ -112,10 +113,12 @@ class Backend:
             pool=self._pools.setdefault(device, Pool(device)),
         )
         runtime.segments = segments  # type: ignore[attr-defined]
+        # Collectives inside (tensor parallel): every rank agrees before each replay.
+        front = agreed(runtime, gm, cfg.ranks, runtime.sizes)
         runtime.compile_seconds = time.perf_counter() - start
         self.compile_seconds += runtime.compile_seconds
         self._runtimes.append(weakref.ref(runtime))
-        return runtime
+        return runtime if front is None else front
 
     def _training(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], name: str, start: float

@@ -132,6 +132,8 @@ def _runtime(rt: PiecewiseRuntime) -> str:
     sizes = rt.captured_sizes()
     if sizes:
         lines.append(f"  captured: {sizes}")
+    if getattr(rt, "agreement", None) is not None:
+        lines.append(f"  collectives: {describe(rt.collectives)}\n  ranks: {rt.agreement!r}")
     lines.append(f"  {rt.stats.explain()}")
     for reason, n in rt.fallback_reasons.items():
         lines.append(f"  ungraphed {n}x: {reason}")

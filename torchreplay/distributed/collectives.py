@@ -18,11 +18,14 @@ import torch
 
 from torchreplay import _compat
 
-__all__ = ["Collective", "CollectiveLog", "fingerprint", "group_of", "describe"]
+__all__ = [
+    "Collective", "CollectiveLog", "COLLECTIVE_NAMESPACES", "NOT_COMMUNICATION", "fingerprint",
+    "group_of", "describe",
+]
 
-_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
+COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
 # Bookkeeping ops of those namespaces that move no data between ranks.
-_NOT_COMMUNICATION = frozenset({"wait_tensor", "_wrap_tensor_autograd"})
+NOT_COMMUNICATION = frozenset({"wait_tensor", "_wrap_tensor_autograd"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +53,9 @@ class CollectiveLog(_compat.LightDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func.namespace in _NAMESPACES:
+        if func.namespace in COLLECTIVE_NAMESPACES:
             name = func._schema.name.split("::")[-1]
-            if name not in _NOT_COMMUNICATION:
+            if name not in NOT_COMMUNICATION:
                 self._record(name, args, kwargs)
         return func(*args, **kwargs)
 
