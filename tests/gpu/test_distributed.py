@@ -97,6 +97,28 @@ def _mlp(dev: torch.device) -> torch.nn.Module:
     ).to(dev).eval()
 
 
+def _drive(g, ref, plan: list, rank: int, hits, gen=None) -> dict:
+    """Call ``g`` with this rank's rows of each pair of ``plan`` (``None``: this rank skips the
+    call) against ``ref``: the worst difference, ``hits()`` after each call, and the error that
+    stopped the run, if any."""
+    dev = torch.device("cuda", 0)
+    worst, seen, errors = 0.0, [], []
+    for pair in plan:
+        if pair[rank] is None:
+            continue
+        x = torch.randn(pair[rank], D, device=dev, generator=gen)
+        try:
+            with torch.no_grad():
+                y = g(x)
+        except tr.ReplayInputError as exc:
+            errors.append(str(exc))
+            break
+        with torch.no_grad():
+            worst = max(worst, (y - ref(x)).abs().max().item())
+        seen.append(hits())
+    return {"worst": worst, "hits": seen, "errors": errors}
+
+
 def w_shared_gpu(rank: int, world: int, case: str) -> dict:
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(0)
@@ -105,26 +127,12 @@ def w_shared_gpu(rank: int, world: int, case: str) -> dict:
     g = tr.graph(model, torch.randn(8, D, device=dev), sizes=sizes, sync_sizes=True,
                  ranks=RankConfig(timeout=5.0))
     gen = torch.Generator(device=dev).manual_seed(7 + rank)
-    worst, hits, errors = 0.0, [], []
     plan = {"sync": [(1, 3), (2, 2), (5, 1), (8, 7), (3, 4)] * 4,
             "above": [(2, 3), (4, 12), (1, 1)],
             "sizes": [(2, 2)],
-            "skip": [(1, 1)] * 4}[case]
-    for i, pair in enumerate(plan):
-        if case == "skip" and rank == 1 and i == 1:
-            continue
-        n = pair[rank]
-        x = torch.randn(n, D, device=dev, generator=gen)
-        try:
-            with torch.no_grad():
-                y = g(x)
-                ref = model(x)
-        except tr.ReplayInputError as exc:
-            errors.append(str(exc))
-            break
-        worst = max(worst, (y - ref).abs().max().item())
-        hits.append(dict(g.stats.size_hits))
-    return {"worst": worst, "hits": hits, "errors": errors, "fallbacks": g.stats.fallbacks}
+            "skip": [(1, 1), (1, None), (1, 1), (1, 1)]}[case]
+    out = _drive(g, model, plan, rank, lambda: dict(g.stats.size_hits), gen)
+    return {**out, "fallbacks": g.stats.fallbacks}
 
 
 @pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
@@ -457,21 +465,13 @@ def w_shared_breaks(rank: int, world: int, case: str) -> dict:
     g = tr.graph(f, torch.randn(8, D, device=dev), sizes=sizes, breaks=[_host_gelu],
                  sync_sizes=True, ranks=RankConfig(timeout=5.0))
     plan = {"sync": [(1, 3), (2, 2), (5, 1), (3, 4)] * 3, "above": [(2, 9)], "sizes": [(2, 2)]}[case]
-    seen, errors, worst, before = [], [], 0.0, {}
-    for pair in plan:
-        x = torch.randn(pair[rank], D, device=dev)
-        try:
-            with torch.no_grad():
-                y = g(x)
-        except tr.ReplayInputError as exc:
-            errors.append(str(exc))
-            break
-        with torch.no_grad():
-            worst = max(worst, (y - f(x)).abs().max().item())
-        now = dict(g.stats.size_hits)
+    out = _drive(g, f, plan, rank, lambda: dict(g.stats.size_hits))
+    before: dict = {}
+    seen = []  # the size each call replayed
+    for now in out["hits"]:
         seen.append([s for s in now if now[s] != before.get(s, 0)])
         before = now
-    return {"seen": seen, "errors": errors, "worst": worst, "fallbacks": g.stats.fallbacks}
+    return {**out, "seen": seen, "fallbacks": g.stats.fallbacks}
 
 
 @pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
@@ -636,21 +636,9 @@ def w_compiled_shared(rank: int, world: int, case: str) -> dict:
     plan = {"sync": [(1, 3), (2, 2), (5, 1), (8, 7), (3, 4)] * 3,
             "above": [(2, 3), (4, 12), (1, 1)],
             "sizes": [(2, 2)]}[case]
-    worst, hits, errors = 0.0, [], []
-    for pair in plan:
-        x = torch.randn(pair[rank], D, device=dev, generator=gen)
-        try:
-            with torch.no_grad():
-                y = c(x)
-        except tr.ReplayInputError as exc:
-            errors.append(str(exc))
-            break
-        with torch.no_grad():
-            worst = max(worst, (y - model(x)).abs().max().item())
-        hits.append(dict(c.backend.runtimes[0].stats.size_hits))
+    out = _drive(c, model, plan, rank, lambda: dict(c.backend.runtimes[0].stats.size_hits), gen)
     rt = c.backend.runtimes[0]
-    return {"worst": worst, "hits": hits, "errors": errors, "fallbacks": rt.stats.fallbacks,
-            "explain": tr.explain(c)}
+    return {**out, "fallbacks": rt.stats.fallbacks, "explain": tr.explain(c)}
 
 
 @pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
