@@ -162,6 +162,16 @@ def tensor_use_count(t: torch.Tensor) -> int:
     return t._use_count()
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """A number equal for tensors on one storage (views of each other), fake tensors too (whose
+    data pointers are all 0): the storage object's C++ address, ``UntypedStorage._cdata``
+    (private, stable since torch 2.0); a tensor without storage (sparse, nested): its own id."""
+    try:
+        return t.untyped_storage()._cdata
+    except Exception:
+        return id(t)
+
+
 def storage_use_count(storage: torch.UntypedStorage) -> int:
     """The use count of ``storage``'s StorageImpl (its Python object and each tensor over it)."""
     assert _storage_use_count is not None

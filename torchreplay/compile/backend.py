@@ -400,9 +400,9 @@ def graph_writes(gm: fx.GraphModule) -> Writes | None:
             out = super().run_node(n)
             for t, b in zip(read, before):
                 if t._version != b:
-                    found.update((n.name, v) for v in on_storage.get(_storage_id(t), ()))
+                    found.update((n.name, v) for v in on_storage.get(_compat.storage_key(t), ()))
             for t in _tensor_leaves(out):
-                on_storage.setdefault(_storage_id(t), []).append(n.name)
+                on_storage.setdefault(_compat.storage_key(t), []).append(n.name)
             return out
 
     try:
@@ -416,14 +416,14 @@ def graph_writes(gm: fx.GraphModule) -> Writes | None:
 
 
 def _tensor_leaves(value: Any) -> list[torch.Tensor]:
-    return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
-
-
-def _storage_id(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage()._cdata
-    except Exception:  # no storage (a sparse or nested tensor): itself only
-        return id(t)
+    """The tensors in a node's value (a tensor, or tuples, lists and dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensor_leaves(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensor_leaves(v)]
+    return []
 
 
 def _written_by(seg: Segment, wrote: Writes | None) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch.fx as fx
 
 from torchreplay import _compat
-from torchreplay.compile.split import node_value
+from torchreplay.compile.split import node_value, op_name
 from torchreplay.config import RankConfig
 from torchreplay.distributed import Agreement, Collective, agreement
 from torchreplay.distributed.collectives import COLLECTIVE_NAMESPACES, NOT_COMMUNICATION
@@ -42,10 +42,8 @@ def collectives_in(gm: fx.GraphModule) -> tuple[list[Collective], dict[str, Any]
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        qualified = getattr(node.target, "_qualified_op_name", None) or getattr(
-            getattr(node.target, "_schema", None), "name", ""
-        )
-        namespace, _, op = str(qualified).partition("::")
+        namespace, _, rest = op_name(node).partition(".")  # "_c10d_functional.all_reduce"
+        op = rest.split(".")[0]
         if namespace not in COLLECTIVE_NAMESPACES or op in NOT_COMMUNICATION:
             continue
         names = [a for a in node.args if isinstance(a, str)]

@@ -54,7 +54,7 @@ class CollectiveLog(_compat.LightDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func.namespace in COLLECTIVE_NAMESPACES:
-            name = func._schema.name.split("::")[-1]
+            name = func.__name__.split(".")[0]  # "all_reduce.default" -> "all_reduce"
             if name not in NOT_COMMUNICATION:
                 self._record(name, args, kwargs)
         return func(*args, **kwargs)
