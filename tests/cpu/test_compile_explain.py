@@ -79,3 +79,17 @@ def test_explain_before_the_first_call_and_on_the_cpu() -> None:
     assert lines[1].startswith("1 graph(s) without CUDA graphs: their inputs are on the CPU")
     with pytest.raises(TypeError, match="tr.explain takes"):
         tr.explain(object())
+
+
+def test_explain_of_torch_compile_with_the_backend_by_name_on_the_cpu() -> None:
+    from torchreplay.compile.backend import torchreplay_backend
+
+    model = torch.nn.Linear(4, 4)
+    cm = torch.compile(model, backend=torchreplay_backend)
+    with torch.no_grad():
+        torch.testing.assert_close(cm(torch.ones(2, 4)), model(torch.ones(2, 4)))
+    lines = _lines(tr.explain(cm))
+    assert lines[0].startswith("torch.compile(backend='torchreplay') of Linear: 0 graph(s)"), lines
+    assert lines[1].startswith("none yet: call it once on CUDA inputs"), lines
+    fn = torch.compile(lambda x: x * 2, backend=torchreplay_backend)
+    assert "(a function: every graph of the process)" in tr.explain(fn)

@@ -50,6 +50,23 @@ def test_backend_by_name_matches_eager_and_replays() -> None:
             _close(compiled(x), model(x))
 
 
+def test_explain_of_torch_compile_with_the_backend_by_name_tells_models_apart() -> None:
+    from torchreplay.compile.backend import torchreplay_backend  # what the entry point names
+
+    a, b = _mlp(), _mlp(width=32)
+    ca = torch.compile(a, backend=torchreplay_backend)
+    cb = torch.compile(b, backend=torchreplay_backend)
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x, y = torch.randn(8, 64, device=DEV), torch.randn(4, 32, device=DEV)
+            _close(ca(x), a(x))
+            _close(cb(y), b(y))
+    report = tr.explain(ca)
+    assert report.startswith("torch.compile(backend='torchreplay') of Sequential: 1 graph(s)"), report
+    assert f"replays={CALLS - 1}" in report or f"replays={CALLS}" in report, report
+    assert tr.explain(cb).count("piece(s)") == 1  # its own graph, not a's
+
+
 def test_mlp_replays_graphs_and_equals_eager() -> None:
     model = _mlp()
     c = tr.compile(model)

@@ -162,6 +162,15 @@ def tensor_use_count(t: torch.Tensor) -> int:
     return t._use_count()
 
 
+def compiled_target(obj: Any) -> Any:
+    """What ``torch.compile`` compiled, for what it returned (``OptimizedModule._orig_mod``, a
+    function's ``_torchdynamo_orig_callable``: private names); ``None`` for anything else."""
+    target = getattr(obj, "_orig_mod", None)
+    if target is None:
+        target = getattr(obj, "_torchdynamo_orig_callable", None)
+    return target
+
+
 def storage_key(t: torch.Tensor) -> int:
     """A number equal for tensors on one storage (views of each other), fake tensors too (whose
     data pointers are all 0): the storage object's C++ address, ``UntypedStorage._cdata``

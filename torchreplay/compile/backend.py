@@ -214,10 +214,28 @@ def _open_cache(cfg: CompileConfig) -> CompileCache | None:
     return CompileCache(directory, strict=cfg.cache_strict)  # type: ignore[arg-type]
 
 
+#: what the string backend compiled in this process (weakly): ``tr.explain`` of a
+#: ``torch.compile(..., backend="torchreplay")`` result reads it
+_BY_NAME: list[weakref.ReferenceType[PiecewiseRuntime]] = []
+
+
 def torchreplay_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options: Any) -> Any:
     """The ``torchreplay`` backend of ``torch.compile`` (the ``torch_dynamo_backends`` entry
-    point): ``torch.compile(model, backend="torchreplay", options={"sizes": [1, 2, 4]})``."""
-    return Backend(CompileConfig(**options))(gm, example_inputs)
+    point): ``torch.compile(model, backend="torchreplay", options={"sizes": [1, 2, 4]})``.
+
+    Each Dynamo graph gets a backend (and a pool) of its own: nothing tells this function which
+    model a graph belongs to, and a pool shared between two models would mark one model's
+    outputs stale when the other replays. ``tr.compile`` shares one pool across the graphs of
+    one model."""
+    backend = Backend(CompileConfig(**options))
+    out = backend(gm, example_inputs)
+    _BY_NAME[:] = [r for r in _BY_NAME if r() is not None] + backend._runtimes
+    return out
+
+
+def runtimes_by_name() -> list[PiecewiseRuntime]:
+    """The live graphs that ``torch.compile(..., backend="torchreplay")`` made, in order."""
+    return [r for r in (ref() for ref in _BY_NAME) if r is not None]
 
 
 def build_program(

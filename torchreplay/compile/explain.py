@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from torchreplay import _compat
 from torchreplay.compile.api import Compiled
-from torchreplay.compile.backend import Backend
+from torchreplay.compile.backend import Backend, runtimes_by_name
 from torchreplay.distributed import describe
 from torchreplay.pieces.runtime import PiecewiseRuntime
 
@@ -34,6 +37,9 @@ def explain(obj: Any) -> str:
         obj = obj.backend
     if isinstance(obj, Backend):
         return _backend(obj)
+    target = _compat.compiled_target(obj)
+    if target is not None:  # torch.compile(model, backend="torchreplay")
+        return _by_name(target)
     if isinstance(obj, PiecewiseRuntime):
         return _runtime(obj)
     own = getattr(obj, "explain", None)
@@ -44,9 +50,32 @@ def explain(obj: Any) -> str:
         return f"{obj!r}\n  {stats.explain()}{_ranks(obj)}"
     raise TypeError(
         f"tr.explain takes what tr.compile, tr.graph, tr.graph_step or "
-        f"tr.make_graphed_callables returned, got {type(obj).__name__}; for "
-        "torch.compile(model, backend='torchreplay') use tr.compile(model) to keep the report"
+        f"tr.make_graphed_callables returned (or torch.compile(..., backend='torchreplay')), "
+        f"got {type(obj).__name__}"
     )
+
+
+def _by_name(target: Any) -> str:
+    """The graphs ``torch.compile(target, backend="torchreplay")`` made: for a module, those
+    that read its parameters or buffers; for a function, every one of the process."""
+    runtimes = runtimes_by_name()
+    if isinstance(target, torch.nn.Module):
+        mine = {t.data_ptr() for t in (*target.parameters(), *target.buffers())}
+        runtimes = [r for r in runtimes if mine.intersection(r.static_ptrs())]
+        whose = f"{type(target).__name__}"
+    else:
+        whose = f"{getattr(target, '__name__', 'the function')} (a function: every graph of the process)"
+    head = (
+        f"torch.compile(backend='torchreplay') of {whose}: {len(runtimes)} graph(s) with CUDA "
+        "graphs, each with a pool of its own (tr.compile shares one, and keeps the compile "
+        "cache's report)"
+    )
+    if not runtimes:
+        head += (
+            "\n  none yet: call it once on CUDA inputs (graphs without CUDA inputs run "
+            "without CUDA graphs)"
+        )
+    return "\n".join([head, *(_runtime(r) for r in runtimes)])
 
 
 def _ranks(obj: Any) -> str:

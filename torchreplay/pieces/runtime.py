@@ -582,6 +582,10 @@ class PiecewiseRuntime:
     def _pool_bytes(self) -> int:
         return self.pool.reserved_bytes() if self.pool is not None else 0
 
+    def static_ptrs(self) -> set[int]:
+        """Where the parameters and buffers it reads in place are (empty before the first call)."""
+        return set(self._static_ptrs)
+
     def captured_sizes(self) -> list[int | None]:
         return sorted({e.size for e in self._entries.values()}, key=lambda s: (s is None, s))
 
