@@ -252,17 +252,19 @@ def test_ddp_built_on_the_default_stream_gets_the_fix_named() -> None:
 _KEEP: list = []
 
 
+def _doubled_sum(t: torch.Tensor) -> torch.Tensor:
+    """Twice ``t``, summed over the ranks (one all_reduce)."""
+    y = t * 2
+    dist.all_reduce(y)
+    return y
+
+
 def w_teardown(rank: int, world: int, order: str) -> str:
     import os
 
     dev = torch.device("cuda", rank)
     x = torch.randn(4, D, device=dev)
-
-    def f(t):
-        y = t * 2
-        dist.all_reduce(y)
-        return y
-
+    f = _doubled_sum
     g = tr.graph(f, x, sizes=[1, 2, 4])
     small = tr.graph(f, x)
     for _ in range(3):
@@ -547,13 +549,7 @@ def w_dies(rank: int, world: int) -> str:
 
     dev = torch.device("cuda", rank)
     x = torch.randn(4, D, device=dev)
-
-    def f(t):
-        y = t * 2
-        dist.all_reduce(y)
-        return y
-
-    g = tr.graph(f, x, ranks=RankConfig(timeout=5.0))
+    g = tr.graph(_doubled_sum, x, ranks=RankConfig(timeout=5.0))
     for _ in range(3):
         torch.testing.assert_close(g(x), x * 2 * world)
     torch.cuda.synchronize()
