@@ -164,6 +164,7 @@ class BreakableGraph:
         self._ranks = agreement(
             ranks, self.collectives or (), self._collective_log, name=self.name,
             parts=[sizes, [b.brk.name for b in self.breaks]], sizes=sizes is not None,
+            device=self.device,
         )
         self._collective_log = None
 

@@ -114,7 +114,7 @@ class Backend:
         )
         runtime.segments = segments  # type: ignore[attr-defined]
         # Collectives inside (tensor parallel): every rank agrees before each replay.
-        front = agreed(runtime, gm, cfg.ranks, runtime.sizes)
+        front = agreed(runtime, gm, cfg.ranks, runtime.sizes, device)
         runtime.compile_seconds = time.perf_counter() - start
         self.compile_seconds += runtime.compile_seconds
         self._runtimes.append(weakref.ref(runtime))

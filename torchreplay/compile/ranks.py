@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import torch
 import torch.fx as fx
 
 from torchreplay import _compat
@@ -84,7 +85,11 @@ class AgreedRuntime:
 
 
 def agreed(
-    runtime: PiecewiseRuntime, gm: fx.GraphModule, ranks: RankConfig, sizes: Sequence[int] | None
+    runtime: PiecewiseRuntime,
+    gm: fx.GraphModule,
+    ranks: RankConfig,
+    sizes: Sequence[int] | None,
+    device: torch.device,
 ) -> AgreedRuntime | None:
     """The front that makes the ranks agree before ``runtime``'s replays, or ``None`` (no
     process group, nothing to agree on: see :func:`~torchreplay.distributed.agreement`)."""
@@ -93,7 +98,7 @@ def agreed(
     collectives, groups = collectives_in(gm)
     agreement_ = agreement(
         ranks, collectives, _Groups(groups), name=runtime.name,  # type: ignore[arg-type]
-        parts=[tuple(sizes or ())], sizes=sizes is not None,
+        parts=[tuple(sizes or ())], sizes=sizes is not None, device=device,
     )
     if agreement_ is None:
         return None

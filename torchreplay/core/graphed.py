@@ -98,7 +98,9 @@ class Graphed:
         self.stats.capture_seconds = captured.seconds
         self.stats.written_inputs = self._inputs.written_paths()
         self.collectives = captured.collectives
-        self._ranks = agreement(ranks, captured.collectives, captured.collective_log, name=self.name)
+        self._ranks = agreement(
+            ranks, captured.collectives, captured.collective_log, name=self.name, device=device
+        )
         del captured
         self._position = self.pool.register(self)
         self.pool.track(self, [self._graph], self._outputs.retire)

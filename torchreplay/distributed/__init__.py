@@ -43,6 +43,7 @@ def agreement(
     parts: Sequence[Any] = (),
     sizes: bool = False,
     describe_call: Callable[[int, int], str] | None = None,
+    device: torch.device | None = None,
 ) -> Agreement | None:
     """The agreement a graph needs, or ``None`` (no process group, no collective and nothing
     asked, ``check=False``, or a group of one rank). Every rank of the group must call this at
@@ -55,6 +56,8 @@ def agreement(
         parts: more of what was captured, for the fingerprint (the sizes).
         sizes: the graph has ``sizes=`` (``sync_sizes`` applies).
         describe_call: words for a rank's posted ``(size, choice)`` in errors.
+        device: the graph's device: the hang watch records its markers on that device's
+            current stream (where replays run); default: the current device's.
     """
     asked = ranks.group is not None or bool(ranks.sync_sizes)
     if not _compat.dist_ready():
@@ -80,7 +83,7 @@ def agreement(
         sync_sizes=sync,
         timeout=ranks.timeout,
         describe=describe_call,
-        marker=_cuda_marker(torch.cuda.current_stream()) if collectives and _cuda() else None,
+        marker=_cuda_marker(torch.cuda.current_stream(device)) if collectives and _cuda() else None,
         on_hang=ranks.on_hang,
     )
 

@@ -184,6 +184,7 @@ class BucketedGraph:
             name=self.name,
             parts=[options.sizes, options.capture, options.max_graphs, options.fallback],
             sizes=True,
+            device=self.device,
         )
         del collective_log
         self._inputs.set_written(first.written)

@@ -263,7 +263,9 @@ class GraphedCallable:
         self._writes = bool(self._inputs.written)
         self.stats.written_inputs = self._inputs.written_paths()
         self.collectives = pair.collectives
-        self._ranks = agreement(RANKS, pair.collectives, pair.collective_log, name=self.name)
+        self._ranks = agreement(
+            RANKS, pair.collectives, pair.collective_log, name=self.name, device=self.device
+        )
         self._warned_grad: set[int] = set()
         for s in self._inputs.tensor_slots:
             s.static.requires_grad_(False)  # type: ignore[union-attr]  # copy_in writes into them

@@ -237,7 +237,9 @@ class GraphedStep:
         self.stats.captures = 1
         self.stats.capture_seconds = captured.seconds
         self.collectives = captured.collectives
-        self._ranks = agreement(ranks, captured.collectives, captured.collective_log, name=self.name)
+        self._ranks = agreement(
+            ranks, captured.collectives, captured.collective_log, name=self.name, device=device
+        )
         self._device_index = device.index
         self._check_device = torch.cuda.device_count() > 1
         log.info(
