@@ -304,7 +304,7 @@ def test_explain_without_cuda_reports_the_split_a_gpu_would_get(
             "split a GPU would get") in out
     assert out.endswith(
         "1 Dynamo graph(s) graph 0: 3 piece(s), 2 graphed, 1 eager "
-        f"piece 0 4 node(s) graphed {split_line()} piece 2 1 node(s) graphed"
+        f"piece 0 2 node(s) graphed {split_line()} piece 2 1 node(s) graphed"
     )
 
 

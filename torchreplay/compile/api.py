@@ -33,24 +33,24 @@ class Compiled:
     def _mark(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Make dimension ``dim`` of the tensor arguments dynamic from this first call.
 
-        Dynamo specialises a size of 1 (its 0/1 rule): a backed symbol is guarded ``>= 2``, so a
-        1-row call after a first call of more rows would compile again, and a first call of 1
-        row would specialise. Where 1 is a size (or the first call's), the dimension is marked
-        unbacked instead, which keeps it symbolic for every size; otherwise it is marked
-        dynamic (backed: hints for Inductor's tuning, guards a model may branch on)."""
+        A size of 1 would be specialised by Dynamo (its 0/1 rule) and the next size would
+        compile again; it is marked unbacked instead, which keeps it symbolic from the start.
+        A first call of more rows is marked dynamic (backed): a later 1-row call then compiles
+        again (Dynamo guards a backed size ``>= 2``). Marking it unbacked there too was tried
+        and reverted: on the built-in Llama the unbacked size does not reach the outputs, so
+        padding is off and the model breaks into a second graph."""
         self._marked = True
         dim = self.backend.config.dim
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         if not tensors or tensors[0].dim() <= dim:
             return
         n = tensors[0].shape[dim]
-        unbacked = n == 1 or 1 in (self.backend.config.sizes or ())
         for t in tensors:
             if t.dim() > dim and t.shape[dim] == n:
-                if unbacked:
-                    torch._dynamo.decorators.mark_unbacked(t, dim)
-                else:
+                if n >= 2:
                     torch._dynamo.mark_dynamic(t, dim)
+                else:
+                    torch._dynamo.decorators.mark_unbacked(t, dim)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["compiled"], name)
