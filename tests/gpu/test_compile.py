@@ -227,6 +227,31 @@ def test_a_graph_writing_what_an_eager_step_made_keeps_the_write() -> None:
     assert any(not p.graphed for p in rt.program.pieces), tr.explain(c)  # the .to is eager
 
 
+def test_built_in_llama_decode_with_sizes_is_one_padded_graph() -> None:
+    """The benchmark's Llama decode step (a KV cache written in place at each row's position)
+    through ``tr.compile(sizes=)``, first call above one row: one Dynamo graph whose size is
+    padded, every call equal to eager. (Marking the size unbacked here broke it once: the size
+    stopped reaching the outputs, padding went off and a second graph crashed on recapture.)"""
+    from torchreplay.models.llama import LlamaConfig, build_llama
+
+    cfg = LlamaConfig(n_layers=2, dim=256, n_heads=4, n_kv_heads=2, vocab_size=512,
+                      intermediate_size=512, max_seq_len=64, max_batch=8)
+    model = build_llama(cfg, DEV, dtype=torch.float32)
+    ref = build_llama(cfg, DEV, dtype=torch.float32)  # its own cache, written by eager calls
+    c = tr.compile(model, sizes=[1, 2, 4, 8])
+    # Batches never grow: a padded call writes the cache rows past its batch, which a later,
+    # larger batch would read (padding is right only for independent rows). No 1-row call:
+    # after a first call of 8 it compiles again (the xfail in test_compile_ported.py).
+    with torch.no_grad():
+        for i, b in enumerate([8, 8, 5, 3, 3, 2]):
+            ids = torch.randint(0, cfg.vocab_size, (b, 1), device=DEV)
+            pos = torch.full((b,), 10 + i, dtype=torch.long, device=DEV)
+            _close(c(ids, pos), ref(ids, pos), f"call {i}, batch {b}")
+    assert c.backend.compiles == 1, tr.explain(c)
+    (rt,) = c.backend.runtimes
+    assert rt.captured_sizes() == [1, 2, 4, 8] and rt.stats.fallbacks == 0, tr.explain(c)
+
+
 def test_batch_sizes_one_to_sixteen_through_one_compile() -> None:
     model = _mlp()
     sizes = [1, 2, 4, 8, 16]
