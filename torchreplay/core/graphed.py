@@ -105,7 +105,7 @@ class Graphed:
         self._position = self.pool.register(self)
         self.pool.track(self, [self._graph], self._outputs.retire)
         # Hot-path constants, looked up once.
-        self._replay = self._graph.replay
+        self._replay = _compat.direct_replay(self._graph)
         self._device_index = device.index
         self._check_device = torch.cuda.device_count() > 1
         log.info(

@@ -6,6 +6,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from torchreplay import _compat
 from torchreplay.core.outputs import Outputs
 from torchreplay.pieces.program import Program
 
@@ -30,7 +31,7 @@ class PieceGraph:
         backs: Sequence[tuple[int, torch.Tensor]] = (),
     ):
         self.graph = graph
-        self.replay = graph.replay if graph is not None else _nothing  # None: recorded no work
+        self.replay = _compat.direct_replay(graph) if graph is not None else _nothing  # None: recorded no work
         self.out = tuple(out)
         self.copies = copies
         self.backs = tuple(backs)

@@ -542,7 +542,7 @@ class BucketedGraph:
             reuse=True,
         )
         clean_after = s if self._writes_inputs else n
-        return _Route(n, s, entry.graph.replay, dsts, shapes, outputs, clean_after)
+        return _Route(n, s, _compat.direct_replay(entry.graph), dsts, shapes, outputs, clean_after)
 
     def invalidate_outputs(self) -> None:
         """Mark the outputs handed out so far as stale (another graph may overwrite them)."""

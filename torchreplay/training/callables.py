@@ -109,8 +109,8 @@ def _capture_pairs(
         # Keep the outputs' memory, drop their autograd history (freed by the backward capture).
         kept = [o.detach() if isinstance(o, _Tensor) and owned(o) else o for o in leaves]
         pairs[i] = Pair(
-            fwd_replay=fwd.graph.replay,
-            bwd_replay=bwd.graph.replay if bwd is not None else None,
+            fwd_replay=_compat.direct_replay(fwd.graph),
+            bwd_replay=_compat.direct_replay(bwd.graph) if bwd is not None else None,
             leaves=kept,
             spec=spec,
             diff_idx=diff_idx,

@@ -228,7 +228,7 @@ class GraphedStep:
         )
         self._outputs = Outputs(out, config.outputs, self.name, owned)
         self._graph = captured.graph
-        self._replay = captured.graph.replay
+        self._replay = _compat.direct_replay(captured.graph)
         self._inputs.set_written(captured.written)
         self._writes = bool(self._inputs.written)
         self.stats.written_inputs = self._inputs.written_paths()
