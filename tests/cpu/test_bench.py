@@ -248,26 +248,53 @@ def test_the_sweep_compares_ours_with_its_fixed_shape(monkeypatch: pytest.Monkey
     _fake_compile_env(monkeypatch, timings)
     w = compile_rows.CompileWorkload(
         "compile-sweep", "w", torch.nn.Identity(), tuple((torch.ones(b),) for b in (1, 2, 3)),
-        methods=(EAGER, OURS, FIXED), sizes=(1, 2, 4), fixed=(torch.ones(4),),
+        methods=(EAGER, OURS, FIXED), sizes=(1, 2, 4),
+        fixed=tuple((compile_rows._padded(torch.ones(b, 2), (1, 2, 4)),) for b in (1, 2, 3)),
     )
+    assert [args[0].shape[0] for args in w.fixed] == [1, 2, 4]
+    assert w.fixed[2][0][3].eq(0).all() and w.fixed[2][0][:3].eq(1).all()
     results = compile_rows.measure_compile_workload(w, BenchOptions(compile=False))
     assert [m.method for m in results] == [EAGER, "tr.compile sizes=1,2,4",
-                                          "tr.compile, fixed shape (batch 4 only)"]
+                                          "tr.compile, fixed shape, one compile per size (1,2,4)"]
     assert results[1].values["vs_fixed_shape"] == pytest.approx(1.04)
     assert results[1].note.startswith("1.04x its fixed-shape time (target <= 1.05x); ")
 
 
+def test_the_fixed_reference_compiles_each_shape_on_a_frame_of_its_own() -> None:
+    torch._dynamo.reset()
+    try:
+        model = torch.nn.Linear(3, 2)
+        fn = compile_rows._compile_per_shape(model)
+        with torch.no_grad():
+            for b in (1, 2, 1, 4):
+                x = torch.randn(b, 3)
+                torch.testing.assert_close(fn(x), model(x))
+        compiled = fn.compiled
+        assert sorted(s[0] for s in compiled) == [1, 2, 4]
+        codes = {c.compiled._torchdynamo_orig_callable.__code__ for c in compiled.values()}
+        assert len(codes) == 3  # a code object each: no shared cache, no dynamic recompile
+        assert all(c.backend.compiles == 1 for c in compiled.values())
+    finally:
+        torch._dynamo.reset()
+
+
 def test_split_cost_notes_are_per_split_over_one_piece() -> None:
-    labels = {1: "k1", 2: "k2", 4: "k4"}
+    labels = {"k1": ("returns", 1), "k2": ("returns", 2), "k4": ("returns", 4), "w4": ("writes", 4)}
+    op_labels = {"returns": "op alone", "writes": "out op alone"}
     raw = [Measurement("r", "w", "k4", 160.0, 70.0), Measurement("r", "w", "k1", 100.0, 10.0),
-           Measurement("r", "w", "k2", 120.0, 30.0), Measurement("r", "w", "op alone", 5.0, 4.0)]
-    built = {label: _FakeCompiled() for label in labels.values()}
-    out = {m.method: m for m in compile_costs._split_notes(raw, labels, built)}
-    assert list(out) == ["k1", "k2", "k4", "op alone"]
+           Measurement("r", "w", "k2", 120.0, 30.0), Measurement("r", "w", "op alone", 5.0, 4.0),
+           Measurement("r", "w", "w4", 130.0, 40.0), Measurement("r", "w", "out op alone", 3.0, 6.0)]
+    built = {label: _FakeCompiled() for label in labels}
+    out = {m.method: m for m in compile_costs._split_notes(raw, labels, built, op_labels)}
+    assert list(out) == ["k1", "k2", "k4", "w4", "op alone", "out op alone"]
     assert out["k2"].values["host_us_per_split"] == pytest.approx(20.0)
     assert out["k4"].values["host_us_per_split"] == pytest.approx(20.0)
     assert out["k4"].values["per_call_us_per_split"] == pytest.approx(20.0)
-    assert out["k4"].note.startswith("+20.0 us host per split (target <= 20 us), +20.0 us synchronized; ")
+    assert out["k4"].values["ours_host_us_per_split"] == pytest.approx(16.0)
+    assert out["k4"].note.startswith("+20.0 us host per split (target <= 20 us), +20.0 us synchronized; "
+                                     "+16.0 us of it ours (the op alone: 4.0 us); ")
+    assert out["w4"].values["host_us_per_split"] == pytest.approx(10.0)
+    assert out["w4"].values["ours_host_us_per_split"] == pytest.approx(4.0)
     assert "per split" not in out["k1"].note and out["op alone"].note is None
 
 

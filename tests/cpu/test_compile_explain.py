@@ -41,6 +41,19 @@ def test_preview_of_a_custom_splitting_op() -> None:
     assert len(lines) == 2 + 5
 
 
+@pytest.mark.parametrize("style", ["writes", "clone"])
+def test_preview_of_the_other_splitting_op_styles(style: str) -> None:
+    """An op writing its out argument, and a C++ op named as a splitting op, cut the same way."""
+    with torch.no_grad():
+        report = preview_split(SplitMLP(3, depth=3, width=8, style=style).eval(), (torch.randn(2, 8),),
+                               splitting_ops=[blocks.SPLIT_STYLES[style]])
+    lines = _lines(report)
+    assert lines[1] == "graph 0: 5 piece(s), 3 graphed, 2 eager"
+    op = "torchreplay_bench.split_mark_out" if style == "writes" else "torch.clone"
+    assert [line.split(" at ")[0] for line in lines if "eager:" in line] == [
+        f"piece {k} 1 node(s) eager: {op}" for k in (1, 3)]
+
+
 def test_preview_without_splitting_ops_is_one_graphed_piece() -> None:
     with torch.no_grad():
         report = preview_split(SplitMLP(3, depth=3, width=8).eval(), (torch.randn(2, 8),))

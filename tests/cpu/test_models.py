@@ -183,19 +183,25 @@ def test_kv_cache_is_written_in_place_only_at_given_positions() -> None:
 
 
 def test_split_mlp_computes_the_mlp_and_cuts_it_evenly() -> None:
-    from torchreplay.models.blocks import SplitMLP, gelu_mlp, split_mark_op
+    from torchreplay.models.blocks import SplitMLP, gelu_mlp, split_mark_op, split_mark_out_op
 
     x = torch.randn(3, 16)
     plain = gelu_mlp(depth=6, width=16)
     assert len(plain) == 12 and isinstance(plain[1], torch.nn.GELU)
     with torch.no_grad():
-        for pieces in (1, 2, 4, 6):
-            model = SplitMLP(pieces, depth=6, width=16)
-            assert len(model.boundaries) == pieces - 1
-            torch.testing.assert_close(model(x), plain(x))
+        for style in ("returns", "writes", "clone"):
+            for pieces in (1, 2, 4, 6):
+                model = SplitMLP(pieces, depth=6, width=16, style=style)
+                assert len(model.boundaries) == pieces - 1
+                torch.testing.assert_close(model(x), plain(x))
     assert split_mark_op() is split_mark_op()  # registered once
+    out = torch.zeros(3, 16)
+    assert split_mark_out_op()(x, out) is None
+    torch.testing.assert_close(out, x)
     with pytest.raises(ValueError, match="pieces must be in 1..6"):
         SplitMLP(7, depth=6, width=16)
+    with pytest.raises(ValueError, match="style must be one of"):
+        SplitMLP(2, depth=6, width=16, style="other")
 
 
 def test_two_block_models() -> None:

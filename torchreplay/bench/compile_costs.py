@@ -9,12 +9,15 @@
   it counts what the graphs hold, not the cache), ``torch.cuda.memory_allocated()`` and the pools'
   own bytes (``rt.stats.pool_bytes``). Target: all sizes within 1.2x of the largest alone
   (reserved), since sizes share one pool and one set of buffers.
-- ``compile-split-cost``: the same 12-layer MLP (batch 8) cut into k = 1, 2, 4, 8 pieces by a
-  custom splitting op (:class:`~torchreplay.models.blocks.SplitMLP`, ``splitting_ops=
-  ["torchreplay_bench.split_mark"]``), timed interleaved; each k > 1 notes ``(t_k - t_1) / (k -
-  1)``, the host time (no sync in the loop) and the synchronized time each split adds. Target:
-  <= 20 us of host time per split. The splitting op itself is timed alone too (eagerly): part of
-  each split's cost is that op's own launch, which any piecewise backend pays.
+- ``compile-split-cost``: the same 12-layer MLP (batch 8) cut into k pieces by a splitting op
+  (:class:`~torchreplay.models.blocks.SplitMLP`) of three styles: a Python custom op returning a
+  new tensor (k = 2, 4, 8; the runtime copies its output into the next graph's buffer), a Python
+  custom op writing its out argument (k = 8; nothing to copy, as vLLM's attention ops), and
+  ``torch.clone`` named as the splitting op (k = 8; an op with no Python of its own); all timed
+  interleaved with the uncut model (k = 1). Each k > 1 notes ``(t_k - t_1) / (k - 1)``, the host
+  time (no sync in the loop) and the synchronized time each split adds, and, with each op timed
+  alone eagerly (its own launch, which any piecewise backend pays), the part that is ours:
+  per split minus the op alone. Target: <= 20 us of host time per split.
 """
 
 from __future__ import annotations
@@ -49,8 +52,16 @@ log = logging.getLogger(__name__)
 
 #: ``compile-memory``: the sizes of the many-size compile; the other has only the largest.
 MEMORY_SIZES: tuple[int, ...] = tuple(range(1, 33))
-#: ``compile-split-cost``: the numbers of pieces timed.
-SPLIT_PIECES: tuple[int, ...] = (1, 2, 4, 8)
+#: ``compile-split-cost``: the splitting-op styles and numbers of pieces timed (the first is the
+#: uncut model, the baseline of every style).
+SPLIT_PIECES: tuple[tuple[str, int], ...] = (
+    ("returns", 1), ("returns", 2), ("returns", 4), ("returns", 8), ("writes", 8), ("clone", 8),
+)
+_STYLE_WORDS = {
+    "returns": "a custom op returning a new tensor",
+    "writes": "a custom op writing its out argument",
+    "clone": "torch.clone",
+}
 _MIB = 2**20
 
 
@@ -138,33 +149,40 @@ def compile_memory_row(opts: BenchOptions, on_step: StepCallback | None) -> Iter
 
 
 def compile_split_cost_row(opts: BenchOptions, on_step: StepCallback | None) -> Iterator[Measurement]:
-    """The ``compile-split-cost`` row: host time per split, from k = 1, 2, 4, 8 pieces."""
-    from torchreplay.models.blocks import SPLIT_MARK, SplitMLP, split_mark_op
+    """The ``compile-split-cost`` row: host time per split, from k pieces against one."""
+    from torchreplay.models.blocks import SPLIT_STYLES, SplitMLP, split_mark_op, split_mark_out_op
 
     import torchreplay as tr
 
     name = (f"cost of a split: MLP {DEPTH} x Linear({WIDTH}, {WIDTH})+GELU, batch {BATCH}, fp32, "
-            f"cut into k pieces by a custom op ({SPLIT_MARK})")
-    op = split_mark_op()
+            "cut into k pieces by a splitting op")
     x = torch.randn(BATCH, WIDTH, device="cuda", generator=cuda_generator())  # [8, 1024]
+    out = torch.empty_like(x)
     calls: dict[str, Any] = {}
     built: dict[str, Any] = {}
     first: dict[str, float] = {}
     results: list[Measurement] = []
-    labels = {k: f"tr.compile, {k} piece{'s' if k > 1 else ''}" for k in SPLIT_PIECES}
-    op_label = "the splitting op alone, eager"
+    labels = {
+        (f"tr.compile, {k} piece{'s' if k > 1 else ''}" if k == 1 or style == "returns" else
+         f"tr.compile, {k} pieces, {_STYLE_WORDS[style]}"): (style, k)
+        for style, k in SPLIT_PIECES
+    }
+    op_labels = {style: f"the splitting op alone, eager: {_STYLE_WORDS[style]}" for style in SPLIT_STYLES}
+    alone = {"returns": lambda: split_mark_op()(x), "writes": lambda: split_mark_out_op()(x, out),
+             "clone": lambda: torch.clone(x)}
     compiled: Any = None
     torch.compiler.reset()
     try:
         with torch.no_grad():
-            for k, label in labels.items():
+            for label, (style, k) in labels.items():
                 if on_step is not None:
                     on_step(name, label)
                 try:
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    compiled = tr.compile(SplitMLP(k, DEPTH, WIDTH).cuda().eval(), splitting_ops=[SPLIT_MARK])
-                    compiled(x)
+                    model = SplitMLP(k, DEPTH, WIDTH, style=style).cuda().eval()
+                    compiled = tr.compile(model, splitting_ops=[SPLIT_STYLES[style]])
+                    torch.testing.assert_close(compiled(x), model(x))
                     torch.cuda.synchronize()
                     first[label] = time.perf_counter() - t0
                     built[label] = compiled
@@ -172,7 +190,8 @@ def compile_split_cost_row(opts: BenchOptions, on_step: StepCallback | None) -> 
                 except Exception as exc:  # noqa: BLE001 - one failing method must not end the table
                     log.warning("%s / %s %s", name, label, short_reason(exc))
                     results.append(Measurement("compile-split-cost", name, label, error=short_reason(exc)))
-            calls[op_label] = lambda: op(x)
+            for style, label in op_labels.items():
+                calls[label] = alone[style]
             if on_step is not None:
                 on_step(name, f"timing {len(calls)} methods interleaved")
             timings = time_interleaved(calls, opts)
@@ -182,7 +201,7 @@ def compile_split_cost_row(opts: BenchOptions, on_step: StepCallback | None) -> 
             Measurement("compile-split-cost", name, label, error=t, first_call_s=first.get(label))
             for label, t in timings.items()
         ]
-        return iter(_split_notes(results, labels, built))
+        return iter(_split_notes(results, labels, built, op_labels))
     finally:
         compiled = None
         calls.clear()
@@ -191,15 +210,21 @@ def compile_split_cost_row(opts: BenchOptions, on_step: StepCallback | None) -> 
         release()
 
 
-def _split_notes(results: list[Measurement], labels: dict[int, str], built: dict[str, Any]) -> list[Measurement]:
-    """Note on each k > 1 what each split adds over one piece, and on each k what was made."""
+def _split_notes(
+    results: list[Measurement],
+    labels: dict[str, tuple[str, int]],
+    built: dict[str, Any],
+    op_labels: dict[str, str],
+) -> list[Measurement]:
+    """Note on each k > 1 what each split adds over one piece, and how much of that is ours
+    (over the splitting op's own time alone); on each k what was made."""
     by_label = {m.method: m for m in results}
-    one = by_label.get(labels[1])
-    order = [*labels.values()]
+    one = next((by_label.get(label) for label, (_, k) in labels.items() if k == 1), None)
+    order = [*labels, *op_labels.values()]
     out = []
     for m in sorted(results, key=lambda m: order.index(m.method) if m.method in order else len(order)):
-        k = next((k for k, label in labels.items() if label == m.method), None)
-        if k is None or m.per_call_us is None or m.method not in built:
+        style, k = labels.get(m.method, ("", 0))
+        if not k or m.per_call_us is None or m.method not in built:
             out.append(m)
             continue
         parts, values = [], {}
@@ -209,6 +234,11 @@ def _split_notes(results: list[Measurement], labels: dict[int, str], built: dict
             values["per_call_us_per_split"] = (m.per_call_us - one.per_call_us) / (k - 1)
             parts.append(f"{values['host_us_per_split']:+.1f} us host per split (target <= 20 us), "
                          f"{values['per_call_us_per_split']:+.1f} us synchronized")
+            op = by_label.get(op_labels.get(style, ""))
+            if op is not None and op.host_us is not None:
+                values["ours_host_us_per_split"] = values["host_us_per_split"] - op.host_us
+                parts.append(f"{values['ours_host_us_per_split']:+.1f} us of it ours (the op alone: "
+                             f"{op.host_us:.1f} us)")
         text, counts = compile_summary(built[m.method])
         parts.append(text)
         values.update(counts)

@@ -30,6 +30,8 @@ __all__ = [
     "NonzeroBetween",
     "SplitMLP",
     "split_mark_op",
+    "split_mark_out_op",
+    "SPLIT_STYLES",
     "bert_encoder",
     "data_if_factory",
     "nonzero_factory",
@@ -87,9 +89,24 @@ class NonzeroBetween(_TwoBlocks):
 def split_mark_op() -> Any:
     """Return ``torch.ops.torchreplay_bench.split_mark`` (``x -> x.clone()``), registering it on
     first use; a registered op lives as long as the process."""
+    _register_split_ops()
+    return torch.ops.torchreplay_bench.split_mark
+
+
+def split_mark_out_op() -> Any:
+    """Return ``torch.ops.torchreplay_bench.split_mark_out`` (``(x, out) -> out.copy_(x)``,
+    nothing returned): a splitting op that writes into an output argument, as vLLM's attention
+    ops do, so a piecewise runtime copies nothing after it."""
+    _register_split_ops()
+    return torch.ops.torchreplay_bench.split_mark_out
+
+
+def _register_split_ops() -> None:
+    """Register the bench's splitting ops once; a registered op lives as long as the process."""
     namespace = torch.ops.torchreplay_bench
     try:
-        return namespace.split_mark
+        namespace.split_mark_out
+        return
     except AttributeError:
         pass
 
@@ -101,31 +118,56 @@ def split_mark_op() -> Any:
     def _(x: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(x)
 
-    return namespace.split_mark
+    @torch.library.custom_op("torchreplay_bench::split_mark_out", mutates_args=("out",))
+    def split_mark_out(x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(x)
+
+
+#: How :class:`SplitMLP` cuts: the splitting op's style, and the name ``splitting_ops=`` takes.
+SPLIT_STYLES = {
+    "returns": SPLIT_MARK,  # a custom op returning a new tensor: copied into the next graph
+    "writes": "torchreplay_bench.split_mark_out",  # a custom op writing its out argument
+    "clone": "torch.clone",  # a C++ op (torch.clone) named as the splitting op
+}
 
 
 class SplitMLP(nn.Module):
-    """:func:`gelu_mlp` with :func:`split_mark_op` between layers, cutting it into ``pieces``.
+    """:func:`gelu_mlp` with a splitting op between layers, cutting it into ``pieces``.
 
-    With ``splitting_ops=[SPLIT_MARK]`` a piecewise backend makes ``pieces`` graphs with
-    ``pieces - 1`` eager steps between them; ``pieces=1`` has no split at all.
+    With ``splitting_ops=[SPLIT_STYLES[style]]`` a piecewise backend makes ``pieces`` graphs
+    with ``pieces - 1`` eager steps between them; ``pieces=1`` has no split at all. ``style``:
+    ``"returns"``: :func:`split_mark_op` (a Python custom op returning a new tensor);
+    ``"writes"``: :func:`split_mark_out_op` into a tensor made just before it (no copy after
+    it); ``"clone"``: ``torch.clone``, an op with no Python of its own.
     """
 
-    def __init__(self, pieces: int, depth: int = 12, width: int = 1024, seed: int = 0) -> None:
+    def __init__(
+        self, pieces: int, depth: int = 12, width: int = 1024, seed: int = 0, style: str = "returns"
+    ) -> None:
         super().__init__()
         if not 1 <= pieces <= depth:
             raise ValueError(f"pieces must be in 1..{depth} (one layer at least each), got {pieces}")
+        if style not in SPLIT_STYLES:
+            raise ValueError(f"style must be one of {sorted(SPLIT_STYLES)}, got {style!r}")
         self.layers = gelu_mlp(depth, width, seed)
         # Split after these layers: as even as integers allow.
         self.boundaries = frozenset(i * depth // pieces for i in range(1, pieces))
         self.pieces = pieces
+        self.style = style
         if pieces > 1:
-            split_mark_op()
+            _register_split_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
             if i % 2 == 0 and i // 2 in self.boundaries:  # before Linear number i // 2
-                x = torch.ops.torchreplay_bench.split_mark(x)
+                if self.style == "returns":
+                    x = torch.ops.torchreplay_bench.split_mark(x)
+                elif self.style == "writes":
+                    out = torch.empty_like(x)
+                    torch.ops.torchreplay_bench.split_mark_out(x, out)
+                    x = out
+                else:
+                    x = torch.clone(x)
             x = layer(x)
         return x
 
