@@ -15,8 +15,10 @@ a crash):
 - ``tr.compile``: ``tr.compile(model, sizes=...)``, the torchreplay backend; its note gives its
   time over reduce-overhead's and what it made (Dynamo graphs, pieces, graphed pieces, calls that
   ran ungraphed);
-- ``tr.compile, fixed shape`` (``compile-sweep``): ``tr.compile(model)`` called at the largest
-  batch only, the reference for the sweep (target: the sweep within 5% of it).
+- ``tr.compile, fixed shape per size`` (``compile-sweep``): the reference for the sweep (target:
+  the sweep within 5% of it): each call of the sweep padded by hand to its size in ``sizes``,
+  and run by a ``tr.compile(model)`` of that one shape (one static compile per size, each on a
+  Dynamo frame of its own): what compiling each size apart costs, with padding but no routing.
 
 How: in one process, under ``torch.no_grad()``, each method is built and called once on every
 input shape in turn; that time, from building to the end of the last first call, synchronized,
@@ -36,6 +38,7 @@ import itertools
 import logging
 import math
 import time
+import types
 from typing import Any, Callable, Iterator
 
 import torch
@@ -104,7 +107,8 @@ class CompileWorkload:
         methods: which of :data:`COMPILE_METHODS` to time (``tr.graph`` needs one shape, the
             floor a model a plain capture can hold).
         sizes: ``tr.compile(sizes=)``; None: one shape.
-        fixed: for :data:`TR_COMPILE_FIXED`: the arguments it is called with, every call.
+        fixed: for :data:`TR_COMPILE_FIXED`: the arguments of each call, in turn (the sweep's,
+            padded to their sizes); each shape gets a compile of its own.
     """
 
     row: str
@@ -113,7 +117,7 @@ class CompileWorkload:
     inputs: tuple[tuple[Any, ...], ...]
     methods: tuple[str, ...] = (EAGER, REDUCE_OVERHEAD, CUDAGRAPHS, TR_GRAPH, TR_COMPILE)
     sizes: tuple[int, ...] | None = None
-    fixed: tuple[Any, ...] | None = None
+    fixed: tuple[tuple[Any, ...], ...] | None = None
 
 
 def _build(method: str, w: CompileWorkload) -> Callable[..., Any]:
@@ -135,8 +139,35 @@ def _build(method: str, w: CompileWorkload) -> Callable[..., Any]:
     if method == TR_COMPILE:
         return tr.compile(model, sizes=w.sizes)
     if method == TR_COMPILE_FIXED:
-        return tr.compile(model)
+        return _compile_per_shape(model)
     raise ValueError(f"unknown compile method {method!r}")
+
+
+def _compile_per_shape(model: Any) -> Callable[..., Any]:
+    """``fn(*args)``: ``tr.compile(model)`` for each shape of ``args[0]``, made at its first
+    call. Each wraps ``model`` in a function with a code object of its own, so Dynamo keeps its
+    cache entries and automatic-dynamic state apart from the other shapes' (else the second
+    shape would recompile the first as dynamic, and the entries would count against one
+    recompile limit)."""
+    import torchreplay as tr
+
+    per_shape: dict[Any, Any] = {}
+
+    def call(*args: Any) -> Any:
+        shape = args[0].shape
+        fn = per_shape.get(shape)
+        if fn is None:
+            def frame(*a: Any) -> Any:
+                return model(*a)
+
+            code = frame.__code__.replace(co_name=f"fixed_{'x'.join(map(str, shape))}")
+            fn = per_shape[shape] = tr.compile(
+                types.FunctionType(code, frame.__globals__, code.co_name, None, frame.__closure__)
+            )
+        return fn(*args)
+
+    call.compiled = per_shape  # type: ignore[attr-defined]
+    return call
 
 
 def _cycling(fn: Callable[..., Any], inputs: tuple[tuple[Any, ...], ...]) -> Callable[[], Any]:
@@ -148,14 +179,15 @@ def _cycling(fn: Callable[..., Any], inputs: tuple[tuple[Any, ...], ...]) -> Cal
 
 
 def _method_inputs(method: str, w: CompileWorkload) -> tuple[tuple[Any, ...], ...]:
-    return (w.fixed,) if method == TR_COMPILE_FIXED and w.fixed is not None else w.inputs
+    return w.fixed if method == TR_COMPILE_FIXED and w.fixed is not None else w.inputs
 
 
 def _shown(method: str, w: CompileWorkload) -> str:
     if method == TR_COMPILE and w.sizes:
         return f"{TR_COMPILE} sizes={','.join(map(str, w.sizes))}"
     if method == TR_COMPILE_FIXED and w.fixed is not None:
-        return f"{TR_COMPILE_FIXED} (batch {w.fixed[0].shape[0]} only)"
+        sizes = sorted({args[0].shape[0] for args in w.fixed})
+        return f"{TR_COMPILE_FIXED}, one compile per size ({','.join(map(str, sizes))})"
     return method
 
 
@@ -320,16 +352,23 @@ def _sweep_workloads() -> Iterator[CompileWorkload]:
     model = gelu_mlp(DEPTH, WIDTH).cuda().eval()
     gen = cuda_generator()
     largest = max(SWEEP_BATCHES)
+    inputs = tuple((_x(b, gen),) for b in SWEEP_BATCHES)
     yield CompileWorkload(
         "compile-sweep",
         f"MLP {DEPTH} x Linear({WIDTH}, {WIDTH})+GELU, batches {min(SWEEP_BATCHES)}..{largest} in "
         f"turn, fp32",
         model,
-        tuple((_x(b, gen),) for b in SWEEP_BATCHES),
+        inputs,
         methods=(EAGER, REDUCE_OVERHEAD, CUDAGRAPHS, TR_COMPILE, TR_COMPILE_FIXED),
         sizes=SWEEP_SIZES,
-        fixed=(_x(largest, gen),),
+        fixed=tuple((_padded(x, SWEEP_SIZES),) for (x,) in inputs),
     )
+
+
+def _padded(x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    """``x`` with zero rows added up to the smallest of ``sizes`` that holds it."""
+    size = min(s for s in sizes if s >= x.shape[0])
+    return torch.cat([x, x.new_zeros(size - x.shape[0], *x.shape[1:])])
 
 
 def _resnet50_workloads() -> Iterator[CompileWorkload]:
