@@ -38,12 +38,19 @@ def _tp_weights(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return w1, w2
 
 
+def _tp_shards(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's shards of the MLP: ``w1``'s rows (column-parallel), ``w2``'s columns
+    (row-parallel), on its own GPU."""
+    w1, w2 = _tp_weights(torch.device("cuda", rank))
+    shard = H // world
+    return (w1[rank * shard:(rank + 1) * shard].contiguous(),
+            w2[:, rank * shard:(rank + 1) * shard].contiguous())
+
+
 def w_tp_mlp(rank: int, world: int) -> dict:
     dev = torch.device("cuda", rank)
-    w1, w2 = _tp_weights(dev)
-    shard = H // world
-    a = w1[rank * shard:(rank + 1) * shard].contiguous()  # column-parallel
-    b = w2[:, rank * shard:(rank + 1) * shard].contiguous()  # row-parallel
+    a, b = _tp_shards(rank, world)
+    w1, w2 = _tp_weights(dev)  # the one-GPU reference's
 
     def tp_mlp(x: torch.Tensor) -> torch.Tensor:
         y = F.gelu(x @ a.t()) @ b.t()
@@ -325,10 +332,9 @@ class _CopyToTP(torch.autograd.Function):
 class _TPBlock(torch.nn.Module):
     def __init__(self, rank: int, world: int, dev: torch.device) -> None:
         super().__init__()
-        w1, w2 = _tp_weights(dev)
-        shard = H // world
-        self.a = torch.nn.Parameter(w1[rank * shard:(rank + 1) * shard].clone())
-        self.b = torch.nn.Parameter(w2[:, rank * shard:(rank + 1) * shard].clone())
+        a, b = _tp_shards(rank, world)
+        self.a = torch.nn.Parameter(a.to(dev))
+        self.b = torch.nn.Parameter(b.to(dev))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _CopyToTP.apply(x)
@@ -420,10 +426,7 @@ def _host_scale(y: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 def w_breaks(rank: int, world: int) -> dict:
     dev = torch.device("cuda", rank)
-    w1, w2 = _tp_weights(dev)
-    shard = H // world
-    a = w1[rank * shard:(rank + 1) * shard].contiguous()
-    b = w2[:, rank * shard:(rank + 1) * shard].contiguous()
+    a, b = _tp_shards(rank, world)
 
     def f(x, lengths):
         y = F.gelu(x @ a.t()) @ b.t()
@@ -575,10 +578,8 @@ def test_a_rank_that_dies_after_the_agreement_ends_the_others_naming_the_graph()
 
 def w_compiled_tp(rank: int, world: int) -> dict:
     dev = torch.device("cuda", rank)
-    w1, w2 = _tp_weights(dev)
-    shard = H // world
-    a = w1[rank * shard:(rank + 1) * shard].contiguous()
-    b = w2[:, rank * shard:(rank + 1) * shard].contiguous()
+    a, b = _tp_shards(rank, world)
+    w1, w2 = _tp_weights(dev)  # the one-GPU reference's
 
     def tp_mlp(x: torch.Tensor) -> torch.Tensor:
         y = F.gelu(x @ a.t()) @ b.t()
