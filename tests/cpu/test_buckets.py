@@ -632,3 +632,39 @@ def test_llama_sizes_bench_row_pads_13_to_16() -> None:
     padded = {b: target_size(bench.LLAMA_SIZES, b) for b in bench.LLAMA_SIZES_BATCHES}
     assert padded == {1: 1, 8: 8, 32: 32, 13: 16}
     assert {bench.TR_SIZES, bench.TR_SIZES_STATIC} <= set(bench.METHODS)
+
+
+# ---------------------------------------------------------------------------------------------
+# The piecewise runtime's padding of the buffers every size shares (pieces/entries.py)
+
+
+@pytest.mark.parametrize("writes", [False, True])
+@pytest.mark.parametrize("fill", [0, -1.0])
+def test_shared_padding_rows_hold_the_fill_at_every_call_and_are_reset_only_when_dirty(
+    writes: bool, fill: float
+) -> None:
+    """A stand-in for the runtime's calls: each call of ``n`` rows at its size copies its rows
+    in, pads, "replays" (reads rows [0, size); a program writing its input dirties them all),
+    and the padding rows read must hold the fill value. Resets happen only after a call left
+    rows of its own beyond the next call's."""
+    from torchreplay.pieces.entries import Entry, Route, pad_shared
+
+    sizes = [1, 2, 4, 8]
+    base = torch.full((8, 3), 7.0)  # as staging leaves it: nothing is known
+    clean: dict[int, int] = {}
+    resets = 0
+    for call, n in enumerate([8, 3, 3, 5, 2, 7, 1, 8, 4, 3, 3, 6, 6]):
+        size = next(s for s in sizes if s >= n)
+        route = Route(n, Entry(size), ())
+        route.bases.append((base, fill))
+        before = base.clone()
+        pad_shared(route, clean, writes)
+        resets += int(not torch.equal(before, base))
+        base[:n] = torch.randn(n, 3)  # the copy-in
+        assert base[n:size].eq(fill).all(), (call, n, size, base)  # what the graph reads
+        if writes:
+            base[:size] += 1  # the program writes its input in place, padding rows too
+    # Without writes only the two 3-row calls after an 8-row one reset; a 5 or 6 after a 3, a
+    # 3 after a 3 and every call at its size's full rows do not. With writes, each call padded
+    # within rows the last replay wrote resets (six), but not the 5 after the 4-row size's 3.
+    assert resets == (6 if writes else 2), resets

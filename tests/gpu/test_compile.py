@@ -268,6 +268,36 @@ def test_batch_sizes_one_to_sixteen_through_one_compile() -> None:
     assert rt.stats.padded_rows > 0
 
 
+def _row_sum_and_double(x):
+    return x.sum(0, keepdim=True), x * 2  # the sum reads the padding rows: they must be 0
+
+
+def _row_sum_then_write(x):
+    s = x.sum(0, keepdim=True)
+    x.add_(1)  # writes its input, padding rows too
+    return s, x * 2
+
+
+@pytest.mark.parametrize("fn", [_row_sum_and_double, _row_sum_then_write])
+def test_padding_rows_read_as_zero_whatever_earlier_calls_left(fn) -> None:
+    """A sum over the rows reads the padding rows, so it equals eager's only if they hold 0 at
+    every replay: after a larger call left its rows there, and after the model wrote its input
+    (padding rows too). The padding is redone only when needed; the result must not show it."""
+    c = tr.compile(fn, sizes=[1, 2, 4, 8])
+    with torch.no_grad():
+        for i, b in enumerate([8, 3, 3, 5, 2, 7, 1, 8, 4, 3, 3, 6, 6]):
+            x = torch.randn(b, 16, device=DEV)
+            mine = x.clone()
+            want_sum, want_y = fn(x)
+            got_sum, got_y = c(mine)
+            _close(got_sum, want_sum, f"call {i}, {b} rows")
+            _close(got_y, want_y, f"call {i}, {b} rows")
+            _close(mine, x, f"call {i}, the caller's tensor")
+    (rt,) = _runtimes(c)
+    assert c.backend.compiles == 1 and rt.stats.fallbacks == 0, tr.explain(c)
+    assert rt.stats.replays >= 12 and rt.stats.padded_rows > 0
+
+
 def test_above_the_largest_size_runs_compiled_and_is_counted() -> None:
     model = _mlp()
     c = tr.compile(model, sizes=[2, 4])

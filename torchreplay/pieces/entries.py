@@ -10,7 +10,7 @@ from torchreplay import _compat
 from torchreplay.core.outputs import Outputs
 from torchreplay.pieces.program import Program
 
-__all__ = ["PieceGraph", "Entry", "Route", "hand_out", "entry_key"]
+__all__ = ["PieceGraph", "Entry", "Route", "hand_out", "entry_key", "pad_shared"]
 
 _Tensor = torch.Tensor
 
@@ -88,7 +88,8 @@ class Route:
     """A call of ``n`` rows with given input shapes: its entry and the views it copies into."""
 
     __slots__ = (
-        "n", "entry", "shapes", "dsts", "src_idx", "pads", "fills", "backs", "back_idx", "consts",
+        "n", "entry", "shapes", "dsts", "src_idx", "pads", "fills", "bases", "backs", "back_idx",
+        "consts",
     )
 
     def __init__(self, n: int | None, entry: Entry, shapes: tuple[Any, ...]) -> None:
@@ -100,10 +101,36 @@ class Route:
         self.pads: list[_Tensor] = []
         #: padding rows filled with another value than 0: (view, value)
         self.fills: list[tuple[_Tensor, Any]] = []
+        #: the buffers every size shares, and their padding values (padded only where an
+        #: earlier call left rows: ``PiecewiseRuntime._pad_shared``); ``pads`` has the others
+        self.bases: list[tuple[_Tensor, Any]] = []
         self.backs: list[_Tensor] = []
         self.back_idx: list[int] = []
         #: the values of the keyed non-tensor inputs (ints other than the size, constants)
         self.consts: list[Any] = []
+
+
+def pad_shared(route: Route, clean: dict[int, int], writes_varying: bool) -> None:
+    """Make the padding rows of the buffers every size shares (``route.bases``) hold their
+    padding value where an earlier call may have left rows of its own (only then: a run of calls
+    of the same rows pads once), and note in ``clean`` (per buffer, by id: from which row on it
+    holds the padding value; missing: nothing is known) what holds after this call.
+    ``writes_varying``: the program writes those inputs in place, so a replay dirties its rows."""
+    n, size = route.n, route.entry.size
+    assert n is not None and size is not None
+    for base, fill in route.bases:
+        key = id(base)
+        c = clean.get(key, base.shape[0])
+        if n >= c:
+            c = n
+        elif n < size:  # rows [n, c) may hold an earlier call's: reset them all
+            rows = base.narrow(0, n, c - n)
+            if fill == 0:
+                rows.zero_()
+            else:
+                rows.fill_(fill)
+            c = n
+        clean[key] = max(c, size) if writes_varying else c
 
 
 def hand_out(

@@ -33,7 +33,7 @@ from torchreplay.core.io import write_back
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
 from torchreplay.errors import CaptureError
-from torchreplay.pieces.entries import Entry, PieceGraph, Route, entry_key, hand_out
+from torchreplay.pieces.entries import Entry, PieceGraph, Route, entry_key, hand_out, pad_shared
 from torchreplay.pieces.program import Constant, Program, run_in_order
 from torchreplay.stats import GraphStats
 
@@ -115,6 +115,9 @@ class PiecewiseRuntime:
         self._entries: dict[tuple[Any, ...], Entry] = {}
         self._routes: dict[int | None, Route] = {}
         self._buffers: dict[tuple[Any, ...], _Tensor] = {}
+        # Per buffer shared by every size: the row from which on it holds the padding (pad_shared)
+        self._clean: dict[int, int] = {}
+        self._writes_varying = any(x.written and x.dim is not None for x in program.inputs)
         self._static_ptrs: list[int] = []
         self._ranges: list[tuple[int, int]] = []  # the pool's address ranges after capture
         # Inputs that are part of the key besides shapes: ints other than the size, constants.
@@ -170,10 +173,12 @@ class PiecewiseRuntime:
         entry = route.entry
         if route.dsts:
             _compat.foreach_copy_(route.dsts, [args[i] for i in route.src_idx])
-        if route.pads:
+        if route.pads:  # buffers of one size
             torch._foreach_zero_(route.pads)
             for view, value in route.fills:
                 view.fill_(value)
+        if route.bases:
+            pad_shared(route, self._clean, self._writes_varying)
         pool = self.pool
         if pool is not None and pool.shared:
             pool.before_replay(entry.position)
@@ -279,7 +284,10 @@ class PiecewiseRuntime:
             view = buf if d is None or n == size else buf.narrow(d, 0, n)
             route.dsts.append(view)
             route.src_idx.append(i)
-            if d is not None and n != size:
+            base = self._buffers.get(self._base_key(i, args[i])) if d == 0 and self.sizes else None
+            if base is not None:
+                route.bases.append((base, self._inputs[i].fill))
+            elif d is not None and n != size:
                 route.pads.append(buf.narrow(d, n, size - n))
                 if self._inputs[i].fill != 0:
                     route.fills.append((route.pads[-1], self._inputs[i].fill))
@@ -352,6 +360,7 @@ class PiecewiseRuntime:
             torch.set_rng_state(cpu_rng)
             torch.cuda.set_rng_state(cuda_rng, self.device)
         self._ranges = self.pool.segment_ranges() if self.pool is not None else []
+        self._clean.clear()  # staging and warm-ups wrote the buffers
         log.info(
             "torchreplay: '%s' captured %d size(s) %s in %.2f s (%d graphs, %d eager steps)",
             self.name,
@@ -368,15 +377,18 @@ class PiecewiseRuntime:
         d = self._inputs[i].dim
         shape = list(arg.shape)
         if d is not None and self.sizes is not None and d == 0:
-            shape[d] = self.sizes[-1]
-            base_key = (i, tuple(shape), arg.dtype)
+            base_key = self._base_key(i, arg)
             base = self._buffers.get(base_key)
             if base is None:
-                base = self._buffers[base_key] = torch.zeros(shape, dtype=arg.dtype, device=arg.device)
+                base = self._buffers[base_key] = torch.zeros(base_key[1], dtype=arg.dtype, device=arg.device)
             return base.narrow(0, 0, size)  # type: ignore[arg-type]
         if d is not None:
             shape[d] = size
         return torch.zeros(shape, dtype=arg.dtype, device=arg.device)
+
+    def _base_key(self, i: int, arg: _Tensor) -> tuple[Any, ...]:
+        """Input ``i``'s buffer that every size shares (a size's buffer is its leading rows)."""
+        return (i, (self.sizes[-1], *arg.shape[1:]), arg.dtype)  # type: ignore[index]
 
     def _stage(self, size: int | None, args: tuple[Any, ...]) -> tuple[Entry, list[Any]]:
         """A new entry of ``size`` with its static input buffers filled from the call, and the
