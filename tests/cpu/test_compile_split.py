@@ -231,3 +231,48 @@ def test_a_graph_the_fake_run_cannot_run_counts_everything_written() -> None:
 
     gm = torch.fx.symbolic_trace(lambda x: x + 1)  # no example values: no fake mode
     assert graph_writes(gm) is None
+
+
+def test_the_padded_dimension_is_found_past_a_closure_weight() -> None:
+    """A function reading a closure tensor before its argument gets that tensor as its first
+    input: the padded size is the argument's dynamic dimension, not the weight's first."""
+    from torchreplay.compile.backend import build_program
+
+    w = torch.randn(8, 4)
+    found = []
+
+    def fn(x):
+        return (x @ w.t()) * 2  # w is read first: an input before x
+
+    def backend(gm, example_inputs):
+        program, _, sized = build_program(gm, example_inputs, CompileConfig(sizes=(1, 2, 4)),
+                                          torch.device("cpu"), None)
+        found.append((sized, [(i.kind, i.dim) for i in program.inputs]))
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        x = torch.randn(3, 4)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.compile(fn, backend=backend)(x)
+    finally:
+        torch._dynamo.reset()
+    ((sized, inputs),) = found
+    assert sized
+    assert ("tensor", 0) in inputs and ("tensor", None) in inputs, inputs  # x padded, w not
+
+
+def test_a_first_call_of_more_rows_then_one_row_is_one_compile() -> None:
+    """With 1 among the sizes, a first call of 4 rows is traced size-oblivious: no guard
+    ``>= 2``, so 1-row calls reuse the compile (on the CPU: no graphs, the same Dynamo)."""
+    torch._dynamo.reset()
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()).eval()
+        c = tr.compile(model, sizes=[1, 2, 4, 8], cache_dir=None)
+        with torch.no_grad():
+            for b in (4, 1, 3, 8, 2, 1):
+                x = torch.randn(b, 4)
+                torch.testing.assert_close(c(x), model(x))
+        assert c.backend.compiles == 1
+    finally:
+        torch._dynamo.reset()

@@ -366,15 +366,9 @@ def test_capture_sizes_from_one_compile() -> None:
     assert rt.stats.fallbacks == 4  # 8 and 9 rows, twice each: above the largest size
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Compiled._mark marks the dimension unbacked only when the first call has 1 row; "
-    "a first call of 2 or more rows is mark_dynamic, whose symbol Dynamo guards >= 2, so a "
-    "later 1-row call compiles again (marking it unbacked there too broke the built-in Llama: "
-    "its size no longer reached the outputs, so padding was off)",
-)
 def test_a_first_call_above_one_row_then_one_row_is_one_compile() -> None:
     # ports test_cudagraph_capture_sizes in another order: a first batch of 4, later batches of 1
+    # (the first call is traced size-oblivious, so Dynamo does not guard the size >= 2)
     model = _mlp()
     c = tr.compile(model, sizes=[1, 2, 4, 8])
     with torch.no_grad():

@@ -443,6 +443,18 @@ def fresh_unbacked_ignored(fake_mode: Any) -> Iterator[None]:
         yield
 
 
+def backed_size_oblivious() -> contextlib.AbstractContextManager[Any]:
+    """While Dynamo traces: size symbols range over [0, inf] with no 0/1 guard, so a graph
+    traced at more rows serves a 1-row call too (else Dynamo guards the size ``>= 2`` and a
+    1-row call compiles again). ``torch.fx.experimental._config.backed_size_oblivious`` (torch
+    >= 2.6, marked experimental); without it, nothing changes."""
+    from torch.fx.experimental import _config as fx_config
+
+    if not hasattr(fx_config, "backed_size_oblivious"):
+        return contextlib.nullcontext()
+    return fx_config.patch(backed_size_oblivious=True)
+
+
 def symbol_of(value: Any) -> Any:
     """The sympy expression of a SymInt (``s0``), or None for a plain int."""
     node = getattr(value, "node", None)
@@ -560,7 +572,7 @@ from torchreplay._compat.cache import (  # noqa: E402  (the compile cache's name
     standalone_compile,
 )
 
-__all__ += ["direct_replay"]
+__all__ += ["direct_replay", "backed_size_oblivious"]
 __all__ += [
     "standalone_compile", "has_standalone_compile", "artifact_saveable", "save_artifact",
     "load_artifact", "inductor_config_hash", "shape_ranges",

@@ -8,6 +8,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from torchreplay import _compat
 from torchreplay.compile.backend import Backend
 from torchreplay.config import DEFAULT_CACHE_DIR, RANKS, CompileConfig, OutputPolicy, RankConfig
 
@@ -26,24 +27,28 @@ class Compiled:
         self._marked = backend.config.sizes is None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._marked:
-            self._mark(args, kwargs)
+        if not self._marked and self._mark(args, kwargs):
+            with _compat.backed_size_oblivious():  # the first call is the one Dynamo traces
+                return self.compiled(*args, **kwargs)
         return self.compiled(*args, **kwargs)
 
-    def _mark(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        """Make dimension ``dim`` of the tensor arguments dynamic from this first call.
+    def _mark(self, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        """Make dimension ``dim`` of the tensor arguments dynamic from this first call; return
+        whether the trace must not guard the size ``>= 2``.
 
         A size of 1 would be specialised by Dynamo (its 0/1 rule) and the next size would
         compile again; it is marked unbacked instead, which keeps it symbolic from the start.
-        A first call of more rows is marked dynamic (backed): a later 1-row call then compiles
-        again (Dynamo guards a backed size ``>= 2``). Marking it unbacked there too was tried
-        and reverted: on the built-in Llama the unbacked size does not reach the outputs, so
-        padding is off and the model breaks into a second graph."""
+        A first call of more rows is marked dynamic (backed), and when 1 is a size it is traced
+        size-oblivious (:func:`~torchreplay._compat.backed_size_oblivious`): Dynamo would guard
+        the size ``>= 2``, and a later 1-row call would compile again (on one rank of a
+        tensor-parallel job: a second graph the other ranks never replay). Marking it unbacked
+        there too was tried and reverted: on the built-in Llama the unbacked size does not reach
+        the outputs, so padding is off and the model breaks into a second graph."""
         self._marked = True
         dim = self.backend.config.dim
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         if not tensors or tensors[0].dim() <= dim:
-            return
+            return False
         n = tensors[0].shape[dim]
         for t in tensors:
             if t.dim() > dim and t.shape[dim] == n:
@@ -51,6 +56,7 @@ class Compiled:
                     torch._dynamo.mark_dynamic(t, dim)
                 else:
                     torch._dynamo.decorators.mark_unbacked(t, dim)
+        return n >= 2 and 1 in (self.backend.config.sizes or ())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["compiled"], name)

@@ -360,14 +360,16 @@ def _inductor_or_fx(
 
 
 def _padded_symbol(placeholders: list[fx.Node], example_inputs: Sequence[Any], cfg: CompileConfig) -> Any:
-    """The symbol of dimension ``cfg.dim`` of the first argument tensor, if it is dynamic."""
+    """The symbol of dimension ``cfg.dim`` of the first tensor input where that dimension is
+    dynamic (not the first tensor input: a function's closure tensors, its weights, come
+    before its arguments when it reads them first), or None."""
     for p, ex in zip(placeholders, example_inputs):
         if isinstance(ex, torch.Tensor) and not _compat.is_static_input(ex):
             value = node_value(p)
             if isinstance(value, torch.Tensor) and value.dim() > cfg.dim:
                 expr = _compat.symbol_of(value.shape[cfg.dim])
-                return expr if expr is not None and getattr(expr, "is_Symbol", False) else None
-            return None
+                if expr is not None and getattr(expr, "is_Symbol", False):
+                    return expr
     return None
 
 
