@@ -10,7 +10,9 @@ from torchreplay import _compat
 from torchreplay.core.outputs import Outputs
 from torchreplay.pieces.program import Program
 
-__all__ = ["PieceGraph", "Entry", "Route", "hand_out", "entry_key", "pad_shared"]
+__all__ = [
+    "PieceGraph", "Entry", "Route", "hand_out", "entry_key", "pad_shared", "shared_key", "static_buffer",
+]
 
 _Tensor = torch.Tensor
 
@@ -108,6 +110,35 @@ class Route:
         self.back_idx: list[int] = []
         #: the values of the keyed non-tensor inputs (ints other than the size, constants)
         self.consts: list[Any] = []
+
+
+def shared_key(i: int, arg: _Tensor, sizes: Sequence[int]) -> tuple[Any, ...]:
+    """The key of input ``i``'s buffer that every size shares: dimension 0 at the largest size
+    (a size's buffer is its leading rows)."""
+    return (i, (sizes[-1], *arg.shape[1:]), arg.dtype)
+
+
+def static_buffer(
+    buffers: dict[tuple[Any, ...], _Tensor],
+    i: int,
+    size: int | None,
+    arg: _Tensor,
+    dim: int | None,
+    sizes: Sequence[int] | None,
+) -> _Tensor:
+    """The static input buffer of input ``i`` (like ``arg``, padded along ``dim``) at ``size``
+    rows: along dimension 0 with ``sizes``, a view of the one buffer every size shares (made in
+    ``buffers`` on first use); else a buffer of its own."""
+    if dim == 0 and sizes:
+        key = shared_key(i, arg, sizes)
+        base = buffers.get(key)
+        if base is None:
+            base = buffers[key] = torch.zeros(key[1], dtype=arg.dtype, device=arg.device)
+        return base.narrow(0, 0, size)  # type: ignore[arg-type]
+    shape = list(arg.shape)
+    if dim is not None:
+        shape[dim] = size
+    return torch.zeros(shape, dtype=arg.dtype, device=arg.device)
 
 
 def pad_shared(route: Route, clean: dict[int, int], writes_varying: bool) -> None:

@@ -33,7 +33,9 @@ from torchreplay.core.io import write_back
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
 from torchreplay.errors import CaptureError
-from torchreplay.pieces.entries import Entry, PieceGraph, Route, entry_key, hand_out, pad_shared
+from torchreplay.pieces.entries import (
+    Entry, PieceGraph, Route, entry_key, hand_out, pad_shared, shared_key, static_buffer,
+)
 from torchreplay.pieces.program import Constant, Program, run_in_order
 from torchreplay.stats import GraphStats
 
@@ -284,7 +286,7 @@ class PiecewiseRuntime:
             view = buf if d is None or n == size else buf.narrow(d, 0, n)
             route.dsts.append(view)
             route.src_idx.append(i)
-            base = self._buffers.get(self._base_key(i, args[i])) if d == 0 and self.sizes else None
+            base = self._buffers.get(shared_key(i, args[i], self.sizes)) if d == 0 and self.sizes else None
             if base is not None:
                 route.bases.append((base, self._inputs[i].fill))
             elif d is not None and n != size:
@@ -372,24 +374,6 @@ class PiecewiseRuntime:
         )
         return entries
 
-    def _buffer(self, i: int, size: int | None, arg: _Tensor) -> _Tensor:
-        """The static input buffer of input ``i`` at ``size`` rows (a view of the largest)."""
-        d = self._inputs[i].dim
-        shape = list(arg.shape)
-        if d is not None and self.sizes is not None and d == 0:
-            base_key = self._base_key(i, arg)
-            base = self._buffers.get(base_key)
-            if base is None:
-                base = self._buffers[base_key] = torch.zeros(base_key[1], dtype=arg.dtype, device=arg.device)
-            return base.narrow(0, 0, size)  # type: ignore[arg-type]
-        if d is not None:
-            shape[d] = size
-        return torch.zeros(shape, dtype=arg.dtype, device=arg.device)
-
-    def _base_key(self, i: int, arg: _Tensor) -> tuple[Any, ...]:
-        """Input ``i``'s buffer that every size shares (a size's buffer is its leading rows)."""
-        return (i, (self.sizes[-1], *arg.shape[1:]), arg.dtype)  # type: ignore[index]
-
     def _stage(self, size: int | None, args: tuple[Any, ...]) -> tuple[Entry, list[Any]]:
         """A new entry of ``size`` with its static input buffers filled from the call, and the
         slot values a capture starts from."""
@@ -398,7 +382,7 @@ class PiecewiseRuntime:
         for i, inp in enumerate(self._inputs):
             a = args[i]
             if inp.kind == "tensor":
-                buf = self._buffer(i, size, a)
+                buf = static_buffer(self._buffers, i, size, a, inp.dim, self.sizes)
                 rows = a.shape[inp.dim] if inp.dim is not None else None
                 with torch.no_grad():
                     if rows is None:
