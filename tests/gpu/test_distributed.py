@@ -47,16 +47,22 @@ def _tp_shards(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
             w2[:, rank * shard:(rank + 1) * shard].contiguous())
 
 
-def w_tp_mlp(rank: int, world: int) -> dict:
-    dev = torch.device("cuda", rank)
+def _tp_mlp(rank: int, world: int):
+    """This rank's part of the TP MLP: its shards, and an ``all_reduce`` of the partial sums."""
     a, b = _tp_shards(rank, world)
-    w1, w2 = _tp_weights(dev)  # the one-GPU reference's
 
     def tp_mlp(x: torch.Tensor) -> torch.Tensor:
         y = F.gelu(x @ a.t()) @ b.t()
         dist.all_reduce(y)
         return y
 
+    return tp_mlp
+
+
+def w_tp_mlp(rank: int, world: int) -> dict:
+    dev = torch.device("cuda", rank)
+    tp_mlp = _tp_mlp(rank, world)
+    w1, w2 = _tp_weights(dev)  # the one-GPU reference's
     g = tr.graph(tp_mlp, torch.randn(SIZES[-1], D, device=dev), sizes=SIZES)
     gen = torch.Generator(device=dev).manual_seed(100 + rank)
     worst = 0.0
@@ -578,14 +584,8 @@ def test_a_rank_that_dies_after_the_agreement_ends_the_others_naming_the_graph()
 
 def w_compiled_tp(rank: int, world: int) -> dict:
     dev = torch.device("cuda", rank)
-    a, b = _tp_shards(rank, world)
+    tp_mlp = _tp_mlp(rank, world)
     w1, w2 = _tp_weights(dev)  # the one-GPU reference's
-
-    def tp_mlp(x: torch.Tensor) -> torch.Tensor:
-        y = F.gelu(x @ a.t()) @ b.t()
-        dist.all_reduce(y)
-        return y
-
     c = tr.compile(tp_mlp, sizes=SIZES)
     gen = torch.Generator(device=dev).manual_seed(100 + rank)
     worst, hits = 0.0, []
