@@ -78,7 +78,7 @@ def _handed_tensor() -> tuple[list[torch.Tensor], list[int], list[torch.UntypedS
     live = [torch.UntypedStorage(48)]
     handed = [torch.empty(0).set_(live[0], 0, (4, 3), (3, 1))]
     if outputs._HELD_STORAGE_REFS[0] < 0:
-        outputs._HELD_STORAGE_REFS[0] = outputs._refcounts(live)[0]
+        outputs._HELD_STORAGE_REFS[0] = outputs._loop_refcount(live)
     return handed, [t._version for t in handed], live, [2]
 
 

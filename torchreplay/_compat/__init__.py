@@ -32,6 +32,7 @@ __all__ = [
     "HAS_USE_COUNTS",
     "tensor_use_count",
     "storage_use_count",
+    "storage_use_count_binding",
     "set_sequence_nr",
     "abandon_pool",
     "end_rng_capture",
@@ -155,6 +156,8 @@ def invalidate_storage(storage: torch.UntypedStorage, message: str) -> None:
 # them every call makes new tensors, which is correct, only slower.
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 HAS_USE_COUNTS: bool = _storage_use_count is not None and hasattr(torch.Tensor, "_use_count")
+#: The binding itself, for the checked replay path: it takes ``storage._cdata``.
+storage_use_count_binding: Callable[[int], int] | None = _storage_use_count
 
 
 def tensor_use_count(t: torch.Tensor) -> int:

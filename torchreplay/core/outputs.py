@@ -22,6 +22,9 @@ from torchreplay import _compat
 __all__ = ["Outputs"]
 
 _Tensor = torch.Tensor
+_getrefcount = sys.getrefcount
+_getweakrefcount = weakref.getweakrefcount
+_storage_use_count = _compat.storage_use_count_binding
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -80,6 +83,7 @@ class Outputs:
             nbytes = leaves[idxs[0]].untyped_storage().nbytes()
             metas = [(i, _tensor_meta(leaves[i])) for i in idxs]
             self.groups.append((ptr, nbytes, metas))
+        self._checked = policy == "checked" and bool(self.groups)
         self.device = leaves[self.owned_idx[0]].device if self.owned_idx else None
         self.live: list[torch.UntypedStorage] = []
         self.watch = sorted(watch)
@@ -132,15 +136,16 @@ class Outputs:
         # when the cache is emptied (outputs="static" callers keep theirs alive themselves).
         self.static = []
         self.groups = []
+        self._checked = False
 
     def emit(self) -> Any:
         """Return this replay's outputs, in the captured structure, under the policy."""
         leaves = self.static
-        if self.policy == "checked" and self.groups:
+        if self._checked:
             handed = self._handed
             if not (
                 handed
-                and sys.getrefcount(handed[0]) == _FIRST_REFS  # the common "kept": fail fast
+                and _getrefcount(handed[0]) == _FIRST_REFS  # the common "kept": fail fast
                 and _unheld(handed, self._versions, self.live, self._uses)
             ):
                 handed = self._new_tensors()
@@ -184,7 +189,7 @@ class Outputs:
             self._versions = [t._version for t in handed]
             if _HELD_STORAGE_REFS[0] < 0:
                 del storage
-                _HELD_STORAGE_REFS[0] = _refcounts(live)[0]
+                _HELD_STORAGE_REFS[0] = _loop_refcount(live)
         return handed
 
 
@@ -206,27 +211,36 @@ def _unheld(
     (its use count is its Python object plus our tensors) and nobody else holds its Python
     object (``y.untyped_storage()`` returns it).
     """
-    for t, n, v in zip(handed, _refcounts(handed), versions):
+    # One flat loop each, no zip or comprehension: this runs on every call of the common case,
+    # and in Python the plain form costs a third of the general one.
+    k = 0
+    for t in handed:
         if (
-            n != _FREE_REFS
-            or t._version != v
+            _getrefcount(t) != _FREE_REFS
+            or t._version != versions[k]
             or t._use_count() != 1
             or t.requires_grad
             or t.grad is not None
             or t.__dict__
-            or weakref.getweakrefcount(t)
+            or _getweakrefcount(t)
         ):
             return False
-    use_count = _compat.storage_use_count
+        k += 1
     held = _HELD_STORAGE_REFS[0]
-    for s, n, u in zip(storages, _refcounts(storages), uses):
-        if n != held or use_count(s) != u:
+    k = 0
+    for s in storages:
+        if _getrefcount(s) != held or _storage_use_count(s._cdata) != uses[k]:
             return False
+        k += 1
     return True
 
 
-def _refcounts(objs: list[Any]) -> list[int]:
-    return [sys.getrefcount(o) for o in objs]
+def _loop_refcount(objs: list[Any]) -> int:
+    """What ``sys.getrefcount`` says of the first of ``objs`` in the loops of :func:`_unheld`
+    and :func:`_free` (it differs between Python versions)."""
+    for o in objs:
+        return _getrefcount(o)
+    raise ValueError("no object to count")
 
 
 def _free(storages: list[torch.UntypedStorage]) -> list[bool]:
@@ -236,13 +250,15 @@ def _free(storages: list[torch.UntypedStorage]) -> list[bool]:
     apart from one over a new storage. A torch without use counts says no, always."""
     if not _compat.HAS_USE_COUNTS:
         return [False] * len(storages)
-    use_count = _compat.storage_use_count
-    return [sys.getrefcount(s) == _FREE_REFS and use_count(s) == 1 for s in storages]
+    free = []
+    for s in storages:
+        free.append(_getrefcount(s) == _FREE_REFS and _storage_use_count(s._cdata) == 1)
+    return free
 
 
-# What sys.getrefcount says in these comprehensions of an object only its list holds (it differs
-# between Python versions); counted once, on a storage nothing else refers to.
-_FREE_REFS = _refcounts([torch.UntypedStorage(0)])[0]
+# What sys.getrefcount says in those loops of an object only its list holds; counted once, on a
+# storage nothing else refers to.
+_FREE_REFS = _loop_refcount([torch.UntypedStorage(0)])
 _ONLY_IN_A_LIST = [torch.UntypedStorage(0)]
 _FIRST_REFS = sys.getrefcount(_ONLY_IN_A_LIST[0])  # as emit counts handed[0]
 del _ONLY_IN_A_LIST
