@@ -255,6 +255,7 @@ def capture(
     config: GraphConfig,
     grad: bool = False,
     warmup: bool = True,
+    sync: bool = True,
     snapshot: StateSnapshot | None = None,
     watch: Sequence[torch.Tensor] = (),
     reset: Callable[[], None] | None = None,
@@ -274,6 +275,10 @@ def capture(
         grad: run with autograd enabled (training) instead of under ``torch.no_grad()``.
         warmup: run ``config.num_warmup_iters`` eager calls first (False when an earlier
             capture of the same callable already did, e.g. smaller sizes of a bucketed graph).
+        sync: wait for the warm-up's GPU work before capturing, so that an asynchronous error
+            (a device-side assert) is raised as a warm-up error. False where the same code ran
+            and was synchronized before (a later size of a piecewise runtime, which syncs once
+            after its sizes): the host captures while the GPU runs the warm-up.
         snapshot: restored after a failure (the caller restores it after success).
         watch: tensors (the static inputs) whose in-place writes by the captured call are
             recorded in ``Captured.written`` (:class:`~torchreplay.core.writes.WriteWatch`).
@@ -308,7 +313,8 @@ def capture(
                 except Exception as exc:
                     _undo(None, device, pool, snapshot, exc)
                     raise _warmup_error(fn, i, exc) from exc
-            stream.synchronize()  # surface asynchronous warm-up errors before capture begins
+            if sync:
+                stream.synchronize()  # surface asynchronous warm-up errors before capture begins
 
         segments = Segments(pool, config.capture_error_mode)
         watcher = WriteWatch(watch) if watch else contextlib.nullcontext()

@@ -355,6 +355,9 @@ class PiecewiseRuntime:
         try:
             for size, key in todo:
                 entries.append(self._capture_key(size, key, args))
+            # The warm-ups of later sizes were not waited for one by one (the GPU ran them while
+            # the host captured): an asynchronous error surfaces here, still in the first call.
+            self._stream.synchronize()
         finally:
             with torch.no_grad():
                 for t, s in saved:
@@ -502,6 +505,7 @@ class PiecewiseRuntime:
                 pool=self.pool,  # type: ignore[arg-type]
                 config=self.config if k not in self._warmed else dataclasses.replace(
                     self.config, num_warmup_iters=min(1, self.config.num_warmup_iters)),
+                sync=k not in self._warmed,  # _capture_batch syncs once after the sizes
                 grad=torch.is_grad_enabled(), reset=reset if initial else None, collectives=False,
             )
         except CaptureError as exc:
