@@ -523,10 +523,11 @@ class PiecewiseRuntime:
         self._graphs.append(captured.graph)
         self._warmed.add(k)
         reset()
-        captured.graph.replay()  # real values in its outputs, for the eager steps that follow
-        with torch.no_grad():
-            for pos, buf in backs:
-                made[pos].copy_(buf)
+        if k < len(self._pieces) - 1:  # real values in its outputs, for the steps that follow
+            captured.graph.replay()
+            with torch.no_grad():
+                for pos, buf in backs:
+                    made[pos].copy_(buf)
         self.stats.captures += 1
         self.stats.capture_seconds += captured.seconds
         return PieceGraph(captured.graph, captured.out, copies, backs), captured.out
