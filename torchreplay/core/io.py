@@ -221,13 +221,22 @@ class Inputs:
         Returns the call's leaves in capture order (training passes the caller's tensors on to
         autograd, so that gradients reach them).
         """
-        leaves = self.flatten(args, kwargs)
+        # flatten's and _matches' common cases inline: this runs on every replay
+        if self._only_args and not kwargs and len(args) == self.nargs:
+            leaves: Sequence[Any] = args
+        else:
+            leaves = self.flatten(args, kwargs)
         one = self._one
         if one is not None:  # the common case: one tensor argument, no constants
             i, static, shape, dtype, device, slot = one
             leaf = leaves[i]
             if leaf is not static:
-                if not _matches(leaf, shape, dtype, device):
+                if not (
+                    type(leaf) is _Tensor
+                    and leaf.shape == shape
+                    and leaf.dtype is dtype
+                    and leaf.get_device() == device
+                ) and not _matches(leaf, shape, dtype, device):
                     self._convert(i, slot, leaf)
                     return leaves
                 try:
