@@ -78,6 +78,33 @@ def test_strided_input_of_the_right_shape_is_accepted() -> None:
 @pytest.mark.parametrize(
     "bad, words",
     [
+        (torch.randn(5, 3), ["args[0] 'x'", "(5, 3)", "(4, 3)"]),
+        (torch.randn(4, 3, dtype=torch.float64), ["float64", ".to(torch.float32)"]),
+        (3.0, ["expected a tensor", "float"]),
+    ],
+)
+def test_the_one_tensor_fast_path_checks_like_the_general_one(bad, words, caplog) -> None:
+    """One tensor argument takes copy_in's inline check: a subclass of the captured shape is
+    copied, a widening cast is copied with a warning, anything else raises the same errors."""
+    inp = Inputs(lambda x: x, (torch.randn(4, 3),), {}, CPU)
+    assert inp._one is not None
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    inp.copy_in((p,), {})
+    assert torch.equal(inp.static_args[0], p)
+    half = torch.randn(4, 3, dtype=torch.bfloat16)
+    with caplog.at_level("WARNING", logger="torchreplay"):
+        inp.copy_in((half,), {})
+    assert "bfloat16" in caplog.text
+    assert torch.equal(inp.static_args[0], half.float())
+    with pytest.raises(ReplayInputError) as e:
+        inp.copy_in((bad,), {})
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+@pytest.mark.parametrize(
+    "bad, words",
+    [
         (torch.randn(5, 3), ["args[0] 'x'", "(5, 3)", "(4, 3)", "sizes=[...]", "never broadcasts"]),
         (torch.randn(1, 3), ["(1, 3)", "(4, 3)"]),
         (torch.randn(4, 3, dtype=torch.float64), ["float64", ".to(torch.float32)"]),
