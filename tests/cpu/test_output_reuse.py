@@ -10,6 +10,10 @@ import torch
 from torchreplay import _compat
 from torchreplay.core.outputs import _free
 
+
+def _free_of(live: list[torch.UntypedStorage]) -> list[bool]:
+    return _free(live, [_compat.storage_handle(s) for s in live])
+
 pytestmark = pytest.mark.skipif(not _compat.HAS_USE_COUNTS, reason="this torch has no use counts")
 
 
@@ -53,9 +57,9 @@ def _hold(t: torch.Tensor, hold: str, keep: list) -> None:
 
 def test_a_storage_whose_tensors_were_dropped_is_free() -> None:
     live, t = _handed()
-    assert _free(live) == [False]
+    assert _free_of(live) == [False]
     del t
-    assert _free(live) == [True]
+    assert _free_of(live) == [True]
 
 
 @pytest.mark.parametrize(
@@ -66,12 +70,14 @@ def test_a_storage_anything_can_still_reach_is_not_free(hold: str) -> None:
     keep: list = []
     _hold(t, hold, keep)
     del t
-    assert _free(live) == [hold == "data_ptr_only"], hold
+    assert _free_of(live) == [hold == "data_ptr_only"], hold
     keep.clear()
-    assert _free(live) == [True], hold
+    assert _free_of(live) == [True], hold
 
 
-def _handed_tensor() -> tuple[list[torch.Tensor], list[int], list[torch.UntypedStorage], list[int]]:
+def _handed_tensor() -> tuple[
+    list[torch.Tensor], list[int], list[torch.UntypedStorage], list[int], list[int]
+]:
     """What Outputs keeps after handing out one tensor with reuse on."""
     from torchreplay.core import outputs
 
@@ -79,7 +85,7 @@ def _handed_tensor() -> tuple[list[torch.Tensor], list[int], list[torch.UntypedS
     handed = [torch.empty(0).set_(live[0], 0, (4, 3), (3, 1))]
     if outputs._HELD_STORAGE_REFS[0] < 0:
         outputs._HELD_STORAGE_REFS[0] = outputs._loop_refcount(live)
-    return handed, [t._version for t in handed], live, [2]
+    return handed, [t._version for t in handed], live, [_compat.storage_handle(live[0])], [2]
 
 
 def test_a_dropped_unchanged_tensor_is_unheld() -> None:
@@ -97,10 +103,10 @@ def test_a_dropped_unchanged_tensor_is_unheld() -> None:
 def test_a_tensor_anyone_can_reach_or_tell_apart_is_held(hold: str) -> None:
     from torchreplay.core.outputs import _unheld
 
-    handed, versions, live, uses = _handed_tensor()
+    handed, versions, live, handles, uses = _handed_tensor()
     keep: list = []
     _hold(handed[0], hold, keep)
-    assert not _unheld(handed, versions, live, uses), hold
+    assert not _unheld(handed, versions, live, handles, uses), hold
 
 
 def test_the_fast_first_check_agrees_with_the_full_one() -> None:

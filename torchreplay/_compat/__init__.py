@@ -32,7 +32,7 @@ __all__ = [
     "HAS_USE_COUNTS",
     "tensor_use_count",
     "storage_use_count",
-    "storage_use_count_binding",
+    "storage_handle",
     "set_sequence_nr",
     "abandon_pool",
     "end_rng_capture",
@@ -150,19 +150,23 @@ def invalidate_storage(storage: torch.UntypedStorage, message: str) -> None:
 
 
 # How many C++ owners a tensor's TensorImpl and a storage's StorageImpl have: outputs="checked"
-# hands the last call's output tensors out again when nobody else can reach them (core/io.py,
-# Outputs._unheld). ``Tensor._use_count`` and ``torch._C._storage_Use_Count`` (the latter is what
+# hands the last call's output tensors out again when nobody else can reach them (core/outputs.py,
+# _unheld). ``Tensor._use_count`` and ``torch._C._storage_Use_Count`` (the latter is what
 # cudagraph trees use to see whether an output is still alive) exist in torch >= 2.5; without
-# them every call makes new tensors, which is correct, only slower.
+# them every call makes new tensors, which is correct, only slower. Both are on the checked
+# replay path, so they are the bindings themselves, not wrappers (a wrapper costs ~0.1 us).
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 HAS_USE_COUNTS: bool = _storage_use_count is not None and hasattr(torch.Tensor, "_use_count")
-#: The binding itself, for the checked replay path: it takes ``storage._cdata``.
-storage_use_count_binding: Callable[[int], int] | None = _storage_use_count
+#: ``tensor_use_count(t)``: the use count of ``t``'s TensorImpl (1: only its Python object).
+tensor_use_count: Callable[[torch.Tensor], int] | None = getattr(torch.Tensor, "_use_count", None)
+#: ``storage_use_count(storage_handle(s))``: the use count of ``s``'s StorageImpl (its Python
+#: object and each tensor over it). The handle is valid while ``s`` is alive.
+storage_use_count: Callable[[int], int] | None = _storage_use_count
 
 
-def tensor_use_count(t: torch.Tensor) -> int:
-    """The use count of ``t``'s TensorImpl (1: only ``t``'s Python object owns it)."""
-    return t._use_count()
+def storage_handle(storage: torch.UntypedStorage) -> int:
+    """The address of ``storage``'s StorageImpl (``_cdata``, private), for :data:`storage_use_count`."""
+    return storage._cdata
 
 
 def compiled_target(obj: Any) -> Any:
@@ -182,12 +186,6 @@ def storage_key(t: torch.Tensor) -> int:
         return t.untyped_storage()._cdata
     except Exception:
         return id(t)
-
-
-def storage_use_count(storage: torch.UntypedStorage) -> int:
-    """The use count of ``storage``'s StorageImpl (its Python object and each tensor over it)."""
-    assert _storage_use_count is not None
-    return _storage_use_count(storage._cdata)
 
 
 def set_sequence_nr(grad_fn: Any, seq: int) -> None:

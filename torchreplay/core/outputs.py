@@ -24,7 +24,8 @@ __all__ = ["Outputs"]
 _Tensor = torch.Tensor
 _getrefcount = sys.getrefcount
 _getweakrefcount = weakref.getweakrefcount
-_storage_use_count = _compat.storage_use_count_binding
+_tensor_use_count = _compat.tensor_use_count
+_storage_use_count = _compat.storage_use_count
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -86,6 +87,7 @@ class Outputs:
         self._checked = policy == "checked" and bool(self.groups)
         self.device = leaves[self.owned_idx[0]].device if self.owned_idx else None
         self.live: list[torch.UntypedStorage] = []
+        self._handles: list[int] = []  # their _compat.storage_handle, for the use counts
         self.watch = sorted(watch)
         self._watched: list[torch.Tensor] = []
         self.reuse = reuse and _compat.HAS_USE_COUNTS
@@ -122,7 +124,7 @@ class Outputs:
         block the next replay (that output is marked stale as usual). Without use counts: yes."""
         if not _compat.HAS_USE_COUNTS:
             return bool(self._watched)
-        return any(t._use_count() > 1 for t in self._watched)
+        return any(_tensor_use_count(t) > 1 for t in self._watched)
 
     def retire(self) -> None:
         """The graph is being destroyed: make the outputs it handed out raise when read (their
@@ -146,7 +148,7 @@ class Outputs:
             if not (
                 handed
                 and _getrefcount(handed[0]) == _FIRST_REFS  # the common "kept": fail fast
-                and _unheld(handed, self._versions, self.live, self._uses)
+                and _unheld(handed, self._versions, self.live, self._handles, self._uses)
             ):
                 handed = self._new_tensors()
             if self.is_leaf:
@@ -170,7 +172,7 @@ class Outputs:
         last = self.live
         # With reuse, our own reference to a handed tensor keeps its storage in use: only a
         # tensor someone else holds gets here, so there is no free storage to look for.
-        free = _free(last) if last and not self.reuse else ()
+        free = _free(last, self._handles) if last and not self.reuse else ()
         live = []
         handed = []
         for k, (ptr, nbytes, metas) in enumerate(self.groups):
@@ -184,6 +186,8 @@ class Outputs:
             for _, meta in metas:
                 handed.append(_compat.tensor_from_storage(meta, storage))
         self.live = live
+        if _storage_use_count is not None:
+            self._handles = [_compat.storage_handle(s) for s in live]
         if self.reuse:
             self._handed = handed
             self._versions = [t._version for t in handed]
@@ -197,6 +201,7 @@ def _unheld(
     handed: list[torch.Tensor],
     versions: list[int],
     storages: list[torch.UntypedStorage],
+    handles: list[int],
     uses: list[int],
 ) -> bool:
     """Can nobody but us reach the tensors the last call handed out, or tell them apart from
@@ -218,7 +223,7 @@ def _unheld(
         if (
             _getrefcount(t) != _FREE_REFS
             or t._version != versions[k]
-            or t._use_count() != 1
+            or _tensor_use_count(t) != 1
             or t.requires_grad
             or t.grad is not None
             or t.__dict__
@@ -229,7 +234,7 @@ def _unheld(
     held = _HELD_STORAGE_REFS[0]
     k = 0
     for s in storages:
-        if _getrefcount(s) != held or _storage_use_count(s._cdata) != uses[k]:
+        if _getrefcount(s) != held or _storage_use_count(handles[k]) != uses[k]:
             return False
         k += 1
     return True
@@ -243,7 +248,7 @@ def _loop_refcount(objs: list[Any]) -> int:
     raise ValueError("no object to count")
 
 
-def _free(storages: list[torch.UntypedStorage]) -> list[bool]:
+def _free(storages: list[torch.UntypedStorage], handles: list[int]) -> list[bool]:
     """For each storage: does nothing but our list hold it? No tensor over its memory is left
     (its StorageImpl has one owner, its Python object) and nobody else holds that Python object
     (``y.untyped_storage()`` returns it). Then handing out a new tensor over it cannot be told
@@ -251,8 +256,10 @@ def _free(storages: list[torch.UntypedStorage]) -> list[bool]:
     if not _compat.HAS_USE_COUNTS:
         return [False] * len(storages)
     free = []
+    k = 0
     for s in storages:
-        free.append(_getrefcount(s) == _FREE_REFS and _storage_use_count(s._cdata) == 1)
+        free.append(_getrefcount(s) == _FREE_REFS and _storage_use_count(handles[k]) == 1)
+        k += 1
     return free
 
 
