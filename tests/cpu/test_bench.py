@@ -285,7 +285,8 @@ def test_split_cost_notes_are_per_split_over_one_piece() -> None:
            Measurement("r", "w", "k2", 120.0, 30.0), Measurement("r", "w", "op alone", 5.0, 4.0),
            Measurement("r", "w", "w4", 130.0, 40.0), Measurement("r", "w", "out op alone", 3.0, 6.0)]
     built = {label: _FakeCompiled() for label in labels}
-    out = {m.method: m for m in compile_costs._split_notes(raw, labels, built, op_labels)}
+    alone = ["op alone", "out op alone"]
+    out = {m.method: m for m in compile_costs._split_notes(raw, labels, built, op_labels, alone)}
     assert list(out) == ["k1", "k2", "k4", "w4", "op alone", "out op alone"]
     assert out["k2"].values["host_us_per_split"] == pytest.approx(20.0)
     assert out["k4"].values["host_us_per_split"] == pytest.approx(20.0)

@@ -176,6 +176,48 @@ def test_user_splitting_op_runs_eagerly_between_two_graphs() -> None:
     assert kinds == [True, False, True], kinds
     assert rt.stats.captures == 2 and rt.stats.replays == CALLS and rt.stats.fallbacks == 0
     assert "splitting op" in tr.explain(c)
+    # replays call the custom op's kernel without the dispatcher (capture went through it)
+    fast = rt.program.pieces[1].replay_fn
+    assert fast is not None and "direct_trtest_scaled_softmax" in fast.__self__.code
+
+
+def test_a_splitting_op_that_writes_its_argument_is_called_directly_and_bumps_versions() -> None:
+    # vLLM's style: the op writes an output argument (here a buffer of the model's)
+    model = _WritesBuffer().to(DEV).eval()
+    c = tr.compile(model, splitting_ops=["trtest.scale_into"])
+    twin = _WritesBuffer().to(DEV).eval()
+    twin.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = torch.randn(8, 64, device=DEV)
+            _close(c(x), twin(x))
+            _close(model.out, twin.out)
+    (rt,) = _runtimes(c)
+    assert rt.stats.fallbacks == 0 and rt.stats.replays == CALLS
+    (step,) = [p for p in rt.program.pieces if not p.graphed]
+    assert step.replay_fn is not None and "direct_trtest_scale_into" in step.replay_fn.__self__.code
+    v = model.out._version
+    with torch.no_grad():
+        c(torch.randn(8, 64, device=DEV))
+    assert model.out._version > v  # the write is seen by autograd's version counter, as eagerly
+
+
+@torch.library.custom_op("trtest::scale_into", mutates_args=("out",))
+def _scale_into(x: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+    out.copy_(x * scale)
+
+
+_scale_into.register_fake(lambda x, out, scale: None)
+
+
+class _WritesBuffer(_TwoBlocks):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("out", torch.zeros(8, 64))
+
+    def forward(self, x):
+        torch.ops.trtest.scale_into(self.a(x), self.out, 0.5)
+        return self.b(self.out)
 
 
 def test_a_model_writing_its_input_writes_the_callers_tensor() -> None:

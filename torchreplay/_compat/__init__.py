@@ -587,3 +587,6 @@ from torchreplay._compat.distributed import (  # noqa: E402  (the torch.distribu
 )
 
 __all__ += ["default_store", "dist_ready", "group_named", "group_of_arg", "group_ranks"]
+from torchreplay._compat.ops import argument_kinds, custom_op_kernel, modes_active, plain_value  # noqa: E402
+
+__all__ += ["argument_kinds", "custom_op_kernel", "modes_active", "plain_value"]

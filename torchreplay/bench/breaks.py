@@ -19,7 +19,10 @@ Methods (each a :class:`Measurement`; one that fails is a ``failed: <reason>`` e
 Notes: on ``tr.graph breaks=``, its time against the target ``whole-graph (device mask) + breaks
 alone + 10 us per break`` and against Meta's; capture of 32 sizes (``sizes=range(1, 33)``) in
 seconds, after one eager call (the process's one-time CUDA start, kernels loading, is paid by
-whichever runs first); first call (capture) against reduce-overhead's (compile and record).
+whichever runs first), then the same again (every shape met before: what the capture itself
+costs), and what the break alone pays eagerly the first time it meets each of the 32 sizes (at
+a span nothing ran before: the attention's set-up per shape, which a capture pays too); first
+call (capture) against reduce-overhead's (compile and record).
 """
 
 from __future__ import annotations
@@ -165,6 +168,26 @@ def _capture_sizes(model: Any) -> tuple[float, int]:
     return seconds, captures
 
 
+def _break_first_use(model: Any, span: int) -> float:
+    """Seconds of the first eager call of ``host_attention`` alone at each batch of 1..32, over
+    ``span`` cache slots (a span no call used before: every shape is new to the process)."""
+    from torchreplay.models.llama import host_attention
+
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    seconds = 0.0
+    for b in range(1, 33):
+        q = torch.randn(b, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, device="cuda", dtype=dtype)
+        kv = torch.randn(b, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim, device="cuda", dtype=dtype)
+        out, lengths = torch.empty_like(q), torch.full((b,), span)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        host_attention(out, q, kv, kv, lengths)
+        torch.cuda.synchronize()
+        seconds += time.perf_counter() - t0
+    return seconds
+
+
 def llama_breaks_row(opts: BenchOptions, on_step: StepCallback | None) -> Iterator[Measurement]:
     """The ``llama-breaks`` row (see the module)."""
     from torchreplay.models import build_llama
@@ -175,6 +198,8 @@ def llama_breaks_row(opts: BenchOptions, on_step: StepCallback | None) -> Iterat
         model(*_inputs(model, 1))  # the process's one-time CUDA start (kernels load) is no one's
         torch.cuda.synchronize()
         sizes_s, sizes_captures = _capture_sizes(model)
+        again_s, _ = _capture_sizes(model)
+        first_use_s = _break_first_use(model, model.config.max_seq_len - 1)
         for batch in BATCHES:
             workload = f"Llama decode b{batch}, host-side lengths, 16 breaks"
             args = _inputs(model, batch)
@@ -202,7 +227,7 @@ def llama_breaks_row(opts: BenchOptions, on_step: StepCallback | None) -> Iterat
                 except Exception as exc:  # noqa: BLE001 - one method must not end the row
                     failed[method] = f"failed: {short_reason(exc)}"
             timed = time_interleaved(calls, opts)
-            yield from _measurements(workload, _methods(opts), timed, failed, first, batch, (sizes_s, sizes_captures))
+            yield from _measurements(workload, _methods(opts), timed, failed, first, batch, (sizes_s, sizes_captures, again_s, first_use_s))
             del calls
             release()
 
@@ -214,7 +239,7 @@ def _measurements(
     failed: dict[str, str],
     first: dict[str, float],
     batch: int,
-    sizes: tuple[float, int],
+    sizes: tuple[float, int, float, float],
 ) -> Iterator[Measurement]:
     us = {m: t[0] for m, t in timed.items() if not isinstance(t, str)}
     eager = us.get(EAGER)
@@ -232,7 +257,8 @@ def _measurements(
                 values["vs_meta"] = us[method] / us[META]
             if REDUCE_OVERHEAD in first and method in first:
                 values["first_call_vs_ro"] = first[REDUCE_OVERHEAD] / first[method]
-            values["capture_32_sizes_s"], values["captures_32_sizes"] = sizes
+            (values["capture_32_sizes_s"], values["captures_32_sizes"], values["capture_32_again_s"],
+             values["break_first_use_32_s"]) = sizes
             note = ", ".join(f"{k} {v:.3g}" for k, v in values.items())
         yield Measurement(
             row="llama-breaks",

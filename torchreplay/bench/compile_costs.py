@@ -17,7 +17,10 @@
   interleaved with the uncut model (k = 1). Each k > 1 notes ``(t_k - t_1) / (k - 1)``, the host
   time (no sync in the loop) and the synchronized time each split adds, and, with each op timed
   alone eagerly (its own launch, which any piecewise backend pays), the part that is ours:
-  per split minus the op alone. Target: <= 20 us of host time per split.
+  per split minus the op alone. A replay calls a custom op's kernel without the dispatcher
+  (``pieces/direct.py``), so for the custom ops "the op alone" is that kernel called alone the
+  same way (the eager call through ``torch.ops`` is timed too). Target: <= 20 us of host time
+  per split.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from torchreplay.bench.timing import (
     short_reason,
     time_interleaved,
 )
+from torchreplay.pieces.direct import direct_call
 
 __all__ = [
     "MEMORY_SIZES",
@@ -167,9 +171,17 @@ def compile_split_cost_row(opts: BenchOptions, on_step: StepCallback | None) -> 
          f"tr.compile, {k} pieces, {_STYLE_WORDS[style]}"): (style, k)
         for style, k in SPLIT_PIECES
     }
-    op_labels = {style: f"the splitting op alone, eager: {_STYLE_WORDS[style]}" for style in SPLIT_STYLES}
-    alone = {"returns": lambda: split_mark_op()(x), "writes": lambda: split_mark_out_op()(x, out),
-             "clone": lambda: torch.clone(x)}
+    eager_labels = {style: f"the splitting op alone, eager: {_STYLE_WORDS[style]}" for style in SPLIT_STYLES}
+    alone = {eager_labels["returns"]: lambda: split_mark_op()(x),
+             eager_labels["writes"]: lambda: split_mark_out_op()(x, out),
+             eager_labels["clone"]: lambda: torch.clone(x)}
+    # what a replay calls for a custom op: its kernel, without the dispatcher
+    op_labels = dict(eager_labels)
+    for style, op, args in (("returns", split_mark_op(), [x]), ("writes", split_mark_out_op(), [x, out])):
+        kernel = direct_call(op.default, args, {})
+        if kernel is not None:
+            op_labels[style] = f"the splitting op's kernel alone, as a replay calls it: {_STYLE_WORDS[style]}"
+            alone[op_labels[style]] = lambda kernel=kernel, args=args: kernel(*args)
     compiled: Any = None
     torch.compiler.reset()
     try:
@@ -190,8 +202,7 @@ def compile_split_cost_row(opts: BenchOptions, on_step: StepCallback | None) -> 
                 except Exception as exc:  # noqa: BLE001 - one failing method must not end the table
                     log.warning("%s / %s %s", name, label, short_reason(exc))
                     results.append(Measurement("compile-split-cost", name, label, error=short_reason(exc)))
-            for style, label in op_labels.items():
-                calls[label] = alone[style]
+            calls.update(alone)
             if on_step is not None:
                 on_step(name, f"timing {len(calls)} methods interleaved")
             timings = time_interleaved(calls, opts)
@@ -201,7 +212,7 @@ def compile_split_cost_row(opts: BenchOptions, on_step: StepCallback | None) -> 
             Measurement("compile-split-cost", name, label, error=t, first_call_s=first.get(label))
             for label, t in timings.items()
         ]
-        return iter(_split_notes(results, labels, built, op_labels))
+        return iter(_split_notes(results, labels, built, op_labels, list(alone)))
     finally:
         compiled = None
         calls.clear()
@@ -215,12 +226,13 @@ def _split_notes(
     labels: dict[str, tuple[str, int]],
     built: dict[str, Any],
     op_labels: dict[str, str],
+    alone_labels: list[str],
 ) -> list[Measurement]:
     """Note on each k > 1 what each split adds over one piece, and how much of that is ours
-    (over the splitting op's own time alone); on each k what was made."""
+    (over the splitting op's own time alone, ``op_labels[style]``); on each k what was made."""
     by_label = {m.method: m for m in results}
     one = next((by_label.get(label) for label, (_, k) in labels.items() if k == 1), None)
-    order = [*labels, *op_labels.values()]
+    order = [*labels, *alone_labels]
     out = []
     for m in sorted(results, key=lambda m: order.index(m.method) if m.method in order else len(order)):
         style, k = labels.get(m.method, ("", 0))

@@ -249,7 +249,7 @@ class BreakableGraph:
             step = BreakStep(rec, f"{rec.brk.name}#{k}")
             # A break that returns nothing, called with its arguments as they are: the step is
             # the break itself (nothing to check or copy after it).
-            fn = rec.call if step.none and step.flat and not step.kw else step
+            fn = step.call if step.none and step.flat and not step.kw else step
             pieces.append(Piece(
                 fn, reads, take(len(outputs)), False, f"break {k}",
                 Split(rec.brk.name, "named in breaks=", rec.where),

@@ -10,6 +10,7 @@ import torch
 from torchreplay import _compat
 from torchreplay.breaks.plan import BreakCall
 from torchreplay.errors import ReplayInputError
+from torchreplay.pieces.direct import direct_call
 
 __all__ = ["BreakStep", "returns_nothing"]
 
@@ -30,7 +31,9 @@ class BreakStep:
     """
 
     def __init__(self, rec: BreakCall, name: str) -> None:
-        self.call = rec.call
+        args, kwargs = _compat.tree_unflatten(list(rec.values), rec.spec)
+        # A custom op named in breaks= is called without the dispatcher (pieces/direct.py).
+        self.call = direct_call(rec.call, args, kwargs) or rec.call
         self.name = name
         self.where = rec.where
         self.n = len(rec.rules)
@@ -40,7 +43,6 @@ class BreakStep:
         # return is not read at replay (the graphs after it never saw one), nor compared.
         self.none = returns_nothing(rec)
         self.m = 0 if self.none else len(rec.outputs)
-        args, kwargs = _compat.tree_unflatten(list(rec.values), rec.spec)
         plain = _compat.tree_flatten((tuple(range(len(args))), dict.fromkeys(kwargs, 0)))[1]
         # Fast paths: every argument is itself a leaf; the output is one leaf or a flat tuple.
         self.flat = plain == rec.spec

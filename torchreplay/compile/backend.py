@@ -31,7 +31,7 @@ import torch.fx as fx
 from torchreplay import _compat
 from torchreplay.compile.cache import CompileCache, default_dir
 from torchreplay.compile.ranks import agreed
-from torchreplay.compile.split import Segment, node_value, split_graph
+from torchreplay.compile.split import Segment, direct_forward, node_value, split_graph
 from torchreplay.compile.training import GraphingCompiler, training_program_fn
 from torchreplay.config import DEFAULT_CACHE_DIR, CompileConfig
 from torchreplay.core.pool import Pool
@@ -311,6 +311,7 @@ def build_program(
                 split=seg.splits[0] if seg.splits else None,
                 nodes=len(seg.nodes),
                 written=_written_by(seg, wrote),
+                replay_fn=None if seg.graphed else direct_forward(seg.module),
             )
         )
     output = next(n for n in gm.graph.nodes if n.op == "output")

@@ -22,9 +22,10 @@ import torch
 import torch.fx as fx
 
 from torchreplay import _compat
+from torchreplay.pieces.direct import direct_call
 from torchreplay.pieces.program import Split
 
-__all__ = ["Segment", "split_graph", "why_eager", "node_value", "op_name", "user_line"]
+__all__ = ["Segment", "split_graph", "why_eager", "node_value", "op_name", "user_line", "direct_forward"]
 
 _HOST_METHODS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__"}
 _HOST_OPS = {"aten._local_scalar_dense", "aten.item", "cuda.synchronize", "synchronize"}
@@ -285,3 +286,37 @@ def _submodule(gm: fx.GraphModule, seg: Segment) -> fx.GraphModule:
         env[n] = graph.node_copy(n, lookup)
     graph.output(tuple(env[n] for n in seg.outputs))
     return fx.GraphModule(gm, graph)
+
+
+def direct_forward(module: fx.GraphModule) -> Callable[..., Any] | None:
+    """``module.forward`` for an eager step's replays, with every ``torch.library.custom_op``
+    it calls called without the dispatcher (``pieces/direct.py``); ``None`` when it calls none
+    that can be."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(module.graph, {}))
+    changed = False
+    for n in graph.nodes:
+        op = n.target
+        if n.op != "call_function":
+            continue
+        if isinstance(op, torch._ops.OpOverloadPacket):  # torch.ops.ns.name(...) in user code
+            op = op.default if op.overloads() == ["default"] else None
+        if not isinstance(op, torch._ops.OpOverload):
+            continue
+        args = [_traced(a) for a in n.args]
+        kwargs = {k: _traced(v) for k, v in n.kwargs.items()}
+        fn = direct_call(op, args, kwargs)
+        if fn is not None:
+            n.target = fn
+            changed = True
+    return fx.GraphModule(module, graph).forward if changed else None
+
+
+def _traced(a: Any) -> Any:
+    """An FX argument as its value at run time will look: a node's traced value, a list as a
+    list (FX's code passes a list literal)."""
+    if isinstance(a, fx.Node):
+        return node_value(a)
+    if isinstance(a, (list, tuple)) and type(a) is not tuple:
+        return [_traced(v) for v in a]
+    return a

@@ -76,6 +76,9 @@ class Piece:
             cache's length counter that an eager step made): put back before each warm-up run,
             and, for a value an eager step made, copied back from the graph's own buffer after
             each replay.
+        replay_fn: for an eager piece, what replays call instead of ``fn``, with the same
+            results (a custom op's kernel called without the dispatcher: ``pieces/direct.py``);
+            capture, warm-up and ungraphed runs call ``fn``.
     """
 
     fn: Callable[..., Sequence[Any]]
@@ -86,6 +89,7 @@ class Piece:
     split: Split | None = None
     nodes: int = 0
     written: tuple[int, ...] = ()
+    replay_fn: Callable[..., Sequence[Any]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -449,7 +449,8 @@ class PiecewiseRuntime:
         # slot values every call starts from, so a replay only replays.
         entry.steps = []
         for k, (graph, piece) in enumerate(zip(entry.graphs, self._pieces)):
-            entry.steps.append((graph, piece.fn, piece.reads, piece.writes, self._last[k], k))
+            fn = piece.replay_fn or piece.fn
+            entry.steps.append((graph, fn, piece.reads, piece.writes, self._last[k], k))
             if graph is not None:
                 for w, t in zip(piece.writes, graph.out):
                     entry.inputs[w] = t

@@ -1,0 +1,94 @@
+"""The private torch names of a ``torch.library.custom_op`` called without the dispatcher
+(``pieces/direct.py``): the kernel the op registered for a device, and whether a mode is on."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["custom_op_kernel", "argument_kinds", "plain_value", "modes_active"]
+
+# Python types the dispatcher hands a custom op's kernel unchanged, per schema type: an argument
+# of another type (an int where the schema says float) would reach the kernel converted through
+# the dispatcher and as is when called directly.
+_PLAIN = {
+    "Tensor": (torch.Tensor,),
+    "int": (int,),
+    "SymInt": (int,),
+    "float": (float,),
+    "bool": (bool,),
+    "str": (str,),
+}
+
+
+def custom_op_kernel(op: Any, device_type: str) -> Callable[..., Any] | None:
+    """The Python function ``torch.library.custom_op`` registered as ``op``'s kernel for
+    ``device_type`` (or for every device), as the dispatcher calls it below autograd and the
+    version-counter step; ``None`` when ``op`` is no such op, or one the dispatcher would do more
+    for: an autocast rule (it casts the inputs), or a ``torch_dispatch`` rule.
+
+    Reads ``torch._library.custom_ops.OPDEFS`` and the ``CustomOpDef``'s ``_backend_fns`` (private,
+    torch >= 2.4; what ``torch.library.register_kernel`` fills). The autocast rule is
+    ``_autocast_dtype`` (a dict, newer torch) or ``_autocast_cuda_dtype`` / ``_autocast_cpu_dtype``
+    (torch 2.5-2.11). On a torch without them: ``None`` (the op is called through the dispatcher).
+    """
+    try:
+        from torch._library.custom_ops import OPDEFS
+    except ImportError:  # pragma: no cover - old torch
+        return None
+    name = getattr(op, "_name", None)
+    if not isinstance(op, torch._ops.OpOverload) or name not in OPDEFS:
+        return None
+    opdef = OPDEFS[name]
+    fns = getattr(opdef, "_backend_fns", None)
+    if not isinstance(fns, dict):
+        return None
+    casts = [*(getattr(opdef, "_autocast_dtype", None) or {}).values()]
+    casts += [getattr(opdef, "_autocast_cuda_dtype", None), getattr(opdef, "_autocast_cpu_dtype", None)]
+    if any(c is not None for c in casts) or getattr(opdef, "_torch_dispatch_fns", None):
+        return None
+    return fns.get(device_type, fns.get(None))
+
+
+def argument_kinds(op: Any) -> list[tuple[str, str, bool, bool]] | None:
+    """Per schema argument of ``op``: its name, its type (``"Tensor"``, ``"int"``, ...;
+    ``"Tensor[]"`` for a list; ``""`` for a type not handed over as is), whether it may be
+    ``None``, and whether the op writes it (``Tensor(a!)``); ``None`` without a schema.
+    ``OpOverload._schema`` is private but read by every torch tracer (see ``written_tensors``)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return None
+    kinds = []
+    for arg in schema.arguments:
+        t = arg.type
+        optional = isinstance(t, torch.OptionalType)
+        if optional:
+            t = t.getElementType()
+        if isinstance(t, torch.ListType):
+            name = "Tensor[]" if str(t.getElementType()) == "Tensor" else ""
+        else:
+            name = str(t) if str(t) in _PLAIN else ""
+        info = arg.alias_info
+        kinds.append((arg.name, name, optional, info is not None and info.is_write))
+    return kinds
+
+
+def plain_value(kind: str, value: Any) -> bool:
+    """Does the dispatcher hand ``value`` to a kernel unchanged for a schema argument of
+    ``kind`` (see :func:`argument_kinds`)? A list is handed over as a list."""
+    if kind == "Tensor[]":
+        return type(value) is list and all(isinstance(v, torch.Tensor) for v in value)
+    types = _PLAIN.get(kind)
+    return types is not None and type(value) in types or (kind == "Tensor" and isinstance(value, torch.Tensor))
+
+
+def modes_active() -> bool:
+    """Is a ``TorchDispatchMode`` or a ``TorchFunctionMode`` on (it would see an op called
+    through ``torch.ops``)? ``torch._C._len_torch_dispatch_stack`` and
+    ``_is_torch_function_mode_enabled`` are private (torch >= 2.0); without them: True (the
+    dispatcher is used)."""
+    try:
+        return bool(torch._C._len_torch_dispatch_stack()) or torch._C._is_torch_function_mode_enabled()
+    except AttributeError:  # pragma: no cover - old torch
+        return True
