@@ -15,7 +15,19 @@ them: the anchor). Each process reports, from the moment the parent started it:
 Every process also checks its output against eager on fresh inputs (max abs difference), and the
 ``tr.compile`` ones count Inductor compiles (``compile_fx`` calls) and cache hits.
 
-Usage: ``python benchmarks/cache_start.py [--models data-if,bert,llama-67] [--json PATH]``.
+Models: ``data-if`` (a Dynamo graph break), ``bert`` (HF BERT), ``llama-67`` (the built-in Llama,
+67 sizes captured at the first call) and ``llama-1`` (the same, one shape: like for like with
+reduce-overhead, which records the one shape it is called with).
+
+Python's bytecode: an installed torch has its modules compiled to bytecode, and Python keeps the
+bytecode of what it imports later. A machine that keeps none (``PYTHONDONTWRITEBYTECODE``, as on
+the GPU machines here) compiles the sources of every module torch imports lazily, at every start,
+inside ``compile+capture``. So, by default, every start here shares one bytecode folder
+(``PYTHONPYCACHEPREFIX``), filled by an untimed start of each kind first; ``--no-bytecode``
+leaves the environment as it is.
+
+Usage: ``python benchmarks/cache_start.py [--models data-if,bert,llama-67,llama-1]
+[--no-bytecode] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -61,12 +73,12 @@ elif MODEL == "bert":
         for r, n in enumerate((64, 48, 33, 17)):
             mask[r, n:] = 0
         return ids, mask
-elif MODEL == "llama-67":
+elif MODEL in ("llama-67", "llama-1"):
     from torchreplay.models.llama import LlamaConfig, build_llama
     from torchreplay.sizes.plan import default_sizes
     cfg = LlamaConfig(max_batch=512)
     model = build_llama(cfg, dev)
-    sizes = default_sizes()
+    sizes = default_sizes() if MODEL == "llama-67" else None
     make = lambda: (torch.randint(0, cfg.vocab_size, (8, 1), device=dev),
                     torch.full((8,), cfg.max_seq_len // 2, dtype=torch.long, device=dev))
 torch.cuda.synchronize()
@@ -102,6 +114,9 @@ def _start(model: str, mode: str, dirs: dict[str, str]) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}",
            "TORCHINDUCTOR_CACHE_DIR": dirs["inductor"], "TRITON_CACHE_DIR": dirs["triton"],
            "TORCHREPLAY_CACHE_DIR": dirs["ours"]}
+    if dirs.get("pycache"):  # Python's bytecode kept between the starts, as an install has it
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = dirs["pycache"]
     t0 = time.time()
     out = subprocess.run([sys.executable, "-c", CHILD, repr(t0), model, mode], env=env,
                          capture_output=True, text=True, timeout=1800)
@@ -117,11 +132,17 @@ def _fresh(root: Path, *names: str) -> None:
         (root / name).mkdir(parents=True)
 
 
-def run(models: list[str]) -> list[dict[str, object]]:
+def run(models: list[str], bytecode: bool = True) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
+    pycache = tempfile.mkdtemp(prefix="cache-start-pycache-") if bytecode else ""
     for model in models:
         root = Path(tempfile.mkdtemp(prefix=f"cache-start-{model}-"))
         dirs = {k: str(root / k) for k in ("inductor", "triton", "ours")}
+        dirs["pycache"] = pycache
+        if bytecode:  # one start of each kind writes the bytecode of what it imports; not timed
+            for mode in ("tr", "ro"):
+                _fresh(root, "inductor", "triton", "ours")
+                _start(model, mode, dirs)
         _fresh(root, "inductor", "triton", "ours")
         runs = [("tr.compile cold", "tr"), ("tr.compile warm", "tr")]
         for label, mode in runs:
@@ -136,6 +157,8 @@ def run(models: list[str]) -> list[dict[str, object]]:
             rows.append({"model": model, "start": label, **_start(model, "ro", dirs)})
             print(rows[-1], flush=True)
         shutil.rmtree(root, ignore_errors=True)
+    if pycache:
+        shutil.rmtree(pycache, ignore_errors=True)
     return rows
 
 
@@ -157,10 +180,12 @@ def table(rows: list[dict[str, object]]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="data-if,bert,llama-67")
+    p.add_argument("--models", default="data-if,bert,llama-67,llama-1")
     p.add_argument("--json", default=None)
+    p.add_argument("--no-bytecode", action="store_true",
+                   help="every start compiles Python's sources (a machine that keeps no bytecode)")
     ns = p.parse_args()
-    rows = run(ns.models.split(","))
+    rows = run(ns.models.split(","), bytecode=not ns.no_bytecode)
     print(table(rows))
     if ns.json:
         Path(ns.json).write_text(json.dumps(rows, indent=1))
