@@ -3,7 +3,7 @@
 The eager step between two graphs is often one custom op: a splitting op, an attention that
 reads host-side lengths. Called through ``torch.ops``, such an op passes three Python kernels of
 torch's before the user's function runs (autograd, the version counters, the device kernel with
-its check of what the function returned): about 19 us of host time per call, most of what a
+its check of what the function returned): 13-19 us of host time per call, most of what a
 split costs. vLLM registers its ops without ``custom_op`` for that reason. A replay calls the
 function the op registered for the device itself, and does what those kernels do on the path it
 takes: it bumps the version counter of every argument the schema marks as written. It goes
