@@ -79,8 +79,10 @@ def plain_value(kind: str, value: Any) -> bool:
     ``kind`` (see :func:`argument_kinds`)? A list is handed over as a list."""
     if kind == "Tensor[]":
         return type(value) is list and all(isinstance(v, torch.Tensor) for v in value)
+    if kind == "Tensor":  # a Parameter too: handed over as the same object
+        return isinstance(value, torch.Tensor)
     types = _PLAIN.get(kind)
-    return types is not None and type(value) in types or (kind == "Tensor" and isinstance(value, torch.Tensor))
+    return types is not None and type(value) in types
 
 
 def modes_active() -> bool:
