@@ -4,6 +4,7 @@ more (autograd, modes, autocast rules, converted arguments); the FX rewrite of a
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -156,3 +157,39 @@ def test_an_eager_step_calls_its_custom_ops_directly_after_the_fx_rewrite() -> N
     # nothing to rewrite: None
     plain = fx.symbolic_trace(lambda x: (x.relu(),))
     assert direct_forward(plain) is None
+
+
+@torch.library.custom_op("trdirect::which", mutates_args=())
+def _which(x: torch.Tensor) -> torch.Tensor:
+    return x + 1  # the function the op was defined with
+
+
+@_which.register_kernel("cpu")
+def _(x):
+    return x + 2  # the CPU kernel, until it is disabled
+
+
+def test_the_kernel_is_called_under_torchs_dynamo_wrapper_and_keeps_its_enabled_switch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With no Dynamo hook on, a replay calls what torch's ``_disable_dynamo`` wraps; that is
+    still torch's switch between the device kernel and the op's own function. With a hook on
+    (a replay inside someone's ``torch.compile``d frame), the wrapper is called."""
+    from torchreplay import _compat
+    from torchreplay.pieces import direct
+
+    kernel = _compat.custom_op_kernel(torch.ops.trdirect.which.default, "cpu")
+    assert kernel is not None and _compat.without_dynamo_guard(kernel) is kernel.__wrapped__
+    assert _compat.without_dynamo_guard(_which._init_fn) is None  # not torch's wrapper
+    assert _compat.eval_frame_callback() is None  # no torch.compile here
+    x = torch.randn(4)
+    hooks = {"off": lambda: None, "on": lambda: object()}
+    for hook in hooks.values():
+        monkeypatch.setattr(direct, "_dynamo_hook", hook)
+        fn = direct_call(torch.ops.trdirect.which.default, [x], {})
+        assert fn is not None
+        torch.testing.assert_close(fn(x), x + 2, rtol=0, atol=0)
+        with _which.set_kernel_enabled("cpu", False):
+            torch.testing.assert_close(fn(x), x + 1, rtol=0, atol=0)
+            torch.testing.assert_close(torch.ops.trdirect.which(x), x + 1, rtol=0, atol=0)
+        torch.testing.assert_close(fn(x), x + 2, rtol=0, atol=0)

@@ -7,7 +7,10 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["custom_op_kernel", "argument_kinds", "plain_value", "modes_active"]
+__all__ = [
+    "custom_op_kernel", "argument_kinds", "plain_value", "modes_active", "without_dynamo_guard",
+    "eval_frame_callback",
+]
 
 # Python types the dispatcher hands a custom op's kernel unchanged, per schema type: an argument
 # of another type (an int where the schema says float) would reach the kernel converted through
@@ -94,3 +97,41 @@ def modes_active() -> bool:
         return bool(torch._C._len_torch_dispatch_stack()) or torch._C._is_torch_function_mode_enabled()
     except AttributeError:  # pragma: no cover - old torch
         return True
+
+
+def _dynamo_guard_code() -> Any:
+    """The code object of the function ``torch._disable_dynamo`` wraps a function in (``None``
+    on a torch without it)."""
+    disable = getattr(torch, "_disable_dynamo", None)
+    if disable is None:  # pragma: no cover - old torch
+        return None
+    return getattr(disable(lambda: None), "__code__", None)
+
+
+_DYNAMO_GUARD_CODE = _dynamo_guard_code()
+
+
+def without_dynamo_guard(kernel: Callable[..., Any]) -> Callable[..., Any] | None:
+    """The function under ``kernel``'s ``torch._disable_dynamo`` wrapper: what a custom op's
+    registered kernel runs (its check of ``set_kernel_enabled`` included), without turning
+    Dynamo's frame hook off and on around it (about 1 us). ``None`` when ``kernel`` is not such
+    a wrapper (checked by its code object, not its name). Call it only while
+    :func:`eval_frame_callback` is ``None``: no Dynamo hook to turn off."""
+    code = getattr(kernel, "__code__", None)
+    inner = getattr(kernel, "__wrapped__", None)
+    if _DYNAMO_GUARD_CODE is None or code is not _DYNAMO_GUARD_CODE or not callable(inner):
+        return None
+    return inner
+
+
+def _no_eval_frame_getter() -> Any:  # pragma: no cover - old torch
+    return True  # unknown: taken as a hook that is on
+
+
+#: ``torch._C._dynamo.eval_frame.get_eval_frame_callback`` (private, torch >= 2.1): Dynamo's
+#: frame hook of this thread; ``None`` outside any ``torch.compile``d frame and inside the
+#: compiled code's calls of a backend (Dynamo disables itself there).
+eval_frame_callback: Callable[[], Any] = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None),
+    "get_eval_frame_callback", _no_eval_frame_getter,
+)

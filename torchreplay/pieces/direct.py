@@ -10,6 +10,10 @@ takes: it bumps the version counter of every argument the schema marks as writte
 through the dispatcher whenever that would do more: grad mode on and an argument that requires
 grad (autograd records the op), a dispatch or function mode on. Capture calls the op through the
 dispatcher, so its checks of what the function returns run there.
+
+Torch also wraps the registered function to turn Dynamo's frame hook off and on around it
+(about 1 us), so that Dynamo never traces into it. A replay with no hook on (the usual case:
+compiled code calls its backend with Dynamo off) calls the function under that wrapper.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ _Tensor = torch.Tensor
 _grad_enabled = torch.is_grad_enabled
 _modes_active = _compat.modes_active
 _bump = torch.autograd.graph.increment_version
+_dynamo_hook = _compat.eval_frame_callback
 
 
 def device_type_of(values: Sequence[Any]) -> str | None:
@@ -70,11 +75,14 @@ def direct_call(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Callabl
         if not (value is None and optional) and not _compat.plain_value(kind, value):
             return None
     written = tuple((i, name) for i, (name, _, _, w) in enumerate(kinds) if w)
+    # torch wraps the kernel to keep Dynamo from tracing into it; with no Dynamo hook on (a
+    # replay: compiled code calls its backend with Dynamo off) there is nothing to keep off.
+    bare = _compat.without_dynamo_guard(kernel) or kernel
 
     def call(*a: Any, **k: Any) -> Any:
         if _modes_active() or (_grad_enabled() and _needs_grad(a, k)):
             return op(*a, **k)
-        out = kernel(*a, **k)
+        out = (bare if _dynamo_hook() is None else kernel)(*a, **k)
         for i, name in written:  # what the dispatcher's version-counter kernel does
             value = a[i] if i < len(a) else k.get(name)
             if isinstance(value, _Tensor):
