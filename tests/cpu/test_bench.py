@@ -299,6 +299,22 @@ def test_split_cost_notes_are_per_split_over_one_piece() -> None:
     assert "per split" not in out["k1"].note and out["op alone"].note is None
 
 
+def test_split_cost_notes_also_count_over_the_same_model_not_split() -> None:
+    labels = {"k1": ("returns", 1), "k4": ("returns", 4)}
+    unsplit = {"k4 whole": ("returns", 4)}
+    raw = [Measurement("r", "w", "k1", 100.0, 10.0), Measurement("r", "w", "k4", 160.0, 70.0),
+           Measurement("r", "w", "k4 whole", 110.0, 25.0), Measurement("r", "w", "op alone", 5.0, 4.0)]
+    built = {label: _FakeCompiled() for label in [*labels, *unsplit]}
+    out = {m.method: m for m in compile_costs._split_notes(
+        raw, labels, built, {"returns": "op alone"}, ["op alone"], unsplit)}
+    assert list(out) == ["k1", "k4", "k4 whole", "op alone"]
+    assert out["k4"].values["host_us_per_split"] == pytest.approx(20.0)
+    assert out["k4"].values["host_us_per_split_same_model"] == pytest.approx(15.0)
+    assert out["k4"].values["per_call_us_per_split_same_model"] == pytest.approx(50.0 / 3)
+    assert "+15.0 us host per split over the same model not split" in out["k4"].note
+    assert "per split" not in out["k4 whole"].note and out["k4 whole"].note  # what was made
+
+
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is not None, reason="transformers is installed")
 def test_bert_row_without_transformers_is_one_skipped_entry() -> None:
     (m,) = compile_rows.compile_bert_row(BenchOptions(), None)

@@ -143,6 +143,18 @@ def _build(method: str, w: CompileWorkload) -> Callable[..., Any]:
     raise ValueError(f"unknown compile method {method!r}")
 
 
+def own_frame(model: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``fn(*a) = model(*a)`` with a code object of its own, named ``name``: Dynamo keeps the
+    cache entries of a ``torch.compile(fn)`` apart from those of other compiles of the same
+    model class (they would share one recompile limit, and each call would try the others'
+    guards first)."""
+    def frame(*a: Any) -> Any:
+        return model(*a)
+
+    code = frame.__code__.replace(co_name=name)
+    return types.FunctionType(code, frame.__globals__, name, None, frame.__closure__)
+
+
 def _compile_per_shape(model: Any) -> Callable[..., Any]:
     """``fn(*args)``: ``tr.compile(model)`` for each shape of ``args[0]``, made at its first
     call. Each wraps ``model`` in a function with a code object of its own, so Dynamo keeps its
@@ -157,13 +169,7 @@ def _compile_per_shape(model: Any) -> Callable[..., Any]:
         shape = args[0].shape
         fn = per_shape.get(shape)
         if fn is None:
-            def frame(*a: Any) -> Any:
-                return model(*a)
-
-            code = frame.__code__.replace(co_name=f"fixed_{'x'.join(map(str, shape))}")
-            fn = per_shape[shape] = tr.compile(
-                types.FunctionType(code, frame.__globals__, code.co_name, None, frame.__closure__)
-            )
+            fn = per_shape[shape] = tr.compile(own_frame(model, f"fixed_{'x'.join(map(str, shape))}"))
         return fn(*args)
 
     call.compiled = per_shape  # type: ignore[attr-defined]

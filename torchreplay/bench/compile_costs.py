@@ -19,8 +19,10 @@
   alone eagerly (its own launch, which any piecewise backend pays), the part that is ours:
   per split minus the op alone. A replay calls a custom op's kernel without the dispatcher
   (``pieces/direct.py``), so for the custom ops "the op alone" is that kernel called alone the
-  same way (the eager call through ``torch.ops`` is timed too). Target: <= 20 us of host time
-  per split.
+  same way (the eager call through ``torch.ops`` is timed too). Each k > 1 is also compiled
+  without ``splitting_ops`` (the op captured inside one graph: one whole graph of the same work,
+  with the same Python for Dynamo to guard), and notes its split cost over that build too.
+  Target: <= 20 us of host time per split.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any, Iterator
 
 import torch
 
-from torchreplay.bench.compile import BATCH, DEPTH, WIDTH, compile_summary
+from torchreplay.bench.compile import BATCH, DEPTH, WIDTH, compile_summary, own_frame
 from torchreplay.bench.timing import (
     BenchOptions,
     Measurement,
@@ -171,6 +173,9 @@ def compile_split_cost_row(opts: BenchOptions, on_step: StepCallback | None) -> 
          f"tr.compile, {k} pieces, {_STYLE_WORDS[style]}"): (style, k)
         for style, k in SPLIT_PIECES
     }
+    # the same models with the op inside one graph: one whole graph of the same work
+    unsplit = {f"tr.compile, the {k}-piece model not split ({_STYLE_WORDS[style]} in the graph)": (style, k)
+               for style, k in SPLIT_PIECES if k > 1}
     eager_labels = {style: f"the splitting op alone, eager: {_STYLE_WORDS[style]}" for style in SPLIT_STYLES}
     alone = {eager_labels["returns"]: lambda: split_mark_op()(x),
              eager_labels["writes"]: lambda: split_mark_out_op()(x, out),
@@ -186,14 +191,16 @@ def compile_split_cost_row(opts: BenchOptions, on_step: StepCallback | None) -> 
     torch.compiler.reset()
     try:
         with torch.no_grad():
-            for label, (style, k) in labels.items():
+            for label, (style, k) in [*labels.items(), *unsplit.items()]:
                 if on_step is not None:
                     on_step(name, label)
                 try:
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     model = SplitMLP(k, DEPTH, WIDTH, style=style).cuda().eval()
-                    compiled = tr.compile(model, splitting_ops=[SPLIT_STYLES[style]])
+                    ops = [] if label in unsplit else [SPLIT_STYLES[style]]
+                    frame = own_frame(model, f"split_{style}_{k}_{len(ops)}")  # a Dynamo cache each
+                    compiled = tr.compile(frame, splitting_ops=ops)
                     torch.testing.assert_close(compiled(x), model(x))
                     torch.cuda.synchronize()
                     first[label] = time.perf_counter() - t0
@@ -212,7 +219,7 @@ def compile_split_cost_row(opts: BenchOptions, on_step: StepCallback | None) -> 
             Measurement("compile-split-cost", name, label, error=t, first_call_s=first.get(label))
             for label, t in timings.items()
         ]
-        return iter(_split_notes(results, labels, built, op_labels, list(alone)))
+        return iter(_split_notes(results, labels, built, op_labels, list(alone), unsplit))
     finally:
         compiled = None
         calls.clear()
@@ -227,20 +234,25 @@ def _split_notes(
     built: dict[str, Any],
     op_labels: dict[str, str],
     alone_labels: list[str],
+    unsplit: dict[str, tuple[str, int]] | None = None,
 ) -> list[Measurement]:
     """Note on each k > 1 what each split adds over one piece, and how much of that is ours
-    (over the splitting op's own time alone, ``op_labels[style]``); on each k what was made."""
+    (over the splitting op's own time alone, ``op_labels[style]``); and, where ``unsplit`` has
+    the same model compiled without the split (``(style, k)``), what each split adds over it;
+    on each k what was made."""
+    unsplit = unsplit or {}
     by_label = {m.method: m for m in results}
     one = next((by_label.get(label) for label, (_, k) in labels.items() if k == 1), None)
-    order = [*labels, *alone_labels]
+    whole = {key: by_label.get(label) for label, key in unsplit.items()}
+    order = [*labels, *unsplit, *alone_labels]
     out = []
     for m in sorted(results, key=lambda m: order.index(m.method) if m.method in order else len(order)):
-        style, k = labels.get(m.method, ("", 0))
+        style, k = labels.get(m.method) or unsplit.get(m.method) or ("", 0)
         if not k or m.per_call_us is None or m.method not in built:
             out.append(m)
             continue
         parts, values = [], {}
-        if k > 1 and one is not None and one.per_call_us is not None and one.host_us is not None:
+        if k > 1 and m.method in labels and one is not None and one.per_call_us is not None and one.host_us is not None:
             assert m.host_us is not None
             values["host_us_per_split"] = (m.host_us - one.host_us) / (k - 1)
             values["per_call_us_per_split"] = (m.per_call_us - one.per_call_us) / (k - 1)
@@ -251,6 +263,13 @@ def _split_notes(
                 values["ours_host_us_per_split"] = values["host_us_per_split"] - op.host_us
                 parts.append(f"{values['ours_host_us_per_split']:+.1f} us of it ours (the op alone: "
                              f"{op.host_us:.1f} us)")
+            same = whole.get((style, k))
+            if same is not None and same.host_us is not None and same.per_call_us is not None:
+                values["host_us_per_split_same_model"] = (m.host_us - same.host_us) / (k - 1)
+                values["per_call_us_per_split_same_model"] = (m.per_call_us - same.per_call_us) / (k - 1)
+                parts.append(f"{values['host_us_per_split_same_model']:+.1f} us host per split over the "
+                             f"same model not split, {values['per_call_us_per_split_same_model']:+.1f} "
+                             "us synchronized")
         text, counts = compile_summary(built[m.method])
         parts.append(text)
         values.update(counts)
