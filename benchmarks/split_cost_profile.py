@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, ".")
 import torchreplay as tr  # noqa: E402
+from torchreplay import _compat  # noqa: E402
 from torchreplay.bench.timing import BenchOptions, time_interleaved  # noqa: E402
 from torchreplay.models.blocks import SPLIT_STYLES, SplitMLP, split_mark_op, split_mark_out_op  # noqa: E402
 from torchreplay.pieces.runtime import PiecewiseRuntime  # noqa: E402
@@ -89,6 +90,53 @@ def trace(rt, args) -> None:
         print(f"  +{e.time_range.start - t0:8.1f} us  {e.time_range.elapsed_us():7.1f} us  {e.name}")
 
 
+def raw_copy_rows(buf, y):
+    """The copy of ``y`` into ``buf`` through the CUDA driver and runtime directly (ctypes), for
+    comparison with ``buf.copy_(y)``."""
+    import ctypes
+    import os
+
+    rows = {}
+    idx = buf.device.index or 0
+    raw = torch._C._cuda_getCurrentRawStream
+    rows["_cuda_getCurrentRawStream(idx)"] = lambda: raw(idx)
+    rows["y.data_ptr()"] = y.data_ptr
+    with open("/proc/self/maps") as f:
+        libs = sorted({line.split()[-1] for line in f if "libcud" in line})
+    print("loaded:", *libs, sep="\n  ")
+    try:
+        drv = ctypes.CDLL("libcuda.so.1")
+        f = drv.cuMemcpyDtoDAsync_v2
+        f.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        f.restype = ctypes.c_int
+        n = y.nbytes
+        rows["driver cuMemcpyDtoDAsync_v2"] = lambda: f(buf.data_ptr(), y.data_ptr(), n, raw(idx))
+        rc = f(buf.data_ptr(), y.data_ptr(), n, raw(idx))
+        torch.cuda.synchronize()
+        print("driver copy rc", rc, "equal", torch.equal(buf, y))
+    except Exception as exc:  # noqa: BLE001
+        print("driver:", exc)
+    for lib in libs:
+        if "cudart" not in lib:
+            continue
+        try:
+            rt = ctypes.CDLL(os.path.basename(lib))
+            g = rt.cudaMemcpyAsync
+            g.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+            g.restype = ctypes.c_int
+            n = y.nbytes
+            rows["runtime cudaMemcpyAsync"] = lambda: g(buf.data_ptr(), y.data_ptr(), n, 3, raw(idx))
+            buf.zero_()
+            rc = g(buf.data_ptr(), y.data_ptr(), n, 3, raw(idx))
+            torch.cuda.synchronize()
+            print("runtime copy rc", rc, "equal", torch.equal(buf, y))
+        except Exception as exc:  # noqa: BLE001
+            print("runtime:", exc)
+    rows["torch._foreach_copy_([buf], [y])"] = lambda: torch._foreach_copy_([buf], [y])
+    rows["empty_like(y)"] = lambda: torch.empty_like(y)
+    return rows
+
+
 def main() -> None:
     op = split_mark_op()
     torch.manual_seed(0)
@@ -149,6 +197,12 @@ def main() -> None:
             "y.shape != buf.shape": lambda: y.shape != buf.shape,
             "rt._route(args)": lambda: rt._route(args),
         }
+        rows.update(raw_copy_rows(buf, y))
+        kernel = _compat.custom_op_kernel(op.default, "cuda")
+        bare = _compat.without_dynamo_guard(kernel)
+        rows["the op's kernel, torch's Dynamo wrapper"] = lambda: kernel(x)
+        if bare is not None:
+            rows["the op's kernel, bare"] = lambda: bare(x)
         for name, f in rows.items():
             med, lo = per_op(f)
             print(f"  {name:34s} {med:7.2f} us (min {lo:.2f})")
