@@ -138,7 +138,8 @@ class Backend:
         if cfg.sizes:
             log.info(
                 "torchreplay: %s needs gradients; sizes= is not used for training graphs (each "
-                "new shape is captured at its first call, up to max_graphs)", name,
+                "new shape is captured at its first call, up to max_graphs): padded rows would "
+                "enter a loss's mean and batch statistics, and so the gradients", name,
             )
         device = next(t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda)
 
