@@ -276,3 +276,29 @@ def test_a_first_call_of_more_rows_then_one_row_is_one_compile() -> None:
         assert c.backend.compiles == 1
     finally:
         torch._dynamo.reset()
+
+
+def test_instances_of_one_class_compiled_each_share_one_backend_and_one_compile() -> None:
+    """tr.compile of each of twelve blocks in eval mode (past Dynamo's recompile limit of 8):
+    one backend per class and options, so Dynamo compiles once and every block runs compiled;
+    another class, other options or a module in training mode get a backend of their own."""
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        blocks = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()).eval() for _ in range(12)]
+        compiled = [tr.compile(b, cache_dir=None) for b in blocks]
+        assert len({id(c.backend) for c in compiled}) == 1
+        with torch.no_grad():
+            for _ in range(3):
+                x = torch.randn(2, 4)
+                for b, c in zip(blocks, compiled):
+                    torch.testing.assert_close(c(x), b(x))
+        assert compiled[0].backend.compiles == 1
+        other_class = tr.compile(torch.nn.Linear(4, 4).eval(), cache_dir=None)
+        other_options = tr.compile(blocks[0], cache_dir=None, max_graphs=3)
+        training = tr.compile(blocks[1].train(), cache_dir=None)
+        assert other_class.backend is not compiled[0].backend
+        assert other_options.backend is not compiled[0].backend
+        assert training.backend is not compiled[0].backend  # a training graph has one set
+    finally:
+        torch._dynamo.reset()

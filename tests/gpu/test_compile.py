@@ -557,3 +557,109 @@ def test_hf_llama_generate_with_a_static_cache_equals_eager() -> None:
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0 and "EQUAL" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
+
+
+class _Block(nn.Module):
+    """A residual MLP block with a buffer: the repeated unit of a model compiled block by block."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+        self.register_buffer("scale", torch.rand(width) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x))) * self.scale
+
+
+@pytest.mark.parametrize("how", ["tr.compile", "Module.compile(backend=...)"])
+def test_a_model_compiled_block_by_block_keeps_a_graph_per_block(how: str, caplog) -> None:
+    """Regional compilation (each repeated block compiled, torch's recipe for large models):
+    Dynamo compiles the blocks' class once and passes each block's parameters as inputs. Ten
+    blocks, past Dynamo's recompile limit of 8: equal to eager over many calls with fresh
+    inputs, one Dynamo compile, each block's graph captured once and replayed after, never
+    captured again, nothing run ungraphed."""
+    import copy
+
+    from torchreplay.compile.backend import runtimes_by_name, torchreplay_backend
+
+    before = {id(r) for r in runtimes_by_name()}
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[_Block() for _ in range(10)]).to(DEV).eval()
+    model = copy.deepcopy(ref)
+    if how == "tr.compile":
+        blocks = [tr.compile(b) for b in model]
+        assert len({id(b.backend) for b in blocks}) == 1  # one backend: Dynamo compiles once
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            for b in blocks:
+                x = b(x)
+            return x
+    else:
+        for b in model:
+            b.compile(backend=torchreplay_backend)
+        run = model
+    with caplog.at_level(logging.INFO, logger="torchreplay"), torch.no_grad():
+        for call in range(12):
+            x = torch.randn(8, 64, device=DEV)
+            _close(run(x), ref(x), f"call {call}")
+            if call == 0:
+                runtimes = blocks[0].backend.runtimes if how == "tr.compile" else [
+                    r for r in runtimes_by_name() if id(r) not in before]
+                assert len(runtimes) == 1, runtimes  # one Dynamo graph for the ten blocks
+                (rt,) = runtimes
+                captured = rt.stats.captures
+                assert rt.instances == 10
+    assert rt.stats.captures == captured  # the second round on replayed, nothing captured again
+    assert rt.stats.replays >= 10 * 11 and rt.stats.fallbacks == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "torchreplay" in r.name]
+    assert "graphs for 10 module instances" in tr.explain(blocks[0] if how == "tr.compile" else rt)
+
+
+def test_a_replaced_parameter_drops_its_graphs_and_captures_again(caplog) -> None:
+    """``p.data = ...`` moves a parameter: the graphs that read the old memory are dropped (an
+    output they handed out raises when read) and the block is captured again, with a warning;
+    another instance's graphs stay."""
+    torch.manual_seed(0)
+    a, b = _Block().to(DEV).eval(), _Block().to(DEV).eval()
+    ca, cb = tr.compile(a), tr.compile(b)
+    with torch.no_grad():
+        x = torch.randn(8, 64, device=DEV)
+        _close(ca(x), a(x))
+        _close(cb(x), b(x))
+        (rt,) = ca.backend.runtimes
+        assert rt.instances == 2
+        kept = ca(x)  # dropped with its graphs below, before any other call of ca
+        a.fc1.weight.data = torch.randn_like(a.fc1.weight)
+        with caplog.at_level(logging.WARNING, logger="torchreplay"):
+            for _ in range(CALLS):
+                x = torch.randn(8, 64, device=DEV)
+                _close(ca(x), a(x))
+                _close(cb(x), b(x))
+        assert any("new tensor since capture" in r.getMessage() for r in caplog.records)
+        assert rt.instances == 2 and rt.stats.fallbacks == 0
+        with pytest.raises(RuntimeError, match="^StaleOutputError: .*dropped .a parameter or buffer it read was replaced"):
+            kept.sum()
+
+
+def test_blocks_compiled_one_by_one_in_training_are_equal_to_eager_the_others_run_ungraphed() -> None:
+    """Training blocks compiled block by block through the backend by name share one Dynamo
+    graph; its training graphs are captured for one block's parameters, and the other blocks
+    run its compiled code ungraphed: gradients equal eager's at every step, never a graph
+    replayed with another block's parameters or over its saved activations."""
+    import copy
+
+    from torchreplay.compile.backend import torchreplay_backend
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[_Block() for _ in range(3)]).to(DEV).train()
+    model = copy.deepcopy(ref)
+    for b in model:
+        b.compile(backend=torchreplay_backend)
+    for step in range(6):
+        x = torch.randn(8, 64, device=DEV)
+        for m in (ref, model):
+            m.zero_grad(set_to_none=True)
+            m(x).square().mean().backward()
+        for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+            _close(q.grad, p.grad, f"step {step} {name}.grad")

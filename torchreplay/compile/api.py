@@ -4,6 +4,7 @@ dimension marked at the first call so that every size comes from one compile."""
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -128,5 +129,30 @@ def compile(
         cache_strict=cache_strict,
         ranks=ranks if ranks is not None else RANKS,
     )
-    backend = Backend(config)
+    backend = _backend_for(model, config)
     return Compiled(torch.compile(model, backend=backend, fullgraph=fullgraph), backend)
+
+
+# The backend of each module class (or function) and options that is still in use.
+_BACKENDS: weakref.WeakValueDictionary[tuple[Any, CompileConfig], Backend] = weakref.WeakValueDictionary()
+
+
+def _backend_for(model: Any, config: CompileConfig) -> Backend:
+    """One backend per module class and options, for modules in eval mode. Dynamo compiles
+    the instances of one class once, their parameters passed as inputs, but only for one
+    backend object: a backend each would compile each instance again, and past Dynamo's
+    recompile limit (8) the rest of the blocks of a model compiled block by block would run
+    eagerly. The inference runtime keeps graphs per instance (per set of parameter
+    addresses). A module in training mode gets a backend of its own: a training graph is
+    captured for one set of parameters (its saved activations are tracked per graph)."""
+    if not isinstance(model, torch.nn.Module) or model.training:
+        return Backend(config)
+    owner = type(model)
+    key = (owner, config)
+    try:
+        backend = _BACKENDS.get(key)
+    except TypeError:  # an option that cannot be hashed: a backend of its own
+        return Backend(config)
+    if backend is None:
+        backend = _BACKENDS[key] = Backend(config)
+    return backend

@@ -161,6 +161,11 @@ def _runtime(rt: PiecewiseRuntime) -> str:
     sizes = rt.captured_sizes()
     if sizes:
         lines.append(f"  captured: {sizes}")
+    if rt.instances > 1:
+        lines.append(
+            f"  graphs for {rt.instances} module instances (sets of parameters and buffers: "
+            "Dynamo compiled their class once)"
+        )
     if getattr(rt, "agreement", None) is not None:
         lines.append(f"  collectives: {describe(rt.collectives)}\n  ranks: {rt.agreement!r}")
     lines.append(f"  {rt.stats.explain()}")

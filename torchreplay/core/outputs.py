@@ -63,6 +63,7 @@ class Outputs:
         watch: frozenset[int] = frozenset(),
     ) -> None:
         leaves, spec = _compat.tree_flatten(out)
+        self.name = name
         self.static = leaves
         self.spec = spec
         if policy == "checked" and not _compat.HAS_CHECKED_OUTPUTS:
@@ -126,11 +127,19 @@ class Outputs:
             return bool(self._watched)
         return any(_tensor_use_count(t) > 1 for t in self._watched)
 
-    def retire(self) -> None:
+    def retire(self, why: str | None = None) -> None:
         """The graph is being destroyed: make the outputs it handed out raise when read (their
-        memory goes back to the allocator) instead of reading freed memory."""
+        memory goes back to the allocator) instead of reading freed memory. ``why``: why it
+        goes, for the message, when it is not that nothing refers to it any more."""
+        message = self.gone_message
+        if why is not None:
+            message = (
+                f"StaleOutputError: this tensor is an output of the torchreplay graph "
+                f"'{self.name}', which was dropped ({why}). Call .clone() on outputs you keep "
+                "across calls, or create the graph with outputs='clone'."
+            )
         for storage in self.live:
-            _compat.invalidate_storage(storage, self.gone_message)
+            _compat.invalidate_storage(storage, message)
         self.live = []
         self._handed = []
         self._watched = []

@@ -12,6 +12,7 @@ from torchreplay.pieces.program import Program
 
 __all__ = [
     "PieceGraph", "Entry", "Route", "hand_out", "entry_key", "pad_shared", "shared_key", "static_buffer",
+    "stage_entry",
 ]
 
 _Tensor = torch.Tensor
@@ -139,6 +140,45 @@ def static_buffer(
     if dim is not None:
         shape[dim] = size
     return torch.zeros(shape, dtype=arg.dtype, device=arg.device)
+
+
+def stage_entry(
+    size: int | None,
+    args: Sequence[Any],
+    inputs: Sequence[Any],
+    buffers: dict[tuple[Any, ...], _Tensor],
+    sizes: Sequence[int] | None,
+    n_slots: int,
+    passed: Sequence[int],
+    pinned: Sequence[int],
+) -> tuple[Entry, list[Any]]:
+    """A new entry of ``size`` with its static input buffers (in ``buffers``) filled from the
+    call's ``args``, and the slot values a capture starts from. ``inputs``: the program's;
+    ``passed``: the inputs taken from each call as they are; ``pinned``: those read in place
+    where they were at capture."""
+    entry = Entry(size)
+    env: list[Any] = [None] * n_slots
+    for i, inp in enumerate(inputs):
+        a = args[i]
+        if inp.kind == "tensor":
+            buf = static_buffer(buffers, i, size, a, inp.dim, sizes)
+            rows = a.shape[inp.dim] if inp.dim is not None else None
+            with torch.no_grad():
+                if rows is None:
+                    buf.copy_(a)
+                else:  # the call's rows, as many as fit: realistic values for eager steps
+                    m = min(rows, buf.shape[inp.dim])
+                    buf.narrow(inp.dim, 0, m).copy_(a.narrow(inp.dim, 0, m))
+                    buf.narrow(inp.dim, m, buf.shape[inp.dim] - m).fill_(inp.fill)
+            env[i] = buf
+        elif inp.kind == "int" and inp.is_size:
+            env[i] = size
+        else:
+            env[i] = a
+    entry.inputs = [None if i in passed else env[i] for i in range(len(inputs))]
+    entry.inputs += [None] * (n_slots - len(entry.inputs))
+    entry.pinned = [args[i].data_ptr() if i in pinned else None for i in range(len(args))]
+    return entry, env
 
 
 def pad_shared(route: Route, clean: dict[int, int], writes_varying: bool) -> None:

@@ -34,8 +34,9 @@ from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
 from torchreplay.errors import CaptureError
 from torchreplay.pieces.entries import (
-    Entry, PieceGraph, Route, entry_key, hand_out, pad_shared, shared_key, static_buffer,
+    Entry, PieceGraph, Route, entry_key, hand_out, pad_shared, shared_key, stage_entry,
 )
+from torchreplay.pieces.instances import Instances, drop_entries
 from torchreplay.pieces.program import Constant, Program, run_in_order
 from torchreplay.stats import GraphStats
 
@@ -44,7 +45,6 @@ __all__ = ["PiecewiseRuntime"]
 log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
-
 
 class PiecewiseRuntime:
     """Replay a program's graphed pieces and run its eager steps, for every size of one compile.
@@ -120,7 +120,9 @@ class PiecewiseRuntime:
         # Per buffer shared by every size: the row from which on it holds the padding (pad_shared)
         self._clean: dict[int, int] = {}
         self._writes_varying = any(x.written and x.dim is not None for x in program.inputs)
-        self._static_ptrs: list[int] = []
+        self._static_ptrs: list[int | None] = []
+        # Per set of addresses of the parameters and buffers read in place: its graphs.
+        self._instances = Instances(self._statics, name)
         self._ranges: list[tuple[int, int]] = []  # the pool's address ranges after capture
         # Inputs that are part of the key besides shapes: ints other than the size, constants.
         self._keyed = [
@@ -143,7 +145,8 @@ class PiecewiseRuntime:
         if self._eager:
             return self._run_ungraphed(args)
         if self._statics and not self._statics_unchanged(args):
-            self._recapture(args)
+            if not self._switch(args):
+                return self._run_ungraphed(args)
         route = self._route(args, size)
         if route is None or (self._checks and self._blocked(route.entry, args)):
             return self._run_ungraphed(args)
@@ -257,7 +260,9 @@ class PiecewiseRuntime:
         return self.sizes[k] if k < len(self.sizes) else -1
 
     def _key(self, size: int | None, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return entry_key(size, args, self._inputs, self._tensors)
+        key = entry_key(size, args, self._inputs, self._tensors)
+        current = self._instances.current
+        return key if current is None else (*key, current.id)
 
     def _new_route(
         self, n: int | None, args: tuple[Any, ...], forced: int | None = None, rkey: Any = None
@@ -272,7 +277,9 @@ class PiecewiseRuntime:
         key = self._key(size, args)
         entry = self._entries.get(key)
         if entry is None:
-            if len(self._entries) >= (self.max_graphs if self.sizes is None else len(self.sizes) + self.max_graphs):
+            current = self._instances.current
+            held = current.entries if current is not None else len(self._entries)
+            if held >= (self.max_graphs if self.sizes is None else len(self.sizes) + self.max_graphs):
                 self._count_fallback(
                     f"a new input shape after {len(self._entries)} captured ones (max_graphs)"
                 )
@@ -318,7 +325,9 @@ class PiecewiseRuntime:
         shared = self._shared_pool
         self.pool = shared if shared is not None and shared.device in (None, device) else Pool(device)
         self._stream = side_stream(device)
-        self._static_ptrs = self._ptrs_of(args)
+        if self._statics:
+            self._instances.add(args, self._ptrs_of(args))
+            self._use_current()
         self.pool.track(self, self._graphs, self._retire)
         if self.sizes is not None and self._sized:
             n = args[self._sized[0]].shape[self._inputs[self._sized[0]].dim]
@@ -378,31 +387,8 @@ class PiecewiseRuntime:
         return entries
 
     def _stage(self, size: int | None, args: tuple[Any, ...]) -> tuple[Entry, list[Any]]:
-        """A new entry of ``size`` with its static input buffers filled from the call, and the
-        slot values a capture starts from."""
-        entry = Entry(size)
-        env: list[Any] = [None] * self._n_slots
-        for i, inp in enumerate(self._inputs):
-            a = args[i]
-            if inp.kind == "tensor":
-                buf = static_buffer(self._buffers, i, size, a, inp.dim, self.sizes)
-                rows = a.shape[inp.dim] if inp.dim is not None else None
-                with torch.no_grad():
-                    if rows is None:
-                        buf.copy_(a)
-                    else:  # the call's rows, as many as fit: realistic values for eager steps
-                        m = min(rows, buf.shape[inp.dim])
-                        buf.narrow(inp.dim, 0, m).copy_(a.narrow(inp.dim, 0, m))
-                        buf.narrow(inp.dim, m, buf.shape[inp.dim] - m).fill_(inp.fill)
-                env[i] = buf
-            elif inp.kind == "int" and inp.is_size:
-                env[i] = size
-            else:
-                env[i] = a
-        entry.inputs = [None if i in self._passed else env[i] for i in range(len(self._inputs))]
-        entry.inputs += [None] * (self._n_slots - len(entry.inputs))
-        entry.pinned = [args[i].data_ptr() if i in self._pinned else None for i in range(len(args))]
-        return entry, env
+        return stage_entry(size, args, self._inputs, self._buffers, self.sizes, self._n_slots,
+                           self._passed, self._pinned)
 
     def _capture_key(self, size: int | None, key: tuple[Any, ...], args: tuple[Any, ...]) -> Entry:
         assert self.pool is not None and self.device is not None
@@ -439,6 +425,8 @@ class PiecewiseRuntime:
                 entry.sources.append(("env", o))
         self._seal(entry, pool_outs)
         self._entries[key] = entry
+        if self._instances.current is not None:
+            self._instances.current.entries += 1
         return entry
 
     def _seal(self, entry: Entry, pool_outs: list[_Tensor]) -> None:
@@ -537,23 +525,32 @@ class PiecewiseRuntime:
     def _statics_unchanged(self, args: tuple[Any, ...]) -> bool:
         return _compat.data_ptrs_equal(list(args), self._static_ptrs, self._statics)
 
-    def _recapture(self, args: tuple[Any, ...]) -> None:
-        """A parameter or buffer was replaced by another tensor (``p.data = ...``): the graphs
-        read the old memory, so they are dropped and captured again."""
-        log.warning(
-            "torchreplay: a parameter or buffer of '%s' is a new tensor since capture (it was "
-            "replaced, not updated in place); capturing again",
-            self.name,
-        )
-        self._retire()
-        for g in self._graphs:
-            g.reset()
-        self._graphs.clear()
-        self._entries.clear()
-        self._routes.clear()
-        self._static_ptrs = self._ptrs_of(args)
-        if self.sizes is not None and self._sized:
+    def _switch(self, args: tuple[Any, ...]) -> bool:
+        """The parameters or buffers read in place are not where the last call's were: another
+        instance of the module's class, or tensors replaced since capture (:mod:`.instances`).
+        Use that set's graphs, captured at its first call; False: this call runs ungraphed (a
+        training graph, kept for one set, meets another instance)."""
+        outcome = self._instances.switch(args, self._ptrs_of(args), self._checks, self._drop_set)
+        if outcome == "refused":
+            self._count_fallback(
+                "the parameters of another instance of the module's class: a training graph "
+                "is captured for one set of parameters and buffers (compile each instance in "
+                "training mode with its own tr.compile)"
+            )
+            return False
+        self._use_current()
+        if outcome == "new" and self.sizes is not None and self._sized:
             self._capture_batch([(s, self._key(s, args)) for s in reversed(self.sizes)], args)
+        return True
+
+    def _use_current(self) -> None:
+        current = self._instances.current
+        assert current is not None
+        self._static_ptrs = current.ptrs
+        self._routes = current.routes
+
+    def _drop_set(self, dropped: Any, why: str) -> None:
+        drop_entries(self._entries, self._graphs, dropped.id, why)
 
     def _ptrs_of(self, args: tuple[Any, ...]) -> list[int | None]:
         return [args[i].data_ptr() if i in self._statics else None for i in range(len(args))]
@@ -585,8 +582,14 @@ class PiecewiseRuntime:
         return self.pool.reserved_bytes() if self.pool is not None else 0
 
     def static_ptrs(self) -> set[int]:
-        """Where the parameters and buffers it reads in place are (empty before the first call)."""
-        return set(self._static_ptrs)
+        """Where the parameters and buffers it reads in place are, for every instance it has
+        graphs of (empty before the first call)."""
+        return self._instances.ptrs()
+
+    @property
+    def instances(self) -> int:
+        """How many sets of parameters and buffers (module instances) it holds graphs for."""
+        return len(self._instances)
 
     def captured_sizes(self) -> list[int | None]:
         return sorted({e.size for e in self._entries.values()}, key=lambda s: (s is None, s))
