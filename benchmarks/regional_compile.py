@@ -1,0 +1,121 @@
+"""A model compiled block by block (regional compilation), timed interleaved (CUDA only).
+
+Twelve residual MLP blocks (Linear 1024 -> 2048 -> 1024, GELU, a scale buffer; batch 8, fp32),
+one process, no grad. Methods: eager; ``tr.compile`` of the whole model; ``tr.compile`` of each
+block (one backend per class: Dynamo compiles once, graphs per block); each block with a
+backend object of its own (what ``tr.compile`` did before: Dynamo compiles each block again and
+past its recompile limit, 8, runs the rest eagerly); ``torch.compile(mode="reduce-overhead")``
+of each block. Every method is checked against eager first. Prints us per call (median,
+synchronized), host us (min), first call s, Dynamo compiles and graphed blocks.
+
+Usage: ``PYTHONPATH=. python benchmarks/regional_compile.py``
+"""
+from __future__ import annotations
+
+import copy
+import sys
+import time
+import types
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, ".")
+import torchreplay as tr  # noqa: E402
+from torchreplay.bench.timing import BenchOptions, time_interleaved  # noqa: E402
+from torchreplay.compile.backend import Backend  # noqa: E402
+from torchreplay.config import CompileConfig  # noqa: E402
+
+BLOCKS, WIDTH, BATCH = 12, 1024, 8
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(WIDTH, 2 * WIDTH)
+        self.fc2 = nn.Linear(2 * WIDTH, WIDTH)
+        self.register_buffer("scale", torch.rand(WIDTH) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x))) * self.scale
+
+
+def own_class(tag: str) -> type:
+    """``Block`` with a forward of its own code object: each method gets Dynamo caches of its
+    own (they would share one recompile limit)."""
+    code = Block.forward.__code__.replace(co_name=f"forward_{tag}")
+    forward = types.FunctionType(code, Block.forward.__globals__, code.co_name)
+    return type(f"Block_{tag}", (Block,), {"forward": forward})
+
+
+def marked(run):
+    """torch's fix for reduce-overhead outputs overwritten by a later run: a step per call."""
+    def step(x):
+        torch.compiler.cudagraph_mark_step_begin()
+        return run(x)
+    return step
+
+
+def chain(blocks):
+    def run(x):
+        for b in blocks:
+            x = b(x)
+        return x
+    return run
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[Block() for _ in range(BLOCKS)]).cuda().eval()
+    x = torch.randn(BATCH, WIDTH, device="cuda")
+    builds = {
+        "eager": lambda m: m,
+        "tr.compile, whole model": lambda m: tr.compile(m, cache_dir=None),
+        "tr.compile, each block": lambda m: chain([tr.compile(b, cache_dir=None) for b in m]),
+        "each block, a backend object each (before)": lambda m: chain(
+            [torch.compile(b, backend=Backend(CompileConfig(cache_dir=None))) for b in m]),
+        "reduce-overhead, each block": lambda m: chain(
+            [torch.compile(b, mode="reduce-overhead") for b in m]),
+        "reduce-overhead, each block, step marked": lambda m: marked(chain(
+            [torch.compile(b, mode="reduce-overhead") for b in m])),
+    }
+    errors = {}
+    calls, first = {}, {}
+    with torch.no_grad():
+        want = ref(x)
+        for k, (name, build) in enumerate(builds.items()):
+            counters_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            model = copy.deepcopy(ref)
+            cls = own_class(str(k))
+            for b in model:
+                b.__class__ = cls
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            try:
+                fn = build(model)
+                for _ in range(3):  # reduce-overhead records at its second call
+                    out = fn(x)
+                torch.cuda.synchronize()
+                torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
+            except Exception as exc:  # noqa: BLE001 - a failing method is a row, not a crash
+                errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
+                continue
+            first[name] = (time.perf_counter() - t0,
+                           torch._dynamo.utils.counters["stats"]["unique_graphs"] - counters_before)
+            calls[name] = lambda fn=fn: fn(x)
+        res = time_interleaved(calls, BenchOptions(repeats=9, calls=40, warmup=10, host_calls=10))
+    print(f"{BLOCKS} blocks, batch {BATCH}, width {WIDTH}, fp32; {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}")
+    for name, e in errors.items():
+        print(f"{name:44s} failed: {e}")
+    for name, v in res.items():
+        s, graphs = first[name]
+        if isinstance(v, str):
+            print(f"{name:44s} error: {v}")
+            continue
+        print(f"{name:44s} {v[0]:8.1f} us/call  host min {v[1]:7.1f}  first 3 calls {s:6.2f} s  "
+              f"Dynamo graphs {graphs}")
+
+
+if __name__ == "__main__":
+    main()
