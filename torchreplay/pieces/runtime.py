@@ -526,11 +526,13 @@ class PiecewiseRuntime:
         return _compat.data_ptrs_equal(list(args), self._static_ptrs, self._statics)
 
     def _switch(self, args: tuple[Any, ...]) -> bool:
-        """The parameters or buffers read in place are not where the last call's were: another
-        instance of the module's class, or tensors replaced since capture (:mod:`.instances`).
-        Use that set's graphs, captured at its first call; False: this call runs ungraphed (a
-        training graph, kept for one set, meets another instance)."""
-        outcome = self._instances.switch(args, self._ptrs_of(args), self._checks, self._drop_set)
+        """The parameters or buffers read in place moved (another instance of the module's
+        class, or replaced tensors: :mod:`.instances`): use that set's graphs, captured at its
+        first call. False: this call runs ungraphed (a training graph meets another instance)."""
+        outcome = self._instances.switch(
+            args, self._ptrs_of(args), self._checks,
+            lambda dropped, why: drop_entries(self._entries, self._graphs, dropped.id, why),
+        )
         if outcome == "refused":
             self._count_fallback(
                 "the parameters of another instance of the module's class: a training graph "
@@ -545,12 +547,7 @@ class PiecewiseRuntime:
 
     def _use_current(self) -> None:
         current = self._instances.current
-        assert current is not None
-        self._static_ptrs = current.ptrs
-        self._routes = current.routes
-
-    def _drop_set(self, dropped: Any, why: str) -> None:
-        drop_entries(self._entries, self._graphs, dropped.id, why)
+        self._static_ptrs, self._routes = current.ptrs, current.routes  # type: ignore[union-attr]
 
     def _ptrs_of(self, args: tuple[Any, ...]) -> list[int | None]:
         return [args[i].data_ptr() if i in self._statics else None for i in range(len(args))]
