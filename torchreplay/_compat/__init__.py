@@ -587,16 +587,9 @@ from torchreplay._compat.distributed import (  # noqa: E402  (the torch.distribu
 )
 
 __all__ += ["default_store", "dist_ready", "group_named", "group_of_arg", "group_ranks"]
-from torchreplay._compat.ops import (  # noqa: E402
-    argument_kinds,
-    custom_op_kernel,
-    eval_frame_callback,
-    modes_active,
-    plain_value,
-    without_dynamo_guard,
+from torchreplay._compat.ops import (  # noqa: E402  (a custom op's kernel and schema)
+    argument_kinds, custom_op_kernel, eval_frame_callback, modes_active, plain_value, without_dynamo_guard,
 )
 
-__all__ += [
-    "argument_kinds", "custom_op_kernel", "eval_frame_callback", "modes_active", "plain_value",
-    "without_dynamo_guard",
-]
+__all__ += ["argument_kinds", "custom_op_kernel", "eval_frame_callback", "modes_active", "plain_value",
+            "without_dynamo_guard"]
