@@ -272,6 +272,48 @@ def test_bucketed_disagreement_raises_on_every_rank(case: str) -> None:
         assert "rank 1: eager" in out[0][1]["errors"][0]
 
 
+def _doubled_sum(x: torch.Tensor) -> torch.Tensor:
+    """Adds 1 to its argument in place, returns twice it summed over the ranks."""
+    x.add_(1)
+    y = x * 2
+    dist.all_reduce(y)
+    return y
+
+
+def w_bucketed_padded(rank: int, world: int) -> list:
+    import test_buckets
+
+    test_buckets.install_cpu_graphs(setattr)
+    g = tr.graph(_doubled_sum, torch.randn(8, 4), sizes=[2, 4, 8], sync_sizes=True,
+                 ranks=RankConfig(timeout=5.0))
+    gen = torch.Generator().manual_seed(0)  # the same rows on both ranks; rank 1 has fewer
+    worst = []
+    for base in (3, 12, 20, 7):  # 12 and 10 rows, 20 and 18: above 8, every rank eagerly
+        x = torch.randn(base, 4, generator=gen)
+        mine = x[: base - 2 * rank].clone()
+        y = g(mine)
+        # Rows both ranks have are summed twice; rows only rank 0 has meet rank 1's padding
+        # rows (zeros, to which the call adds 1).
+        ref = (x + 1) * 2
+        ref[: base - 2] *= 2
+        ref[base - 2:] += 2
+        worst.append((y.shape[0], (y - ref[: mine.shape[0]]).abs().max().item(),
+                      (mine - x[: mine.shape[0]] - 1).abs().max().item()))
+    return [worst, g.stats.fallbacks]
+
+
+def test_bucketed_ranks_above_the_largest_size_run_eagerly_at_the_same_rows() -> None:
+    """A collective inside a call every rank runs eagerly gets the same shapes on every rank
+    (the rows the largest call has; gloo raises on a mismatch, NCCL hangs): each rank's rows
+    padded as a replay pads them, its own rows given back, its in-place writes kept."""
+    out = run_ranks(w_bucketed_padded, 2)
+    assert all(s == "ok" for s, _ in out), out
+    for rank, (_, (rows, fallbacks)) in enumerate(out):
+        assert [r[0] for r in rows] == [3 - 2 * rank, 12 - 2 * rank, 20 - 2 * rank, 7 - 2 * rank]
+        assert all(r[1] < 1e-5 and r[2] < 1e-6 for r in rows), rows
+        assert fallbacks == 2
+
+
 # -- a replay that never ends: the watcher reports it (and ends the process by default) --------
 
 
@@ -457,7 +499,10 @@ class _StubRuntime:
     """What AgreedRuntime uses of a PiecewiseRuntime, on the CPU: its sizes and its calls."""
 
     def __init__(self, sizes: list[int]) -> None:
+        from torchreplay.pieces.program import Input, Program
+
         self.sizes, self.name, self.calls, self.fallbacks = sizes, "graph 0", [], []
+        self.program = Program((Input("x", "tensor", dim=0),), [], (0,), (0,))
 
     def rows(self, leaves):
         return leaves[0].shape[0]
@@ -467,11 +512,11 @@ class _StubRuntime:
 
     def __call__(self, *args, size=None):
         self.calls.append(("graph", size))
-        return args[0]
+        return (args[0],)
 
     def _run_ungraphed(self, args):
-        self.calls.append(("eager", None))
-        return args[0]
+        self.calls.append(("eager", args[0].shape[0]))  # the rows it runs at
+        return (args[0],)
 
     def _count_fallback(self, reason):
         self.fallbacks.append(reason)
@@ -489,14 +534,14 @@ def w_compiled(rank: int, world: int, case: str) -> dict:
     a = agreement(ranks, held, None, name="graph 0", parts=[tuple(rt.sizes)], sizes=True)
     front = AgreedRuntime(rt, a)
     rows = {"sync": [(3, 7), (1, 2)], "above": [(3, 20)], "sizes": [(3, 3)], "nosync": [(3, 7)]}
-    errors = []
+    errors, got = [], []
     for pair in rows[case]:
         try:
-            front(torch.randn(pair[rank], 2))
+            got.append(front(torch.randn(pair[rank], 2))[0].shape[0])
         except ReplayInputError as exc:
             errors.append(str(exc))
             break
-    return {"calls": rt.calls, "errors": errors, "fallbacks": len(rt.fallbacks)}
+    return {"calls": rt.calls, "errors": errors, "fallbacks": len(rt.fallbacks), "rows": got}
 
 
 @pytest.mark.parametrize("case", ["sync", "above", "sizes", "nosync"])
@@ -506,8 +551,9 @@ def test_compiled_graphs_agree_like_tr_graph(case: str) -> None:
     r0, r1 = (v for _, v in out)
     if case == "sync":  # 3 and 7 rows: both replay 8; 1 and 2: both 2
         assert r0["calls"] == r1["calls"] == [("graph", 8), ("graph", 2)], out
-    elif case == "above":  # 20 rows on rank 1, above 16: both run without graphs
-        assert r0["calls"] == r1["calls"] == [("eager", None)] and r0["fallbacks"] == 1, out
+    elif case == "above":  # 20 rows on rank 1, above 16: both run without graphs, at 20 rows
+        assert r0["calls"] == r1["calls"] == [("eager", 20)] and r0["fallbacks"] == 1, out
+        assert r0["rows"] == [3] and r1["rows"] == [20], out  # each rank gets its own rows
     else:  # other size lists, or other sizes without sync_sizes: both raise, nothing runs
         assert r0["calls"] == r1["calls"] == [] and r0["errors"] and r1["errors"], out
         assert "ranks disagree" in r0["errors"][0], out

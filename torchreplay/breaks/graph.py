@@ -42,6 +42,7 @@ from torchreplay.core.capture import (
     side_stream,
     warn_mode_changed,
 )
+from torchreplay.core.padding import flat_call
 from torchreplay.core.pool import Pool
 from torchreplay.core.writes import WriteWatch
 from torchreplay.distributed import agreement
@@ -60,7 +61,7 @@ from torchreplay.breaks.plan import (
 )
 from torchreplay.pieces.entries import Entry, PieceGraph
 from torchreplay.pieces.program import Input, Piece, Program, Split
-from torchreplay.pieces.ranks import agree_size
+from torchreplay.pieces.ranks import agree_size, run_eagerly_at
 from torchreplay.pieces.runtime import PiecewiseRuntime
 from torchreplay.sizes.plan import plan_inputs
 
@@ -268,11 +269,12 @@ class BreakableGraph:
         mode_changed = module is not None and module.training != self._training
         size = None
         if self._ranks is not None:  # collectives inside: the ranks agree first
-            size = agree_size(self._ranks, self.runtime, leaves, mode_changed)
+            size, rows = agree_size(self._ranks, self.runtime, leaves, mode_changed)
             if size == -1 and not mode_changed:
                 self.runtime._count_fallback("a call above the largest captured size (on a rank)")
                 with torch.no_grad():
-                    return self.fn(*args, **kwargs)
+                    out = run_eagerly_at(self.runtime, flat_call(self.fn, self._spec), leaves, rows)
+                return _compat.tree_unflatten(out, self._out_spec)
         if self._policy_on and not mode_changed and eager_by_policy(self, leaves, size):
             with torch.no_grad():
                 return self.fn(*args, **kwargs)

@@ -23,7 +23,7 @@ from torchreplay.compile.split import node_value, op_name
 from torchreplay.config import RankConfig
 from torchreplay.distributed import Agreement, Collective, agreement
 from torchreplay.distributed.collectives import COLLECTIVE_NAMESPACES, NOT_COMMUNICATION
-from torchreplay.pieces.ranks import agree_size
+from torchreplay.pieces.ranks import agree_size, run_eagerly_at
 from torchreplay.pieces.runtime import PiecewiseRuntime
 
 __all__ = ["AgreedRuntime", "agreed", "collectives_in"]
@@ -74,13 +74,13 @@ class AgreedRuntime:
 
     def __call__(self, *args: Any) -> Any:
         rt = self.runtime
-        size = agree_size(self._ranks, rt, args)
+        size, rows = agree_size(self._ranks, rt, args)
         if size == -1:
             rt._count_fallback(
                 "a call above the largest captured size on some rank: every rank runs it "
                 "without graphs"
             )
-            return rt._run_ungraphed(args)
+            return tuple(run_eagerly_at(rt, rt._run_ungraphed, args, rows))
         return rt(*args, size=size)
 
 

@@ -29,19 +29,14 @@ from torchreplay import _compat
 from torchreplay.config import RANKS, SAFE, BucketConfig, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
 from torchreplay.core.capture import (
-    StateSnapshot,
-    capture,
-    on_side_stream,
-    progress,
-    side_stream,
-    warn_mode_changed,
+    StateSnapshot, capture, on_side_stream, progress, side_stream, warn_mode_changed,
 )
 from torchreplay.core.io import Inputs, same_constant, widens, write_back
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
 from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import CaptureError, ReplayInputError
-from torchreplay.sizes.buffers import pad_sample
+from torchreplay.core.padding import flat_call, pad_sample, run_padded
 from torchreplay.sizes.guards import fits, input_error, probe_error, refuse_row_mixing
 from torchreplay.sizes.outputs import OutputPlan, plan_outputs
 from torchreplay.sizes.plan import (
@@ -479,7 +474,7 @@ class BucketedGraph:
         if decision.action == "error":
             raise ReplayInputError(decision.message)
         if decision.action == "eager":
-            return self._eager(agreed, decision.message, args, kwargs)
+            return self._eager(agreed, decision.message, args, kwargs, None if agreed == n else n)
         assert decision.size is not None
         self._agreed[agreed] = decision.size
         route = self._routes[n] if n <= self._max else None
@@ -496,13 +491,23 @@ class BucketedGraph:
                 self._wide[(n, decision.size)] = route
         return self._replay(route, n, leaves)
 
-    def _eager(self, n: int, message: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _eager(
+        self, n: int, message: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+        padded_from: int | None = None,
+    ) -> Any:
+        """Run the call without graphs; ``padded_from``: its rows, padded to ``n`` (agreed)."""
         self.stats.fallbacks += 1
         if n not in self._warned_sizes:
             self._warned_sizes.add(n)
             log.warning("%s", message)
-        with torch.no_grad():  # what the graph would have computed, without autograd
-            return self.fn(*args, **kwargs)
+        if padded_from is None:
+            with torch.no_grad():  # what the graph would have computed, without autograd
+                return self.fn(*args, **kwargs)
+        plan = self._out_plan
+        out_dims = ["size" if leaf.kind == "size" else leaf.dims for leaf in plan.leaves]
+        out = run_padded(flat_call(self.fn, self._inputs.spec), self._inputs.flatten(args, kwargs),
+                         self._plan, padded_from, n, out_dims)
+        return _compat.tree_unflatten(out, plan.spec)
 
     def _build_route(self, n: int, entry: _SizeGraph) -> _Route:
         s = entry.size
