@@ -357,6 +357,31 @@ def test_a_replay_that_never_ends_is_reported_naming_the_graph_and_call(one_rank
     del _WATCHER.watched[a]
 
 
+def test_graphs_are_released_when_their_group_is_destroyed(one_rank) -> None:
+    """NCCL's destroy waits until every graph that captured one of the group's collectives is
+    destroyed (a hang when the group is destroyed first): the watcher sees the main thread in
+    ``destroy_process_group`` and releases the graphs; later calls raise, naming why."""
+    import threading
+
+    from torchreplay.distributed.watch import _WATCHER
+
+    released = threading.Event()
+    a = Agreement(dist.group.WORLD, "toy", fingerprint(["toy"]), sync_sizes=False, timeout=2.0,
+                  marker=lambda: _Marker(done=True))
+    a.on_release(released.set)
+    a(4, GRAPH)
+    # Stands for torch's: the watcher knows it by its name and file.
+    ns: dict = {}
+    exec(compile("def destroy_process_group(group=None):\n    return wait(10)\n",
+                 "torch/distributed/distributed_c10d.py", "exec"), {"wait": released.wait}, ns)
+    try:
+        assert ns["destroy_process_group"]() is True  # released within the watcher's period
+        with pytest.raises(ReplayInputError, match="its process group was destroyed"):
+            a(4, GRAPH)
+    finally:
+        _WATCHER.watched.pop(a, None)
+
+
 _ENDS = """
 import os, sys, time
 sys.path.insert(0, {root!r})

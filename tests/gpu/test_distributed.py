@@ -59,22 +59,37 @@ def _tp_mlp(rank: int, world: int):
     return tp_mlp
 
 
+def _tp_rows(base: int, i: int, rank: int) -> int:
+    """Rank ``rank``'s rows at call ``i``: ranks differ at every other call and above 32."""
+    return max(1, base - 2 * rank) if i % 2 or base > 32 else base
+
+
+def _tp_reference(x: torch.Tensor, common: int, rank: int, world: int) -> torch.Tensor:
+    """What the TP MLP gives ``x``: the one-GPU reference in the ``common`` rows every rank has.
+    A row only this rank has gets this rank's part alone: the other ranks' padding rows are
+    zeros, which add nothing to the all_reduce (tensor parallelism needs every row on every
+    rank; ranks with other rows are what ``sync_sizes`` keeps from hanging, not a TP layout)."""
+    w1, w2 = _tp_weights(x.device)
+    ref = F.gelu(x @ w1.t()) @ w2.t()
+    if x.shape[0] > common:
+        a, b = _tp_shards(rank, world)
+        ref[common:] = F.gelu(x[common:] @ a.t()) @ b.t()
+    return ref
+
+
 def w_tp_mlp(rank: int, world: int) -> dict:
     dev = torch.device("cuda", rank)
     tp_mlp = _tp_mlp(rank, world)
-    w1, w2 = _tp_weights(dev)  # the one-GPU reference's
     g = tr.graph(tp_mlp, torch.randn(SIZES[-1], D, device=dev), sizes=SIZES)
-    # Tensor parallelism: every rank sees the same rows. A rank with fewer rows has a prefix of
-    # the other's; its padding rows (zeros) add nothing to the all_reduce of the rows it lacks.
-    gen = torch.Generator(device=dev).manual_seed(100)
+    gen = torch.Generator(device=dev).manual_seed(100)  # the same rows on every rank (TP)
     worst = 0.0
     batches = [1, 3, 5, 8, 13, 16, 17, 31, 32, 2] * 3 + [40]  # 40 and 38: above 32, eager
     padded = []
     for i, base in enumerate(batches):
-        n = max(1, base - 2 * rank) if i % 2 or base > 32 else base  # ranks differ, every 2nd call
+        n = _tp_rows(base, i, rank)
         x = torch.randn(base, D, device=dev, generator=gen)[:n]
         y = g(x)
-        ref = F.gelu(x @ w1.t()) @ w2.t()  # the one-GPU reference
+        ref = _tp_reference(x, min(_tp_rows(base, i, r) for r in range(world)), rank, world)
         assert y.shape == ref.shape
         worst = max(worst, ((y - ref).abs().max() / ref.abs().max()).item())
         padded.append(g.stats.size_hits.copy())
@@ -586,16 +601,15 @@ def test_a_rank_that_dies_after_the_agreement_ends_the_others_naming_the_graph()
 def w_compiled_tp(rank: int, world: int) -> dict:
     dev = torch.device("cuda", rank)
     tp_mlp = _tp_mlp(rank, world)
-    w1, w2 = _tp_weights(dev)  # the one-GPU reference's
     c = tr.compile(tp_mlp, sizes=SIZES)
     gen = torch.Generator(device=dev).manual_seed(100)  # the same rows on every rank (TP)
     worst, hits, rows = 0.0, [], []
     for i, base in enumerate([32, 1, 3, 5, 8, 13, 16, 17, 31, 2] * 2 + [40]):  # 40: above 32
-        n = max(1, base - 2 * rank) if i % 2 or base > 32 else base  # ranks differ, every 2nd call
+        n = _tp_rows(base, i, rank)
         x = torch.randn(base, D, device=dev, generator=gen)[:n]
         with torch.no_grad():
             y = c(x)
-        ref = F.gelu(x @ w1.t()) @ w2.t()  # the one-GPU reference
+        ref = _tp_reference(x, min(_tp_rows(base, i, r) for r in range(world)), rank, world)
         worst = max(worst, ((y - ref).abs().max() / ref.abs().max()).item())
         hits.append(dict(c.backend.runtimes[0].stats.size_hits))
         rows.append(y.shape[0] == n)

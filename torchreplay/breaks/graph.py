@@ -43,7 +43,7 @@ from torchreplay.core.capture import (
     warn_mode_changed,
 )
 from torchreplay.core.padding import flat_call
-from torchreplay.core.pool import Pool
+from torchreplay.core.pool import Pool, release_with
 from torchreplay.core.writes import WriteWatch
 from torchreplay.distributed import agreement
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
@@ -167,6 +167,7 @@ class BreakableGraph:
             parts=[sizes, [b.brk.name for b in self.breaks]], sizes=sizes is not None,
             device=self.device,
         )
+        release_with(self._ranks, self.runtime)
         self._collective_log = None
 
     # ------------------------------------------------------------------ the plan

@@ -21,6 +21,7 @@ import torch.fx as fx
 from torchreplay import _compat
 from torchreplay.compile.split import node_value, op_name
 from torchreplay.config import RankConfig
+from torchreplay.core.pool import release_with
 from torchreplay.distributed import Agreement, Collective, agreement
 from torchreplay.distributed.collectives import COLLECTIVE_NAMESPACES, NOT_COMMUNICATION
 from torchreplay.pieces.ranks import agree_size, run_eagerly_at
@@ -102,6 +103,7 @@ def agreed(
     )
     if agreement_ is None:
         return None
+    release_with(agreement_, runtime)
     runtime.agreement = agreement_  # type: ignore[attr-defined]  # for tr.explain
     runtime.collectives = collectives  # type: ignore[attr-defined]
     return AgreedRuntime(runtime, agreement_)

@@ -14,7 +14,7 @@ from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
 from torchreplay.core.capture import StateSnapshot, capture, side_stream, warn_mode_changed
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
-from torchreplay.core.pool import Pool
+from torchreplay.core.pool import Pool, release_with
 from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import CaptureError
 from torchreplay.stats import GraphStats
@@ -104,6 +104,7 @@ class Graphed:
         del captured
         self._position = self.pool.register(self)
         self.pool.track(self, [self._graph], self._outputs.retire)
+        release_with(self._ranks, self)
         # Hot-path constants, looked up once.
         self._replay = _compat.direct_replay(self._graph)
         self._device_index = device.index

@@ -31,7 +31,7 @@ import torch
 
 from torchreplay.errors import CaptureError
 
-__all__ = ["Pool", "LiveWindow"]
+__all__ = ["Pool", "LiveWindow", "release_with"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ class Pool:
         self._windows: dict[int, weakref.ReferenceType[LiveWindow]] = {}
         # The objects (Graphed, BucketedGraph, ...) whose graphs live in this pool, weakly.
         self._owners: list[weakref.ReferenceType[Any]] = []
+        self._finalizers: dict[int, weakref.finalize] = {}  # by id(owner): see release
 
     @property
     def handle(self) -> tuple[int, int]:
@@ -143,7 +144,15 @@ class Pool:
             retire: marks the outputs that are still handed out.
         """
         self._owners.append(weakref.ref(owner))
-        weakref.finalize(owner, _release, weakref.ref(self), graphs, retire)
+        self._finalizers = {k: f for k, f in self._finalizers.items() if f.alive}
+        self._finalizers[id(owner)] = weakref.finalize(owner, _release, weakref.ref(self), graphs, retire)
+
+    def release(self, owner: Any) -> None:
+        """Release ``owner``'s graphs now, as if it were garbage (see :meth:`track`)."""
+        fin = self._finalizers.get(id(owner))
+        held = fin.peek() if fin is not None else None
+        if held is not None and held[0] is owner:
+            fin()  # type: ignore[misc]
 
     def before_replay(self, position: int, reader: LiveWindow | None = None) -> None:
         """Mark stale the outputs of every graph captured after ``position``, and clobber the
@@ -241,3 +250,20 @@ def _release(pool_ref: weakref.ReferenceType[Pool], graphs: Sequence[Any], retir
     log.debug("torchreplay: the last graph of %r was dropped; giving its memory back", pool)
     with contextlib.suppress(Exception):
         torch.cuda.empty_cache()
+
+
+def release_with(ranks: Any, owner: Any) -> None:
+    """Release ``owner``'s graphs (from its ``pool``) when the process group of ``ranks`` (an
+    :class:`~torchreplay.distributed.Agreement`, or ``None``) is destroyed: NCCL's destroy
+    waits until every graph that holds one of its collectives is gone."""
+    if ranks is None:
+        return
+    ref = weakref.ref(owner)
+
+    def release() -> None:
+        o = ref()
+        pool = getattr(o, "pool", None)
+        if pool is not None:
+            pool.release(o)
+
+    ranks.on_release(release)

@@ -25,6 +25,8 @@ import time
 import weakref
 from typing import Any
 
+import torch.distributed as dist
+
 __all__ = ["HANG_EXIT", "watch"]
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,11 @@ class _Watcher:
             time.sleep(self.period)
             with self.lock:
                 items = list(self.watched.items())
+            destroyed = _destroying() if items else None
             for agreement, state in items:
+                if destroyed is not None and (destroyed is _ALL or destroyed is agreement.group):
+                    agreement.group_destroyed()
+                    continue
                 try:
                     self._look(agreement, state)
                 except Exception as exc:  # a CUDA error is the main thread's to raise
@@ -88,6 +94,24 @@ class _Watcher:
             state.again = seq != state.seq
             state.marker = agreement.marker()
             state.seq, state.at, state.reported = seq, now, False
+
+
+_ALL = object()
+
+
+def _destroying() -> Any:
+    """The process group the main thread is destroying (``_ALL``: the default group, and with it
+    every group), or ``None``. NCCL's destroy waits, with the GIL released, until every CUDA graph
+    that captured one of the group's collectives is destroyed; torch gives no hook before it, so
+    the watcher looks at where the main thread is."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "destroy_process_group" and code.co_filename.endswith("distributed_c10d.py"):
+            group = frame.f_locals.get("group")
+            return _ALL if group is None or group is dist.group.WORLD else group
+        frame = frame.f_back
+    return None
 
 
 _WATCHER = _Watcher()

@@ -33,21 +33,14 @@ from torchreplay.core.capture import (
 )
 from torchreplay.core.io import Inputs, same_constant, widens, write_back
 from torchreplay.core.outputs import Outputs
-from torchreplay.core.pool import Pool
+from torchreplay.core.pool import Pool, release_with
 from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import CaptureError, ReplayInputError
 from torchreplay.core.padding import flat_call, pad_sample, run_padded
 from torchreplay.sizes.guards import fits, input_error, probe_error, refuse_row_mixing
 from torchreplay.sizes.outputs import OutputPlan, plan_outputs
 from torchreplay.sizes.plan import (
-    DimSpec,
-    FillSpec,
-    InputPlan,
-    decide,
-    format_sizes,
-    narrow_leading,
-    plan_inputs,
-    target_size,
+    DimSpec, FillSpec, InputPlan, decide, format_sizes, narrow_leading, plan_inputs, target_size,
 )
 from torchreplay.sizes.routes import Route as _Route, SizeGraph as _SizeGraph, log_summary
 from torchreplay.stats import GraphStats
@@ -196,6 +189,7 @@ class BucketedGraph:
         self._position = self.pool.register(self)
         # Not a bound method: the finalizer must not keep this object alive.
         self.pool.track(self, self._graph_list, functools.partial(_retire_routes, self._routes, self._wide))
+        release_with(self._ranks, self)
 
         if options.capture == "ahead":
             rest = self.sizes[-2::-1]  # largest first: smaller graphs fit in the pool's blocks

@@ -26,7 +26,7 @@ from torchreplay.config import GraphConfig
 from torchreplay.core.args import CallArgs, infer_device
 from torchreplay.core.capture import capture, side_stream
 from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
-from torchreplay.core.pool import Pool
+from torchreplay.core.pool import Pool, release_with
 from torchreplay.stats import TrainingStats
 from torchreplay.training.graphed_callable import GraphedCallable, retire_pair
 from torchreplay.training.pair import Order, Pair
@@ -158,6 +158,7 @@ def _build(runners: list[GraphedCallable], device: torch.device, pool: Pool, con
     for r, pair in zip(runners, pairs):
         r._adopt(pair, pool)
         pool.track(r, [g for g in pair.graphs if g is not None], retire_pair(r._outputs, pair))
+        release_with(r._ranks, r)
     for r in runners:
         r._fwd_pos = pool.register(r.fwd_member)
     for r in reversed(runners):

@@ -41,7 +41,7 @@ from torchreplay.core.capture import capture, side_stream
 from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
-from torchreplay.core.pool import Pool
+from torchreplay.core.pool import Pool, release_with
 from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
 from torchreplay.stats import TrainingStats
@@ -240,6 +240,7 @@ class GraphedStep:
         self._ranks = agreement(
             ranks, captured.collectives, captured.collective_log, name=self.name, device=device
         )
+        release_with(self._ranks, self)
         self._device_index = device.index
         self._check_device = torch.cuda.device_count() > 1
         log.info(
