@@ -573,8 +573,8 @@ def w_dies(rank: int, world: int) -> str:
     import os
 
     dev = torch.device("cuda", rank)
-    x = torch.randn(4, D, device=dev)
-    g = tr.graph(_doubled_sum, x, ranks=RankConfig(timeout=5.0))
+    x = torch.randn(4, D, device=dev, generator=torch.Generator(device=dev).manual_seed(0))
+    g = tr.graph(_doubled_sum, x, ranks=RankConfig(timeout=5.0))  # the same x on every rank
     for _ in range(3):
         torch.testing.assert_close(g(x), x * 2 * world)
     torch.cuda.synchronize()
