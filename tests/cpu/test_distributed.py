@@ -357,29 +357,65 @@ def test_a_replay_that_never_ends_is_reported_naming_the_graph_and_call(one_rank
     del _WATCHER.watched[a]
 
 
+class _Owner:
+    """Stands for a graph: its pool's ``release`` records that it was released."""
+
+    def __init__(self, released: list) -> None:
+        self.pool = self
+        self.released = released
+
+    def release(self, owner: object) -> None:
+        self.released.append(owner)
+
+
 def test_graphs_are_released_when_their_group_is_destroyed(one_rank) -> None:
     """NCCL's destroy waits until every graph that captured one of the group's collectives is
     destroyed (a hang when the group is destroyed first): the watcher sees the main thread in
-    ``destroy_process_group`` and releases the graphs; later calls raise, naming why."""
+    ``destroy_process_group`` and releases the graphs of that group, with an agreement or
+    without (``check=False``); later calls of an agreeing graph raise, naming why."""
     import threading
 
+    from torchreplay.core.pool import release_with
+    from torchreplay.distributed import Collective
     from torchreplay.distributed.watch import _WATCHER
 
-    released = threading.Event()
-    a = Agreement(dist.group.WORLD, "toy", fingerprint(["toy"]), sync_sizes=False, timeout=2.0,
+    world, other = dist.group.WORLD, dist.new_group([0])
+    released: list = []
+    done = threading.Event()
+    a = Agreement(world, "toy", fingerprint(["toy"]), sync_sizes=False, timeout=2.0,
                   marker=lambda: _Marker(done=True))
-    a.on_release(released.set)
     a(4, GRAPH)
+    agreeing, unchecked, elsewhere = _Owner(released), _Owner(released), _Owner(released)
+    held = [Collective("allreduce_", world.group_name, (0,), "float32", 4)]
+    release_with(agreeing, held, a)
+    release_with(unchecked, held)
+    release_with(elsewhere, [Collective("allreduce_", other.group_name, (0,), "float32", 4)])
+    release_with(_Owner(released), [])  # no collectives: nothing to release
     # Stands for torch's: the watcher knows it by its name and file.
     ns: dict = {}
-    exec(compile("def destroy_process_group(group=None):\n    return wait(10)\n",
-                 "torch/distributed/distributed_c10d.py", "exec"), {"wait": released.wait}, ns)
+    code = "def destroy_process_group(group=None):\n    return wait()\n"
+    exec(compile(code, "torch/distributed/distributed_c10d.py", "exec"),
+         {"wait": lambda: (done.wait(10), list(released))[1]}, ns)
+
+    def wait_for(n: int) -> None:
+        deadline = time.monotonic() + 10
+        while len(released) < n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        done.set()
+
     try:
-        assert ns["destroy_process_group"]() is True  # released within the watcher's period
+        threading.Thread(target=wait_for, args=(1,), daemon=True).start()
+        assert ns["destroy_process_group"](other) == [elsewhere]  # a subgroup: its graphs only
+        a(4, GRAPH)  # not that group's: replays on
+        done.clear()
+        threading.Thread(target=wait_for, args=(3,), daemon=True).start()
+        # The default group (destroying it destroys every group): the rest, within a period.
+        assert ns["destroy_process_group"](world) == [elsewhere, agreeing, unchecked]
         with pytest.raises(ReplayInputError, match="its process group was destroyed"):
             a(4, GRAPH)
     finally:
         _WATCHER.watched.pop(a, None)
+        dist.destroy_process_group(other)
 
 
 _ENDS = """

@@ -167,7 +167,7 @@ class BreakableGraph:
             parts=[sizes, [b.brk.name for b in self.breaks]], sizes=sizes is not None,
             device=self.device,
         )
-        release_with(self._ranks, self.runtime)
+        release_with(self.runtime, self.collectives or (), self._ranks)
         self._collective_log = None
 
     # ------------------------------------------------------------------ the plan

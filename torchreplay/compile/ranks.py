@@ -101,9 +101,9 @@ def agreed(
         ranks, collectives, _Groups(groups), name=runtime.name,  # type: ignore[arg-type]
         parts=[tuple(sizes or ())], sizes=sizes is not None, device=device,
     )
+    release_with(runtime, collectives, agreement_)
     if agreement_ is None:
         return None
-    release_with(agreement_, runtime)
     runtime.agreement = agreement_  # type: ignore[attr-defined]  # for tr.explain
     runtime.collectives = collectives  # type: ignore[attr-defined]
     return AgreedRuntime(runtime, agreement_)

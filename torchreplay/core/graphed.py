@@ -104,7 +104,7 @@ class Graphed:
         del captured
         self._position = self.pool.register(self)
         self.pool.track(self, [self._graph], self._outputs.retire)
-        release_with(self._ranks, self)
+        release_with(self, self.collectives, self._ranks)
         # Hot-path constants, looked up once.
         self._replay = _compat.direct_replay(self._graph)
         self._device_index = device.index

@@ -29,6 +29,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from torchreplay.distributed.collectives import groups_of
+from torchreplay.distributed.watch import on_destroy
 from torchreplay.errors import CaptureError
 
 __all__ = ["Pool", "LiveWindow", "release_with"]
@@ -252,18 +254,22 @@ def _release(pool_ref: weakref.ReferenceType[Pool], graphs: Sequence[Any], retir
         torch.cuda.empty_cache()
 
 
-def release_with(ranks: Any, owner: Any) -> None:
-    """Release ``owner``'s graphs (from its ``pool``) when the process group of ``ranks`` (an
-    :class:`~torchreplay.distributed.Agreement`, or ``None``) is destroyed: NCCL's destroy
-    waits until every graph that holds one of its collectives is gone."""
-    if ranks is None:
+def release_with(owner: Any, collectives: Sequence[Any], ranks: Any = None) -> None:
+    """Release ``owner``'s graphs (from its ``pool``) when a process group of its captured
+    ``collectives`` is destroyed: NCCL's destroy waits until every graph that holds one of its
+    collectives is gone (see :func:`~torchreplay.distributed.watch.on_destroy`). ``ranks``, the
+    owner's :class:`~torchreplay.distributed.Agreement` if any, then refuses every later call."""
+    groups = groups_of(collectives)
+    if not groups:
         return
-    ref = weakref.ref(owner)
+    ranks_ref = weakref.ref(ranks) if ranks is not None else None
 
-    def release() -> None:
-        o = ref()
+    def release(o: Any) -> None:
+        agreement = ranks_ref() if ranks_ref is not None else None
+        if agreement is not None:
+            agreement.group_destroyed()
         pool = getattr(o, "pool", None)
         if pool is not None:
             pool.release(o)
 
-    ranks.on_release(release)
+    on_destroy(groups, owner, release)

@@ -366,7 +366,6 @@ class Agreement:
         self._broken = ""
         self.on_hang = on_hang
         self.marker = marker
-        self._releases: list[Callable[[], None]] = []
         if marker is not None:
             watch(self)
 
@@ -417,23 +416,15 @@ class Agreement:
             raise ReplayInputError(self._disagreement(seq, posted))
         return target
 
-    def on_release(self, release: Callable[[], None]) -> None:
-        """Call ``release`` (it destroys the graph's CUDA graphs) when the group is destroyed."""
-        self._releases.append(release)
-
     def group_destroyed(self) -> None:
-        """The process group is being destroyed (:mod:`.watch` saw it): release the graphs, whose
-        captured collectives keep NCCL's destroy waiting, and refuse every later call."""
+        """The process group was destroyed and the graph's CUDA graphs released (see
+        :func:`.watch.on_destroy`): every later call raises."""
         if not self._broken:
             self._broken = (
                 f"'{self.name}': its process group was destroyed (torch.distributed."
                 "destroy_process_group), so its graphs, which held the group's collectives, were "
                 "released; build the graph again after init_process_group"
             )
-        releases, self._releases = self._releases, []
-        for release in releases:
-            with contextlib.suppress(Exception):
-                release()
 
     def _disagreement(self, seq: int, posted: list[tuple[int, ...]]) -> str:
         lines = []

@@ -20,7 +20,7 @@ from torchreplay import _compat
 
 __all__ = [
     "Collective", "CollectiveLog", "COLLECTIVE_NAMESPACES", "NOT_COMMUNICATION", "fingerprint",
-    "group_of", "describe",
+    "group_of", "groups_of", "describe",
 ]
 
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
@@ -107,6 +107,18 @@ def group_of(log: CollectiveLog | None, collectives: Sequence[Collective]) -> An
         if group is not None:
             return group
     return torch.distributed.group.WORLD
+
+
+def groups_of(collectives: Sequence[Collective]) -> list[Any]:
+    """Every process group ``collectives`` use (the default group where a name does not resolve)."""
+    if not collectives or not _compat.dist_ready():
+        return []
+    out: list[Any] = []
+    for name in dict.fromkeys(c.group for c in collectives):
+        group = _compat.group_named(name) or torch.distributed.group.WORLD
+        if all(group is not g for g in out):
+            out.append(group)
+    return out
 
 
 def describe(collectives: Sequence[Collective], limit: int = 4) -> str:

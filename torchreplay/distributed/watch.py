@@ -23,11 +23,11 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
-__all__ = ["HANG_EXIT", "watch"]
+__all__ = ["HANG_EXIT", "on_destroy", "watch"]
 
 log = logging.getLogger(__name__)
 
@@ -52,31 +52,55 @@ class _Watcher:
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
         self.period = 1.0
+        #: (groups, owner, release) of graphs that hold collectives: see on_destroy
+        self.releases: list[tuple[tuple[Any, ...], weakref.ReferenceType[Any], Callable[[Any], None]]] = []
+
+    def on_destroy(self, groups: Sequence[Any], owner: Any, release: Callable[[Any], None]) -> None:
+        with self.lock:
+            self.releases = [e for e in self.releases if e[1]() is not None]
+            self.releases.append((tuple(groups), weakref.ref(owner), release))
+            self._start()
 
     def add(self, agreement: Any) -> None:
         with self.lock:
             self.watched[agreement] = _State()
             self.period = max(0.02, min(1.0, self.period, agreement.timeout / 4))
-            if self.thread is None:
-                self.thread = threading.Thread(
-                    target=self._run, name="torchreplay-hang-watch", daemon=True
-                )
-                self.thread.start()
+            self._start()
+
+    def _start(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(
+                target=self._run, name="torchreplay-hang-watch", daemon=True
+            )
+            self.thread.start()
 
     def _run(self) -> None:
         while not sys.is_finalizing():
             time.sleep(self.period)
             with self.lock:
                 items = list(self.watched.items())
-            destroyed = _destroying() if items else None
+                releases = list(self.releases)
+            destroyed = _destroying() if items or releases else None
+            if destroyed is not None:
+                self._release(destroyed, releases)
             for agreement, state in items:
-                if destroyed is not None and (destroyed is _ALL or destroyed is agreement.group):
-                    agreement.group_destroyed()
-                    continue
                 try:
                     self._look(agreement, state)
                 except Exception as exc:  # a CUDA error is the main thread's to raise
                     log.debug("torchreplay: hang watch of '%s' skipped: %s", agreement.name, exc)
+
+    def _release(self, destroyed: Any, releases: list[Any]) -> None:
+        """Release the graphs that hold a collective of the group being destroyed."""
+        for entry in releases:
+            groups, ref, release = entry
+            owner = ref()
+            if owner is not None and (destroyed is _ALL or any(g is destroyed for g in groups)):
+                with self.lock:
+                    self.releases = [e for e in self.releases if e is not entry]
+                try:
+                    release(owner)
+                except Exception as exc:  # the destroy goes on; it may wait for this graph
+                    log.warning("torchreplay: releasing a graph at destroy_process_group: %s", exc)
 
     def _look(self, agreement: Any, state: _State) -> None:
         now = time.monotonic()
@@ -115,6 +139,14 @@ def _destroying() -> Any:
 
 
 _WATCHER = _Watcher()
+
+
+def on_destroy(groups: Sequence[Any], owner: Any, release: Callable[[Any], None]) -> None:
+    """Call ``release(owner)`` when the main thread destroys one of ``groups`` (or the default
+    group) while ``owner`` is alive: NCCL's destroy waits, with the GIL released, until every CUDA
+    graph that captured one of the group's collectives is destroyed, and torch gives no hook
+    before it, so the watcher thread looks at where the main thread is, about once a second."""
+    _WATCHER.on_destroy(groups, owner, release)
 
 
 def watch(agreement: Any) -> None:

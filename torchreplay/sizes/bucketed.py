@@ -189,7 +189,7 @@ class BucketedGraph:
         self._position = self.pool.register(self)
         # Not a bound method: the finalizer must not keep this object alive.
         self.pool.track(self, self._graph_list, functools.partial(_retire_routes, self._routes, self._wide))
-        release_with(self._ranks, self)
+        release_with(self, collectives, self._ranks)
 
         if options.capture == "ahead":
             rest = self.sizes[-2::-1]  # largest first: smaller graphs fit in the pool's blocks

@@ -158,7 +158,7 @@ def _build(runners: list[GraphedCallable], device: torch.device, pool: Pool, con
     for r, pair in zip(runners, pairs):
         r._adopt(pair, pool)
         pool.track(r, [g for g in pair.graphs if g is not None], retire_pair(r._outputs, pair))
-        release_with(r._ranks, r)
+        release_with(r, r.collectives, r._ranks)
     for r in runners:
         r._fwd_pos = pool.register(r.fwd_member)
     for r in reversed(runners):

@@ -240,7 +240,7 @@ class GraphedStep:
         self._ranks = agreement(
             ranks, captured.collectives, captured.collective_log, name=self.name, device=device
         )
-        release_with(self._ranks, self)
+        release_with(self, self.collectives, self._ranks)
         self._device_index = device.index
         self._check_device = torch.cuda.device_count() > 1
         log.info(
