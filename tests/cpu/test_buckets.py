@@ -668,3 +668,28 @@ def test_shared_padding_rows_hold_the_fill_at_every_call_and_are_reset_only_when
     # 3 after a 3 and every call at its size's full rows do not. With writes, each call padded
     # within rows the last replay wrote resets (six), but not the 5 after the 4-row size's 3.
     assert resets == (6 if writes else 2), resets
+
+
+def test_run_padded_runs_at_the_agreed_rows_and_gives_back_the_calls_own() -> None:
+    """What ranks that all run a call eagerly do (core/padding.py): the call's rows padded to
+    the agreed size with the fill value, an int size argument set to it, its in-place writes
+    reaching the caller's rows, its outputs cut back (an int output that is the size too)."""
+    from torchreplay.core.padding import run_padded
+
+    seen = []
+
+    def call(leaves):
+        x, n, scale = leaves
+        seen.append((x.clone(), n))
+        x.add_(1)  # an in-place write
+        return [x * scale, n, torch.ones(3)]
+
+    x = torch.arange(6.0).reshape(3, 2)
+    out = run_padded(call, [x, 3, 2.0], 3, 5, dims=[0, None, None], fills=[-1, None, None],
+                     out_dims=[(0,), "size", (0,)], sizes=[False, True, False])
+    padded, n = seen[0]
+    assert n == 5 and padded.shape == (5, 2) and (padded[3:] == -1).all()
+    torch.testing.assert_close(x, torch.arange(6.0).reshape(3, 2) + 1)  # the write came back
+    torch.testing.assert_close(out[0], x * 2)
+    assert out[1] == 3
+    assert out[2].shape == (3,)  # 3 is not the padded size: left as it is

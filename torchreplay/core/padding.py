@@ -52,21 +52,21 @@ def flat_call(fn: Callable[..., Any], spec: Any) -> Callable[[list[Any]], list[A
 def run_padded(
     call: Callable[[list[Any]], Sequence[Any]],
     leaves: Sequence[Any],
-    plan: Any,
     n: int,
     size: int,
+    dims: Sequence[int | None],
+    fills: Sequence[Any],
     out_dims: Sequence[Sequence[int] | str],
+    sizes: Sequence[bool] = (),
 ) -> list[Any]:
-    """``call`` (without autograd) on ``leaves`` whose varying dimension is padded from ``n``
-    to ``size`` rows: ``plan.dims[i]`` and ``plan.fills[i]`` per leaf; ``plan.sizes[i]``
-    (where ``plan`` has it): an int leaf that is the size, set to ``size``.
+    """``call`` (without autograd) on ``leaves`` whose varying dimension ``dims[i]`` is padded
+    from ``n`` to ``size`` rows with ``fills[i]``; an int leaf marked in ``sizes`` (it is the
+    size) is set to ``size``.
 
     What the call wrote into a padded tensor reaches the caller's tensor (its ``n`` rows), as
     in eager. Returns ``call``'s flat outputs, each cut back to ``n`` along its ``out_dims``
     (``"size"``: an int output that is the call's size, given back as ``n``).
     """
-    dims, fills = plan.dims, plan.fills
-    sizes = getattr(plan, "sizes", ())
     padded = list(leaves)
     versions: list[tuple[int, int]] = []
     for i, (leaf, d) in enumerate(zip(leaves, dims)):

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import types
 from typing import Any, Callable, Sequence
 
 from torchreplay.core.padding import run_padded
@@ -45,10 +44,10 @@ def run_eagerly_at(
     if rows is None or n is None or rows == n:
         return list(call(list(leaves)))
     inputs = rt.program.inputs
-    plan = types.SimpleNamespace(
+    return run_padded(
+        call, leaves, n, rows,
         dims=[x.dim if x.kind == "tensor" else None for x in inputs],
         fills=[x.fill for x in inputs],
+        out_dims=[() if d is None else (d,) for d in rt.program.output_dims],
         sizes=[x.kind == "int" and x.is_size for x in inputs],
     )
-    out_dims = [() if d is None else (d,) for d in rt.program.output_dims]
-    return run_padded(call, leaves, plan, n, rows, out_dims)

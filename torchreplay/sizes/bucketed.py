@@ -500,7 +500,7 @@ class BucketedGraph:
         plan = self._out_plan
         out_dims = ["size" if leaf.kind == "size" else leaf.dims for leaf in plan.leaves]
         out = run_padded(flat_call(self.fn, self._inputs.spec), self._inputs.flatten(args, kwargs),
-                         self._plan, padded_from, n, out_dims)
+                         padded_from, n, self._plan.dims, self._plan.fills, out_dims)
         return _compat.tree_unflatten(out, plan.spec)
 
     def _build_route(self, n: int, entry: _SizeGraph) -> _Route:
