@@ -59,9 +59,9 @@ def _tp_mlp(rank: int, world: int):
     return tp_mlp
 
 
-def _tp_rows(base: int, i: int, rank: int) -> int:
-    """Rank ``rank``'s rows at call ``i``: ranks differ at every other call and above 32."""
-    return max(1, base - 2 * rank) if i % 2 or base > 32 else base
+def _tp_rows(base: int, i: int, rank: int, top: int = 32) -> int:
+    """Rank ``rank``'s rows at call ``i``: ranks differ at every other call and above ``top``."""
+    return max(1, base - 2 * rank) if i % 2 or base > top else base
 
 
 def _tp_reference(x: torch.Tensor, common: int, rank: int, world: int) -> torch.Tensor:
@@ -478,6 +478,42 @@ def test_breakable_graph_with_a_collective_in_each_segment() -> None:
 def _host_gelu(y: torch.Tensor) -> torch.Tensor:
     """A break (runs eagerly between the two segments)."""
     return F.gelu(y)
+
+
+def w_breaks_sizes(rank: int, world: int) -> dict:
+    """The TP MLP with a break after its all_reduce, under ``sizes=``: ranks with other rows
+    replay one padded size, and above the largest size every rank runs the call eagerly at the
+    rows of the largest call (an all_reduce of one shape on every rank, not a hang)."""
+    dev = torch.device("cuda", rank)
+    a, b = _tp_shards(rank, world)
+
+    def f(x):
+        y = F.gelu(x @ a.t()) @ b.t()
+        dist.all_reduce(y)
+        return _host_gelu(y)
+
+    g = tr.graph(f, torch.randn(8, D, device=dev), sizes=[2, 4, 8], breaks=[_host_gelu])
+    gen = torch.Generator(device=dev).manual_seed(100)  # the same rows on every rank (TP)
+    worst, rows = 0.0, []
+    for i, base in enumerate([3, 8, 5, 12, 2, 7]):  # 12 and 10 rows: above 8
+        n = _tp_rows(base, i, rank, top=8)
+        x = torch.randn(base, D, device=dev, generator=gen)[:n]
+        y = g(x)
+        common = min(_tp_rows(base, i, r, top=8) for r in range(world))
+        ref = F.gelu(_tp_reference(x, common, rank, world))
+        worst = max(worst, ((y - ref).abs().max() / ref.abs().max()).item())
+        rows.append(y.shape[0] == n)
+    return {"worst": worst, "rows": all(rows), "fallbacks": g.stats.fallbacks,
+            "agrees": g._ranks is not None}
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
+def test_breakable_graph_with_sizes_and_a_collective_pads_every_rank_alike() -> None:
+    out = run_ranks(w_breaks_sizes, WORLD, backend="nccl", timeout=240)
+    assert all(s == "ok" for s, _ in out), out
+    for _, r in out:
+        assert r["worst"] < 1e-4 and r["rows"] and r["fallbacks"] == 1, r
+        assert r["agrees"] == (WORLD > 1), r
 
 
 def w_shared_breaks(rank: int, world: int, case: str) -> dict:
