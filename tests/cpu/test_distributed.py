@@ -363,6 +363,8 @@ class _Owner:
     def __init__(self, released: list) -> None:
         self.pool = self
         self.released = released
+        self._ranks = None  # as a graph without an agreement has
+        self.name = "unchecked"
 
     def release(self, owner: object) -> None:
         self.released.append(owner)
@@ -413,6 +415,9 @@ def test_graphs_are_released_when_their_group_is_destroyed(one_rank) -> None:
         assert ns["destroy_process_group"](world) == [elsewhere, agreeing, unchecked]
         with pytest.raises(ReplayInputError, match="its process group was destroyed"):
             a(4, GRAPH)
+        assert agreeing._ranks is None  # the agreement it was given raises (above)
+        with pytest.raises(ReplayInputError, match="'unchecked': its process group was destroyed"):
+            unchecked._ranks(0, GRAPH)  # what a graph without an agreement calls from now on
     finally:
         _WATCHER.watched.pop(a, None)
         dist.destroy_process_group(other)

@@ -29,6 +29,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from torchreplay.distributed.agree import Refused
 from torchreplay.distributed.collectives import groups_of
 from torchreplay.distributed.watch import on_destroy
 from torchreplay.errors import CaptureError
@@ -268,6 +269,8 @@ def release_with(owner: Any, collectives: Sequence[Any], ranks: Any = None) -> N
         agreement = ranks_ref() if ranks_ref is not None else None
         if agreement is not None:
             agreement.group_destroyed()
+        elif hasattr(o, "_ranks"):  # no agreement (check=False): its calls raise from now on
+            o._ranks = Refused(getattr(o, "name", type(o).__name__))
         pool = getattr(o, "pool", None)
         if pool is not None:
             pool.release(o)

@@ -44,7 +44,7 @@ from torchreplay import _compat
 from torchreplay.distributed.watch import watch
 from torchreplay.errors import ReplayInputError
 
-__all__ = ["Agreement", "open_exchange", "Exchange", "GRAPH", "EAGER", "ABSENT"]
+__all__ = ["Agreement", "Refused", "open_exchange", "Exchange", "GRAPH", "EAGER", "ABSENT"]
 
 #: What a rank is about to run, posted with its fingerprint.
 GRAPH, EAGER = 0, 1
@@ -253,6 +253,31 @@ class StoreExchange(Exchange):
             return []
 
 
+def destroyed_message(name: str) -> str:
+    return (
+        f"'{name}': its process group was destroyed (torch.distributed.destroy_process_group), "
+        "so its graphs, which held the group's collectives, were released; build the graph again "
+        "after init_process_group"
+    )
+
+
+class Refused:
+    """Stands in for the agreement of a graph that had none (``check=False``) once its process
+    group is destroyed and its graphs released: every call raises, naming why."""
+
+    sync_sizes = False
+    broken = True
+
+    def __init__(self, name: str) -> None:
+        self.message = destroyed_message(name)
+
+    def __call__(self, *args: Any) -> int:
+        raise ReplayInputError(self.message)
+
+    def __repr__(self) -> str:
+        return f"Refused({self.message!r})"
+
+
 def open_exchange(group: Any, timeout: float) -> Exchange:
     """Set up the exchange of ``group``; every rank of it must call this at the same point (at
     capture). Ranks on one host (by host name and a token they can all read back) share a
@@ -420,11 +445,7 @@ class Agreement:
         """The process group was destroyed and the graph's CUDA graphs released (see
         :func:`.watch.on_destroy`): every later call raises."""
         if not self._broken:
-            self._broken = (
-                f"'{self.name}': its process group was destroyed (torch.distributed."
-                "destroy_process_group), so its graphs, which held the group's collectives, were "
-                "released; build the graph again after init_process_group"
-            )
+            self._broken = destroyed_message(self.name)
 
     def _disagreement(self, seq: int, posted: list[tuple[int, ...]]) -> str:
         lines = []
