@@ -13,6 +13,11 @@ seconds after it was recorded means the GPU work up to that call has not finishe
 writes which graph, which call and what every rank last posted (ranks of one host: read from
 the shared exchange), then ends the process (``RankConfig(on_hang="exit")``, the default, as
 NCCL's own watchdog ends a process whose collective timed out) or only logs it (``"warn"``).
+
+The same thread keeps teardown from hanging (:func:`on_destroy`): NCCL's destroy of a
+communicator waits until every CUDA graph that captured one of its collectives is destroyed, so
+``destroy_process_group()`` called while such graphs are alive would wait forever. When the
+thread sees the main thread inside it, it releases those graphs.
 """
 
 from __future__ import annotations
