@@ -30,11 +30,11 @@ import torch.fx as fx
 
 from torchreplay import _compat
 from torchreplay.compile.cache import CompileCache, default_dir
-from torchreplay.compile.ranks import agreed
+from torchreplay.compile.ranks import agreed, collectives_in
 from torchreplay.compile.split import Segment, direct_forward, node_value, split_graph
 from torchreplay.compile.training import GraphingCompiler, training_program_fn
 from torchreplay.config import DEFAULT_CACHE_DIR, CompileConfig
-from torchreplay.core.pool import Pool
+from torchreplay.core.pool import Pool, release_with
 from torchreplay.errors import CacheError
 from torchreplay.pieces.program import Constant, Input, Piece, Program
 from torchreplay.pieces.runtime import PiecewiseRuntime
@@ -142,11 +142,16 @@ class Backend:
                 "enter a loss's mean and batch statistics, and so the gradients", name,
             )
         device = next(t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda)
+        held = collectives_in(gm)[0]  # their groups' destroy waits for these graphs: released then
+
+        def register(runtime: PiecewiseRuntime) -> None:
+            self._register(runtime)
+            release_with(runtime, held)
 
         def compile_piece(
             k: int, module: fx.GraphModule, examples: list[Any], static: frozenset[int]
         ) -> Callable[..., Any]:
-            inner = GraphingCompiler(cfg, f"{name} piece {k}", self._register, static)
+            inner = GraphingCompiler(cfg, f"{name} piece {k}", register, static)
             return _compat.inductor_compile(module, examples, inner)
 
         program, _, _ = build_program(
