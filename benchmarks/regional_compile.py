@@ -25,27 +25,17 @@ import torchreplay as tr  # noqa: E402
 from torchreplay.bench.timing import BenchOptions, time_interleaved  # noqa: E402
 from torchreplay.compile.backend import Backend  # noqa: E402
 from torchreplay.config import CompileConfig  # noqa: E402
+from torchreplay.models.blocks import ResidualBlock  # noqa: E402
 
 BLOCKS, WIDTH, BATCH = 12, 1024, 8
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(WIDTH, 2 * WIDTH)
-        self.fc2 = nn.Linear(2 * WIDTH, WIDTH)
-        self.register_buffer("scale", torch.rand(WIDTH) + 0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x))) * self.scale
-
-
 def own_class(tag: str) -> type:
-    """``Block`` with a forward of its own code object: each method gets Dynamo caches of its
-    own (they would share one recompile limit)."""
-    code = Block.forward.__code__.replace(co_name=f"forward_{tag}")
-    forward = types.FunctionType(code, Block.forward.__globals__, code.co_name)
-    return type(f"Block_{tag}", (Block,), {"forward": forward})
+    """``ResidualBlock`` with a forward of its own code object: each method gets Dynamo
+    caches of its own (they would share one recompile limit)."""
+    code = ResidualBlock.forward.__code__.replace(co_name=f"forward_{tag}")
+    forward = types.FunctionType(code, ResidualBlock.forward.__globals__, code.co_name)
+    return type(f"Block_{tag}", (ResidualBlock,), {"forward": forward})
 
 
 def marked(run):
@@ -66,7 +56,7 @@ def chain(blocks):
 
 def main() -> None:
     torch.manual_seed(0)
-    ref = nn.Sequential(*[Block() for _ in range(BLOCKS)]).cuda().eval()
+    ref = nn.Sequential(*[ResidualBlock(WIDTH) for _ in range(BLOCKS)]).cuda().eval()
     x = torch.randn(BATCH, WIDTH, device="cuda")
     builds = {
         "eager": lambda m: m,

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import torchreplay as tr
+from torchreplay.models.blocks import ResidualBlock
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -559,19 +560,6 @@ def test_hf_llama_generate_with_a_static_cache_equals_eager() -> None:
     assert proc.returncode == 0 and "EQUAL" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
 
 
-class _Block(nn.Module):
-    """A residual MLP block with a buffer: the repeated unit of a model compiled block by block."""
-
-    def __init__(self, width: int = 64) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(width, 2 * width)
-        self.fc2 = nn.Linear(2 * width, width)
-        self.register_buffer("scale", torch.rand(width) + 0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x))) * self.scale
-
-
 @pytest.mark.parametrize("how", ["tr.compile", "Module.compile(backend=...)"])
 def test_a_model_compiled_block_by_block_keeps_a_graph_per_block(how: str, caplog) -> None:
     """Regional compilation (each repeated block compiled, torch's recipe for large models):
@@ -585,7 +573,7 @@ def test_a_model_compiled_block_by_block_keeps_a_graph_per_block(how: str, caplo
 
     before = {id(r) for r in runtimes_by_name()}
     torch.manual_seed(0)
-    ref = nn.Sequential(*[_Block() for _ in range(10)]).to(DEV).eval()
+    ref = nn.Sequential(*[ResidualBlock() for _ in range(10)]).to(DEV).eval()
     model = copy.deepcopy(ref)
     if how == "tr.compile":
         blocks = [tr.compile(b) for b in model]
@@ -621,7 +609,7 @@ def test_a_replaced_parameter_drops_its_graphs_and_captures_again(caplog) -> Non
     output they handed out raises when read) and the block is captured again, with a warning;
     another instance's graphs stay."""
     torch.manual_seed(0)
-    a, b = _Block().to(DEV).eval(), _Block().to(DEV).eval()
+    a, b = ResidualBlock().to(DEV).eval(), ResidualBlock().to(DEV).eval()
     ca, cb = tr.compile(a), tr.compile(b)
     with torch.no_grad():
         x = torch.randn(8, 64, device=DEV)
@@ -652,7 +640,7 @@ def test_blocks_compiled_one_by_one_in_training_are_equal_to_eager_the_others_ru
     from torchreplay.compile.backend import torchreplay_backend
 
     torch.manual_seed(0)
-    ref = nn.Sequential(*[_Block() for _ in range(3)]).to(DEV).train()
+    ref = nn.Sequential(*[ResidualBlock() for _ in range(3)]).to(DEV).train()
     model = copy.deepcopy(ref)
     for b in model:
         b.compile(backend=torchreplay_backend)

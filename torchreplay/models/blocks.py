@@ -7,6 +7,8 @@
   returned too (an output size that depends on the data).
 - :class:`SplitMLP`: the MLP cut into ``pieces`` by a custom op (:func:`split_mark_op`), to
   measure what each split costs a piecewise backend.
+- :class:`ResidualBlock`: ``x + fc2(gelu(fc1(x))) * scale`` (a buffer), the repeated unit of
+  a model compiled block by block (regional compilation).
 - :func:`bert_encoder`: Hugging Face's ``BertModel`` (random weights) returning its last hidden
   state, when ``transformers`` is installed.
 
@@ -29,6 +31,7 @@ __all__ = [
     "DataDependentIf",
     "NonzeroBetween",
     "SplitMLP",
+    "ResidualBlock",
     "split_mark_op",
     "split_mark_out_op",
     "SPLIT_STYLES",
@@ -65,6 +68,19 @@ class _TwoBlocks(nn.Module):
         super().__init__()
         self.a = gelu_mlp(depth, width, seed)
         self.b = gelu_mlp(depth, width, seed + 1)
+
+
+class ResidualBlock(nn.Module):
+    """A residual MLP block with a buffer (``width -> 2 * width -> width``)."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+        self.register_buffer("scale", torch.rand(width) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x))) * self.scale
 
 
 class DataDependentIf(_TwoBlocks):
