@@ -33,10 +33,10 @@ from torchreplay.core.capture import (
 )
 from torchreplay.core.io import Inputs, same_constant, widens, write_back
 from torchreplay.core.outputs import Outputs
+from torchreplay.core.padding import flat_call, pad_sample, run_padded
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import CaptureError, ReplayInputError
-from torchreplay.core.padding import flat_call, pad_sample, run_padded
 from torchreplay.sizes.guards import fits, input_error, probe_error, refuse_row_mixing
 from torchreplay.sizes.outputs import OutputPlan, plan_outputs
 from torchreplay.sizes.plan import (
