@@ -8,7 +8,12 @@ past its recompile limit, 8, runs the rest eagerly); ``torch.compile(mode="reduc
 of each block. Every method is checked against eager first. Prints us per call (median,
 synchronized), host us (min), first call s, Dynamo compiles and graphed blocks.
 
-Usage: ``PYTHONPATH=. python benchmarks/regional_compile.py``
+``--train``: a training step instead (the blocks in training mode, forward, ``square().mean()``,
+backward, gradients set to None; the input requires grad), checked against eager's gradients;
+methods: eager, ``tr.compile`` of the whole model, of each block, and reduce-overhead of each
+block with a step marked per call.
+
+Usage: ``PYTHONPATH=. python benchmarks/regional_compile.py [--train]``
 """
 from __future__ import annotations
 
@@ -54,7 +59,78 @@ def chain(blocks):
     return run
 
 
+def train_main() -> None:
+    """A training step per call, block by block: see the module's docstring."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[ResidualBlock(WIDTH) for _ in range(BLOCKS)]).cuda().train()
+    x = torch.randn(BATCH, WIDTH, device="cuda", requires_grad=True)
+    builds = {
+        "eager": lambda m: m,
+        "tr.compile, whole model": lambda m: tr.compile(m, cache_dir=None),
+        "tr.compile, each block": lambda m: chain([tr.compile(b, cache_dir=None) for b in m]),
+        "reduce-overhead, each block, step marked": lambda m: marked(chain(
+            [torch.compile(b, mode="reduce-overhead") for b in m])),
+    }
+
+    def step(fn, model):
+        def run():
+            out = fn(x)
+            out.square().mean().backward()
+            for p in model.parameters():
+                p.grad = None
+            x.grad = None
+        return run
+
+    ref(x).square().mean().backward()
+    want = [p.grad.clone() for p in ref.parameters()] + [x.grad.clone()]
+    ref.zero_grad(set_to_none=True)
+    x.grad = None
+    errors, calls, first = {}, {}, {}
+    for k, (name, build) in enumerate(builds.items()):
+        counters_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        model = copy.deepcopy(ref)
+        cls = own_class(f"t{k}")
+        for b in model:
+            b.__class__ = cls
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            fn = build(model)
+            for _ in range(3):
+                x.grad = None
+                for p in model.parameters():
+                    p.grad = None
+                fn(x).square().mean().backward()
+            torch.cuda.synchronize()
+            for got, w in zip([p.grad for p in model.parameters()] + [x.grad], want):
+                torch.testing.assert_close(got, w, rtol=2e-3, atol=2e-3)
+        except Exception as exc:  # noqa: BLE001 - a failing method is a row, not a crash
+            errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
+            continue
+        first[name] = (time.perf_counter() - t0,
+                       torch._dynamo.utils.counters["stats"]["unique_graphs"] - counters_before)
+        calls[name] = step(fn, model)
+    res = time_interleaved(calls, BenchOptions(repeats=9, calls=20, warmup=5, host_calls=10))
+    report(res, errors, first, "training step, ")
+
+
+def report(res, errors, first, what: str = "") -> None:
+    print(f"{what}{BLOCKS} blocks, batch {BATCH}, width {WIDTH}, fp32; {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}")
+    for name, e in errors.items():
+        print(f"{name:44s} failed: {e}")
+    for name, v in res.items():
+        s, graphs = first[name]
+        if isinstance(v, str):
+            print(f"{name:44s} error: {v}")
+            continue
+        print(f"{name:44s} {v[0]:8.1f} us/call  host min {v[1]:7.1f}  first 3 calls {s:6.2f} s  "
+              f"Dynamo graphs {graphs}")
+
+
 def main() -> None:
+    if "--train" in sys.argv:
+        return train_main()
     torch.manual_seed(0)
     ref = nn.Sequential(*[ResidualBlock(WIDTH) for _ in range(BLOCKS)]).cuda().eval()
     x = torch.randn(BATCH, WIDTH, device="cuda")
@@ -94,17 +170,7 @@ def main() -> None:
                            torch._dynamo.utils.counters["stats"]["unique_graphs"] - counters_before)
             calls[name] = lambda fn=fn: fn(x)
         res = time_interleaved(calls, BenchOptions(repeats=9, calls=40, warmup=10, host_calls=10))
-    print(f"{BLOCKS} blocks, batch {BATCH}, width {WIDTH}, fp32; {torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__}")
-    for name, e in errors.items():
-        print(f"{name:44s} failed: {e}")
-    for name, v in res.items():
-        s, graphs = first[name]
-        if isinstance(v, str):
-            print(f"{name:44s} error: {v}")
-            continue
-        print(f"{name:44s} {v[0]:8.1f} us/call  host min {v[1]:7.1f}  first 3 calls {s:6.2f} s  "
-              f"Dynamo graphs {graphs}")
+    report(res, errors, first)
 
 
 if __name__ == "__main__":

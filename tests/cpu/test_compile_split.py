@@ -281,7 +281,8 @@ def test_a_first_call_of_more_rows_then_one_row_is_one_compile() -> None:
 def test_instances_of_one_class_compiled_each_share_one_backend_and_one_compile() -> None:
     """tr.compile of each of twelve blocks in eval mode (past Dynamo's recompile limit of 8):
     one backend per class and options, so Dynamo compiles once and every block runs compiled;
-    another class, other options or a module in training mode get a backend of their own."""
+    another class or other options get a backend of their own. In training mode too: one more
+    compile (the training graph) for the twelve, gradients equal eager's."""
     torch._dynamo.reset()
     try:
         torch.manual_seed(0)
@@ -296,9 +297,26 @@ def test_instances_of_one_class_compiled_each_share_one_backend_and_one_compile(
         assert compiled[0].backend.compiles == 1
         other_class = tr.compile(torch.nn.Linear(4, 4).eval(), cache_dir=None)
         other_options = tr.compile(blocks[0], cache_dir=None, max_graphs=3)
-        training = tr.compile(blocks[1].train(), cache_dir=None)
         assert other_class.backend is not compiled[0].backend
         assert other_options.backend is not compiled[0].backend
-        assert training.backend is not compiled[0].backend  # a training graph has one set
+        import copy
+
+        refs = [copy.deepcopy(b).train() for b in blocks]
+        for b in blocks:
+            b.train()
+        for _ in range(2):
+            x = torch.randn(2, 4, requires_grad=True)
+            x_ref = x.detach().clone().requires_grad_()
+            y, y_ref = x, x_ref
+            for b, c, r in zip(blocks, compiled, refs):
+                y, y_ref = c(y), r(y_ref)
+            y.square().sum().backward()
+            y_ref.square().sum().backward()
+            torch.testing.assert_close(x.grad, x_ref.grad)
+            for b, r in zip(blocks, refs):
+                for p, q in zip(b.parameters(), r.parameters()):
+                    torch.testing.assert_close(p.grad, q.grad)
+                    p.grad = q.grad = None
+        assert compiled[0].backend.compiles == 2  # the eval graph, then the training graph
     finally:
         torch._dynamo.reset()

@@ -36,6 +36,17 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=(lambda m: f"{what}: {m}") if what else None)
 
 
+def _block_class(tag: str) -> type:
+    """``ResidualBlock`` with a forward of its own code object: a test of blocks gets a backend
+    and Dynamo caches of its own (``tr.compile`` shares a backend per class, and Dynamo's
+    recompile limit counts per code object)."""
+    import types
+
+    code = ResidualBlock.forward.__code__.replace(co_name=f"forward_{tag}")
+    forward = types.FunctionType(code, ResidualBlock.forward.__globals__, code.co_name)
+    return type(f"Block_{tag}", (ResidualBlock,), {"forward": forward})
+
+
 def _runtimes(c: tr.Compiled) -> list:
     return c.backend.runtimes
 
@@ -604,12 +615,45 @@ def test_a_model_compiled_block_by_block_keeps_a_graph_per_block(how: str, caplo
     assert "graphs for 10 module instances" in tr.explain(blocks[0] if how == "tr.compile" else rt)
 
 
+def test_training_blocks_called_twice_before_one_backward_are_equal_to_eager() -> None:
+    """Three training blocks of one class, each called twice before one backward
+    (``loss(run(a)) + loss(run(b))``): the second call of a block would overwrite the saved
+    activations its first call's backward still needs, so it runs ungraphed (counted), and
+    so does its backward. Gradients equal eager's at every step."""
+    import copy
+
+    torch.manual_seed(0)
+    block = _block_class("twice")
+    ref = nn.Sequential(*[block() for _ in range(3)]).to(DEV).train()
+    model = copy.deepcopy(ref)
+    blocks = [tr.compile(b) for b in model]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for b in blocks:
+            x = b(x)
+        return x
+
+    for step in range(5):
+        a, b = torch.randn(8, 64, device=DEV), torch.randn(8, 64, device=DEV)
+        (run(a).square().mean() + run(b).square().mean()).backward()
+        (ref(a).square().mean() + ref(b).square().mean()).backward()
+        for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+            _close(q.grad, p.grad, f"step {step} {name}.grad")
+        ref.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+    # two Dynamo graphs: the first block's input needs no gradient, the others' do
+    forward = [r for r in blocks[0].backend.runtimes if r.saved is not None]
+    assert sum(r.instances for r in forward) == 3, forward
+    assert all(r.stats.fallbacks > 0 for r in forward), forward  # each block's second call
+
+
 def test_a_replaced_parameter_drops_its_graphs_and_captures_again(caplog) -> None:
     """``p.data = ...`` moves a parameter: the graphs that read the old memory are dropped (an
     output they handed out raises when read) and the block is captured again, with a warning;
     another instance's graphs stay."""
     torch.manual_seed(0)
-    a, b = ResidualBlock().to(DEV).eval(), ResidualBlock().to(DEV).eval()
+    block = _block_class("replaced")
+    a, b = block().to(DEV).eval(), block().to(DEV).eval()
     ca, cb = tr.compile(a), tr.compile(b)
     with torch.no_grad():
         x = torch.randn(8, 64, device=DEV)
@@ -630,24 +674,64 @@ def test_a_replaced_parameter_drops_its_graphs_and_captures_again(caplog) -> Non
             kept.sum()
 
 
-def test_blocks_compiled_one_by_one_in_training_are_equal_to_eager_the_others_run_ungraphed() -> None:
-    """Training blocks compiled block by block through the backend by name share one Dynamo
-    graph; its training graphs are captured for one block's parameters, and the other blocks
-    run its compiled code ungraphed: gradients equal eager's at every step, never a graph
-    replayed with another block's parameters or over its saved activations."""
+@pytest.mark.parametrize("how", ["tr.compile", "Module.compile(backend=...)"])
+def test_blocks_compiled_one_by_one_in_training_replay_a_graph_per_block(how: str, caplog) -> None:
+    """Regional compilation in training: ten blocks of one class (past Dynamo's recompile limit
+    of 8) share one Dynamo graph. Each block's forward and backward graphs are captured at the
+    first step and replayed after: the forwards of blocks 1..10, then the backwards 10..1, each
+    backward over its own block's saved activations. Outputs, parameter gradients and the
+    input's gradient equal eager's at every step, with fresh inputs and SGD steps between them
+    (the parameters change in place); after the first step nothing is captured again and
+    nothing runs ungraphed."""
     import copy
 
     from torchreplay.compile.backend import torchreplay_backend
 
     torch.manual_seed(0)
-    ref = nn.Sequential(*[ResidualBlock() for _ in range(3)]).to(DEV).train()
+    block = _block_class(f"train_{how[:2]}")
+    ref = nn.Sequential(*[block() for _ in range(10)]).to(DEV).train()
     model = copy.deepcopy(ref)
-    for b in model:
-        b.compile(backend=torchreplay_backend)
-    for step in range(6):
-        x = torch.randn(8, 64, device=DEV)
-        for m in (ref, model):
-            m.zero_grad(set_to_none=True)
-            m(x).square().mean().backward()
-        for (name, p), q in zip(ref.named_parameters(), model.parameters()):
-            _close(q.grad, p.grad, f"step {step} {name}.grad")
+    if how == "tr.compile":
+        blocks = [tr.compile(b) for b in model]
+        assert len({id(b.backend) for b in blocks}) == 1  # one backend: Dynamo compiles once
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            for b in blocks:
+                x = b(x)
+            return x
+    else:
+        for b in model:
+            b.compile(backend=torchreplay_backend)
+        run = model
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    captured = None
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        for step in range(8):
+            x = torch.randn(8, 64, device=DEV, requires_grad=True)
+            x_ref = x.detach().clone().requires_grad_()
+            out, out_ref = run(x), ref(x_ref)
+            _close(out, out_ref, f"step {step} output")
+            out.square().mean().backward()
+            out_ref.square().mean().backward()
+            _close(x.grad, x_ref.grad, f"step {step} input grad")
+            for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+                _close(q.grad, p.grad, f"step {step} {name}.grad")
+            opt.step()
+            opt_ref.step()
+            opt.zero_grad(set_to_none=True)
+            opt_ref.zero_grad(set_to_none=True)
+            if step == 0 and how == "tr.compile":
+                runtimes = blocks[0].backend.runtimes
+                captured = sum(r.stats.captures for r in runtimes)
+    assert not [r for r in caplog.records if "torchreplay" in r.name], caplog.text
+    if how == "tr.compile":
+        assert blocks[0].backend.compiles == 1
+        forward = [r for r in runtimes if r.saved is not None]
+        backward = [r for r in runtimes if r.admit is not None]
+        assert forward and backward, runtimes
+        for r in forward + backward:
+            assert r.instances == 10, (r, r.instances)
+            assert r.stats.fallbacks == 0, (r, r.fallback_reasons)
+            assert r.stats.replays >= 10 * 7, r
+        assert sum(r.stats.captures for r in runtimes) == captured  # nothing captured again

@@ -33,12 +33,10 @@ __all__ = [
     "tensor_use_count",
     "storage_use_count",
     "storage_handle",
-    "set_sequence_nr",
     "abandon_pool",
     "end_rng_capture",
     "clear_cublas_workspaces",
     "LightDispatchMode",
-    "sequence_nr",
     "foreach_clone",
     "autocast_cache_disabled",
     "GradScalerState",
@@ -186,24 +184,6 @@ def storage_key(t: torch.Tensor) -> int:
         return t.untyped_storage()._cdata
     except Exception:
         return id(t)
-
-
-def set_sequence_nr(grad_fn: Any, seq: int) -> None:
-    """Set an autograd node's sequence number, which orders the engine's ready queue.
-
-    The engine runs ready nodes with the larger sequence number first; giving each graphed
-    backward a number from its capture order makes shared-pool backward graphs replay in the
-    order they were captured for. ``Node._set_sequence_nr`` exists since torch 2.1.
-    """
-    setter: Callable[[int], None] | None = getattr(grad_fn, "_set_sequence_nr", None)
-    if setter is None:  # pragma: no cover - old torch
-        raise RuntimeError("this torch has no grad_fn._set_sequence_nr; torchreplay needs >= 2.6")
-    setter(seq)
-
-
-def sequence_nr(grad_fn: Any) -> int:
-    """Return an autograd node's sequence number (``Node._sequence_nr``, since torch 1.x)."""
-    return int(grad_fn._sequence_nr())
 
 
 # Fresh copies of many tensors in one multi-tensor launch instead of one clone per tensor:
@@ -593,3 +573,8 @@ from torchreplay._compat.ops import (  # noqa: E402  (a custom op's kernel and s
 
 __all__ += ["argument_kinds", "custom_op_kernel", "eval_frame_callback", "modes_active", "plain_value",
             "without_dynamo_guard"]
+from torchreplay._compat.autograd import (  # noqa: E402  (autograd's node order and version counters)
+    restore_unversioned, sequence_nr, set_sequence_nr,
+)
+
+__all__ += ["restore_unversioned", "sequence_nr", "set_sequence_nr"]

@@ -138,14 +138,13 @@ _BACKENDS: weakref.WeakValueDictionary[tuple[Any, CompileConfig], Backend] = wea
 
 
 def _backend_for(model: Any, config: CompileConfig) -> Backend:
-    """One backend per module class and options, for modules in eval mode. Dynamo compiles
-    the instances of one class once, their parameters passed as inputs, but only for one
-    backend object: a backend each would compile each instance again, and past Dynamo's
-    recompile limit (8) the rest of the blocks of a model compiled block by block would run
-    eagerly. The inference runtime keeps graphs per instance (per set of parameter
-    addresses). A module in training mode gets a backend of its own: a training graph is
-    captured for one set of parameters (its saved activations are tracked per graph)."""
-    if not isinstance(model, torch.nn.Module) or model.training:
+    """One backend per module class and options. Dynamo compiles the instances of one class
+    once, their parameters passed as inputs, but only for one backend object: a backend each
+    would compile each instance again, and past Dynamo's recompile limit (8) the rest of the
+    blocks of a model compiled block by block would run eagerly. The runtimes keep graphs per
+    instance (per set of parameter addresses), in training too (each forward graph's saved
+    activations await their own backward)."""
+    if not isinstance(model, torch.nn.Module):
         return Backend(config)
     owner = type(model)
     key = (owner, config)

@@ -11,13 +11,18 @@ runs each on a :class:`~torchreplay.pieces.runtime.PiecewiseRuntime` of its own 
   held (a second forward before the first backward, ``model(a).sum() + model(b).sum()``), a call
   runs its compiled code without the graph, into fresh memory, counted. Never an overwritten
   activation.
-- backward: the saved values that lie in the forward's pool (and parameters) are read in place,
-  where the forward's replay left them; the others (an input the forward saved as is) are copied
-  in. Which is which is decided at the first backward. A call whose forward ran without its graph
+- backward: the activations the forward graph saved in its pool (and parameters) are read in
+  place, where the forward's replay left them; the others (an input the forward saved as is)
+  are copied in. Which is which is decided at the first backward. A call whose forward ran without its graph
   (its activations are elsewhere) runs ungraphed too. The values read in place are put back
   after capture (Inductor may reuse the memory of the last reads as scratch: donated buffers).
   Gradients are handed out as clones (``AccumulateGrad`` may keep a gradient as ``.grad``: a
   view of the pool would be overwritten by the next backward).
+- several module instances (a block class compiled once, regional compilation): the forward
+  runtime keeps graphs per set of parameters, the backward per set of parameters and saved
+  activations (one per forward graph); each forward graph's activations await their own
+  backward (:mod:`torchreplay.pieces.saved`), so the forwards of blocks 1..N and then the
+  backwards N..1 all replay.
 
 Eager pieces (what cannot be captured) run between them with ordinary autograd.
 """
@@ -35,6 +40,7 @@ from torchreplay import _compat
 from torchreplay.config import CompileConfig
 from torchreplay.pieces.program import Input, Piece, Program, run_in_order
 from torchreplay.pieces.runtime import PiecewiseRuntime
+from torchreplay.pieces.saved import SavedActivations
 
 __all__ = ["GraphingCompiler", "training_program_fn"]
 
@@ -127,14 +133,14 @@ class GraphingCompiler:
     ) -> PiecewiseRuntime:
         graph_config = self.config.graph_config()
         forward = self.forward
+        saved = forward.saved if forward is not None else None
         if backward:
             # AccumulateGrad may keep a gradient as .grad: it must be the caller's memory.
             graph_config = dataclasses.replace(graph_config, outputs="clone")
-            ranges = forward.pool.segment_ranges() if forward is not None and forward.pool else []
             assert args is not None
             inputs = [
                 dataclasses.replace(x, kind="tensor")
-                if x.kind == "pinned" and not _stays_put(args[i], ranges)
+                if x.kind == "pinned" and not _stays_put(args[i], saved)
                 else x
                 for i, x in enumerate(inputs)
             ]
@@ -146,20 +152,25 @@ class GraphingCompiler:
             max_graphs=self.config.max_graphs,
             guard_outputs=guard,
         )
-        if backward and forward is not None:
-            runtime.after_replay = lambda: setattr(forward, "pending_backward", False)
+        if backward and saved is not None:
+            runtime.after_replay = saved.read
+            pinned = [i for i, x in enumerate(inputs) if x.kind == "pinned"]
+            # another forward graph's activations (another instance or shape): graphed if that
+            # forward replayed, so that they are what it saved in its pool
+            runtime.admit = lambda call: all(_stays_put(call[i], saved) for i in pinned)
         self.register(runtime)
         return runtime
 
 
-def _stays_put(t: Any, ranges: list[tuple[int, int]]) -> bool:
-    """A parameter or buffer, or a tensor in the forward graph's pool."""
+def _stays_put(t: Any, saved: SavedActivations | None) -> bool:
+    """A parameter or buffer, or an activation a forward graph saved in its pool. Not any
+    tensor in that pool: a block's input that is the previous block's output lies there too,
+    where the first block's input (the caller's) does not; copied in, both are alike."""
     if not isinstance(t, torch.Tensor):
         return False
     if _compat.is_static_input(t):
         return True
-    ptr = t.untyped_storage().data_ptr()
-    return any(lo <= ptr < hi for lo, hi in ranges)
+    return saved is not None and saved.holds(t)
 
 
 class _Unboxed:

@@ -86,6 +86,10 @@ class Outputs:
             metas = [(i, _tensor_meta(leaves[i])) for i in idxs]
             self.groups.append((ptr, nbytes, metas))
         self._checked = policy == "checked" and bool(self.groups)
+        # x * 1.0 copies a float exactly (an int would become a float): clones in one launch
+        self._one_launch = len(self.owned_idx) > 1 and all(
+            leaves[i].is_floating_point() for i in self.owned_idx
+        )
         self.device = leaves[self.owned_idx[0]].device if self.owned_idx else None
         self.live: list[torch.UntypedStorage] = []
         self._handles: list[int] = []  # their _compat.storage_handle, for the use counts
@@ -167,8 +171,12 @@ class Outputs:
                 leaves[i] = t
         elif self.policy == "clone" and self.owned_idx:
             leaves = list(leaves)
-            for i in self.owned_idx:
-                leaves[i] = leaves[i].clone()
+            if self._one_launch:  # a backward's gradients: one multi-tensor launch, not one each
+                for i, t in zip(self.owned_idx, _compat.foreach_clone([leaves[i] for i in self.owned_idx])):
+                    leaves[i] = t
+            else:
+                for i in self.owned_idx:
+                    leaves[i] = leaves[i].clone()
         if self.watch and self.policy != "clone":  # clones are the caller's own memory
             self._watched = [leaves[i] for i in self.watch]
         if self.is_leaf:

@@ -62,8 +62,8 @@ class Entry:
     """Everything captured for one key (one padded size and the other input shapes)."""
 
     __slots__ = (
-        "size", "graphs", "sources", "outputs", "position", "inputs", "pinned", "guard", "steps",
-        "__weakref__",
+        "size", "graphs", "sources", "outputs", "position", "inputs", "guard", "steps",
+        "feeds", "__weakref__",
     )
 
     def __init__(self, size: int | None) -> None:
@@ -75,12 +75,12 @@ class Entry:
         self.position = -1
         #: the initial slot values of the inputs (static buffers, sizes); args fill the rest
         self.inputs: list[Any] = []
-        #: per input: the address a "pinned" input had at capture (the graph reads it there)
-        self.pinned: list[int | None] = []
         #: the pool outputs (indices into what Outputs hands out) that must be free to replay
         self.guard: frozenset[int] = frozenset()
         #: per piece: (graph or None, fn, reads, writes, slots last read there, index)
         self.steps: list[tuple[Any, ...]] = []
+        #: a backward's: (generation, the forward entries whose saved activations it reads)
+        self.feeds: tuple[int, list[Entry]] | None = None
 
     def invalidate_outputs(self) -> None:
         if self.outputs is not None:
@@ -150,12 +150,10 @@ def stage_entry(
     sizes: Sequence[int] | None,
     n_slots: int,
     passed: Sequence[int],
-    pinned: Sequence[int],
 ) -> tuple[Entry, list[Any]]:
     """A new entry of ``size`` with its static input buffers (in ``buffers``) filled from the
     call's ``args``, and the slot values a capture starts from. ``inputs``: the program's;
-    ``passed``: the inputs taken from each call as they are; ``pinned``: those read in place
-    where they were at capture."""
+    ``passed``: the inputs taken from each call as they are."""
     entry = Entry(size)
     env: list[Any] = [None] * n_slots
     for i, inp in enumerate(inputs):
@@ -177,7 +175,6 @@ def stage_entry(
             env[i] = a
     entry.inputs = [None if i in passed else env[i] for i in range(len(inputs))]
     entry.inputs += [None] * (n_slots - len(entry.inputs))
-    entry.pinned = [args[i].data_ptr() if i in pinned else None for i in range(len(args))]
     return entry, env
 
 

@@ -5,6 +5,10 @@ and buffers as inputs (regional compilation: each block of a model compiled on i
 piecewise runtime reads them in place, so a graph holds one instance's addresses. The runtime
 keeps the graphs of each set of addresses it met (:class:`Instances`), captured at that set's
 first call, and drops those of a set whose tensors were replaced (``p.data = ...``) or freed.
+
+A backward graph reads in place its parameters and its forward's saved activations: its sets
+are keyed by both, one per forward graph (instance and shape). Only the parameters and buffers
+among them are watched for replacement: activations are freed after every backward by design.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ class ParamSet:
 
     __slots__ = ("id", "ptrs", "refs", "routes", "entries")
 
-    def __init__(self, id: int, ptrs: list[int | None], refs: list[Any]) -> None:
+    def __init__(self, id: int, ptrs: list[int | None], refs: list[tuple[int, Any]]) -> None:
         self.id = id
         self.ptrs = ptrs
         self.refs = refs
@@ -40,13 +44,19 @@ class Instances:
     """The sets of parameters and buffers of one runtime, the current one, most recent last.
 
     Args:
-        statics: the positions of the inputs read in place (parameters and buffers).
+        statics: the positions of the inputs read in place (parameters and buffers; for a
+            backward, its forward's saved activations too).
         name: the runtime's name, for messages.
+        watched: which of those tensors are watched for being replaced or freed (default:
+            all); the others (saved activations) only key the sets.
     """
 
-    def __init__(self, statics: list[int], name: str) -> None:
+    def __init__(
+        self, statics: list[int], name: str, watched: Callable[[Any], bool] | None = None
+    ) -> None:
         self.statics = statics
         self.name = name
+        self.watched = watched
         self.sets: dict[tuple[int | None, ...], ParamSet] = {}
         self.current: ParamSet | None = None
         self._ids = 0
@@ -56,24 +66,28 @@ class Instances:
 
     def add(self, args: tuple[Any, ...], ptrs: list[int | None]) -> ParamSet:
         """A new set for the tensors of ``args`` at ``ptrs``, made current."""
-        made = ParamSet(self._ids, ptrs, [weakref.ref(args[i]) for i in self.statics])
+        watched = self.watched
+        refs = [
+            (i, weakref.ref(args[i])) for i in self.statics if watched is None or watched(args[i])
+        ]
+        made = ParamSet(self._ids, ptrs, refs)
         self._ids += 1
         self.sets[tuple(ptrs)] = made
         self.current = made
         return made
 
+    def __contains__(self, ptrs: list[int | None]) -> bool:
+        return tuple(ptrs) in self.sets
+
     def switch(
         self,
         args: tuple[Any, ...],
         ptrs: list[int | None],
-        one_set: bool,
         drop: Callable[[ParamSet, str], None],
-    ) -> Literal["found", "new", "refused"]:
-        """Make the set at ``ptrs`` current: ``"found"`` (its graphs exist), ``"new"`` (made:
-        capture its graphs), ``"refused"`` (``one_set``: the runtime keeps one set and the
-        last one's tensors are still there: another instance). ``drop(set, why)`` drops a
-        set's graphs: those whose tensors were replaced or freed, and past
-        :data:`MAX_PARAM_SETS` the least recently used one."""
+    ) -> Literal["found", "new"]:
+        """Make the set at ``ptrs`` current: ``"found"`` (its graphs exist) or ``"new"`` (made:
+        capture its graphs). ``drop(set, why)`` drops a set's graphs: those whose tensors were
+        replaced or freed, and past :data:`MAX_PARAM_SETS` the least recently used one."""
         key = tuple(ptrs)
         found = self.sets.pop(key, None)
         if found is not None:
@@ -84,8 +98,6 @@ class Instances:
         for s in gone:
             drop(s, "a parameter or buffer it read was replaced or freed")
             del self.sets[tuple(s.ptrs)]
-        if not gone and one_set and self.sets:
-            return "refused"
         if gone:
             log.warning(
                 "torchreplay: a parameter or buffer of '%s' is a new tensor since capture (it "
@@ -102,16 +114,18 @@ class Instances:
             del self.sets[tuple(oldest.ptrs)]
         elif self.sets:
             log.info(
-                "torchreplay: '%s' is called with the parameters and buffers of another "
-                "instance of the module's class (Dynamo compiled them once); capturing its "
-                "graphs, %d instance(s) so far", self.name, len(self.sets) + 1,
+                "torchreplay: '%s' is called with %s (Dynamo compiled the module's class once); "
+                "capturing its graphs, %d set(s) so far", self.name,
+                "the parameters and buffers of another instance" if self.watched is None else
+                "the parameters or saved activations of another forward graph (another "
+                "instance or shape)", len(self.sets) + 1,
             )
         self.add(args, ptrs)
         return "new"
 
     def _intact(self, s: ParamSet) -> bool:
         """Are the set's tensors alive and where they were at capture?"""
-        for i, ref in zip(self.statics, s.refs):
+        for i, ref in s.refs:
             t = ref()
             if t is None or t.data_ptr() != s.ptrs[i]:
                 return False

@@ -38,6 +38,7 @@ from torchreplay.pieces.entries import (
 )
 from torchreplay.pieces.instances import Instances, drop_entries
 from torchreplay.pieces.program import Constant, Program, run_in_order
+from torchreplay.pieces.saved import SavedActivations
 from torchreplay.stats import GraphStats
 
 __all__ = ["PiecewiseRuntime"]
@@ -58,11 +59,11 @@ class PiecewiseRuntime:
         strict: a piece that fails to capture raises instead of running ungraphed.
         max_graphs: without ``sizes``, the most keys captured; later new shapes run ungraphed.
         guard_outputs: program outputs whose memory must be free again before the next replay
-            (a forward graph's saved activations). While a replay's are still held and its
-            backward has not replayed (:attr:`pending_backward`), a call runs ungraphed,
-            counted, into fresh memory.
-        after_replay: called after each replay (a backward clears its forward's
-            ``pending_backward``).
+            (a forward graph's saved activations, :mod:`.saved`). While a replay's are still
+            held and its backward has not replayed, a call that may overwrite them runs
+            ungraphed, counted, into fresh memory.
+        after_replay: called with the entry and the arguments after each replay (a backward
+            tells its forward which saved activations it consumed).
         pool: a pool shared with other runtimes on the same device (the graphs of one compiled
             model, between Dynamo's graph breaks); default: a pool of its own.
     """
@@ -77,14 +78,17 @@ class PiecewiseRuntime:
         strict: bool = False,
         max_graphs: int = 16,
         guard_outputs: Sequence[int] = (),
-        after_replay: Callable[[], None] | None = None,
+        after_replay: Callable[[Entry, tuple[Any, ...]], None] | None = None,
         pool: Pool | None = None,
     ) -> None:
         self.program = program
         self.guard_outputs = frozenset(guard_outputs)
         self.after_replay = after_replay
-        #: a replay's saved activations await their backward (only with ``guard_outputs``)
-        self.pending_backward = False
+        #: the saved activations that await their backward (only with ``guard_outputs``)
+        self.saved = SavedActivations() if guard_outputs else None
+        #: a backward's test of a new set of inputs read in place: are they where its graphs
+        #: can read them (False: that forward ran ungraphed, so does this call)
+        self.admit: Callable[[tuple[Any, ...]], bool] | None = None
         self.name = name
         self.sizes = tuple(sorted(set(sizes))) if sizes else None
         self.config = config
@@ -108,7 +112,7 @@ class PiecewiseRuntime:
         self._tensors = [i for i, x in enumerate(self._inputs) if x.kind == "tensor"]
         self._statics = [i for i, x in enumerate(self._inputs) if x.kind == "static"]
         self._pinned = [i for i, x in enumerate(self._inputs) if x.kind == "pinned"]
-        self._checks = bool(self._pinned or self.guard_outputs)
+        self._in_place = sorted(self._statics + self._pinned)  # key the sets of graphs
         # Inputs taken from the call as they are (parameters, constants, host values, ints).
         self._passed = [
             i for i, x in enumerate(self._inputs)
@@ -122,7 +126,9 @@ class PiecewiseRuntime:
         self._writes_varying = any(x.written and x.dim is not None for x in program.inputs)
         self._static_ptrs: list[int | None] = []
         # Per set of addresses of the parameters and buffers read in place: its graphs.
-        self._instances = Instances(self._statics, name)
+        self._instances = Instances(
+            self._in_place, name, _compat.is_static_input if self._pinned else None
+        )
         self._ranges: list[tuple[int, int]] = []  # the pool's address ranges after capture
         # Inputs that are part of the key besides shapes: ints other than the size, constants.
         self._keyed = [
@@ -144,29 +150,19 @@ class PiecewiseRuntime:
             self._setup(args)
         if self._eager:
             return self._run_ungraphed(args)
-        if self._statics and not self._statics_unchanged(args):
+        if self._in_place and not self._statics_unchanged(args):
             if not self._switch(args):
                 return self._run_ungraphed(args)
         route = self._route(args, size)
-        if route is None or (self._checks and self._blocked(route.entry, args)):
+        if route is None or (self.saved is not None and self._blocked(route.entry)):
             return self._run_ungraphed(args)
         return self._replay(route, args)
 
-    def _blocked(self, entry: Entry, args: tuple[Any, ...]) -> bool:
-        """Must this call run ungraphed: an input read in place has moved, or the memory of
-        guarded outputs (saved activations) of the last call is still held?"""
-        if self._pinned and not _compat.data_ptrs_equal(list(args), entry.pinned, self._pinned):
-            self._count_fallback(
-                "an input read in place (a saved activation) is not where it was at capture: "
-                "its forward ran without its graph"
-            )
-            return True
-        # The replay may overwrite what this entry and every entry captured after it in the
-        # pool handed out last (see Pool): none of their saved activations may be pending.
-        if self.guard_outputs and self.pending_backward and any(
-            e.outputs is not None and e.position >= entry.position and e.outputs.held()
-            for e in self._entries.values()
-        ):
+    def _blocked(self, entry: Entry) -> bool:
+        """Must this call run ungraphed: the saved activations that its replay may overwrite
+        are still held, awaiting their backward? (Inputs read in place are where the entry's
+        graphs read them: they key its set.)"""
+        if self.saved is not None and self.saved.blocks(entry):
             self._count_fallback(
                 "the saved activations of an earlier call are still held (its backward has "
                 "not run yet); this call runs without its graph, into fresh memory"
@@ -216,10 +212,10 @@ class PiecewiseRuntime:
                 env[f] = None
         if route.backs:  # eager semantics: the callable's writes reach the caller's tensors
             write_back([args[i] for i in route.back_idx], route.backs)
-        if self.guard_outputs:
-            self.pending_backward = not tainted
+        if self.saved is not None:
+            self.saved.replayed(entry, tainted)
         if self.after_replay is not None:
-            self.after_replay()
+            self.after_replay(entry, args)
         self.stats.replays += 1
         n, size = route.n, entry.size
         if n is not None and size is not None:
@@ -325,7 +321,7 @@ class PiecewiseRuntime:
         shared = self._shared_pool
         self.pool = shared if shared is not None and shared.device in (None, device) else Pool(device)
         self._stream = side_stream(device)
-        if self._statics:
+        if self._in_place:
             self._instances.add(args, self._ptrs_of(args))
             self._use_current()
         self.pool.track(self, self._graphs, self._retire)
@@ -357,6 +353,7 @@ class PiecewiseRuntime:
                 for i in self._statics + self._pinned
                 if not isinstance(args[i], torch.nn.Parameter) or self._inputs[i].written
             ]
+        versions = [t._version for t, _ in saved]  # a pending backward may have saved them
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device)
         start = time.perf_counter()
@@ -368,9 +365,7 @@ class PiecewiseRuntime:
             # the host captured): an asynchronous error surfaces here, still in the first call.
             self._stream.synchronize()
         finally:
-            with torch.no_grad():
-                for t, s in saved:
-                    t.copy_(s)
+            _compat.restore_unversioned(saved, versions)
             torch.set_rng_state(cpu_rng)
             torch.cuda.set_rng_state(cuda_rng, self.device)
         self._ranges = self.pool.segment_ranges() if self.pool is not None else []
@@ -388,7 +383,7 @@ class PiecewiseRuntime:
 
     def _stage(self, size: int | None, args: tuple[Any, ...]) -> tuple[Entry, list[Any]]:
         return stage_entry(size, args, self._inputs, self._buffers, self.sizes, self._n_slots,
-                           self._passed, self._pinned)
+                           self._passed)
 
     def _capture_key(self, size: int | None, key: tuple[Any, ...], args: tuple[Any, ...]) -> Entry:
         assert self.pool is not None and self.device is not None
@@ -455,6 +450,8 @@ class PiecewiseRuntime:
             watch=entry.guard,
         )
         entry.position = self.pool.register(entry)
+        if self.saved is not None:
+            self.saved.sealed(entry, pool_outs)
 
     def _capture_piece(self, k: int, vals: list[Any]) -> tuple[PieceGraph | None, Any]:
         piece = self._pieces[k]
@@ -523,34 +520,38 @@ class PiecewiseRuntime:
 
     # ------------------------------------------------------------------ upkeep
     def _statics_unchanged(self, args: tuple[Any, ...]) -> bool:
-        return _compat.data_ptrs_equal(list(args), self._static_ptrs, self._statics)
+        return _compat.data_ptrs_equal(list(args), self._static_ptrs, self._in_place)
 
     def _switch(self, args: tuple[Any, ...]) -> bool:
-        """The parameters or buffers read in place moved (another instance of the module's
-        class, or replaced tensors: :mod:`.instances`): use that set's graphs, captured at its
-        first call. False: this call runs ungraphed (a training graph meets another instance)."""
-        outcome = self._instances.switch(
-            args, self._ptrs_of(args), self._checks,
-            lambda dropped, why: drop_entries(self._entries, self._graphs, dropped.id, why),
-        )
-        if outcome == "refused":
+        """The inputs read in place moved (another instance of the module's class, replaced
+        tensors, or for a backward another forward graph's activations: :mod:`.instances`):
+        use that set's graphs, captured at its first call. False: this call runs ungraphed (a
+        backward whose forward ran ungraphed)."""
+        ptrs = self._ptrs_of(args)
+        if self.admit is not None and ptrs not in self._instances and not self.admit(args):
             self._count_fallback(
-                "the parameters of another instance of the module's class: a training graph "
-                "is captured for one set of parameters and buffers (compile each instance in "
-                "training mode with its own tr.compile)"
+                "an input read in place (a saved activation) is not in the forward graph's "
+                "pool: its forward ran without its graph"
             )
             return False
+        outcome = self._instances.switch(args, ptrs, self._drop_set)
         self._use_current()
         if outcome == "new" and self.sizes is not None and self._sized:
             self._capture_batch([(s, self._key(s, args)) for s in reversed(self.sizes)], args)
         return True
+
+    def _drop_set(self, dropped: Any, why: str) -> None:
+        drop_entries(self._entries, self._graphs, dropped.id, why)
+        if self.saved is not None:
+            self.saved.keep_only(list(self._entries.values()))
 
     def _use_current(self) -> None:
         current = self._instances.current
         self._static_ptrs, self._routes = current.ptrs, current.routes  # type: ignore[union-attr]
 
     def _ptrs_of(self, args: tuple[Any, ...]) -> list[int | None]:
-        return [args[i].data_ptr() if i in self._statics else None for i in range(len(args))]
+        keyed = self._in_place
+        return [args[i].data_ptr() if i in keyed else None for i in range(len(args))]
 
     def _retire(self) -> None:
         for entry in self._entries.values():

@@ -1,0 +1,128 @@
+"""Which training forward graphs may replay while saved activations await their backward
+(pieces/saved.py), and the sets of graphs a backward keeps per forward graph
+(pieces/instances.py): the bookkeeping, on CPU tensors, without CUDA graphs."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from torchreplay.pieces.entries import Entry
+from torchreplay.pieces.instances import Instances
+from torchreplay.pieces.saved import SavedActivations
+
+
+class _Outputs:
+    """Stands in for an entry's Outputs: are its saved activations still held?"""
+
+    def __init__(self) -> None:
+        self.is_held = True
+
+    def held(self) -> bool:
+        return self.is_held
+
+
+def _entry(position: int, saved: SavedActivations) -> tuple[Entry, torch.Tensor]:
+    """A forward entry at ``position`` whose one saved activation is the tensor returned."""
+    e = Entry(None)
+    e.position = position
+    e.outputs = _Outputs()  # type: ignore[assignment]
+    e.guard = frozenset({0})
+    activation = torch.randn(4, 3)
+    saved.sealed(e, [activation])
+    return e, activation
+
+
+def test_blocks_forward_then_backward_in_reverse_replay_every_graph() -> None:
+    """Blocks 0..2 captured in that order: each forward may replay while the earlier blocks'
+    activations await their backward; the backwards 2..0 consume them."""
+    saved = SavedActivations()
+    entries = [_entry(k, saved) for k in range(3)]
+    for step in range(3):
+        for e, _ in entries:
+            assert not saved.blocks(e), (step, e.position)
+            saved.replayed(e, tainted=False)
+        assert saved.pending == [e for e, _ in entries]
+        for e, activation in reversed(entries):
+            reader = Entry(None)
+            saved.read(reader, (torch.randn(2), activation[1:]))  # a view of it, and a tangent
+        assert saved.pending == []
+
+
+def test_a_second_forward_before_its_backward_is_blocked_while_held() -> None:
+    saved = SavedActivations()
+    (a, act_a), (b, _) = _entry(0, saved), _entry(1, saved)
+    saved.replayed(a, tainted=False)
+    assert saved.blocks(a)  # its own activations would be overwritten
+    saved.replayed(b, tainted=False)
+    assert saved.blocks(a)  # b's too (captured after a: a's replay may reach them)
+    assert saved.blocks(b)  # b's own: held
+    b.outputs.is_held = False  # b's autograd graph was freed without a backward
+    assert not saved.blocks(b)
+    assert saved.blocks(a)  # a's own still held
+    saved.read(Entry(None), (act_a,))
+    assert not saved.blocks(a)
+
+
+def test_a_tainted_replay_leaves_nothing_pending() -> None:
+    saved = SavedActivations()
+    a, _ = _entry(0, saved)
+    saved.replayed(a, tainted=False)
+    saved.replayed(a, tainted=True)
+    assert saved.pending == [] and not saved.blocks(a)
+
+
+def test_a_backward_finds_its_forward_again_after_entries_change() -> None:
+    """The forward entries a backward read are remembered per generation: a new entry (which
+    may take the addresses of a dropped one) makes the backward look again."""
+    saved = SavedActivations()
+    a, act = _entry(0, saved)
+    reader = Entry(None)
+    saved.replayed(a, tainted=False)
+    saved.read(reader, (act,))
+    assert reader.feeds is not None and reader.feeds[1] == [a]
+    saved.keep_only([])  # a dropped
+    a2 = Entry(None)
+    a2.position, a2.outputs, a2.guard = 1, _Outputs(), frozenset({0})  # type: ignore[assignment]
+    saved.sealed(a2, [act])  # its activation where a's was
+    saved.replayed(a2, tainted=False)
+    saved.read(reader, (act,))
+    assert reader.feeds[1] == [a2] and saved.pending == []
+
+
+def test_backward_sets_are_keyed_by_activations_but_watch_only_parameters() -> None:
+    """A backward's sets are keyed by its parameters and saved activations; the activations are
+    freed after every backward, which must not drop the set (only a replaced parameter does)."""
+    weight = torch.nn.Parameter(torch.randn(3, 3))
+    inst = Instances([0, 1], "backward", watched=lambda t: isinstance(t, torch.nn.Parameter))
+    dropped: list[str] = []
+
+    def drop(s, why: str) -> None:
+        dropped.append(why)
+
+    def call(act: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (weight, act, torch.randn(3))  # the third: a tangent, copied in
+
+    def ptrs(args: tuple[torch.Tensor, ...]) -> list[int | None]:
+        return [args[0].data_ptr(), args[1].data_ptr(), None]
+
+    act1, act2 = torch.randn(3), torch.randn(3)
+    first = call(act1)
+    inst.add(first, ptrs(first))
+    second = call(act2)
+    assert inst.switch(second, ptrs(second), drop) == "new"
+    saved_ptrs = ptrs(second)
+    del first, second
+    assert inst.switch(call(act1), ptrs(call(act1)), drop) == "found"
+    keep = act2.data_ptr()
+    act3 = torch.randn(5)  # made while act2 lives: another address
+    del act2
+    gc.collect()
+    assert inst.switch(call(act3), ptrs(call(act3)), drop) == "new"
+    assert dropped == [] and len(inst) == 3  # a freed activation drops nothing
+    assert saved_ptrs in inst and saved_ptrs[1] == keep
+    weight.data = torch.randn(3, 3)  # the parameter replaced: every set that read it goes
+    act4 = torch.randn(7)  # act3 lives: another address
+    assert inst.switch(call(act4), ptrs(call(act4)), drop) == "new"
+    assert len(dropped) == 3 and len(inst) == 1

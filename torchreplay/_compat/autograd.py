@@ -1,0 +1,43 @@
+"""Autograd's private names: the order of its nodes and the version counters of saved tensors."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["set_sequence_nr", "sequence_nr", "restore_unversioned"]
+
+
+def set_sequence_nr(grad_fn: Any, seq: int) -> None:
+    """Set an autograd node's sequence number, which orders the engine's ready queue.
+
+    The engine runs ready nodes with the larger sequence number first; giving each graphed
+    backward a number from its capture order makes shared-pool backward graphs replay in the
+    order they were captured for. ``Node._set_sequence_nr`` exists since torch 2.1.
+    """
+    setter: Callable[[int], None] | None = getattr(grad_fn, "_set_sequence_nr", None)
+    if setter is None:  # pragma: no cover - old torch
+        raise RuntimeError("this torch has no grad_fn._set_sequence_nr; torchreplay needs >= 2.6")
+    setter(seq)
+
+
+def sequence_nr(grad_fn: Any) -> int:
+    """Return an autograd node's sequence number (``Node._sequence_nr``, since torch 1.x)."""
+    return int(grad_fn._sequence_nr())
+
+
+_set_versions = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+
+
+def restore_unversioned(saved: Sequence[tuple[torch.Tensor, torch.Tensor]], versions: Sequence[int]) -> None:
+    """Copy each saved value back into its tensor and set its version counter back to
+    ``versions`` (read when the values were saved). What a warm-up or capture wrote is undone,
+    so the tensor holds again what autograd may have saved of it for a pending backward: a
+    counter bumped by the undo would make that backward fail ("modified by an inplace
+    operation"). ``torch.autograd._unsafe_preserve_version_counter`` does the same."""
+    with torch.no_grad():
+        for t, value in saved:
+            t.copy_(value)
+    if _set_versions is not None and saved:
+        _set_versions(tuple(t for t, _ in saved), tuple(versions))

@@ -1,0 +1,88 @@
+"""Saved activations: the outputs of a training forward's graphs that its backward reads in place.
+
+A forward runtime (``guard_outputs``) leaves each replay's saved activations in its pool, where
+the backward graph of that call reads them. Until that backward has replayed, a forward replay
+that may overwrite them must not run while they are still held (by autograd): the call runs
+ungraphed instead, into fresh memory. A replay may overwrite what its own entry and every entry
+captured after it in the pool handed out (:class:`~torchreplay.core.pool.Pool`).
+
+Each entry is tracked on its own. With several module instances (regional compilation: one
+compiled block class, one forward runtime, graphs per set of parameters), the forwards of blocks
+1..N all replay before the backwards N..1: block k's activations await their backward while
+block k+1's forward replays, which is safe because block k+1's graph was captured after block
+k's (its replay cannot reach memory that block k's outputs held at its capture). A backward
+replay names the forward entries it read from by the addresses of its arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from torchreplay.pieces.entries import Entry
+
+__all__ = ["SavedActivations"]
+
+_Tensor = torch.Tensor
+
+
+class SavedActivations:
+    """Which forward entries' saved activations await their backward, and where they lie."""
+
+    def __init__(self) -> None:
+        #: entries whose last replay's activations await their backward, in replay order
+        self.pending: list[Entry] = []
+        self._at: dict[int, Entry] = {}  # a saved activation's storage address -> its entry
+        #: bumped whenever entries come or go (a backward's cached forward entries are redone)
+        self.generation = 0
+
+    def sealed(self, entry: Entry, pool_outs: Sequence[_Tensor]) -> None:
+        """``entry`` was captured; ``pool_outs[k]`` for ``k`` in ``entry.guard`` are its saved
+        activations."""
+        for k in entry.guard:
+            self._at[pool_outs[k].untyped_storage().data_ptr()] = entry
+        self.generation += 1
+
+    def keep_only(self, entries: Sequence[Entry]) -> None:
+        """Forget the entries not in ``entries`` (dropped with their graphs)."""
+        live = {id(e) for e in entries}
+        self._at = {p: e for p, e in self._at.items() if id(e) in live}
+        self.pending = [e for e in self.pending if id(e) in live]
+        self.generation += 1
+
+    def holds(self, t: _Tensor) -> bool:
+        """Is ``t`` (over) an activation a forward graph saved?"""
+        return t.untyped_storage().data_ptr() in self._at
+
+    def replayed(self, entry: Entry, tainted: bool) -> None:
+        """``entry`` replayed; ``tainted``: part of the call ran ungraphed (its activations
+        are not all in the pool, and its backward will not replay)."""
+        if entry in self.pending:
+            self.pending.remove(entry)
+        if not tainted:
+            self.pending.append(entry)
+
+    def blocks(self, entry: Entry) -> bool:
+        """Would replaying ``entry`` overwrite activations that still await their backward?"""
+        position = entry.position
+        for e in self.pending:
+            if e.position >= position and e.outputs is not None and e.outputs.held():
+                return True
+        return False
+
+    def read(self, reader: Entry, args: Sequence[Any]) -> None:
+        """A backward graph (``reader``, of another runtime) replayed over ``args``: the
+        activations of the forward entries it read are consumed."""
+        feeds = reader.feeds
+        if feeds is None or feeds[0] != self.generation:
+            found: list[Entry] = []
+            for a in args:
+                if isinstance(a, _Tensor):
+                    e = self._at.get(a.untyped_storage().data_ptr())
+                    if e is not None and e not in found:
+                        found.append(e)
+            feeds = reader.feeds = (self.generation, found)
+        for e in feeds[1]:
+            if e in self.pending:
+                self.pending.remove(e)
