@@ -550,8 +550,10 @@ class PiecewiseRuntime:
         self._static_ptrs, self._routes = current.ptrs, current.routes  # type: ignore[union-attr]
 
     def _ptrs_of(self, args: tuple[Any, ...]) -> list[int | None]:
-        keyed = self._in_place
-        return [args[i].data_ptr() if i in keyed else None for i in range(len(args))]
+        ptrs: list[int | None] = [None] * len(args)
+        for i in self._in_place:
+            ptrs[i] = args[i].data_ptr()
+        return ptrs
 
     def _retire(self) -> None:
         for entry in self._entries.values():
