@@ -615,6 +615,36 @@ def test_a_model_compiled_block_by_block_keeps_a_graph_per_block(how: str, caplo
     assert "graphs for 10 module instances" in tr.explain(blocks[0] if how == "tr.compile" else rt)
 
 
+def test_training_blocks_backward_pool_holds_one_blocks_gradients_not_every_blocks() -> None:
+    """Six training blocks of 16 MiB of gradients each, compiled one by one: the backward's
+    graphs per block hand their gradients out as clones, so later captures reuse the memory of
+    earlier blocks' outputs. Its pool stays under four blocks' gradients (it held all six
+    blocks' and more before: 154 MiB against 54 on the H200), and the gradients equal eager's
+    at every step."""
+    import copy
+
+    torch.manual_seed(0)
+    block = _block_class("memory")
+    ref = nn.Sequential(*[block(1024) for _ in range(6)]).to(DEV).train()
+    model = copy.deepcopy(ref)
+    blocks = [tr.compile(b) for b in model]
+    for step in range(4):
+        x = torch.randn(8, 1024, device=DEV, requires_grad=True)
+        y = x
+        for b in blocks:
+            y = b(y)
+        y.square().mean().backward()
+        ref(x.detach().requires_grad_()).square().mean().backward()
+        for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+            _close(q.grad, p.grad, f"step {step} {name}.grad")
+        ref.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+    grads = sum(p.numel() * p.element_size() for p in ref[0].parameters())
+    (backward,) = [r for r in blocks[0].backend.runtimes if r.admit is not None]
+    assert backward.instances == 6 and backward.stats.fallbacks == 0
+    assert backward.stats.pool_bytes < 4 * grads, (backward.stats.pool_bytes / 2**20, grads / 2**20)
+
+
 def test_training_blocks_called_twice_before_one_backward_are_equal_to_eager() -> None:
     """Three training blocks of one class, each called twice before one backward
     (``loss(run(a)) + loss(run(b))``): the second call of a block would overwrite the saved

@@ -12,7 +12,7 @@ from torchreplay.pieces.program import Program
 
 __all__ = [
     "PieceGraph", "Entry", "Route", "hand_out", "entry_key", "pad_shared", "shared_key", "static_buffer",
-    "stage_entry",
+    "stage_entry", "hold_weakly",
 ]
 
 _Tensor = torch.Tensor
@@ -258,3 +258,25 @@ def entry_key(
         elif x.kind == "other":  # a constant a graph may hold: another value, another key
             key.append(args[i] if isinstance(args[i], _HASHABLE) else id(args[i]))
     return tuple(key)
+
+
+def hold_weakly(entry: Entry, pool_outs: list[_Tensor], in_pool: Callable[[_Tensor], bool]) -> None:
+    """Hold the outputs of ``entry``'s graphs that lie in the pool through tensors that do not
+    keep their memory allocated (``pool_outs`` too, in place), so that later captures in the
+    pool may use that memory. Only for outputs copied out at every replay (``outputs="clone"``:
+    a backward's gradients): nothing reads them after the call, and every replay writes them
+    again before they are read. Without this, a backward with graphs per module instance would
+    keep every instance's gradients in its pool, on top of the ``.grad`` tensors."""
+    weak: dict[int, _Tensor] = {}
+
+    def held(t: Any) -> Any:
+        if not isinstance(t, _Tensor) or not in_pool(t):
+            return t
+        if id(t) not in weak:
+            weak[id(t)] = _compat.weak_alias(t)
+        return weak[id(t)]
+
+    for graph in entry.graphs:
+        if graph is not None:
+            graph.out = tuple(held(t) for t in graph.out)
+    pool_outs[:] = [held(t) for t in pool_outs]

@@ -34,7 +34,7 @@ from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
 from torchreplay.errors import CaptureError
 from torchreplay.pieces.entries import (
-    Entry, PieceGraph, Route, entry_key, hand_out, pad_shared, shared_key, stage_entry,
+    Entry, PieceGraph, Route, entry_key, hand_out, hold_weakly, pad_shared, shared_key, stage_entry,
 )
 from torchreplay.pieces.instances import Instances, drop_entries
 from torchreplay.pieces.program import Constant, Program, run_in_order
@@ -428,6 +428,8 @@ class PiecewiseRuntime:
         """Give ``entry`` (its ``sources`` set) the output policy over ``pool_outs`` and its
         place in the pool's replay order."""
         assert self.pool is not None
+        if self.config.outputs == "clone":
+            hold_weakly(entry, pool_outs, self._pool_has)
         # The replay loop, per piece; a graph's outputs are constant per entry: they sit in the
         # slot values every call starts from, so a replay only replays.
         entry.steps = []
