@@ -43,6 +43,15 @@ def own_class(tag: str) -> type:
     return type(f"Block_{tag}", (ResidualBlock,), {"forward": forward})
 
 
+def fresh_copy(ref: nn.Module, tag: str) -> nn.Module:
+    """A copy of ``ref`` whose blocks are of a class of their own (:func:`own_class`)."""
+    model = copy.deepcopy(ref)
+    cls = own_class(tag)
+    for b in model:
+        b.__class__ = cls
+    return model
+
+
 def marked(run):
     """torch's fix for reduce-overhead outputs overwritten by a later run: a step per call."""
     def step(x):
@@ -88,10 +97,7 @@ def train_main() -> None:
     errors, calls, first = {}, {}, {}
     for k, (name, build) in enumerate(builds.items()):
         counters_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        model = copy.deepcopy(ref)
-        cls = own_class(f"t{k}")
-        for b in model:
-            b.__class__ = cls
+        model = fresh_copy(ref, f"t{k}")
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         try:
@@ -151,10 +157,7 @@ def main() -> None:
         want = ref(x)
         for k, (name, build) in enumerate(builds.items()):
             counters_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-            model = copy.deepcopy(ref)
-            cls = own_class(str(k))
-            for b in model:
-                b.__class__ = cls
+            model = fresh_copy(ref, str(k))
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             try:

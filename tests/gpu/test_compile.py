@@ -4,6 +4,7 @@ over many calls (and the caller's tensors after each call where the model writes
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -45,6 +46,27 @@ def _block_class(tag: str) -> type:
     code = ResidualBlock.forward.__code__.replace(co_name=f"forward_{tag}")
     forward = types.FunctionType(code, ResidualBlock.forward.__globals__, code.co_name)
     return type(f"Block_{tag}", (ResidualBlock,), {"forward": forward})
+
+
+def _compile_blocks(model: nn.Sequential, how: str) -> tuple[list, Any]:
+    """Compile each block of ``model`` through ``tr.compile`` (one backend shared: Dynamo
+    compiles once) or the backend by name; return the compiled blocks (``tr.compile``) and
+    the model's call."""
+    from torchreplay.compile.backend import torchreplay_backend
+
+    if how != "tr.compile":
+        for b in model:
+            b.compile(backend=torchreplay_backend)
+        return [], model
+    blocks = [tr.compile(b) for b in model]
+    assert len({id(b.backend) for b in blocks}) == 1  # one backend: Dynamo compiles once
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for b in blocks:
+            x = b(x)
+        return x
+
+    return blocks, run
 
 
 def _runtimes(c: tr.Compiled) -> list:
@@ -580,24 +602,13 @@ def test_a_model_compiled_block_by_block_keeps_a_graph_per_block(how: str, caplo
     captured again, nothing run ungraphed."""
     import copy
 
-    from torchreplay.compile.backend import runtimes_by_name, torchreplay_backend
+    from torchreplay.compile.backend import runtimes_by_name
 
     before = {id(r) for r in runtimes_by_name()}
     torch.manual_seed(0)
     ref = nn.Sequential(*[ResidualBlock() for _ in range(10)]).to(DEV).eval()
     model = copy.deepcopy(ref)
-    if how == "tr.compile":
-        blocks = [tr.compile(b) for b in model]
-        assert len({id(b.backend) for b in blocks}) == 1  # one backend: Dynamo compiles once
-
-        def run(x: torch.Tensor) -> torch.Tensor:
-            for b in blocks:
-                x = b(x)
-            return x
-    else:
-        for b in model:
-            b.compile(backend=torchreplay_backend)
-        run = model
+    blocks, run = _compile_blocks(model, how)
     with caplog.at_level(logging.INFO, logger="torchreplay"), torch.no_grad():
         for call in range(12):
             x = torch.randn(8, 64, device=DEV)
@@ -715,24 +726,11 @@ def test_blocks_compiled_one_by_one_in_training_replay_a_graph_per_block(how: st
     nothing runs ungraphed."""
     import copy
 
-    from torchreplay.compile.backend import torchreplay_backend
-
     torch.manual_seed(0)
     block = _block_class(f"train_{how[:2]}")
     ref = nn.Sequential(*[block() for _ in range(10)]).to(DEV).train()
     model = copy.deepcopy(ref)
-    if how == "tr.compile":
-        blocks = [tr.compile(b) for b in model]
-        assert len({id(b.backend) for b in blocks}) == 1  # one backend: Dynamo compiles once
-
-        def run(x: torch.Tensor) -> torch.Tensor:
-            for b in blocks:
-                x = b(x)
-            return x
-    else:
-        for b in model:
-            b.compile(backend=torchreplay_backend)
-        run = model
+    blocks, run = _compile_blocks(model, how)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     captured = None
