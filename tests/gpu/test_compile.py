@@ -763,3 +763,5 @@ def test_blocks_compiled_one_by_one_in_training_replay_a_graph_per_block(how: st
             assert r.stats.fallbacks == 0, (r, r.fallback_reasons)
             assert r.stats.replays >= 10 * 7, r
         assert sum(r.stats.captures for r in runtimes) == captured  # nothing captured again
+        report = tr.explain(blocks[0])
+        assert "graphs for 10 module instances" in report and "graphs for 10 forward graphs" in report

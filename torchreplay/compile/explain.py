@@ -161,7 +161,12 @@ def _runtime(rt: PiecewiseRuntime) -> str:
     sizes = rt.captured_sizes()
     if sizes:
         lines.append(f"  captured: {sizes}")
-    if rt.instances > 1:
+    if rt.instances > 1 and rt.admit is not None:  # a backward: a set per forward graph
+        lines.append(
+            f"  graphs for {rt.instances} forward graphs (module instances and shapes: sets of "
+            "parameters and saved activations)"
+        )
+    elif rt.instances > 1:
         lines.append(
             f"  graphs for {rt.instances} module instances (sets of parameters and buffers: "
             "Dynamo compiled their class once)"
