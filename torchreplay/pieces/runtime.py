@@ -154,21 +154,15 @@ class PiecewiseRuntime:
             if not self._switch(args):
                 return self._run_ungraphed(args)
         route = self._route(args, size)
-        if route is None or (self.saved is not None and self._blocked(route.entry)):
+        if route is None:
             return self._run_ungraphed(args)
-        return self._replay(route, args)
-
-    def _blocked(self, entry: Entry) -> bool:
-        """Must this call run ungraphed: the saved activations that its replay may overwrite
-        are still held, awaiting their backward? (Inputs read in place are where the entry's
-        graphs read them: they key its set.)"""
-        if self.saved is not None and self.saved.blocks(entry):
-            self._count_fallback(
+        if self.saved is not None and self.saved.blocks(route.entry):  # its replay would
+            self._count_fallback(  # overwrite saved activations still awaiting their backward
                 "the saved activations of an earlier call are still held (its backward has "
                 "not run yet); this call runs without its graph, into fresh memory"
             )
-            return True
-        return False
+            return self._run_ungraphed(args)
+        return self._replay(route, args)
 
     def _replay(self, route: Route, args: tuple[Any, ...]) -> tuple[Any, ...]:
         entry = route.entry
