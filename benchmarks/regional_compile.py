@@ -94,30 +94,41 @@ def train_main() -> None:
     want = [p.grad.clone() for p in ref.parameters()] + [x.grad.clone()]
     ref.zero_grad(set_to_none=True)
     x.grad = None
-    errors, calls, first = {}, {}, {}
+    def check(fn, model):
+        for _ in range(3):
+            x.grad = None
+            for p in model.parameters():
+                p.grad = None
+            fn(x).square().mean().backward()
+        torch.cuda.synchronize()
+        for got, w in zip([p.grad for p in model.parameters()] + [x.grad], want):
+            torch.testing.assert_close(got, w, rtol=2e-3, atol=2e-3)
+        return step(fn, model)
+
+    calls, errors, first = build_all(ref, builds, check, "t")
+    res = time_interleaved(calls, BenchOptions(repeats=9, calls=20, warmup=5, host_calls=10))
+    report(res, errors, first, "training step, ")
+
+
+def build_all(ref, builds, check, tag: str = ""):
+    """Build each method on a fresh copy of ``ref``; ``check(fn, model)`` runs it against eager
+    and returns the call to time. Returns the calls, the failures (a row each, not a crash) and
+    per method the first calls' seconds and Dynamo graphs."""
+    calls, errors, first = {}, {}, {}
     for k, (name, build) in enumerate(builds.items()):
         counters_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        model = fresh_copy(ref, f"t{k}")
+        model = fresh_copy(ref, f"{tag}{k}")
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         try:
-            fn = build(model)
-            for _ in range(3):
-                x.grad = None
-                for p in model.parameters():
-                    p.grad = None
-                fn(x).square().mean().backward()
-            torch.cuda.synchronize()
-            for got, w in zip([p.grad for p in model.parameters()] + [x.grad], want):
-                torch.testing.assert_close(got, w, rtol=2e-3, atol=2e-3)
+            call = check(build(model), model)
         except Exception as exc:  # noqa: BLE001 - a failing method is a row, not a crash
             errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
             continue
         first[name] = (time.perf_counter() - t0,
                        torch._dynamo.utils.counters["stats"]["unique_graphs"] - counters_before)
-        calls[name] = step(fn, model)
-    res = time_interleaved(calls, BenchOptions(repeats=9, calls=20, warmup=5, host_calls=10))
-    report(res, errors, first, "training step, ")
+        calls[name] = call
+    return calls, errors, first
 
 
 def report(res, errors, first, what: str = "") -> None:
@@ -151,27 +162,16 @@ def main() -> None:
         "reduce-overhead, each block, step marked": lambda m: marked(chain(
             [torch.compile(b, mode="reduce-overhead") for b in m])),
     }
-    errors = {}
-    calls, first = {}, {}
+    def check(fn, model):
+        for _ in range(3):  # reduce-overhead records at its second call
+            out = fn(x)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
+        return lambda: fn(x)
+
     with torch.no_grad():
         want = ref(x)
-        for k, (name, build) in enumerate(builds.items()):
-            counters_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-            model = fresh_copy(ref, str(k))
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            try:
-                fn = build(model)
-                for _ in range(3):  # reduce-overhead records at its second call
-                    out = fn(x)
-                torch.cuda.synchronize()
-                torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
-            except Exception as exc:  # noqa: BLE001 - a failing method is a row, not a crash
-                errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
-                continue
-            first[name] = (time.perf_counter() - t0,
-                           torch._dynamo.utils.counters["stats"]["unique_graphs"] - counters_before)
-            calls[name] = lambda fn=fn: fn(x)
+        calls, errors, first = build_all(ref, builds, check)
         res = time_interleaved(calls, BenchOptions(repeats=9, calls=40, warmup=10, host_calls=10))
     report(res, errors, first)
 
