@@ -10,7 +10,7 @@ import torch
 
 from torchreplay.pieces.entries import Entry
 from torchreplay.pieces.instances import Instances
-from torchreplay.pieces.saved import SavedActivations
+from torchreplay.pieces.saved import SavedActivations, guarded
 
 
 class _Outputs:
@@ -126,3 +126,21 @@ def test_backward_sets_are_keyed_by_activations_but_watch_only_parameters() -> N
     act4 = torch.randn(7)  # act3 lives: another address
     assert inst.switch(call(act4), ptrs(call(act4)), drop) == "new"
     assert len(dropped) == 3 and len(inst) == 1
+
+
+def test_only_saved_activations_a_replay_writes_are_guarded() -> None:
+    """A forward saves an activation in the pool, a view of its static input buffer and two
+    parameters (one of them transposed): only the first two are guarded. The parameters are
+    the caller's tensors, which other references hold whenever they like (the module, the
+    call's arguments); guarding them blocked every forward after a forward-only call."""
+    pool = torch.empty(64)
+    weight, bias = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))
+    buffer = torch.randn(2, 4)
+    e = Entry(None)
+    e.inputs = [buffer, None, None, None]  # the static input buffer; parameters are passed
+    outs = [pool[:8].view(2, 4), buffer.view(8), weight.t(), bias, torch.randn(3)]
+    e.sources = [("input", 0)] + [("pool", k) for k in range(len(outs))]
+    in_pool = lambda t: t.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()  # noqa: E731
+    saved_outputs = frozenset(range(1, 5))  # program outputs 1..4: the saved activations
+    assert guarded(e, outs, saved_outputs, in_pool) == {0, 1}
+    assert guarded(e, outs, frozenset(), in_pool) == frozenset()

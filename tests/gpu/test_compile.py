@@ -765,3 +765,46 @@ def test_blocks_compiled_one_by_one_in_training_replay_a_graph_per_block(how: st
         assert sum(r.stats.captures for r in runtimes) == captured  # nothing captured again
         report = tr.explain(blocks[0])
         assert "graphs for 10 module instances" in report and "graphs for 10 forward graphs" in report
+
+
+@pytest.mark.parametrize("regional", [False, True], ids=["whole model", "each block"])
+def test_a_training_forward_dropped_before_its_backward_does_not_stop_later_replays(regional: bool) -> None:
+    """Training forwards whose outputs are dropped without a backward (a metric computed in
+    train mode, a skipped step), several in a row: every call still replays its graphs, and
+    gradients equal eager's at the steps around them. Before, the parameters a forward saves
+    for its backward counted as activations still held, so from the second such call on every
+    forward (and its backward) ran ungraphed, for good."""
+    import copy
+
+    torch.manual_seed(0)
+    block = _block_class(f"dropped_{int(regional)}")
+    ref = nn.Sequential(*[block() for _ in range(3)]).to(DEV).train()
+    model = copy.deepcopy(ref)
+    if regional:
+        blocks, run = _compile_blocks(model, "tr.compile")
+        backend = blocks[0].backend
+    else:
+        run = tr.compile(model)
+        backend = run.backend
+    for step in range(6):
+        x = torch.randn(8, 64, device=DEV, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        if step in (2, 3):
+            for _ in range(3):  # each output compared, then dropped
+                d = torch.randn(8, 64, device=DEV, requires_grad=True)
+                _close(run(d), ref(d), f"step {step} dropped forward")
+        out, out_ref = run(x), ref(x_ref)
+        _close(out, out_ref, f"step {step} output")
+        out.square().mean().backward()
+        out_ref.square().mean().backward()
+        _close(x.grad, x_ref.grad, f"step {step} input grad")
+        for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+            _close(q.grad, p.grad, f"step {step} {name}.grad")
+        ref.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+    forward = [r for r in backend.runtimes if r.saved is not None]
+    assert forward, backend.runtimes
+    for r in backend.runtimes:
+        assert r.stats.fallbacks == 0, (r, r.fallback_reasons)
+    graphs = 3 if regional else 1  # forward graphs (one per block)
+    assert sum(r.stats.replays for r in forward) >= graphs * (6 + 6 - 2), forward

@@ -38,7 +38,7 @@ from torchreplay.pieces.entries import (
 )
 from torchreplay.pieces.instances import Instances, drop_entries
 from torchreplay.pieces.program import Constant, Program, run_in_order
-from torchreplay.pieces.saved import SavedActivations
+from torchreplay.pieces.saved import SavedActivations, guarded
 from torchreplay.stats import GraphStats
 
 __all__ = ["PiecewiseRuntime"]
@@ -424,6 +424,9 @@ class PiecewiseRuntime:
         assert self.pool is not None
         if self.config.outputs == "clone":
             hold_weakly(entry, pool_outs, self._pool_has)
+        if self.guard_outputs:  # before the loop below fills entry.inputs with outputs
+            self._ranges = self.pool.segment_ranges()
+        entry.guard = guarded(entry, pool_outs, self.guard_outputs, self._in_pool)
         # The replay loop, per piece; a graph's outputs are constant per entry: they sit in the
         # slot values every call starts from, so a replay only replays.
         entry.steps = []
@@ -433,16 +436,12 @@ class PiecewiseRuntime:
             if graph is not None:
                 for w, t in zip(piece.writes, graph.out):
                     entry.inputs[w] = t
-        entry.guard = frozenset(
-            ref for k, (kind, ref) in enumerate(entry.sources)
-            if kind == "pool" and k in self.guard_outputs
-        )
         entry.outputs = Outputs(
             pool_outs,
             self.config.outputs,
             self.name,
             self._pool_has,
-            reuse=not torch.is_grad_enabled() and not entry.guard,
+            reuse=not torch.is_grad_enabled() and not self.guard_outputs,
             watch=entry.guard,
         )
         entry.position = self.pool.register(entry)

@@ -16,13 +16,13 @@ replay names the forward entries it read from by the addresses of its arguments.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from torchreplay.pieces.entries import Entry
 
-__all__ = ["SavedActivations"]
+__all__ = ["SavedActivations", "guarded"]
 
 _Tensor = torch.Tensor
 
@@ -86,3 +86,21 @@ class SavedActivations:
         for e in feeds[1]:
             if e in self.pending:
                 self.pending.remove(e)
+
+
+def guarded(
+    entry: Entry, pool_outs: Sequence[_Tensor], outputs: frozenset[int], in_pool: Callable[[_Tensor], bool]
+) -> frozenset[int]:
+    """Which of ``entry``'s ``pool_outs`` (by index) are saved activations a replay overwrites:
+    program ``outputs`` that lie in the pool or in a static input buffer (``entry.inputs``
+    before the replay loop fills it). A parameter the forward saves for its backward is not:
+    it is the caller's own tensor, read in place and never written by a replay, and its use
+    count (other references to it come and go) says nothing about the graph's memory."""
+    if not outputs:
+        return frozenset()
+    buffers = {b.untyped_storage().data_ptr() for b in entry.inputs if isinstance(b, _Tensor)}
+    return frozenset(
+        ref for k, (kind, ref) in enumerate(entry.sources)
+        if kind == "pool" and k in outputs
+        and (in_pool(pool_outs[ref]) or pool_outs[ref].untyped_storage().data_ptr() in buffers)
+    )
