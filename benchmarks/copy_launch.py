@@ -42,6 +42,11 @@ def main() -> None:
 
         rows[f"copy {k} x 8x1024: copy_ each"] = per_tensor
         rows[f"copy {k} x 8x1024: _foreach_copy_"] = lambda dsts=dsts, srcs=srcs: torch._foreach_copy_(dsts, srcs)
+    for shape, dtype in [((1, 3, 224, 224), torch.float32), ((1, 1), torch.int64), ((32, 4096), torch.bfloat16)]:
+        d, src = torch.zeros(shape, dtype=dtype, device=dev), torch.ones(shape, dtype=dtype, device=dev)
+        tag = f"copy 1 x {'x'.join(map(str, shape))} {str(dtype)[6:]}"
+        rows[f"{tag}: copy_"] = lambda d=d, src=src: d.copy_(src)
+        rows[f"{tag}: _foreach_copy_"] = lambda d=d, src=src: torch._foreach_copy_([d], [src])
     small = [t for _, t in act[:4]]
     rows["clone 4 x 8x1024: clone each"] = lambda: [t.clone() for t in small]
     rows["clone 4 x 8x1024: _foreach_mul 1.0"] = lambda: torch._foreach_mul(small, 1.0)

@@ -205,3 +205,27 @@ def test_stats_counters_and_explain() -> None:
     d = s.as_dict()
     assert d["pool_bytes"] == 3 * 2**20 and d["pad_waste"] == 0.25
     assert "3.0 MiB" in s.explain() and "8:4" in s.explain()
+
+
+@pytest.mark.parametrize(
+    "out",
+    [
+        [torch.ones(1), 2.0, None],
+        (torch.ones(1), torch.zeros(2)),
+        {"b": torch.ones(1), "a": torch.zeros(2)},
+        ({"a": torch.ones(1)}, [torch.zeros(1)]),  # nested: the general walk
+        torch.return_types.max((torch.ones(1), torch.zeros(1))),  # a tuple subclass
+        [],
+    ],
+    ids=["list", "tuple", "dict", "nested", "structseq", "empty"],
+)
+def test_unflattener_builds_what_tree_unflatten_builds(out) -> None:
+    from torchreplay import _compat
+
+    leaves, spec = _compat.tree_flatten(out)
+    fresh = [torch.randn(1) if isinstance(x, torch.Tensor) else x for x in leaves]
+    got, want = _compat.unflattener(spec)(list(fresh)), _compat.tree_unflatten(list(fresh), spec)
+    assert type(got) is type(want) and _compat.tree_flatten(got)[1] == spec
+    assert all(a is b for a, b in zip(_compat.tree_flatten(got)[0], fresh))
+    if isinstance(want, dict):
+        assert list(got) == list(want)  # the keys in the captured order

@@ -10,7 +10,7 @@ import torch
 
 from torchreplay.pieces.entries import Entry
 from torchreplay.pieces.instances import Instances
-from torchreplay.pieces.saved import SavedActivations, guarded
+from torchreplay.pieces.saved import SavedActivations, guarded, saved_refs
 
 
 class _Outputs:
@@ -30,7 +30,7 @@ def _entry(position: int, saved: SavedActivations) -> tuple[Entry, torch.Tensor]
     e.outputs = _Outputs()  # type: ignore[assignment]
     e.guard = frozenset({0})
     activation = torch.randn(4, 3)
-    saved.sealed(e, [activation])
+    saved.sealed(e, [activation], [activation])
     return e, activation
 
 
@@ -85,7 +85,7 @@ def test_a_backward_finds_its_forward_again_after_entries_change() -> None:
     saved.keep_only([])  # a dropped
     a2 = Entry(None)
     a2.position, a2.outputs, a2.guard = 1, _Outputs(), frozenset({0})  # type: ignore[assignment]
-    saved.sealed(a2, [act])  # its activation where a's was
+    saved.sealed(a2, [act], [act])  # its activation where a's was
     saved.replayed(a2, tainted=False)
     saved.read(reader, (act,))
     assert reader.feeds[1] == [a2] and saved.pending == []
@@ -141,6 +141,25 @@ def test_only_saved_activations_a_replay_writes_are_guarded() -> None:
     outs = [pool[:8].view(2, 4), buffer.view(8), weight.t(), bias, torch.randn(3)]
     e.sources = [("input", 0)] + [("pool", k) for k in range(len(outs))]
     in_pool = lambda t: t.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()  # noqa: E731
-    saved_outputs = frozenset(range(1, 5))  # program outputs 1..4: the saved activations
-    assert guarded(e, outs, saved_outputs, in_pool) == {0, 1}
-    assert guarded(e, outs, frozenset(), in_pool) == frozenset()
+    refs = saved_refs(e, frozenset(range(1, 5)))  # program outputs 1..4: what the forward saves
+    assert refs == [0, 1, 2, 3]
+    assert guarded(e, outs, refs, in_pool) == {0, 1}
+    assert guarded(e, outs, [], in_pool) == frozenset()
+
+
+def test_a_backward_consumes_only_the_forward_whose_activations_it_read() -> None:
+    """One block at two shapes: both forward graphs save the same weight. The backward of the
+    second reads the weight and its own activation: it consumes that forward only, so the
+    first's activations still await their backward (a forward of the first shape stays
+    blocked while they are held). The weight stays put for a backward all the same."""
+    saved = SavedActivations()
+    weight = torch.nn.Parameter(torch.randn(4, 4))
+    (a, act_a), (b, act_b) = _entry(0, saved), _entry(1, saved)
+    for e, act in ((a, act_a), (b, act_b)):
+        saved.sealed(e, [act, weight], [act])
+    saved.replayed(a, tainted=False)
+    saved.replayed(b, tainted=False)
+    saved.read(Entry(None), (act_b, weight, torch.randn(4)))
+    assert saved.pending == [a]
+    assert saved.blocks(a)
+    assert saved.holds(weight) and saved.holds(act_a) and not saved.holds(torch.randn(4))

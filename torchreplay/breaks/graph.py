@@ -145,6 +145,7 @@ class BreakableGraph:
         self.breaks, out, written = self._plan(call)
         out_leaves, self._out_spec = _compat.tree_flatten(out)
         self._out_single = len(out_leaves) == 1 and self._out_spec == _LEAF
+        self._rebuild = _compat.unflattener(self._out_spec)
         self._sample_rows = dims.size if dims is not None else None
         self._sample_out = [tuple(t.shape) if isinstance(t, _Tensor) else None for t in out_leaves]
         program = self._program(call, dims, written, len(self._sample_out))
@@ -294,7 +295,7 @@ class BreakableGraph:
             return out.value  # type: ignore[attr-defined]
         if self._out_single:
             return out[0]
-        return _compat.tree_unflatten(list(out), self._out_spec)
+        return self._rebuild(list(out))
 
     def _flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         leaves, spec = _compat.tree_flatten((args, kwargs))

@@ -73,6 +73,7 @@ class Outputs:
             i for i, t in enumerate(leaves) if isinstance(t, _Tensor) and owned(t)
         ]
         self.is_leaf = _compat.is_leaf_treespec(spec)
+        self._rebuild = _compat.unflattener(spec)
         # Checked policy: one alias storage per distinct owned storage, shared by the outputs
         # that view it (so y and y.view(-1) stay aliases of each other, as in eager).
         groups: dict[int, list[int]] = {}
@@ -181,7 +182,7 @@ class Outputs:
             self._watched = [leaves[i] for i in self.watch]
         if self.is_leaf:
             return leaves[0]
-        return _compat.tree_unflatten(leaves, self.spec)
+        return self._rebuild(leaves)
 
     def _new_tensors(self) -> list[torch.Tensor]:
         """New tensors over the output memory, group by group; a storage of the last call is

@@ -16,6 +16,7 @@ __all__ = [
 ]
 
 _Tensor = torch.Tensor
+_foreach_copy = _compat.foreach_copy_
 
 
 class PieceGraph:
@@ -50,7 +51,7 @@ class PieceGraph:
             elif value.shape != buf.shape or value.dtype != buf.dtype:
                 return False
             else:
-                buf.copy_(value)
+                _foreach_copy([buf], [value])  # a microsecond less than buf.copy_(value)
         return True
 
 

@@ -38,7 +38,7 @@ from torchreplay.pieces.entries import (
 )
 from torchreplay.pieces.instances import Instances, drop_entries
 from torchreplay.pieces.program import Constant, Program, run_in_order
-from torchreplay.pieces.saved import SavedActivations, guarded
+from torchreplay.pieces.saved import SavedActivations, guarded, saved_refs
 from torchreplay.stats import GraphStats
 
 __all__ = ["PiecewiseRuntime"]
@@ -426,7 +426,8 @@ class PiecewiseRuntime:
             hold_weakly(entry, pool_outs, self._pool_has)
         if self.guard_outputs:  # before the loop below fills entry.inputs with outputs
             self._ranges = self.pool.segment_ranges()
-        entry.guard = guarded(entry, pool_outs, self.guard_outputs, self._in_pool)
+        saved = saved_refs(entry, self.guard_outputs)
+        entry.guard = guarded(entry, pool_outs, saved, self._in_pool)
         # The replay loop, per piece; a graph's outputs are constant per entry: they sit in the
         # slot values every call starts from, so a replay only replays.
         entry.steps = []
@@ -446,7 +447,7 @@ class PiecewiseRuntime:
         )
         entry.position = self.pool.register(entry)
         if self.saved is not None:
-            self.saved.sealed(entry, pool_outs)
+            self.saved.sealed(entry, [pool_outs[r] for r in saved], [pool_outs[r] for r in entry.guard])
 
     def _capture_piece(self, k: int, vals: list[Any]) -> tuple[PieceGraph | None, Any]:
         piece = self._pieces[k]

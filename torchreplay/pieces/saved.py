@@ -22,7 +22,7 @@ import torch
 
 from torchreplay.pieces.entries import Entry
 
-__all__ = ["SavedActivations", "guarded"]
+__all__ = ["SavedActivations", "guarded", "saved_refs"]
 
 _Tensor = torch.Tensor
 
@@ -34,26 +34,34 @@ class SavedActivations:
         #: entries whose last replay's activations await their backward, in replay order
         self.pending: list[Entry] = []
         self._at: dict[int, Entry] = {}  # a saved activation's storage address -> its entry
+        # Every saved tensor's storage address and its entry: activations and the parameters
+        # and buffers a forward passes through (they stay put; not every buffer is marked so)
+        self._put: dict[int, Entry] = {}
         #: bumped whenever entries come or go (a backward's cached forward entries are redone)
         self.generation = 0
 
-    def sealed(self, entry: Entry, pool_outs: Sequence[_Tensor]) -> None:
-        """``entry`` was captured; ``pool_outs[k]`` for ``k`` in ``entry.guard`` are its saved
-        activations."""
-        for k in entry.guard:
-            self._at[pool_outs[k].untyped_storage().data_ptr()] = entry
+    def sealed(self, entry: Entry, saved: Sequence[_Tensor], guarded: Sequence[_Tensor]) -> None:
+        """``entry`` was captured; ``saved``: what its forward saves for its backward (they
+        stay put); ``guarded``: those of them its replays overwrite (its activations: a
+        backward that reads one consumed this entry's)."""
+        for t in saved:
+            self._put[t.untyped_storage().data_ptr()] = entry
+        for t in guarded:
+            self._at[t.untyped_storage().data_ptr()] = entry
         self.generation += 1
 
     def keep_only(self, entries: Sequence[Entry]) -> None:
         """Forget the entries not in ``entries`` (dropped with their graphs)."""
         live = {id(e) for e in entries}
         self._at = {p: e for p, e in self._at.items() if id(e) in live}
+        self._put = {p: e for p, e in self._put.items() if id(e) in live}
         self.pending = [e for e in self.pending if id(e) in live]
         self.generation += 1
 
     def holds(self, t: _Tensor) -> bool:
-        """Is ``t`` (over) an activation a forward graph saved?"""
-        return t.untyped_storage().data_ptr() in self._at
+        """Is ``t`` (over) what a forward graph saved: an activation in its pool, or a
+        parameter or buffer it passed through? Either stays put for the backward."""
+        return t.untyped_storage().data_ptr() in self._put
 
     def replayed(self, entry: Entry, tainted: bool) -> None:
         """``entry`` replayed; ``tainted``: part of the call ran ungraphed (its activations
@@ -88,19 +96,25 @@ class SavedActivations:
                 self.pending.remove(e)
 
 
+
+def saved_refs(entry: Entry, outputs: frozenset[int]) -> list[int]:
+    """The indices into ``entry``'s pool outputs of the program ``outputs`` a forward saves for
+    its backward (activations, and parameters and buffers passed through its graph)."""
+    return [ref for k, (kind, ref) in enumerate(entry.sources) if kind == "pool" and k in outputs]
+
+
 def guarded(
-    entry: Entry, pool_outs: Sequence[_Tensor], outputs: frozenset[int], in_pool: Callable[[_Tensor], bool]
+    entry: Entry, pool_outs: Sequence[_Tensor], refs: Sequence[int], in_pool: Callable[[_Tensor], bool]
 ) -> frozenset[int]:
-    """Which of ``entry``'s ``pool_outs`` (by index) are saved activations a replay overwrites:
-    program ``outputs`` that lie in the pool or in a static input buffer (``entry.inputs``
-    before the replay loop fills it). A parameter the forward saves for its backward is not:
-    it is the caller's own tensor, read in place and never written by a replay, and its use
-    count (other references to it come and go) says nothing about the graph's memory."""
-    if not outputs:
+    """Which saved outputs (``refs``, :func:`saved_refs`) a replay overwrites: those in the
+    pool or in a static input buffer (``entry.inputs`` before the replay loop fills it). Not a
+    parameter or buffer the forward saves: it is the caller's own tensor, read in place and
+    never written by a replay, and its use count (other references to it come and go) says
+    nothing about the graph's memory."""
+    if not refs:
         return frozenset()
     buffers = {b.untyped_storage().data_ptr() for b in entry.inputs if isinstance(b, _Tensor)}
     return frozenset(
-        ref for k, (kind, ref) in enumerate(entry.sources)
-        if kind == "pool" and k in outputs
-        and (in_pool(pool_outs[ref]) or pool_outs[ref].untyped_storage().data_ptr() in buffers)
+        r for r in refs
+        if in_pool(pool_outs[r]) or pool_outs[r].untyped_storage().data_ptr() in buffers
     )

@@ -255,6 +255,7 @@ class GraphedCallable:
         self._detach_diff = self._outputs.policy == "static"
         self._spec = pair.spec
         self._single = _compat.is_leaf_treespec(pair.spec)
+        self._rebuild = _compat.unflattener(pair.spec)
         self._diff_idx = pair.diff_idx
         self._has_backward = pair.bwd_replay is not None
         self._static_grad_outputs = pair.static_grad_outputs
@@ -344,7 +345,7 @@ class GraphedCallable:
                     flat[i] = o
         if self._single:
             return flat[0]
-        return _compat.tree_unflatten(list(flat), self._spec)
+        return self._rebuild(list(flat))
 
     def _attach(self, node: Any, verify: Any) -> None:
         """Give the new backward node its live window and its place in the backward order."""
