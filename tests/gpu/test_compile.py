@@ -892,3 +892,30 @@ def test_hf_llama_decoder_layers_compiled_one_by_one_train_like_eager() -> None:
     for r in backend.runtimes:
         assert r.stats.fallbacks == 0, (r, r.fallback_reasons)
     assert sum(r.stats.replays for r in forward) >= 4 * 4, forward
+
+
+def test_a_backward_at_one_size_leaves_the_other_sizes_forward_awaiting_its_own() -> None:
+    """Training with ``sizes=[4, 8]``: an 8-row forward, a 4-row forward, the 8-row backward,
+    another 4-row forward, then one backward of both 4-row outputs. Both sizes' forward graphs
+    save the same weights. The 8-row backward must consume only the 8-row forward: had it
+    consumed the 4-row one too (found by a weight it read), the second 4-row forward would
+    replay over activations the first one's backward still needs. Gradients equal eager's."""
+    import copy
+
+    torch.manual_seed(0)
+    ref = _block_class("two_sizes")().to(DEV).train()
+    model = copy.deepcopy(ref)
+    c = tr.compile(model, sizes=[4, 8])
+    for step in range(4):
+        x8, x4, x4b = (torch.randn(n, 64, device=DEV) for n in (8, 4, 4))
+        for run in (c, ref):
+            y8, y4 = run(x8), run(x4)
+            y8.square().mean().backward()
+            y4b = run(x4b)
+            (y4.square().mean() + y4b.pow(3).mean()).backward()
+        for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+            _close(q.grad, p.grad, f"step {step} {name}.grad")
+        ref.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+    forward = [r for r in c.backend.runtimes if r.saved is not None]
+    assert forward and sum(r.stats.replays for r in forward) > 0, c.backend.runtimes
