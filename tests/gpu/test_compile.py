@@ -919,3 +919,23 @@ def test_a_backward_at_one_size_leaves_the_other_sizes_forward_awaiting_its_own(
         model.zero_grad(set_to_none=True)
     forward = [r for r in c.backend.runtimes if r.saved is not None]
     assert forward and sum(r.stats.replays for r in forward) > 0, c.backend.runtimes
+
+
+def test_a_module_whose_parameters_are_reallocated_every_call_is_captured_again_each_time() -> None:
+    """One compiled block whose parameters move to new memory before every call (as FSDP's
+    resharding does): each call drops the block's graphs, the pool's only ones, and captures
+    again into the same pool. Before, torch's allocator had forgotten that pool, its capture
+    failed an internal assertion, and torch's RNG was left mid-capture: every later random op
+    raised. Now each call equals eager, and random ops still work."""
+    torch.manual_seed(0)
+    block = _block_class("moved")().to(DEV).eval()
+    c = tr.compile(block)
+    with torch.no_grad():
+        for step in range(4):
+            for p in block.parameters():
+                p.data = p.data.clone()
+            x = torch.randn(8, 64, device=DEV)
+            _close(c(x), block(x), f"call {step}")
+    (rt,) = c.backend.runtimes
+    assert rt.stats.captures >= 4 and rt.stats.fallbacks == 0, (rt.stats, rt.fallback_reasons)
+    torch.randn(4, device=DEV)  # the RNG is not left mid-capture

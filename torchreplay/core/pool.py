@@ -91,6 +91,8 @@ class Pool:
         # The objects (Graphed, BucketedGraph, ...) whose graphs live in this pool, weakly.
         self._owners: list[weakref.ReferenceType[Any]] = []
         self._finalizers: dict[int, weakref.finalize] = {}  # by id(owner): see release
+        # A dropped graph kept until the next capture into this pool (see keep)
+        self._keeper: Any = None
 
     @property
     def handle(self) -> tuple[int, int]:
@@ -121,8 +123,17 @@ class Pool:
                 "graphs can share a pool only on one device: pass pool=None or a Pool per device"
             )
 
+    def keep(self, graph: Any) -> None:
+        """Hold ``graph`` (a torch CUDA graph being dropped) until the next capture into this
+        pool has registered. torch's allocator forgets a pool once no graph refers to it, and a
+        later capture into the same pool id then fails an internal assertion, which leaves
+        torch's RNG state mid-capture (every later random op raises): dropping a module's last
+        graphs and capturing it again (its parameters reallocated) must not get there."""
+        self._keeper = graph
+
     def register(self, member: _Member) -> int:
         """Add a graph in capture order; return its position."""
+        self._keeper = None  # the captured graph refers to the pool now
         self._members.append(weakref.ref(member))
         self.shared = len(self._members) > 1
         return len(self._members) - 1

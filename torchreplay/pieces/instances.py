@@ -136,17 +136,26 @@ class Instances:
         return {p for s in self.sets.values() for p in s.ptrs if p is not None}
 
 
-def drop_entries(entries: dict[tuple[Any, ...], Any], graphs: list[Any], set_id: int, why: str) -> None:
+def drop_entries(
+    entries: dict[tuple[Any, ...], Any],
+    graphs: list[Any],
+    set_id: int,
+    why: str,
+    keep: Callable[[Any], None] | None = None,
+) -> None:
     """Remove the entries of set ``set_id`` (the last item of their keys) from ``entries``:
     the outputs they handed out raise when read, saying ``why``; their CUDA graphs are freed
-    and removed from ``graphs``."""
+    and removed from ``graphs``, but for one handed to ``keep`` (:meth:`Pool.keep
+    <torchreplay.core.pool.Pool.keep>`: the pool's last graph must outlive the next capture)."""
     freed = set()
     for key in [k for k in entries if k[-1] == set_id]:
         entry = entries.pop(key)
         if entry.outputs is not None:
             entry.outputs.retire(why)
         freed.update(id(g.graph) for g in entry.graphs if g is not None and g.graph is not None)
-    for g in graphs:
-        if id(g) in freed:
-            g.reset()
+    dropped = [g for g in graphs if id(g) in freed]
+    if dropped and keep is not None:
+        keep(dropped.pop())
+    for g in dropped:
+        g.reset()
     graphs[:] = [g for g in graphs if id(g) not in freed]

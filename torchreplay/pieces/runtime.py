@@ -537,7 +537,8 @@ class PiecewiseRuntime:
         return True
 
     def _drop_set(self, dropped: Any, why: str) -> None:
-        drop_entries(self._entries, self._graphs, dropped.id, why)
+        keep = self.pool.keep if self.pool is not None else None
+        drop_entries(self._entries, self._graphs, dropped.id, why, keep)
         if self.saved is not None:
             self.saved.keep_only(list(self._entries.values()))
 
