@@ -9,7 +9,7 @@ import gc
 import torch
 
 from torchreplay.pieces.entries import Entry
-from torchreplay.pieces.instances import Instances
+from torchreplay.pieces.instances import MAX_MOVES, Instances
 from torchreplay.pieces.saved import SavedActivations, guarded, saved_refs
 
 
@@ -163,3 +163,59 @@ def test_a_backward_consumes_only_the_forward_whose_activations_it_read() -> Non
     assert saved.pending == [a]
     assert saved.blocks(a)
     assert saved.holds(weight) and saved.holds(act_a) and not saved.holds(torch.randn(4))
+
+
+def _params_call(params: list[torch.nn.Parameter]) -> tuple[tuple[torch.Tensor, ...], list[int | None]]:
+    """A call's args (the parameters, read in place, then an input copied in) and their ptrs."""
+    args = (*params, torch.randn(3))
+    return args, [p.data_ptr() for p in params] + [None]
+
+
+def test_a_set_whose_parameters_were_freed_waits_until_its_outputs_are_let_go() -> None:
+    """FSDP frees a block's unsharded parameters right after its forward, while that forward's
+    output is the next block's input: the set is not used again, but its graphs (and the
+    outputs they handed out) go only once nothing holds those outputs."""
+    block0 = [torch.nn.Parameter(torch.randn(3, 3))]
+    block1 = [torch.nn.Parameter(torch.randn(3, 3))]
+    inst = Instances([0], "fwd")
+    dropped: list[int] = []
+    holding = {0}  # the ids of the sets whose outputs are held
+    drop = lambda s, why: dropped.append(s.id)  # noqa: E731
+    held = lambda s: s.id in holding  # noqa: E731
+    args, ptrs = _params_call(block0)
+    first = inst.add(args, ptrs)
+    block0[0].untyped_storage().resize_(0)  # resharded: its memory freed (data_ptr() raises)
+    args, ptrs = _params_call(block1)
+    assert inst.switch(args, ptrs, drop, held) == "new"
+    assert dropped == [] and inst.pending == [first] and len(inst) == 1
+    holding.clear()  # the backward ran: block 0's output is let go
+    block1[0].data = torch.randn(3, 3)
+    args, ptrs = _params_call(block1)
+    assert inst.switch(args, ptrs, drop, held) == "new"
+    assert sorted(dropped) == [0, 1] and inst.pending == []
+
+
+def test_parameters_that_keep_moving_are_no_longer_captured() -> None:
+    """A parameter found at another address MAX_MOVES times (FSDP's resharding reallocates
+    it around every call): its calls are "moving" (run without graphs) from then on, while
+    another instance whose parameters stay put is still captured and found."""
+    moving = [torch.nn.Parameter(torch.randn(3, 3))]
+    steady = [torch.nn.Parameter(torch.randn(3, 3))]
+    inst = Instances([0], "fwd")
+    drop = lambda s, why: None  # noqa: E731
+    args, ptrs = _params_call(steady)
+    inst.add(args, ptrs)
+    outcomes = []
+    keep = []
+    for _ in range(MAX_MOVES + 2):
+        keep.append(moving[0].data)  # the old memory stays taken: a new address each time
+        moving[0].data = torch.randn(3, 3)
+        args, ptrs = _params_call(moving)
+        outcomes.append(inst.switch(args, ptrs, drop))
+    assert outcomes == ["new"] * MAX_MOVES + ["moving"] * 2
+    assert inst.current is None  # the runtime's fast path must not find a dropped set's graphs
+    args, ptrs = _params_call(steady)
+    assert inst.switch(args, ptrs, drop) == "found"
+    other = [torch.nn.Parameter(torch.randn(3, 3))]
+    args, ptrs = _params_call(other)
+    assert inst.switch(args, ptrs, drop) == "new"

@@ -132,6 +132,19 @@ class Outputs:
             return bool(self._watched)
         return any(_tensor_use_count(t) > 1 for t in self._watched)
 
+    def in_use(self) -> bool:
+        """Does anyone else hold a tensor over the memory the last call handed out (the caller,
+        an autograd node that saved it, a view)? For a graph about to go: while yes, retiring
+        it would make a tensor still in use raise. Our own references to those tensors go
+        first (the graph will not replay again). Without use counts: yes if any was handed."""
+        if not self.live:
+            return False
+        if not _compat.HAS_USE_COUNTS:
+            return True
+        self._handed = []
+        self._watched = []
+        return any(_storage_use_count(h) > 1 for h in self._handles)
+
     def retire(self, why: str | None = None) -> None:
         """The graph is being destroyed: make the outputs it handed out raise when read (their
         memory goes back to the allocator) instead of reading freed memory. ``why``: why it

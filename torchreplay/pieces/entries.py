@@ -8,11 +8,11 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.core.outputs import Outputs
-from torchreplay.pieces.program import Program
+from torchreplay.pieces.program import Constant, Program
 
 __all__ = [
     "PieceGraph", "Entry", "Route", "hand_out", "entry_key", "pad_shared", "shared_key", "static_buffer",
-    "stage_entry", "hold_weakly",
+    "stage_entry", "hold_weakly", "set_sources",
 ]
 
 _Tensor = torch.Tensor
@@ -200,6 +200,31 @@ def pad_shared(route: Route, clean: dict[int, int], writes_varying: bool) -> Non
                 rows.fill_(fill)
             c = n
         clean[key] = max(c, size) if writes_varying else c
+
+
+def set_sources(
+    entry: Entry, program: Program, env: list[Any], graphed: set[int], inputs: dict[int, int]
+) -> list[torch.Tensor]:
+    """Where each program output of ``entry`` comes from at a replay (``entry.sources``), from
+    the slot values ``env`` of its capture: ``graphed``, the slots graphs write; ``inputs``,
+    ``id(tensor) -> input index`` of the inputs whose tensor a graph may return as an output.
+    Returns the pool outputs, in the order the sources index them."""
+    pool_outs: list[torch.Tensor] = []
+    n_inputs = len(program.inputs)
+    for o in program.outputs:
+        if isinstance(o, Constant):
+            entry.sources.append(("const", o.value))
+        elif o < n_inputs:
+            entry.sources.append(("input", o))
+        elif o in graphed and isinstance(env[o], torch.Tensor):
+            if id(env[o]) in inputs:
+                entry.sources.append(("input", inputs[id(env[o])]))
+            else:
+                entry.sources.append(("pool", len(pool_outs)))
+                pool_outs.append(env[o])
+        else:
+            entry.sources.append(("env", o))
+    return pool_outs
 
 
 def hand_out(

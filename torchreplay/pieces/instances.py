@@ -9,6 +9,12 @@ first call, and drops those of a set whose tensors were replaced (``p.data = ...
 A backward graph reads in place its parameters and its forward's saved activations: its sets
 are keyed by both, one per forward graph (instance and shape). Only the parameters and buffers
 among them are watched for replacement: activations are freed after every backward by design.
+
+A set whose tensors were replaced, moved or freed is never replayed again, but its graphs go only
+once nothing holds the outputs they handed out: FSDP frees a block's unsharded parameters right
+after its forward, while that forward's output is the next block's input. Parameters that keep
+moving (FSDP's resharding reallocates them around every call, so their graphs would never
+replay) stop being captured after :data:`MAX_MOVES` moves: those calls run without graphs.
 """
 
 from __future__ import annotations
@@ -17,13 +23,26 @@ import logging
 import weakref
 from typing import Any, Callable, Literal
 
-__all__ = ["MAX_PARAM_SETS", "ParamSet", "Instances", "drop_entries"]
+__all__ = [
+    "MAX_PARAM_SETS", "MAX_MOVES", "MOVING", "ParamSet", "Instances", "drop_entries",
+    "outputs_held",
+]
 
 log = logging.getLogger(__name__)
 
 #: The most sets of parameter addresses (module instances) one runtime keeps graphs for; past
 #: it the least recently used one is dropped.
 MAX_PARAM_SETS = 256
+
+#: How many times one parameter or buffer (the same tensor object) may be found at another
+#: address than its graphs read before the sets that read it are no longer captured.
+MAX_MOVES = 2
+#: Why a call whose parameters keep moving runs without graphs (a fallback reason).
+MOVING = (
+    "a parameter or buffer it reads in place moves to new memory between calls (FSDP's "
+    "resharding, or a tensor reallocated or replaced every call), so its graphs would never "
+    "replay; these calls run without graphs"
+)
 
 
 class ParamSet:
@@ -58,19 +77,20 @@ class Instances:
         self.name = name
         self.watched = watched
         self.sets: dict[tuple[int | None, ...], ParamSet] = {}
-        self.current: ParamSet | None = None
+        self.current: ParamSet | None = None  # None after a "moving" call
+        #: sets no longer used whose graphs wait until nothing holds their outputs
+        self.pending: list[ParamSet] = []
         self._ids = 0
+        # id(tensor) -> (a weak reference to it, how often it was found moved)
+        self._moves: dict[int, tuple[Any, int]] = {}
+        self._told = False
 
     def __len__(self) -> int:
         return len(self.sets)
 
     def add(self, args: tuple[Any, ...], ptrs: list[int | None]) -> ParamSet:
         """A new set for the tensors of ``args`` at ``ptrs``, made current."""
-        watched = self.watched
-        refs = [
-            (i, weakref.ref(args[i])) for i in self.statics if watched is None or watched(args[i])
-        ]
-        made = ParamSet(self._ids, ptrs, refs)
+        made = ParamSet(self._ids, ptrs, [(i, weakref.ref(args[i])) for i in self._watched(args)])
         self._ids += 1
         self.sets[tuple(ptrs)] = made
         self.current = made
@@ -84,35 +104,44 @@ class Instances:
         args: tuple[Any, ...],
         ptrs: list[int | None],
         drop: Callable[[ParamSet, str], None],
-    ) -> Literal["found", "new"]:
-        """Make the set at ``ptrs`` current: ``"found"`` (its graphs exist) or ``"new"`` (made:
-        capture its graphs). ``drop(set, why)`` drops a set's graphs: those whose tensors were
-        replaced or freed, and past :data:`MAX_PARAM_SETS` the least recently used one."""
+        held: Callable[[ParamSet], bool] | None = None,
+    ) -> Literal["found", "new", "moving"]:
+        """Make the set at ``ptrs`` current: ``"found"`` (its graphs exist), ``"new"`` (made:
+        capture its graphs) or ``"moving"`` (none made: a tensor of ``args`` keeps moving, run
+        this call without graphs). Sets whose tensors were replaced, moved or freed, and past
+        :data:`MAX_PARAM_SETS` the least recently used one, are no longer used; ``drop(set,
+        why)`` drops their graphs once ``held(set)`` says nothing holds their outputs."""
         key = tuple(ptrs)
         found = self.sets.pop(key, None)
         if found is not None:
             self.sets[key] = found  # the most recently used, last
             self.current = found
             return "found"
-        gone = [s for s in self.sets.values() if not self._intact(s)]
-        for s in gone:
-            drop(s, "a parameter or buffer it read was replaced or freed")
-            del self.sets[tuple(s.ptrs)]
-        if gone:
+        moved: dict[int, Any] = {}  # a tensor that several sets read moved once
+        gone = [s for s in self.sets.values() if not self._intact(s, moved)]
+        self._count_moves(moved)
+        if gone and not self._told:
+            self._told = True
             log.warning(
-                "torchreplay: a parameter or buffer of '%s' is a new tensor since capture (it "
-                "was replaced, not updated in place); capturing again", self.name,
+                "torchreplay: a parameter or buffer of '%s' is a new tensor or at a new address "
+                "since capture (replaced or reallocated, not updated in place); capturing again",
+                self.name,
             )
-        elif len(self.sets) >= MAX_PARAM_SETS:
-            oldest = next(iter(self.sets.values()))
+        elif not gone and len(self.sets) >= MAX_PARAM_SETS:
             log.warning(
                 "torchreplay: '%s' met %d sets of parameters and buffers (instances of one "
                 "module class, or tensors that move); dropping the graphs of the least "
                 "recently used one", self.name, len(self.sets),
             )
-            drop(oldest, f"more than {MAX_PARAM_SETS} sets of parameters met")
-            del self.sets[tuple(oldest.ptrs)]
-        elif self.sets:
+            gone = [next(iter(self.sets.values()))]
+        for s in gone:
+            del self.sets[tuple(s.ptrs)]
+        self.pending += gone
+        self.release(drop, held)
+        if self._moving(args):
+            self.current = None
+            return "moving"
+        if self.sets:
             log.info(
                 "torchreplay: '%s' is called with %s (Dynamo compiled the module's class once); "
                 "capturing its graphs, %d set(s) so far", self.name,
@@ -123,17 +152,71 @@ class Instances:
         self.add(args, ptrs)
         return "new"
 
-    def _intact(self, s: ParamSet) -> bool:
-        """Are the set's tensors alive and where they were at capture?"""
+    def release(
+        self, drop: Callable[[ParamSet, str], None], held: Callable[[ParamSet], bool] | None
+    ) -> None:
+        """Drop the graphs of the sets no longer used whose outputs nobody holds."""
+        kept = []
+        for s in self.pending:
+            if held is not None and held(s):
+                kept.append(s)
+            else:
+                drop(s, "a parameter or buffer it read was replaced, moved or freed")
+        self.pending = kept
+
+    def _watched(self, args: tuple[Any, ...]) -> list[int]:
+        watched = self.watched
+        return [i for i in self.statics if watched is None or watched(args[i])]
+
+    def _intact(self, s: ParamSet, moved: dict[int, Any]) -> bool:
+        """Are the set's tensors alive and where they were at capture? A live one found
+        elsewhere is put in ``moved``."""
+        intact = True
         for i, ref in s.refs:
             t = ref()
-            if t is None or t.data_ptr() != s.ptrs[i]:
-                return False
-        return True
+            if t is None:
+                intact = False
+            elif _address(t) != s.ptrs[i]:
+                intact = False
+                moved[id(t)] = ref
+        return intact
+
+    def _count_moves(self, moved: dict[int, Any]) -> None:
+        moves = self._moves
+        for key, ref in moved.items():
+            seen = moves.get(key)
+            moves[key] = (ref, seen[1] + 1 if seen is not None and seen[0]() is ref() else 1)
+        if len(moves) > 4 * MAX_PARAM_SETS:
+            self._moves = {k: v for k, v in moves.items() if v[0]() is not None}
+
+    def _moving(self, args: tuple[Any, ...]) -> bool:
+        """Has a tensor of ``args`` read in place moved :data:`MAX_MOVES` times already?"""
+        moves = self._moves
+        if not moves:
+            return False
+        for i in self._watched(args):
+            seen = moves.get(id(args[i]))
+            if seen is not None and seen[1] >= MAX_MOVES and seen[0]() is args[i]:
+                return True
+        return False
 
     def ptrs(self) -> set[int]:
         """Every address of every set."""
         return {p for s in self.sets.values() for p in s.ptrs if p is not None}
+
+
+def _address(t: Any) -> int:
+    """``t.data_ptr()``, or 0 where its storage was freed (resized to nothing, as FSDP does with
+    the unsharded parameters): ``data_ptr()`` raises then."""
+    storage = t.untyped_storage()
+    return storage.data_ptr() + t.storage_offset() * t.element_size() if storage.nbytes() else 0
+
+
+def outputs_held(entries: dict[tuple[Any, ...], Any], set_id: int) -> bool:
+    """Does anyone hold an output that an entry of set ``set_id`` handed out?"""
+    return any(
+        e.outputs is not None and e.outputs.in_use() for k, e in entries.items() if k[-1] == set_id
+    )
 
 
 def drop_entries(

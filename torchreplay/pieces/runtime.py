@@ -34,10 +34,11 @@ from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
 from torchreplay.errors import CaptureError
 from torchreplay.pieces.entries import (
-    Entry, PieceGraph, Route, entry_key, hand_out, hold_weakly, pad_shared, shared_key, stage_entry,
+    Entry, PieceGraph, Route, entry_key, hand_out, hold_weakly, pad_shared, set_sources, shared_key,
+    stage_entry,
 )
-from torchreplay.pieces.instances import Instances, drop_entries
-from torchreplay.pieces.program import Constant, Program, run_in_order
+from torchreplay.pieces.instances import MOVING, Instances, drop_entries, outputs_held
+from torchreplay.pieces.program import Program, run_in_order
 from torchreplay.pieces.saved import SavedActivations, guarded, saved_refs
 from torchreplay.stats import GraphStats
 
@@ -383,7 +384,6 @@ class PiecewiseRuntime:
         assert self.pool is not None and self.device is not None
         entry, env = self._stage(size, args)
         graphs: list[PieceGraph | None] = []
-        pool_outs: list[_Tensor] = []
         for k, piece in enumerate(self._pieces):
             vals = [env[r] for r in piece.reads]
             graph = None
@@ -397,30 +397,22 @@ class PiecewiseRuntime:
             for f in self._last[k]:
                 env[f] = None
         entry.graphs = graphs
-        graphed_slots = {w for k, g in enumerate(graphs) if g is not None for w in self._pieces[k].writes}
-        buffers = {id(env[i]): i for i in self._tensors}
-        for o in self.program.outputs:
-            if isinstance(o, Constant):
-                entry.sources.append(("const", o.value))
-            elif o < len(self._inputs):
-                entry.sources.append(("input", o))
-            elif o in graphed_slots and isinstance(env[o], _Tensor):
-                if id(env[o]) in buffers:
-                    entry.sources.append(("input", buffers[id(env[o])]))
-                else:
-                    entry.sources.append(("pool", len(pool_outs)))
-                    pool_outs.append(env[o])
-            else:
-                entry.sources.append(("env", o))
-        self._seal(entry, pool_outs)
+        graphed = {w for k, g in enumerate(graphs) if g is not None for w in self._pieces[k].writes}
+        # an input itself (a copied-in buffer, or a parameter a forward saves): the call's own
+        inputs = {id(env[i]): i for i in self._tensors} | {id(args[i]): i for i in self._in_place}
+        pool_outs = set_sources(entry, self.program, env, graphed, inputs)
+        in_place = set(self._in_place)  # the parameters a forward saves, for its backward
+        kept = [args[i] for k, (kind, i) in enumerate(entry.sources)
+                if kind == "input" and i in in_place and k in self.guard_outputs]
+        self._seal(entry, pool_outs, kept)
         self._entries[key] = entry
         if self._instances.current is not None:
             self._instances.current.entries += 1
         return entry
 
-    def _seal(self, entry: Entry, pool_outs: list[_Tensor]) -> None:
+    def _seal(self, entry: Entry, pool_outs: list[_Tensor], kept: Sequence[_Tensor] = ()) -> None:
         """Give ``entry`` (its ``sources`` set) the output policy over ``pool_outs`` and its
-        place in the pool's replay order."""
+        place in the pool's replay order; ``kept``: inputs read in place a forward saves."""
         assert self.pool is not None
         if self.config.outputs == "clone":
             hold_weakly(entry, pool_outs, self._pool_has)
@@ -447,7 +439,8 @@ class PiecewiseRuntime:
         )
         entry.position = self.pool.register(entry)
         if self.saved is not None:
-            self.saved.sealed(entry, [pool_outs[r] for r in saved], [pool_outs[r] for r in entry.guard])
+            saved_all = [pool_outs[r] for r in saved] + list(kept)
+            self.saved.sealed(entry, saved_all, [pool_outs[r] for r in entry.guard])
 
     def _capture_piece(self, k: int, vals: list[Any]) -> tuple[PieceGraph | None, Any]:
         piece = self._pieces[k]
@@ -522,7 +515,7 @@ class PiecewiseRuntime:
         """The inputs read in place moved (another instance of the module's class, replaced
         tensors, or for a backward another forward graph's activations: :mod:`.instances`):
         use that set's graphs, captured at its first call. False: this call runs ungraphed (a
-        backward whose forward ran ungraphed)."""
+        backward whose forward ran ungraphed, or parameters that keep moving)."""
         ptrs = self._ptrs_of(args)
         if self.admit is not None and ptrs not in self._instances and not self.admit(args):
             self._count_fallback(
@@ -530,7 +523,11 @@ class PiecewiseRuntime:
                 "pool: its forward ran without its graph"
             )
             return False
-        outcome = self._instances.switch(args, ptrs, self._drop_set)
+        held = lambda s: outputs_held(self._entries, s.id)  # noqa: E731
+        if (outcome := self._instances.switch(args, ptrs, self._drop_set, held)) == "moving":
+            self._static_ptrs = [-1] * len(args)  # no set is current: the next call switches too
+            self._count_fallback(MOVING)
+            return False
         self._use_current()
         if outcome == "new" and self.sizes is not None and self._sized:
             self._capture_batch([(s, self._key(s, args)) for s in reversed(self.sizes)], args)

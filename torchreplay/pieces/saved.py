@@ -99,7 +99,8 @@ class SavedActivations:
 
 def saved_refs(entry: Entry, outputs: frozenset[int]) -> list[int]:
     """The indices into ``entry``'s pool outputs of the program ``outputs`` a forward saves for
-    its backward (activations, and parameters and buffers passed through its graph)."""
+    its backward: activations, and tensors passed through its graph that are not inputs read
+    in place (those are the call's own: the runtime keeps them apart)."""
     return [ref for k, (kind, ref) in enumerate(entry.sources) if kind == "pool" and k in outputs]
 
 
