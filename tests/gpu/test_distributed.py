@@ -777,3 +777,62 @@ def test_fsdp2_blocks_compiled_one_by_one_equal_eager(reshard: bool) -> None:
         moving = any("moves to new memory" in why for why in r["reasons"])
         # resharded after every forward, the parameters always move; else, maybe not
         assert moving if reshard else (moving or r["replays"] >= 8 * 4), r
+
+
+def w_ddp_compiled(rank: int, world: int, regional: bool, steps: int) -> dict:
+    """DDP with ``tr.compile``: the whole DDP module (through Dynamo's DDP optimizer, which
+    splits a graph at gradient buckets: one here) or each block inside it; the same batch on
+    every rank."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from torchreplay.models.blocks import ResidualBlock
+
+    dev = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[ResidualBlock(64) for _ in range(4)]).to(dev)
+    inner = copy.deepcopy(ref)
+    if regional:
+        from torchreplay.compile.backend import Backend
+
+        backend = Backend()
+        for block in inner:
+            block.compile(backend=backend)
+        model = DDP(inner, device_ids=[rank])
+    else:
+        model = tr.compile(DDP(inner, device_ids=[rank]))
+        backend = model.backend
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, inner)]
+    gen = torch.Generator(device=dev).manual_seed(5)
+    worst = 0.0
+    for _ in range(steps):
+        x = torch.randn(8, 64, device=dev, generator=gen)
+        model(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        for p, q in zip(ref.parameters(), inner.parameters()):
+            worst = max(worst, ((q.grad - p.grad).abs().max() / p.grad.abs().max()).item())
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    runtimes = backend.runtimes
+    return {
+        "worst": worst,
+        "runtimes": len(runtimes),
+        "replays": sum(r.stats.replays for r in runtimes),
+        "fallbacks": sum(r.stats.fallbacks for r in runtimes),
+        "reasons": [why for r in runtimes for why in r.fallback_reasons],
+    }
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
+@pytest.mark.parametrize("regional", [False, True], ids=["whole", "each block"])
+def test_ddp_with_tr_compile_equals_eager(regional: bool) -> None:
+    """``tr.compile`` of a DDP model, or of each block inside one, trains like eager DDP: the
+    gradients equal eager's at every step, and the forward and backward graphs replay."""
+    out = run_ranks(w_ddp_compiled, WORLD, regional, 10, backend="nccl", timeout=300)
+    assert all(s == "ok" for s, _ in out), out
+    for _, r in out:
+        assert r["worst"] < 3e-3, r
+        assert r["runtimes"] >= 2 and r["replays"] >= 8 * r["runtimes"], r
+        assert r["fallbacks"] == 0, r
