@@ -13,7 +13,12 @@ backward, gradients set to None; the input requires grad), checked against eager
 methods: eager, ``tr.compile`` of the whole model, of each block, and reduce-overhead of each
 block with a step marked per call.
 
-Usage: ``PYTHONPATH=. python benchmarks/regional_compile.py [--train]``
+``--fsdp``: the training step with each block sharded by FSDP2 (``fully_shard``, one process,
+world size 1, ``reshard_after_forward`` both ways); methods: eager, ``tr.compile`` of each block
+(whose parameters move every call: it runs Inductor's code without graphs once it sees that),
+``torch.compile`` of each block (Inductor, no graphs).
+
+Usage: ``PYTHONPATH=. python benchmarks/regional_compile.py [--train | --fsdp]``
 """
 from __future__ import annotations
 
@@ -110,6 +115,62 @@ def train_main() -> None:
     report(res, errors, first, "training step, ")
 
 
+def fsdp_main() -> None:
+    """A training step per call, each block sharded by FSDP2: see the module's docstring."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29541")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[ResidualBlock(WIDTH) for _ in range(BLOCKS)]).cuda().train()
+    x = torch.randn(BATCH, WIDTH, device="cuda", requires_grad=True)
+    ref(x).square().mean().backward()
+    want = [p.grad.clone() for p in ref.parameters()]
+    ref.zero_grad(set_to_none=True)
+
+    def grads(model):
+        return [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                for p in model.parameters()]
+
+    def run_step(fn, model):
+        def run():
+            fn(x).square().mean().backward()
+            for p in model.parameters():
+                p.grad = None
+            x.grad = None
+        return run
+
+    def check(fn, model):
+        for _ in range(4):
+            for p in model.parameters():
+                p.grad = None
+            fn(x).square().mean().backward()
+        for got, w in zip(grads(model), want):
+            torch.testing.assert_close(got, w, rtol=2e-3, atol=2e-3)
+        return run_step(fn, model)
+
+    for reshard in (True, False):
+        def shard(m, reshard=reshard):
+            for b in m:
+                fully_shard(b, reshard_after_forward=reshard)
+            return fully_shard(m)
+
+        builds = {
+            "eager FSDP2": lambda m: shard(m),
+            "tr.compile, each block": lambda m: chain([tr.compile(b, cache_dir=None) for b in shard(m)]),
+            "torch.compile, each block (Inductor)": lambda m: chain([torch.compile(b) for b in shard(m)]),
+        }
+        torch._dynamo.reset()
+        calls, errors, first = build_all(ref, builds, check, f"f{int(reshard)}")
+        res = time_interleaved(calls, BenchOptions(repeats=9, calls=20, warmup=5, host_calls=10))
+        report(res, errors, first, f"FSDP2 reshard_after_forward={reshard}, training step, ")
+    dist.destroy_process_group()
+
+
 def build_all(ref, builds, check, tag: str = ""):
     """Build each method on a fresh copy of ``ref``; ``check(fn, model)`` runs it against eager
     and returns the call to time. Returns the calls, the failures (a row each, not a crash) and
@@ -148,6 +209,8 @@ def report(res, errors, first, what: str = "") -> None:
 def main() -> None:
     if "--train" in sys.argv:
         return train_main()
+    if "--fsdp" in sys.argv:
+        return fsdp_main()
     torch.manual_seed(0)
     ref = nn.Sequential(*[ResidualBlock(WIDTH) for _ in range(BLOCKS)]).cuda().eval()
     x = torch.randn(BATCH, WIDTH, device="cuda")
