@@ -151,3 +151,47 @@ def test_clone_outputs_are_never_held() -> None:
     pending = torch.randn(4, 3, requires_grad=True) * saved
     assert not outputs.held()  # a clone is the caller's own memory: a replay cannot touch it
     assert pending is not None
+
+
+def test_a_second_thread_makes_a_graph_hand_out_clones_once() -> None:
+    """core/threads.py: the first caller's thread is remembered; a call from another thread
+    turns the outputs into clones, once (later calls of any thread do nothing more)."""
+    import threading
+
+    from torchreplay.core.threads import SHARED, Callers, get_ident
+
+    callers, turned = Callers(), []
+    shared = lambda: turned.append(get_ident())  # noqa: E731
+
+    def call() -> None:  # what a graph's call does
+        if get_ident() != callers.thread:
+            callers.another(get_ident(), shared)
+
+    for _ in range(3):
+        call()  # the first caller, then the same thread again
+    assert callers.thread == get_ident() and turned == []
+    other = threading.Thread(target=call)
+    other.start()
+    other.join()
+    assert callers.thread == SHARED and len(turned) == 1
+    call()
+    assert len(turned) == 1
+
+
+def test_outputs_made_clones_mark_the_handed_out_stale_and_clone_after() -> None:
+    """Outputs.make_clones: what the checked policy handed out so far raises when read, and
+    the next outputs are clones, not the graph's memory."""
+    from torchreplay.core.outputs import Outputs
+
+    if not _compat.HAS_CHECKED_OUTPUTS:
+        pytest.skip("this torch cannot mark storages stale")
+    pool = torch.randn(4, 3)
+    out = Outputs(pool, "checked", "g", lambda t: True, reuse=True)
+    handed = out.emit()
+    assert handed.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()
+    out.make_clones()
+    with pytest.raises(RuntimeError, match="StaleOutputError"):
+        handed.sum()
+    again = out.emit()
+    assert torch.equal(again, pool)
+    assert again.untyped_storage().data_ptr() != pool.untyped_storage().data_ptr()

@@ -481,3 +481,71 @@ def test_line_helper_finds_markers() -> None:
     assert linecache.getline(__file__, line_of("# capture-breaks-here")).strip().endswith(
         "# capture-breaks-here"
     )
+
+
+# ---------------------------------------------------------------- calls from several threads
+
+def _threads_hammer(call, model, rows_of, threads: int = 4, calls: int = 60) -> dict:
+    """``threads`` threads each call ``call`` ``calls`` times on fresh inputs of their own and
+    compare with eager (``model``). Returns the counts: right, wrong, stale (a read that raised
+    StaleOutputError: another thread's call overwrote a checked output first)."""
+    import threading
+
+    counts = {"right": 0, "wrong": 0, "stale": 0}
+    lock = threading.Lock()
+    failures: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        gen = torch.Generator(device=DEV).manual_seed(seed)
+        try:
+            for k in range(calls):
+                x = torch.randn(rows_of(seed, k), 256, device=DEV, generator=gen)
+                with torch.no_grad():
+                    want = model(x)
+                    try:
+                        got = call(x)
+                        ok = torch.allclose(got, want, rtol=1e-3, atol=1e-3)
+                        kind = "right" if ok else "wrong"
+                    except RuntimeError as exc:
+                        if "StaleOutputError" not in str(exc):
+                            raise
+                        kind = "stale"
+                with lock:
+                    counts[kind] += 1
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            failures.append(exc)
+
+    pool = [threading.Thread(target=worker, args=(s,)) for s in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    assert not failures, failures
+    return counts
+
+
+@pytest.mark.parametrize("outputs", ["checked", "clone"])
+@pytest.mark.parametrize("kind", ["tr.graph", "sizes=", "tr.compile"])
+def test_threads_calling_one_graph_never_get_another_calls_result(kind: str, outputs: str) -> None:
+    """Four threads call one graph at once, each on inputs of its own (a server's worker
+    threads). The graph's static buffers are shared, so a call copying its input in while
+    another is between its copy-in and its replay would silently get the other's result:
+    calls are serialized. Every result equals eager; under ``outputs="checked"`` a result that
+    another thread's call overwrote before it was read raises instead (never a wrong value)."""
+    torch.manual_seed(0)
+    model = mlp().to(DEV).eval()
+    sample = torch.randn(8, 256, device=DEV)
+    if kind == "tr.graph":
+        g, rows_of = tr.graph(model, sample, outputs=outputs), (lambda s, k: 8)
+    elif kind == "sizes=":
+        g = tr.graph(model, sample, sizes=[1, 2, 4, 8], outputs=outputs)
+        rows_of = lambda s, k: 1 + (s + k) % 8  # noqa: E731
+    else:
+        g, rows_of = tr.compile(model, outputs=outputs, cache_dir=None), (lambda s, k: 8)
+        with torch.no_grad():
+            g(sample)  # compiled and captured here, not by four threads at once
+    counts = _threads_hammer(g, model, rows_of)
+    assert counts["wrong"] == 0, counts
+    assert counts["right"] > 0, counts
+    if outputs == "clone":
+        assert counts["stale"] == 0, counts

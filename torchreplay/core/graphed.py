@@ -15,6 +15,7 @@ from torchreplay.core.capture import StateSnapshot, capture, side_stream, warn_m
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool, release_with
+from torchreplay.core.threads import Callers, get_ident, outputs_to_clones
 from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import CaptureError
 from torchreplay.stats import GraphStats
@@ -109,6 +110,7 @@ class Graphed:
         self._replay = _compat.direct_replay(self._graph)
         self._device_index = device.index
         self._check_device = torch.cuda.device_count() > 1
+        self._callers = Callers()  # one call at a time: threads share the buffers and outputs
         log.info(
             "torchreplay: captured '%s' on %s in %.3f s (outputs=%s%s)",
             self.name,
@@ -125,10 +127,14 @@ class Graphed:
             self._ranks(0, EAGER if fallback else GRAPH)
         if fallback:
             return self._fallback(args, kwargs)
-        if self._check_device and torch.cuda.current_device() != self._device_index:
-            with torch.cuda.device(self._device_index):
-                return self._run(args, kwargs)
-        return self._run(args, kwargs)
+        callers = self._callers
+        with callers.lock:
+            if get_ident() != callers.thread:
+                callers.another(get_ident(), self._make_clones)
+            if self._check_device and torch.cuda.current_device() != self._device_index:
+                with torch.cuda.device(self._device_index):
+                    return self._run(args, kwargs)
+            return self._run(args, kwargs)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # Copy-in first: an argument may be a previous output of this graph (y = g(y)), which
@@ -147,6 +153,9 @@ class Graphed:
     def invalidate_outputs(self) -> None:
         """Mark the outputs handed out so far as stale (another graph may overwrite them)."""
         self._outputs.invalidate()
+
+    def _make_clones(self) -> None:
+        outputs_to_clones(self, [self._outputs])
 
     def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.stats.fallbacks += 1

@@ -132,6 +132,16 @@ class Outputs:
             return bool(self._watched)
         return any(_tensor_use_count(t) > 1 for t in self._watched)
 
+    def make_clones(self) -> None:
+        """From now on hand out clones, not the pool's memory (the graph is called from
+        several threads: :mod:`torchreplay.core.threads`); what was handed out is stale."""
+        if self.policy == "checked":
+            self.invalidate()
+            self.policy = "clone"
+            self._checked = False
+            self._handed = []
+            self.reuse = False
+
     def in_use(self) -> bool:
         """Does anyone else hold a tensor over the memory the last call handed out (the caller,
         an autograd node that saved it, a view)? For a graph about to go: while yes, retiring

@@ -2,18 +2,18 @@
 
 Memory and copies, the properties this module is built for:
 
-- one memory pool for every piece of every size; sizes are captured largest first, so the pool
-  grows with the largest size's blocks, not with the number of sizes;
+- one memory pool for every piece of every size, captured largest first: it grows with the
+  largest size;
 - the call's tensor inputs are copied once per call into one set of static buffers at the
   largest size (a call of ``n`` rows fills the leading ``n`` rows; the padding rows are zeroed);
-- a graphed piece reads the outputs of an earlier graphed piece where that piece left them in
-  the pool (no copy); only values made by an eager step are copied into the piece's own buffers;
+- a graphed piece reads an earlier graphed piece's outputs where they lie in the pool; only
+  values made by an eager step are copied into the piece's own buffers;
 - an in-place write to an input reaches the caller's tensor after the call, as in eager;
 - the caller's outputs follow ``tr.graph``'s output policy (``checked`` by default).
 
 Safety: a piece that fails to capture runs ungraphed (one warning, counted in ``stats.fallbacks``)
-or raises (``strict=True``); a value from an eager step whose shape differs from the captured one
-makes the rest of that call run ungraphed, counted. Without CUDA the program runs as is.
+or raises (``strict=True``); an eager step's value of another shape than at capture makes the
+rest of that call run ungraphed, counted. Calls from several threads: :mod:`~torchreplay.core.threads`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from torchreplay.core.capture import capture, side_stream
 from torchreplay.core.io import write_back
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
+from torchreplay.core.threads import Callers, get_ident, outputs_to_clones
 from torchreplay.errors import CaptureError
 from torchreplay.pieces.entries import (
     Entry, PieceGraph, Route, entry_key, hand_out, hold_weakly, pad_shared, set_sources, shared_key,
@@ -39,7 +40,7 @@ from torchreplay.pieces.entries import (
 )
 from torchreplay.pieces.instances import MOVING, Instances, drop_entries, outputs_held
 from torchreplay.pieces.program import Program, run_in_order
-from torchreplay.pieces.saved import SavedActivations, guarded, saved_refs
+from torchreplay.pieces.saved import BLOCKED, SavedActivations, guarded, saved_refs
 from torchreplay.stats import GraphStats
 
 __all__ = ["PiecewiseRuntime"]
@@ -142,28 +143,30 @@ class PiecewiseRuntime:
         self._eager = False
         self._warned: set[str] = set()
         self.compile_seconds = 0.0
+        self._callers = Callers()
 
     # ------------------------------------------------------------------ the call
     def __call__(self, *args: Any, size: int | None = None) -> tuple[Any, ...]:
         """Run the program on ``args``; ``size``: replay the graphs of this captured size (a
         larger one than the call's rows need: the size the ranks agreed on)."""
-        if not self._ready:
-            self._setup(args)
-        if self._eager:
-            return self._run_ungraphed(args)
-        if self._in_place and not self._statics_unchanged(args):
-            if not self._switch(args):
+        callers = self._callers
+        with callers.lock:  # one call at a time: threads share the buffers and outputs
+            if get_ident() != callers.thread:
+                callers.another(get_ident(), self._make_clones)
+            if not self._ready:
+                self._setup(args)
+            if self._eager:
                 return self._run_ungraphed(args)
-        route = self._route(args, size)
-        if route is None:
-            return self._run_ungraphed(args)
-        if self.saved is not None and self.saved.blocks(route.entry):  # its replay would
-            self._count_fallback(  # overwrite saved activations still awaiting their backward
-                "the saved activations of an earlier call are still held (its backward has "
-                "not run yet); this call runs without its graph, into fresh memory"
-            )
-            return self._run_ungraphed(args)
-        return self._replay(route, args)
+            if self._in_place and not self._statics_unchanged(args):
+                if not self._switch(args):
+                    return self._run_ungraphed(args)
+            route = self._route(args, size)
+            if route is None:
+                return self._run_ungraphed(args)
+            if self.saved is not None and self.saved.blocks(route.entry):  # its replay would
+                self._count_fallback(BLOCKED)  # overwrite activations awaiting their backward
+                return self._run_ungraphed(args)
+            return self._replay(route, args)
 
     def _replay(self, route: Route, args: tuple[Any, ...]) -> tuple[Any, ...]:
         entry = route.entry
@@ -554,6 +557,9 @@ class PiecewiseRuntime:
             if entry.outputs is not None:
                 entry.outputs.retire()
 
+    def _make_clones(self) -> None:
+        outputs_to_clones(self, [e.outputs for e in self._entries.values()])
+
     def _count_fallback(self, reason: str) -> None:
         self.stats.fallbacks += 1
         self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
@@ -566,8 +572,7 @@ class PiecewiseRuntime:
         return any(lo <= ptr < hi for lo, hi in self._ranges)
 
     def _pool_has(self, t: _Tensor) -> bool:
-        """Is ``t`` in the pool? Its segments only grow while its graphs live: the ranges are
-        asked again (a memory snapshot: milliseconds) only on a miss."""
+        """Is ``t`` in the pool? Its segments only grow: asked again (milliseconds) on a miss."""
         if not self._in_pool(t):
             self._ranges = self.pool.segment_ranges() if self.pool is not None else []
         return self._in_pool(t)
@@ -576,8 +581,7 @@ class PiecewiseRuntime:
         return self.pool.reserved_bytes() if self.pool is not None else 0
 
     def static_ptrs(self) -> set[int]:
-        """Where the parameters and buffers it reads in place are, for every instance it has
-        graphs of (empty before the first call)."""
+        """Where the parameters and buffers it reads in place are, for each instance it has."""
         return self._instances.ptrs()
 
     @property

@@ -22,9 +22,15 @@ import torch
 
 from torchreplay.pieces.entries import Entry
 
-__all__ = ["SavedActivations", "guarded", "saved_refs"]
+__all__ = ["BLOCKED", "SavedActivations", "guarded", "saved_refs"]
 
 _Tensor = torch.Tensor
+
+#: Why a forward runs without its graph while its last call's activations await their backward.
+BLOCKED = (
+    "the saved activations of an earlier call are still held (its backward has not run yet); "
+    "this call runs without its graph, into fresh memory"
+)
 
 
 class SavedActivations:

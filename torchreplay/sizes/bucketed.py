@@ -8,12 +8,10 @@ layout is what makes it cheap:
 - one set of static output buffers at the largest size; each graph copies its outputs into their
   leading slice *inside the capture*, so what the callable allocated for its outputs is freed when
   the capture ends and the next (smaller) capture reuses it;
-- one memory pool for every graph, captured largest first, so the pool grows with the largest
-  size, not with the number of sizes.
+- one memory pool for every graph, captured largest first: it grows with the largest size.
 
-The planning (which size a call goes to, what varies, what is sliced back, what a call without a
-graph does) is in :mod:`torchreplay.sizes.plan` and :mod:`torchreplay.sizes.outputs` and runs on
-the CPU.
+The planning (which size a call goes to, what is sliced back, ...) is in :mod:`.plan` and
+:mod:`.outputs`; calls from several threads: :mod:`torchreplay.core.threads`.
 """
 
 from __future__ import annotations
@@ -34,6 +32,7 @@ from torchreplay.core.capture import (
 from torchreplay.core.io import Inputs, same_constant, widens, write_back
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.padding import flat_call, pad_sample, run_padded
+from torchreplay.core.threads import Callers, get_ident, outputs_to_clones
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import CaptureError, ReplayInputError
@@ -148,6 +147,7 @@ class BucketedGraph:
         self._stream = side_stream(device)
         self._device_index = device.index
         self._check_device = torch.cuda.device_count() > 1
+        self._callers = Callers()  # one call at a time: threads share the buffers and outputs
 
         start = time.perf_counter()
         snapshot = StateSnapshot(self._module, device) if config.restore_state else None
@@ -317,10 +317,13 @@ class BucketedGraph:
             if self._ranks is not None:  # every rank falls back, or all raise
                 self._ranks(0, EAGER)
             return self._mode_fallback(args, kwargs)
-        if self._check_device and torch.cuda.current_device() != self._device_index:
-            with torch.cuda.device(self._device_index):
-                return self._run(args, kwargs)
-        return self._run(args, kwargs)
+        with (callers := self._callers).lock:  # one call at a time (core/threads.py)
+            if get_ident() != callers.thread:
+                callers.another(get_ident(), self._make_clones)
+            if self._check_device and torch.cuda.current_device() != self._device_index:
+                with torch.cuda.device(self._device_index):
+                    return self._run(args, kwargs)
+            return self._run(args, kwargs)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         leaves = self._inputs.flatten(args, kwargs)
@@ -544,9 +547,12 @@ class BucketedGraph:
         return _Route(n, s, _compat.direct_replay(entry.graph), dsts, shapes, outputs, clean_after)
 
     def invalidate_outputs(self) -> None:
-        """Mark the outputs handed out so far as stale (another graph may overwrite them)."""
+        """Mark the outputs handed out so far stale (another graph may overwrite them)."""
         if self._last is not None:
             self._last.invalidate()
+
+    def _make_clones(self) -> None:
+        outputs_to_clones(self, [r and r.outputs for r in (*self._routes, *self._wide.values())])
 
     @property
     def captured_sizes(self) -> list[int]:

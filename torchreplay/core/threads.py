@@ -1,0 +1,65 @@
+"""Calls of one graph from several threads (a server's worker threads).
+
+A graph's static input buffers, pool and outputs are shared by every call, so two calls at once
+would mix: one thread's input copied in while another's replay has not run yet gives that
+replay the wrong input, silently. Each graph therefore takes one call at a time
+(:attr:`Callers.lock`, re-entrant). That is not enough for outputs handed out over the pool
+(``outputs="checked"``): a thread may read its output after another thread's call has queued the
+replay that overwrites it. So the first time a second thread calls a graph, its outputs become
+clones, the caller's own memory, and what it handed out so far is marked stale.
+
+Calls on different CUDA streams at once are not ordered by the lock: the GPU may run one call's
+copy-in during another's replay. Call one graph from one stream at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from _thread import get_ident
+from typing import Any, Callable, Iterable
+
+__all__ = ["Callers", "get_ident", "outputs_to_clones"]
+
+log = logging.getLogger(__name__)
+
+#: ``Callers.thread`` once more than one thread has called.
+SHARED = -1
+
+
+class Callers:
+    """Who calls one graph: a lock its calls hold, and the thread that called it (or
+    :data:`SHARED`). A call compares ``get_ident()`` with :attr:`thread` and, where they
+    differ, asks :meth:`another`."""
+
+    __slots__ = ("lock", "thread")
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.thread: int | None = None
+
+    def another(self, ident: int, shared: Callable[[], None]) -> None:
+        """A call from thread ``ident``, not :attr:`thread`: the first time a second thread
+        calls, ``shared()`` (which makes the outputs clones)."""
+        if self.thread is None:
+            self.thread = ident
+        elif self.thread != SHARED:
+            self.thread = SHARED
+            shared()
+
+
+def outputs_to_clones(graph: Any, outputs: Iterable[Any]) -> None:
+    """``graph`` (with a ``config`` and a ``name``) is called from a second thread: its
+    ``outputs`` (:class:`~torchreplay.core.outputs.Outputs`, or None) and those it makes later
+    hand out clones."""
+    if graph.config.outputs == "checked":
+        graph.config = dataclasses.replace(graph.config, outputs="clone")
+    for o in outputs:
+        if o is not None:
+            o.make_clones()
+    log.warning(
+        "torchreplay: '%s' is called from several threads: one call at a time, and its outputs "
+        "are clones from now on (a thread could read an output after another thread's replay "
+        "overwrote it)", graph.name,
+    )
