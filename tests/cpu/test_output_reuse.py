@@ -167,9 +167,19 @@ def test_a_second_thread_makes_a_graph_hand_out_clones_once() -> None:
         if get_ident() != callers.thread:
             callers.another(get_ident(), shared)
 
+    def backward() -> None:  # a forward run again by checkpointing, in autograd's thread
+        x = torch.randn(3, requires_grad=True)
+        y = x * 2
+        y.register_hook(lambda g: call() or g)
+        y.sum().backward()
+
     for _ in range(3):
         call()  # the first caller, then the same thread again
     assert callers.thread == get_ident() and turned == []
+    engine = threading.Thread(target=backward)
+    engine.start()
+    engine.join()
+    assert callers.thread == get_ident() and turned == []  # a backward does not count
     other = threading.Thread(target=call)
     other.start()
     other.join()

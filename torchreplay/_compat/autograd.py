@@ -6,7 +6,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["set_sequence_nr", "sequence_nr", "restore_unversioned"]
+__all__ = ["set_sequence_nr", "sequence_nr", "restore_unversioned", "in_backward"]
+
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def in_backward() -> bool:
+    """Is this thread running a backward (autograd's engine: a backward graph, or a checkpoint's
+    forward run again)? ``torch._C._current_graph_task_id`` is -1 outside one; a torch without
+    it says no."""
+    return _graph_task_id is not None and _graph_task_id() >= 0
 
 
 def set_sequence_nr(grad_fn: Any, seq: int) -> None:

@@ -6,7 +6,9 @@ replay the wrong input, silently. Each graph therefore takes one call at a time
 (:attr:`Callers.lock`, re-entrant). That is not enough for outputs handed out over the pool
 (``outputs="checked"``): a thread may read its output after another thread's call has queued the
 replay that overwrites it. So the first time a second thread calls a graph, its outputs become
-clones, the caller's own memory, and what it handed out so far is marked stale.
+clones, the caller's own memory, and what it handed out so far is marked stale. Autograd's
+engine thread does not count: it runs while the thread that called ``backward()`` waits (a
+backward graph, or a forward run again by activation checkpointing).
 
 Calls on different CUDA streams at once are not ordered by the lock: the GPU may run one call's
 copy-in during another's replay. Call one graph from one stream at a time.
@@ -19,6 +21,8 @@ import logging
 import threading
 from _thread import get_ident
 from typing import Any, Callable, Iterable
+
+from torchreplay import _compat
 
 __all__ = ["Callers", "get_ident", "outputs_to_clones"]
 
@@ -41,10 +45,10 @@ class Callers:
 
     def another(self, ident: int, shared: Callable[[], None]) -> None:
         """A call from thread ``ident``, not :attr:`thread`: the first time a second thread
-        calls, ``shared()`` (which makes the outputs clones)."""
+        calls, outside a backward, ``shared()`` (which makes the outputs clones)."""
         if self.thread is None:
             self.thread = ident
-        elif self.thread != SHARED:
+        elif self.thread != SHARED and not _compat.in_backward():
             self.thread = SHARED
             shared()
 
