@@ -219,3 +219,33 @@ def test_parameters_that_keep_moving_are_no_longer_captured() -> None:
     other = [torch.nn.Parameter(torch.randn(3, 3))]
     args, ptrs = _params_call(other)
     assert inst.switch(args, ptrs, drop) == "new"
+
+
+def test_a_parameter_a_graph_returns_is_the_calls_own_not_the_captures() -> None:
+    """entries.set_sources, given what the runtime maps (copied-in buffers and, since FSDP,
+    inputs read in place): a forward graph that returns a parameter it read in place (AOT saves
+    it for the backward) hands out the call's argument, not the tensor object of the capture:
+    FSDP gathers a parameter again at the same address into another tensor. Its own
+    activations come from the pool, a copied-in input's buffer is that input, and a slot no
+    graph wrote comes from the call's slots."""
+    from torchreplay.pieces.entries import set_sources
+    from torchreplay.pieces.program import Constant, Input, Piece, Program
+
+    program = Program(
+        inputs=(Input("x", "tensor"), Input("weight", "static")),
+        pieces=[
+            Piece(lambda x, w: (x @ w, w, x), (0, 1), (2, 3, 4), True, "piece 0"),
+            Piece(lambda h: (h.sum(),), (2,), (5,), False, "piece 1"),
+        ],
+        outputs=(2, 3, 4, 5, 1, Constant(7)),
+    )
+    buffer, weight = torch.randn(2, 3), torch.nn.Parameter(torch.randn(3, 3))
+    activation = buffer @ weight
+    env = [buffer, weight, activation, weight, buffer, activation.sum()]
+    inputs = {id(buffer): 0, id(weight): 1}  # a copied-in buffer, an input read in place
+    entry = Entry(None)
+    pool_outs = set_sources(entry, program, env, {2, 3, 4}, inputs)
+    assert entry.sources == [
+        ("pool", 0), ("input", 1), ("input", 0), ("env", 5), ("input", 1), ("const", 7),
+    ]
+    assert len(pool_outs) == 1 and pool_outs[0] is activation
