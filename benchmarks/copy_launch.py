@@ -7,23 +7,12 @@ Usage: ``PYTHONPATH=. python benchmarks/copy_launch.py``
 """
 from __future__ import annotations
 
-import time
+import sys
 
 import torch
 
-
-def host_us(fn, n: int = 2000, samples: int = 15) -> tuple[float, float]:
-    """Median and min host us per call of ``fn`` (unsynchronized loops of ``n`` calls)."""
-    out = []
-    for _ in range(samples):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        out.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    out.sort()
-    return out[len(out) // 2], out[0]
+sys.path.insert(0, ".")
+from torchreplay.bench.timing import host_loop_us  # noqa: E402
 
 
 def main() -> None:
@@ -56,7 +45,7 @@ def main() -> None:
     rows["x * 2 (one plain launch)"] = lambda: x * 2
     for _ in range(2):  # twice: the second pass is the one to read
         for name, fn in rows.items():
-            med, lo = host_us(fn, n=500 if "grads" in name else 2000)
+            med, lo = host_loop_us(fn, n=500 if "grads" in name else 2000)
             print(f"{name:45s} median {med:6.2f} us  min {lo:6.2f} us")
         print()
 

@@ -11,14 +11,13 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, ".")
 import torchreplay as tr  # noqa: E402
 from torchreplay import _compat  # noqa: E402
-from torchreplay.bench.timing import BenchOptions, time_interleaved  # noqa: E402
+from torchreplay.bench.timing import BenchOptions, host_loop_us, time_interleaved  # noqa: E402
 from torchreplay.models.blocks import SPLIT_STYLES, SplitMLP, split_mark_op, split_mark_out_op  # noqa: E402
 from torchreplay.pieces.runtime import PiecewiseRuntime  # noqa: E402
 
@@ -39,20 +38,6 @@ def runtime_and_args(compiled, x):
         PiecewiseRuntime.__call__ = original
     assert len(seen) == 1, f"{len(seen)} runtimes called"
     return seen[0]
-
-
-def per_op(fn, n=2000):
-    """Median host us of ``fn`` over 20 samples of ``n`` calls, unsynchronized."""
-    out = []
-    for _ in range(20):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        out.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    out.sort()
-    return out[len(out) // 2], out[0]
 
 
 def trace(rt, args) -> None:
@@ -169,7 +154,7 @@ def main() -> None:
                         "empty_like + split_mark_out(x, out)": lambda: split_mark_out_op()(x, torch.empty_like(x)),
                         "split_mark_out(x, out)": lambda: split_mark_out_op()(x, out),
                         "torch.clone(x)": lambda: torch.clone(x)}.items():
-            med, lo = per_op(f)
+            med, lo = host_loop_us(f, samples=20)
             print(f"  the op alone, eager: {name:36s} {med:7.2f} us (min {lo:.2f})")
 
         rt, args = built["returns", 8][1], built["returns", 8][2]
@@ -204,7 +189,7 @@ def main() -> None:
         if bare is not None:
             rows["the op's kernel, bare"] = lambda: bare(x)
         for name, f in rows.items():
-            med, lo = per_op(f)
+            med, lo = host_loop_us(f, samples=20)
             print(f"  {name:34s} {med:7.2f} us (min {lo:.2f})")
 
         if "--trace" in sys.argv:

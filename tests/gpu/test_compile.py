@@ -37,6 +37,17 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=(lambda m: f"{what}: {m}") if what else None)
 
 
+def _step_equals_eager(out, out_ref, x, x_ref, model, ref, step: int) -> None:
+    """Outputs, then after ``square().mean().backward()`` the input's and every parameter's
+    gradient, equal eager's (``ref`` on ``x_ref``) at training step ``step``."""
+    _close(out, out_ref, f"step {step} output")
+    out.square().mean().backward()
+    out_ref.square().mean().backward()
+    _close(x.grad, x_ref.grad, f"step {step} input grad")
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        _close(q.grad, p.grad, f"step {step} {name}.grad")
+
+
 def _block_class(tag: str) -> type:
     """``ResidualBlock`` with a forward of its own code object: a test of blocks gets a backend
     and Dynamo caches of its own (``tr.compile`` shares a backend per class, and Dynamo's
@@ -744,13 +755,7 @@ def test_blocks_compiled_one_by_one_in_training_replay_a_graph_per_block(how: st
         for step in range(8):
             x = torch.randn(8, 64, device=DEV, requires_grad=True)
             x_ref = x.detach().clone().requires_grad_()
-            out, out_ref = run(x), ref(x_ref)
-            _close(out, out_ref, f"step {step} output")
-            out.square().mean().backward()
-            out_ref.square().mean().backward()
-            _close(x.grad, x_ref.grad, f"step {step} input grad")
-            for (name, p), q in zip(ref.named_parameters(), model.parameters()):
-                _close(q.grad, p.grad, f"step {step} {name}.grad")
+            _step_equals_eager(run(x), ref(x_ref), x, x_ref, model, ref, step)
             opt.step()
             opt_ref.step()
             opt.zero_grad(set_to_none=True)
@@ -799,13 +804,7 @@ def test_a_training_forward_dropped_before_its_backward_does_not_stop_later_repl
             for _ in range(3):  # each output compared, then dropped
                 d = torch.randn(8, 64, device=DEV, requires_grad=True)
                 _close(run(d), ref(d), f"step {step} dropped forward")
-        out, out_ref = run(x), ref(x_ref)
-        _close(out, out_ref, f"step {step} output")
-        out.square().mean().backward()
-        out_ref.square().mean().backward()
-        _close(x.grad, x_ref.grad, f"step {step} input grad")
-        for (name, p), q in zip(ref.named_parameters(), model.parameters()):
-            _close(q.grad, p.grad, f"step {step} {name}.grad")
+        _step_equals_eager(run(x), ref(x_ref), x, x_ref, model, ref, step)
         ref.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
     forward = [r for r in backend.runtimes if r.saved is not None]
@@ -842,13 +841,7 @@ def test_checkpointed_training_blocks_equal_eager_and_replay_every_block(reentra
     for step in range(5):
         x = torch.randn(8, 64, device=DEV, requires_grad=True)
         x_ref = x.detach().clone().requires_grad_()
-        out, out_ref = run(blocks, x), run(ref, x_ref)
-        _close(out, out_ref, f"step {step} output")
-        out.square().mean().backward()
-        out_ref.square().mean().backward()
-        _close(x.grad, x_ref.grad, f"step {step} input grad")
-        for (name, p), q in zip(ref.named_parameters(), model.parameters()):
-            _close(q.grad, p.grad, f"step {step} {name}.grad")
+        _step_equals_eager(run(blocks, x), run(ref, x_ref), x, x_ref, model, ref, step)
         ref.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
     runtimes = blocks[0].backend.runtimes

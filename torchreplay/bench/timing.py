@@ -46,6 +46,7 @@ __all__ = [
     "Measurement",
     "time_call",
     "time_interleaved",
+    "host_loop_us",
     "host_samples",
     "handwritten_graph",
     "handwritten_padded",
@@ -223,6 +224,21 @@ def time_interleaved(
             out[name] = (statistics.median(samples[name]) * 1e6, min(host[name]) * 1e6,
                          statistics.median(host[name]) * 1e6)
     return out
+
+
+def host_loop_us(fn: Callable[[], Any], n: int = 2000, samples: int = 15) -> tuple[float, float]:
+    """Median and min host us per call of ``fn``, over ``samples`` unsynchronized loops of
+    ``n`` calls (synchronized between loops): the host cost of one launch-sized operation."""
+    out = []
+    for _ in range(samples):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out.append((time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+    out.sort()
+    return out[len(out) // 2], out[0]
 
 
 def host_samples(opts: BenchOptions) -> int:
