@@ -197,6 +197,14 @@ def graph(
         With ``sizes``, padding is correct only when the rows of the varying dimension are
         independent (no batch statistics, no reduction across rows): see
         :class:`~torchreplay.sizes.bucketed.BucketedGraph`.
+
+    .. warning::
+        The graph reads the module's parameters and buffers where they were at capture. Update
+        weights in place (``load_state_dict(sd)``, ``p.copy_(new)`` under ``no_grad``); a model
+        moved or reloaded as a whole (``model.half()``, ``load_state_dict(sd, assign=True)``)
+        raises :class:`~torchreplay.ReplayInputError` at the next call; graph it again. One
+        tensor replaced alone is not seen: the graph keeps its old memory and value
+        (:mod:`torchreplay.core.placed`).
     """
     bucket_options = {
         "dim": dim,

@@ -221,6 +221,31 @@ def test_parameters_that_keep_moving_are_no_longer_captured() -> None:
     assert inst.switch(args, ptrs, drop) == "new"
 
 
+def test_weights_swapped_in_now_and_then_keep_being_captured() -> None:
+    """``p.data = new`` between runs of replays (a reload, an RL weight sync): each move after
+    graphs that replayed starts the count again, so the set is captured anew every time, never
+    "moving"; once moves come at every call (the new set's graphs never replay), MAX_MOVES of
+    them in a row stop the captures."""
+    weights = [torch.nn.Parameter(torch.randn(3, 3))]
+    inst = Instances([0], "fwd")
+    drop = lambda s, why: None  # noqa: E731
+    args, ptrs = _params_call(weights)
+    inst.add(args, ptrs)
+    keep = []
+    for _ in range(3 * MAX_MOVES):
+        keep.append(weights[0].data)  # the old memory stays taken: a new address each time
+        weights[0].data = torch.randn(3, 3)
+        args, ptrs = _params_call(weights)
+        assert inst.switch(args, ptrs, drop, replayed=True) == "new"  # the old set replayed
+    outcomes = []
+    for _ in range(MAX_MOVES + 1):
+        keep.append(weights[0].data)
+        weights[0].data = torch.randn(3, 3)
+        args, ptrs = _params_call(weights)
+        outcomes.append(inst.switch(args, ptrs, drop, replayed=False))
+    assert outcomes == ["new"] * (MAX_MOVES - 1) + ["moving"] * 2
+
+
 def test_a_parameter_a_graph_returns_is_the_calls_own_not_the_captures() -> None:
     """entries.set_sources, given what the runtime maps (copied-in buffers and, since FSDP,
     inputs read in place): a forward graph that returns a parameter it read in place (AOT saves

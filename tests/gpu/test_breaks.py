@@ -187,6 +187,22 @@ def test_a_break_whose_output_changes_shape_raises_naming_it_and_both_shapes() -
         torch.testing.assert_close(g(x, torch.tensor(5)), model(x, torch.tensor(5)), **CLOSE)
 
 
+def test_weights_loaded_in_place_reach_the_segments_and_a_reloaded_model_raises() -> None:
+    """Breaks: new weights loaded in place reach the graphed segments (equal to eager); a
+    reload with new tensors raises ReplayInputError naming the first parameter."""
+    torch.manual_seed(0)
+    model = Trims().to(DEV).eval()
+    g = tr.graph(model, torch.randn(8, H, device=DEV), torch.tensor(5), breaks=[trim])
+    with torch.no_grad():
+        for _ in range(3):
+            model.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()})
+            x = torch.randn(8, H, device=DEV)
+            torch.testing.assert_close(g(x, torch.tensor(5)), model(x, torch.tensor(5)), **CLOSE)
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    with pytest.raises(tr.ReplayInputError, match="assign=True"):
+        g(torch.randn(8, H, device=DEV), torch.tensor(5))
+
+
 def test_sizes_with_breaks_pad_and_slice_back_every_size() -> None:
     model = net()
     sizes = [1, 2, 4, 8, 16, 32]

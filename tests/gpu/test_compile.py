@@ -945,3 +945,22 @@ def test_a_module_whose_parameters_are_reallocated_every_call_stops_being_captur
     assert rt.stats.fallbacks == 4, rt.fallback_reasons  # calls 2 to 5
     assert "moves to new memory" in str(rt.fallback_reasons), rt.fallback_reasons
     torch.randn(4, device=DEV)  # the RNG is not left mid-capture
+
+
+def test_weights_swapped_in_between_runs_of_calls_keep_being_graphed() -> None:
+    """Weights replaced by ``p.data = new`` every few calls (a checkpoint reload, an RL weight
+    sync): each swap captures once more and the calls after it replay, with the new weights,
+    equal to eager; the block never goes to running without graphs, however many swaps."""
+    torch.manual_seed(0)
+    block = _block_class("swapped")().to(DEV).eval()
+    c = tr.compile(block)
+    with torch.no_grad():
+        for swap in range(5):
+            for p in block.parameters():
+                p.data = torch.randn_like(p) * 0.1
+            for call in range(4):
+                x = torch.randn(8, 64, device=DEV)
+                _close(c(x), block(x), f"swap {swap} call {call}")
+    (rt,) = c.backend.runtimes
+    assert rt.stats.fallbacks == 0, rt.fallback_reasons
+    assert rt.stats.captures >= 5 and rt.stats.replays >= 5 * 3, rt

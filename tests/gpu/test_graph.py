@@ -3,6 +3,7 @@ failed captures that leave the process usable, and memory that comes back."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import linecache
 import dataclasses
@@ -549,3 +550,50 @@ def test_threads_calling_one_graph_never_get_another_calls_result(kind: str, out
     assert counts["right"] > 0, counts
     if outputs == "clone":
         assert counts["stale"] == 0, counts
+
+
+def _new_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: torch.randn_like(v) * 0.1 for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("sizes", [None, [2, 4, 8]], ids=["one shape", "sizes"])
+def test_weights_loaded_in_place_reach_the_graph_and_a_reloaded_model_raises(sizes) -> None:
+    """Eager semantics for new weights: ``load_state_dict(sd)`` (in place) reaches every later
+    replay, equal to eager; a reload that puts new tensors in the model (``assign=True``) or
+    moves it (``p.data = ...`` for each weight) raises ReplayInputError naming the parameter,
+    instead of replaying over the old (or freed) memory."""
+    torch.manual_seed(0)
+    model = mlp(depth=3, width=64)
+    g = tr.graph(model, torch.randn(8, 64, device=DEV), sizes=sizes)
+    with torch.no_grad():
+        for reload in range(3):
+            model.load_state_dict(_new_weights(model))
+            for _ in range(5):
+                x = torch.randn(8 if sizes is None else 3, 64, device=DEV)
+                torch.testing.assert_close(g(x), model(x), rtol=1e-5, atol=1e-5)
+        model.load_state_dict(_new_weights(model), assign=True)
+        with pytest.raises(tr.ReplayInputError, match=r"'0\.weight'.*assign=True"):
+            g(torch.randn(8, 64, device=DEV))
+    g2 = tr.graph(model, torch.randn(8, 64, device=DEV), sizes=sizes)
+    for p in model.parameters():
+        p.data = p.data.clone()
+    with pytest.raises(tr.ReplayInputError, match="another address"):
+        g2(torch.randn(8, 64, device=DEV))
+
+
+def test_a_weight_replaced_alone_keeps_the_graph_on_its_captured_memory() -> None:
+    """One weight in the middle replaced by ``p.data = new`` is not checked per call (only
+    the first parameter is): the graph holds the memory it captured, so, even with that memory
+    let go by the model and the allocator asked for the same sizes again, each replay computes
+    with the old weight, never with freed and reused memory."""
+    torch.manual_seed(0)
+    model = mlp(depth=3, width=64)
+    old = copy.deepcopy(model)
+    g = tr.graph(model, torch.randn(8, 64, device=DEV))
+    model[2].weight.data = torch.randn_like(model[2].weight)
+    junk = [torch.full_like(p, float("nan")) for p in old.parameters() for _ in range(4)]
+    with torch.no_grad():
+        for _ in range(10):
+            x = torch.randn(8, 64, device=DEV)
+            torch.testing.assert_close(g(x), old(x), rtol=0, atol=0)
+    del junk

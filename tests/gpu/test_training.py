@@ -438,6 +438,31 @@ def test_verify_catches_a_parameter_replaced_after_capture() -> None:
         model(torch.randn(4, 16, device=DEV))
 
 
+def test_a_graphed_module_reloaded_in_place_trains_on_the_new_weights_and_reloaded_anew_raises() -> None:
+    """make_graphed_callables: weights loaded in place reach the graphs (output and gradients
+    equal eager's on a copy); a reload that puts new tensors in the module raises
+    ReplayInputError naming its first parameter, not a forward over the old memory."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).to(DEV)
+    tr.make_graphed_callables(model, (torch.randn(4, 16, device=DEV),))
+    for reload in range(3):
+        sd = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+        model.load_state_dict(sd)
+        ref = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).to(DEV)
+        ref.load_state_dict(sd)
+        x = torch.randn(4, 16, device=DEV)
+        out, out_ref = model(x), ref(x)
+        torch.testing.assert_close(out, out_ref)
+        out.square().sum().backward()
+        out_ref.square().sum().backward()
+        for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, msg=f"reload {reload} {name}.grad")
+        model.zero_grad(set_to_none=True)
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    with pytest.raises(tr.ReplayInputError, match=r"'0\.weight'"):
+        model(torch.randn(4, 16, device=DEV))
+
+
 def test_verify_passes_over_steps_with_dropout_and_batchnorm() -> None:
     model = build_cnn(CNNConfig(depths=(1, 1), width=8, num_classes=10), DEV)
     model.fc = nn.Sequential(nn.Dropout(0.3), model.fc)

@@ -43,6 +43,7 @@ from torchreplay.core.capture import (
     warn_mode_changed,
 )
 from torchreplay.core.padding import flat_call
+from torchreplay.core.placed import Placed
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.core.writes import WriteWatch
 from torchreplay.distributed import agreement
@@ -136,6 +137,7 @@ class BreakableGraph:
         self._breaks = resolved
         self._training = self._module.training if self._module is not None else None
         self._warned_mode = False
+        self._placed: Placed | None = None  # at the first capture
         self._spec = call.spec
         self._paths = tuple(call.paths)
         self._nargs = call.nargs
@@ -277,6 +279,9 @@ class BreakableGraph:
                 with torch.no_grad():
                     out = run_eagerly_at(self.runtime, flat_call(self.fn, self._spec), leaves, rows)
                 return _compat.tree_unflatten(out, self._out_spec)
+        placed = self._placed  # the model moved or reloaded as a whole (core/placed.py)
+        if placed is not None and placed.table[placed.key].data_ptr() != placed.at:
+            raise placed.error(self.name)
         if self._policy_on and not mode_changed and eager_by_policy(self, leaves, size):
             with torch.no_grad():
                 return self.fn(*args, **kwargs)
@@ -406,6 +411,8 @@ class _Runtime(PiecewiseRuntime):
         finally:
             self._snapshot.restore()
             self._snapshot = None
+        if self._front._placed is None:
+            self._front._placed = Placed.of(module, self.device)
         self._learn_output_dims()
         return entries
 

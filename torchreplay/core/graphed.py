@@ -14,6 +14,7 @@ from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
 from torchreplay.core.capture import StateSnapshot, capture, side_stream, warn_mode_changed
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
+from torchreplay.core.placed import Placed
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.core.threads import Callers, get_ident, outputs_to_clones
 from torchreplay.distributed import EAGER, GRAPH, agreement
@@ -111,6 +112,7 @@ class Graphed:
         self._device_index = device.index
         self._check_device = torch.cuda.device_count() > 1
         self._callers = Callers()  # one call at a time: threads share the buffers and outputs
+        self._placed = Placed.of(self._module, device)
         log.info(
             "torchreplay: captured '%s' on %s in %.3f s (outputs=%s%s)",
             self.name,
@@ -127,6 +129,9 @@ class Graphed:
             self._ranks(0, EAGER if fallback else GRAPH)
         if fallback:
             return self._fallback(args, kwargs)
+        placed = self._placed  # the model moved or reloaded as a whole (core/placed.py)
+        if placed is not None and placed.table[placed.key].data_ptr() != placed.at:
+            raise placed.error(self.name)
         callers = self._callers
         with callers.lock:
             if get_ident() != callers.thread:

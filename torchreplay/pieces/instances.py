@@ -14,7 +14,9 @@ A set whose tensors were replaced, moved or freed is never replayed again, but i
 once nothing holds the outputs they handed out: FSDP frees a block's unsharded parameters right
 after its forward, while that forward's output is the next block's input. Parameters that keep
 moving (FSDP's resharding reallocates them around every call, so their graphs would never
-replay) stop being captured after :data:`MAX_MOVES` moves: those calls run without graphs.
+replay) stop being captured after :data:`MAX_MOVES` moves in a row whose graphs never replayed:
+those calls run without graphs. A move after graphs that did replay (weights swapped in now and
+then by ``p.data = ...``) starts the count again: such a model keeps its graphs.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, Callable, Literal
 
 __all__ = [
     "MAX_PARAM_SETS", "MAX_MOVES", "MOVING", "ParamSet", "Instances", "drop_entries",
-    "outputs_held",
+    "outputs_held", "ptrs_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -34,8 +36,9 @@ log = logging.getLogger(__name__)
 #: it the least recently used one is dropped.
 MAX_PARAM_SETS = 256
 
-#: How many times one parameter or buffer (the same tensor object) may be found at another
-#: address than its graphs read before the sets that read it are no longer captured.
+#: How many times in a row one parameter or buffer (the same tensor object) may be found at
+#: another address than graphs read that never replayed after the call that captured them,
+#: before the sets that read it are no longer captured.
 MAX_MOVES = 2
 #: Why a call whose parameters keep moving runs without graphs (a fallback reason).
 MOVING = (
@@ -49,7 +52,7 @@ class ParamSet:
     """The graphs of one set of parameters and buffers: its id (the last item of its entries'
     keys), the addresses, weak references to the tensors, its routes and how many entries."""
 
-    __slots__ = ("id", "ptrs", "refs", "routes", "entries")
+    __slots__ = ("id", "ptrs", "refs", "routes", "entries", "replayed")
 
     def __init__(self, id: int, ptrs: list[int | None], refs: list[tuple[int, Any]]) -> None:
         self.id = id
@@ -57,6 +60,8 @@ class ParamSet:
         self.refs = refs
         self.routes: dict[Any, Any] = {}
         self.entries = 0
+        #: its graphs replayed in a call after the one that captured them (they paid off)
+        self.replayed = False
 
 
 class Instances:
@@ -105,12 +110,17 @@ class Instances:
         ptrs: list[int | None],
         drop: Callable[[ParamSet, str], None],
         held: Callable[[ParamSet], bool] | None = None,
+        replayed: bool = False,
     ) -> Literal["found", "new", "moving"]:
         """Make the set at ``ptrs`` current: ``"found"`` (its graphs exist), ``"new"`` (made:
         capture its graphs) or ``"moving"`` (none made: a tensor of ``args`` keeps moving, run
         this call without graphs). Sets whose tensors were replaced, moved or freed, and past
         :data:`MAX_PARAM_SETS` the least recently used one, are no longer used; ``drop(set,
-        why)`` drops their graphs once ``held(set)`` says nothing holds their outputs."""
+        why)`` drops their graphs once ``held(set)`` says nothing holds their outputs.
+        ``replayed``: the current set's graphs replayed since it became current, in a call
+        other than the one that captured them."""
+        if replayed and self.current is not None:
+            self.current.replayed = True
         key = tuple(ptrs)
         found = self.sets.pop(key, None)
         if found is not None:
@@ -118,8 +128,9 @@ class Instances:
             self.current = found
             return "found"
         moved: dict[int, Any] = {}  # a tensor that several sets read moved once
-        gone = [s for s in self.sets.values() if not self._intact(s, moved)]
-        self._count_moves(moved)
+        settled: set[int] = set()  # ... and one whose graphs replayed starts counting again
+        gone = [s for s in self.sets.values() if not self._intact(s, moved, settled)]
+        self._count_moves(moved, settled)
         if gone and not self._told:
             self._told = True
             log.warning(
@@ -168,9 +179,9 @@ class Instances:
         watched = self.watched
         return [i for i in self.statics if watched is None or watched(args[i])]
 
-    def _intact(self, s: ParamSet, moved: dict[int, Any]) -> bool:
+    def _intact(self, s: ParamSet, moved: dict[int, Any], settled: set[int]) -> bool:
         """Are the set's tensors alive and where they were at capture? A live one found
-        elsewhere is put in ``moved``."""
+        elsewhere is put in ``moved``, and in ``settled`` too where the set's graphs replayed."""
         intact = True
         for i, ref in s.refs:
             t = ref()
@@ -179,13 +190,18 @@ class Instances:
             elif _address(t) != s.ptrs[i]:
                 intact = False
                 moved[id(t)] = ref
+                if s.replayed:
+                    settled.add(id(t))
         return intact
 
-    def _count_moves(self, moved: dict[int, Any]) -> None:
+    def _count_moves(self, moved: dict[int, Any], settled: set[int] = frozenset()) -> None:
+        """Count each tensor of ``moved`` once more, but those in ``settled`` (their graphs
+        paid off: a weight swapped in now and then) start again from nothing."""
         moves = self._moves
         for key, ref in moved.items():
             seen = moves.get(key)
-            moves[key] = (ref, seen[1] + 1 if seen is not None and seen[0]() is ref() else 1)
+            again = seen is not None and seen[0]() is ref()
+            moves[key] = (ref, 0 if key in settled else seen[1] + 1 if again else 1)
         if len(moves) > 4 * MAX_PARAM_SETS:
             self._moves = {k: v for k, v in moves.items() if v[0]() is not None}
 
@@ -203,6 +219,14 @@ class Instances:
     def ptrs(self) -> set[int]:
         """Every address of every set."""
         return {p for s in self.sets.values() for p in s.ptrs if p is not None}
+
+
+def ptrs_of(args: tuple[Any, ...], in_place: list[int]) -> list[int | None]:
+    """The addresses of the inputs read in place (``None`` for the others): a set's key."""
+    ptrs: list[int | None] = [None] * len(args)
+    for i in in_place:
+        ptrs[i] = args[i].data_ptr()
+    return ptrs
 
 
 def _address(t: Any) -> int:

@@ -38,7 +38,7 @@ from torchreplay.pieces.entries import (
     Entry, PieceGraph, Route, entry_key, hand_out, hold_weakly, pad_shared, set_sources, shared_key,
     stage_entry,
 )
-from torchreplay.pieces.instances import MOVING, Instances, drop_entries, outputs_held
+from torchreplay.pieces.instances import MOVING, Instances, drop_entries, outputs_held, ptrs_of
 from torchreplay.pieces.program import Program, run_in_order
 from torchreplay.pieces.saved import BLOCKED, SavedActivations, guarded, saved_refs
 from torchreplay.stats import GraphStats
@@ -127,6 +127,7 @@ class PiecewiseRuntime:
         self._clean: dict[int, int] = {}
         self._writes_varying = any(x.written and x.dim is not None for x in program.inputs)
         self._static_ptrs: list[int | None] = []
+        self._replays_mark = 0  # stats.replays when the current set became current (+1: new)
         # Per set of addresses of the parameters and buffers read in place: its graphs.
         self._instances = Instances(
             self._in_place, name, _compat.is_static_input if self._pinned else None
@@ -320,7 +321,8 @@ class PiecewiseRuntime:
         self.pool = shared if shared is not None and shared.device in (None, device) else Pool(device)
         self._stream = side_stream(device)
         if self._in_place:
-            self._instances.add(args, self._ptrs_of(args))
+            self._instances.add(args, ptrs_of(args, self._in_place))
+            self._replays_mark = self.stats.replays + 1  # this call captures and replays once
             self._use_current()
         self.pool.track(self, self._graphs, self._retire)
         if self.sizes is not None and self._sized:
@@ -519,7 +521,7 @@ class PiecewiseRuntime:
         tensors, or for a backward another forward graph's activations: :mod:`.instances`):
         use that set's graphs, captured at its first call. False: this call runs ungraphed (a
         backward whose forward ran ungraphed, or parameters that keep moving)."""
-        ptrs = self._ptrs_of(args)
+        ptrs = ptrs_of(args, self._in_place)
         if self.admit is not None and ptrs not in self._instances and not self.admit(args):
             self._count_fallback(
                 "an input read in place (a saved activation) is not in the forward graph's "
@@ -527,7 +529,10 @@ class PiecewiseRuntime:
             )
             return False
         held = lambda s: outputs_held(self._entries, s.id)  # noqa: E731
-        if (outcome := self._instances.switch(args, ptrs, self._drop_set, held)) == "moving":
+        outcome = self._instances.switch(
+            args, ptrs, self._drop_set, held, self.stats.replays > self._replays_mark)
+        self._replays_mark = self.stats.replays + (outcome == "new")  # its capture replays once
+        if outcome == "moving":
             self._static_ptrs = [-1] * len(args)  # no set is current: the next call switches too
             self._count_fallback(MOVING)
             return False
@@ -545,12 +550,6 @@ class PiecewiseRuntime:
     def _use_current(self) -> None:
         current = self._instances.current
         self._static_ptrs, self._routes = current.ptrs, current.routes  # type: ignore[union-attr]
-
-    def _ptrs_of(self, args: tuple[Any, ...]) -> list[int | None]:
-        ptrs: list[int | None] = [None] * len(args)
-        for i in self._in_place:
-            ptrs[i] = args[i].data_ptr()
-        return ptrs
 
     def _retire(self) -> None:
         for entry in self._entries.values():

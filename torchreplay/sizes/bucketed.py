@@ -32,6 +32,7 @@ from torchreplay.core.capture import (
 from torchreplay.core.io import Inputs, same_constant, widens, write_back
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.padding import flat_call, pad_sample, run_padded
+from torchreplay.core.placed import Placed
 from torchreplay.core.threads import Callers, get_ident, outputs_to_clones
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.distributed import EAGER, GRAPH, agreement
@@ -41,7 +42,9 @@ from torchreplay.sizes.outputs import OutputPlan, plan_outputs
 from torchreplay.sizes.plan import (
     DimSpec, FillSpec, InputPlan, decide, format_sizes, narrow_leading, plan_inputs, target_size,
 )
-from torchreplay.sizes.routes import Route as _Route, SizeGraph as _SizeGraph, log_summary
+from torchreplay.sizes.routes import (
+    Route as _Route, SizeGraph as _SizeGraph, log_summary, retire_routes,
+)
 from torchreplay.stats import GraphStats
 
 __all__ = ["BucketedGraph"]
@@ -188,7 +191,7 @@ class BucketedGraph:
         self.stats.capture_seconds += probe_seconds
         self._position = self.pool.register(self)
         # Not a bound method: the finalizer must not keep this object alive.
-        self.pool.track(self, self._graph_list, functools.partial(_retire_routes, self._routes, self._wide))
+        self.pool.track(self, self._graph_list, functools.partial(retire_routes, self._routes, self._wide))
         release_with(self, collectives, self._ranks)
 
         if options.capture == "ahead":
@@ -198,6 +201,7 @@ class BucketedGraph:
                 for s in rest:
                     self._capture_size(s, warmup=False, snapshot=None)
                     advance()
+        self._placed = Placed.of(self._module, self.device)
         log_summary(self)
 
     # -- capture --------------------------------------------------------------------------------
@@ -317,6 +321,9 @@ class BucketedGraph:
             if self._ranks is not None:  # every rank falls back, or all raise
                 self._ranks(0, EAGER)
             return self._mode_fallback(args, kwargs)
+        placed = self._placed  # the model moved or reloaded as a whole (core/placed.py)
+        if placed is not None and placed.table[placed.key].data_ptr() != placed.at:
+            raise placed.error(self.name)
         with (callers := self._callers).lock:  # one call at a time (core/threads.py)
             if get_ident() != callers.thread:
                 callers.another(get_ident(), self._make_clones)
@@ -587,14 +594,3 @@ class BucketedGraph:
             f"device={self.device}, {self.stats.explain()})"
         )
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _retire_routes(routes: list[_Route | None], wide: dict[tuple[int, int], _Route]) -> None:
-    """The graph is being destroyed: outputs handed out by any size raise when read."""
-    for route in [*routes, *wide.values()]:
-        if route is not None:
-            route.outputs.retire()

@@ -11,7 +11,7 @@ import torch
 from torchreplay.core.outputs import Outputs
 from torchreplay.sizes.plan import format_sizes
 
-__all__ = ["SizeGraph", "Route", "log_summary"]
+__all__ = ["SizeGraph", "Route", "log_summary", "retire_routes"]
 
 log = logging.getLogger("torchreplay.sizes.bucketed")
 
@@ -83,3 +83,10 @@ def log_summary(graph: Any) -> None:
         graph.buffer_bytes / 2**20,
         graph.config.outputs,
     )
+
+
+def retire_routes(routes: list[Route | None], wide: dict[tuple[int, int], Route]) -> None:
+    """The graph is being destroyed: outputs handed out by any size raise when read."""
+    for route in [*routes, *wide.values()]:
+        if route is not None:
+            route.outputs.retire()

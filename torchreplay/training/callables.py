@@ -296,8 +296,11 @@ def make_graphed_callables(
     .. warning::
         After graphing, do not replace or move the tensors the graphs use (assigning a new
         ``nn.Parameter``, ``module.to(...)``, ``load_state_dict(..., assign=True)``): the graphs
-        keep reading the captured ones. In-place updates (optimizer steps,
-        ``load_state_dict``) are fine. ``verify=K`` catches a replaced tensor.
+        keep reading the captured ones. A module moved or reloaded as a whole raises
+        :class:`~torchreplay.ReplayInputError` at the next call (its first parameter is
+        checked); one tensor replaced alone is not seen (the graphs hold its old memory and
+        compute with it), but ``verify=K`` catches it. In-place updates (optimizer steps,
+        ``load_state_dict``) are fine.
 
     .. warning::
         A tensor argument whose sample did not require grad must not require grad at a call

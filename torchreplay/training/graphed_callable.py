@@ -43,6 +43,7 @@ from torchreplay.core.args import CallArgs, fn_name, owning_module
 from torchreplay.core.capture import warn_mode_changed
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
+from torchreplay.core.placed import Placed
 from torchreplay.core.pool import LiveWindow, Pool
 from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import ReplayInputError, StaleOutputError, UnsupportedError
@@ -133,6 +134,7 @@ class GraphedCallable:
         self._grad_inputs: list[torch.Tensor] = []
         self._grad_pos: list[int] = []  # per _grad_inputs entry: its position among apply inputs
         self._keeper: StateKeeper | None = None
+        self._placed: Placed | None = None  # at _adopt
         self._discovering_done = False
         self._autocast = (
             torch.is_autocast_enabled("cuda"),
@@ -279,6 +281,7 @@ class GraphedCallable:
         self._bwd_pos = -1
         self._device_index = self.device.index
         self._check_device = self.device.type == "cuda" and torch.cuda.device_count() > 1
+        self._placed = Placed.of(self._module, self.device)
 
     # -- replay ----------------------------------------------------------------------------
 
@@ -289,6 +292,9 @@ class GraphedCallable:
             self._ranks(0, EAGER if fallback else GRAPH)
         if fallback:
             return self._fallback(args, kwargs)
+        placed = self._placed  # the model moved or reloaded as a whole (core/placed.py)
+        if placed is not None and placed.table[placed.key].data_ptr() != placed.at:
+            raise placed.error(self.name)
         enabled, dtype = self._autocast
         if torch.is_autocast_enabled("cuda") != enabled or (
             enabled and torch.get_autocast_dtype("cuda") != dtype
