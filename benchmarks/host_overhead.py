@@ -2,7 +2,8 @@
 
 For the MLP and ResNet-50 b1 rows: the hand-written graph (the floor), ``outputs="static"``, and
 the default ``"checked"`` policy with the caller dropping each output ("dropped") or keeping it
-until the next call returns ("kept", as ``y = g(x)`` in a loop does). 300 rounds of 10 calls,
+until the next call returns ("kept", as ``y = g(x)`` in a loop does), and "checked" without the
+per-call check that the module's state stayed put (``core/placed.py``), to show what it costs. 300 rounds of 10 calls,
 the methods' order rotated each round; per method the min and median, and the paired difference
 to the floor in the same round (median, 25th and 75th percentile): the machines are noisy, the
 paired difference much less so. Then the same with the replay replaced by a no-op everywhere
@@ -47,6 +48,8 @@ for row, fac in (("mlp", mlp_factory), ("resnet50", resnet50_factory)):
         hand = handwritten_graph(model, (x,), {})
     gs = tr.graph(model, x, outputs="static")
     gc_ = tr.graph(model, x)  # checked
+    gc_unplaced = tr.graph(model, x)  # checked, without the per-call state check (core/placed.py)
+    gc_unplaced._placed = None
     print(f"== {row}")
     def hand_call(): return hand()
     def static_call(): return gs(x)
@@ -55,15 +58,17 @@ for row, fac in (("mlp", mlp_factory), ("resnet50", resnet50_factory)):
         global kept
         kept = gc_(x)
     print(" real replays (host us/call):")
-    interleaved({"hand": hand_call, "static": static_call, "checked (dropped)": checked_call, "checked (kept)": checked_keep})
+    interleaved({"hand": hand_call, "static": static_call, "checked (dropped)": checked_call, "checked (kept)": checked_keep,
+                 "checked, no state check": lambda: gc_unplaced(x)})
     # dry: no replay anywhere (identical launch cost removed)
     noop = lambda: None
     hand_static = x.clone()
     def hand_dry():
         hand_static.copy_(x); noop(); return hand_static
-    gs._replay = noop; gc_._replay = noop
+    gs._replay = noop; gc_._replay = noop; gc_unplaced._replay = noop
     print(" dry (no replay):")
-    interleaved({"hand": hand_dry, "static": static_call, "checked (dropped)": checked_call, "checked (kept)": checked_keep}, rounds=400)
+    interleaved({"hand": hand_dry, "static": static_call, "checked (dropped)": checked_call, "checked (kept)": checked_keep,
+                 "checked, no state check": lambda: gc_unplaced(x)}, rounds=400)
     o = gc_._outputs
     ptr, nbytes, metas = o.groups[0]
     S = _compat.alias_storage(ptr, o.device, nbytes)

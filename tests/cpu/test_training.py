@@ -661,6 +661,7 @@ def test_emulated_double_and_second_backward_are_refused(emulated) -> None:
     y = model(torch.randn(3, 6)).pow(2).sum()
     with pytest.raises(UnsupportedError, match="double backward through graphed 'Sequential'"):
         torch.autograd.grad(y, list(model.parameters()), create_graph=True)
+    del y  # its backward never ran: while it is alive, the next forward would run eagerly
     y = model(torch.randn(3, 6)).pow(2).sum()
     y.backward(retain_graph=True)
     with pytest.raises(UnsupportedError, match="ran a second time for one forward"):
@@ -686,9 +687,13 @@ def test_emulated_two_callables_share_a_pool_and_out_of_order_backward_raises(em
     for a, b in zip([*f1.parameters(), *f2.parameters()], [*r1.parameters(), *r2.parameters()]):
         torch.testing.assert_close(a.grad, b.grad)
 
-    # forward of callable 1 again while callable 2's backward is pending
-    y2 = f2(f1(torch.randn(2, 4)))
-    f1(torch.randn(2, 4))
+    # forward of callable 1 again while callable 2's backward is pending (callable 1's own
+    # forward has none pending: with one, the call would run eagerly instead)
+    with torch.no_grad():
+        h = f1(torch.randn(2, 4))
+    y2 = f2(h.requires_grad_())
+    with torch.no_grad():
+        f1(torch.randn(2, 4))
     with pytest.raises(StaleOutputError, match=r"backward of graphed 'Linear' cannot run: after its forward, a replay of 'Linear \(forward\)'"):
         y2.sum().backward()
 
@@ -704,16 +709,23 @@ def test_emulated_two_callables_share_a_pool_and_out_of_order_backward_raises(em
     f2(f1(x)).sum().backward()
 
 
-def test_emulated_forward_twice_before_backward_raises_at_the_stale_backward(emulated) -> None:
+def test_emulated_forward_twice_before_backward_runs_the_second_eagerly(emulated) -> None:
+    """Two micro-batches before one backward: the second forward would replay over what the
+    first saved, so it runs eagerly (counted); the gradients equal eager's. A forward whose
+    output is dropped without a backward leaves nothing pending: the next call replays."""
     model = _mlp()
+    ref = copy.deepcopy(model)
     tr.make_graphed_callables(model, (torch.randn(3, 6),))
-    l1 = model(torch.randn(3, 6)).sum()
-    l2 = model(torch.randn(3, 6)).sum()
-    with pytest.raises(StaleOutputError, match=r"call backward once per forward"):
-        (l1 + l2).backward()
-    # a forward whose output is dropped without backward does not matter
+    a, b = torch.randn(3, 6), torch.randn(3, 6)
+    (model(a).sum() + model(b).pow(2).sum()).backward()
+    (ref(a).sum() + ref(b).pow(2).sum()).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert model.forward.stats.fallbacks == 1
+    replays = model.forward.stats.replays
     model(torch.randn(3, 6))
     model(torch.randn(3, 6)).sum().backward()
+    assert model.forward.stats.replays == replays + 2 and model.forward.stats.fallbacks == 1
 
 
 def test_emulated_train_eval_switch_falls_back_and_counts(emulated) -> None:

@@ -552,6 +552,52 @@ def test_threads_calling_one_graph_never_get_another_calls_result(kind: str, out
         assert counts["stale"] == 0, counts
 
 
+def test_threads_calling_one_graphed_callable_never_get_another_calls_result() -> None:
+    """tr.make_graphed_callables under four threads: forward calls (no_grad) equal eager, and
+    forward plus backward per thread give each thread its own input gradient, or a clear
+    StaleOutputError when another thread's forward replayed over the activations its backward
+    needed; never another call's result."""
+    import threading
+
+    torch.manual_seed(0)
+    ref = mlp(depth=3, width=256)
+    model = copy.deepcopy(ref)
+    tr.make_graphed_callables(model, (torch.randn(8, 256, device=DEV, requires_grad=True),))
+    counts = _threads_hammer(model, ref, lambda s, k: 8)
+    assert counts["wrong"] == 0 and counts["right"] > 0, counts
+    tally = {"right": 0, "wrong": 0, "stale": 0}
+    lock = threading.Lock()
+    failures: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        gen = torch.Generator(device=DEV).manual_seed(100 + seed)
+        try:
+            for _ in range(30):
+                x = torch.randn(8, 256, device=DEV, generator=gen, requires_grad=True)
+                (want,) = torch.autograd.grad(ref(x).square().sum(), x)
+                try:
+                    (got,) = torch.autograd.grad(model(x).square().sum(), x)
+                    kind = "right" if torch.allclose(got, want, rtol=1e-3, atol=1e-3) else "wrong"
+                except tr.StaleOutputError:  # a backward over clobbered activations
+                    kind = "stale"
+                except RuntimeError as exc:  # a checked output read after another's replay
+                    if "StaleOutputError" not in str(exc):
+                        raise
+                    kind = "stale"
+                with lock:
+                    tally[kind] += 1
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            failures.append(exc)
+
+    pool = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    assert not failures, failures
+    assert tally["wrong"] == 0 and tally["right"] > 0, tally
+
+
 def _new_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: torch.randn_like(v) * 0.1 for k, v in model.state_dict().items()}
 

@@ -188,6 +188,13 @@ class Pool:
         self._windows[start] = weakref.ref(window)
         return window
 
+    def awaits(self, start: int) -> bool:
+        """Does a live window opened by the replay at ``start`` still await its reader (what
+        that replay left is still needed, and nothing has overwritten it)?"""
+        ref = self._windows.get(start)
+        window = ref() if ref is not None else None
+        return window is not None and window.clobbered_by is None
+
     def close_window(self, window: LiveWindow) -> None:
         """Stop tracking ``window`` (its reader has run)."""
         ref = self._windows.get(window.start)

@@ -28,8 +28,8 @@ from torchreplay.core.capture import capture, side_stream
 from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.stats import TrainingStats
-from torchreplay.training.graphed_callable import GraphedCallable, retire_pair
-from torchreplay.training.pair import Order, Pair
+from torchreplay.training.graphed_callable import GraphedCallable
+from torchreplay.training.pair import Order, Pair, retire_pair
 from torchreplay.training.state import StateKeeper
 from torchreplay.training.verify import check_verify, resolve_tolerance
 

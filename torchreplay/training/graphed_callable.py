@@ -23,8 +23,8 @@ backward may use the same memory as scratch. Each forward replay therefore opens
 :class:`~torchreplay.core.pool.LiveWindow`; a replay at any position outside it marks it clobbered,
 and the backward that would read clobbered activations raises
 :class:`~torchreplay.StaleOutputError` naming both graphs instead of computing wrong gradients.
-The replay that clobbers is not itself an error: the pending backward may never run (its outputs
-dropped, a forward under evaluation). Backward nodes get sequence numbers in creation order,
+The replay that clobbers is not itself an error: the pending backward may never run. A forward
+with gradients whose own last replay awaits its backward runs eagerly instead (micro-batches). Backward nodes get sequence numbers in creation order,
 enforced per pool, so the engine runs ready graphed backwards newest-first: the reverse of the
 capture order.
 """
@@ -45,10 +45,11 @@ from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import Placed
 from torchreplay.core.pool import LiveWindow, Pool
+from torchreplay.core.threads import Callers, get_ident, outputs_to_clones
 from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import ReplayInputError, StaleOutputError, UnsupportedError
 from torchreplay.stats import TrainingStats
-from torchreplay.training.pair import Member, Order, Pair, capturing
+from torchreplay.training.pair import Member, Order, Pair, capturing, next_sequence_nr
 from torchreplay.training.state import StateKeeper
 from torchreplay.training.verify import (
     Tolerance,
@@ -59,7 +60,7 @@ from torchreplay.training.verify import (
     named_buffers,
 )
 
-__all__ = ["GraphedCallable", "TrainingStats", "retire_pair"]
+__all__ = ["GraphedCallable", "TrainingStats"]
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ class GraphedCallable:
         self._verify_total = verify
         self._tol = tol
         self._warned_fallback = False
+        self._warned_awaiting = False
         self.pool: Pool | None = None
         self.stats = TrainingStats()
 
@@ -118,7 +120,8 @@ class GraphedCallable:
         slots = self._inputs.slots
         self._tensor_idx = [i for i, s in enumerate(slots) if s.static is not None]
         self._sample_req = [
-            bool(sample_leaves[i].requires_grad) and _differentiable(sample_leaves[i])
+            bool(sample_leaves[i].requires_grad)
+            and (sample_leaves[i].dtype.is_floating_point or sample_leaves[i].dtype.is_complex)
             for i in self._tensor_idx
         ]
         for i, req in zip(self._tensor_idx, self._sample_req):
@@ -135,6 +138,7 @@ class GraphedCallable:
         self._grad_pos: list[int] = []  # per _grad_inputs entry: its position among apply inputs
         self._keeper: StateKeeper | None = None
         self._placed: Placed | None = None  # at _adopt
+        self._callers = Callers()
         self._discovering_done = False
         self._autocast = (
             torch.is_autocast_enabled("cuda"),
@@ -155,7 +159,7 @@ class GraphedCallable:
         now_capturing = capturing()
         keeper = self._keeper
         discover = keeper is not None and not now_capturing and not self._discovering_done
-        probe = _next_sequence_nr() if self._surface is None else 0
+        probe = next_sequence_nr() if self._surface is None else 0
         with keeper.discovering() if discover else contextlib.nullcontext():  # type: ignore[union-attr]
             out = self._run_fn(*args, **kwargs)
         self._discovering_done = self._discovering_done or discover
@@ -300,10 +304,17 @@ class GraphedCallable:
             enabled and torch.get_autocast_dtype("cuda") != dtype
         ):
             raise ReplayInputError(self._autocast_message())
-        if self._check_device and torch.cuda.current_device() != self._device_index:
-            with torch.cuda.device(self._device_index):
-                return self._dispatch(args, kwargs)
-        return self._dispatch(args, kwargs)
+        callers = self._callers
+        with callers.lock:  # one call at a time: threads share the buffers (core/threads.py)
+            if get_ident() != callers.thread:
+                callers.another(get_ident(), self._make_clones)
+            if self._check_device and torch.cuda.current_device() != self._device_index:
+                with torch.cuda.device(self._device_index):
+                    return self._dispatch(args, kwargs)
+            return self._dispatch(args, kwargs)
+
+    def _make_clones(self) -> None:
+        outputs_to_clones(self, [self._outputs])
 
     def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._verify_left:
@@ -311,8 +322,10 @@ class GraphedCallable:
         return self._run(args, kwargs, None)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], verify: Any) -> Any:
-        leaves = self._inputs.copy_in(args, kwargs)
         grad_on = torch.is_grad_enabled()
+        if grad_on and self.pool.awaits(self._fwd_pos):  # type: ignore[union-attr]
+            return self._awaiting_fallback(args, kwargs)
+        leaves = self._inputs.copy_in(args, kwargs)
         if grad_on and self._no_grad_slots:
             for k, slot in zip(self._no_grad_pos, self._no_grad_slots):
                 if leaves[self._tensor_idx[k]].requires_grad and k not in self._warned_grad:
@@ -369,6 +382,10 @@ class GraphedCallable:
         order.last = seq
 
     def _backward(self, ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> list[Any]:
+        with self._callers.lock:  # not during another thread's forward (its copy-in, replay)
+            return self._backward_locked(ctx, grads)
+
+    def _backward_locked(self, ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> list[Any]:
         if torch.is_grad_enabled():
             raise UnsupportedError(
                 f"double backward through graphed '{self.name}' is not supported (backward ran "
@@ -519,6 +536,20 @@ class GraphedCallable:
 
     # -- eager paths -------------------------------------------------------------------------
 
+    def _awaiting_fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Called again while the last replay's activations await their backward (two
+        micro-batches, another thread's step): a replay would overwrite them; run eagerly."""
+        self.stats.fallbacks += 1
+        if not self._warned_awaiting:
+            self._warned_awaiting = True
+            log.warning(
+                "torchreplay: '%s' was called again while its last graphed forward's activations "
+                "await their backward; this call runs eagerly (stats.fallbacks), as will others "
+                "until that backward runs. Call backward once per forward to replay every call; "
+                "keep outputs without a backward under torch.no_grad() or .detach()ed", self.name,
+            )
+        return self._run_fn(*args, **kwargs)
+
     def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.stats.fallbacks += 1
         if not self._warned_fallback:
@@ -567,26 +598,3 @@ def _original_forward(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn
     forward = fn.forward
     return forward._run_fn if isinstance(forward, GraphedCallable) else forward
-
-
-def _differentiable(t: torch.Tensor) -> bool:
-    return t.dtype.is_floating_point or t.dtype.is_complex
-
-
-def _next_sequence_nr() -> int:
-    """The sequence number that autograd's next node on this thread will exceed."""
-    probe = torch.empty((), device="cpu", requires_grad=True).clone()
-    return _compat.sequence_nr(probe.grad_fn)
-
-
-def retire_pair(outputs: Outputs, pair: Pair) -> Callable[[], None]:
-    """What runs when a graphed callable is destroyed: handed-out outputs raise when read, and
-    the capture's tensors in the pool are dropped so its memory can go back. A closure over
-    these two objects only: a bound method would keep the callable alive forever."""
-
-    def retire() -> None:
-        outputs.retire()
-        pair.leaves = []
-        pair.static_grad_inputs = []
-
-    return retire

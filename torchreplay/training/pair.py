@@ -9,7 +9,10 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Member", "Order", "Pair", "capturing"]
+from torchreplay import _compat
+from torchreplay.core.outputs import Outputs
+
+__all__ = ["Member", "Order", "Pair", "capturing", "next_sequence_nr", "retire_pair"]
 
 
 class Member:
@@ -71,3 +74,22 @@ class Pair:
 def capturing() -> bool:
     """Is the current CUDA stream capturing? (False without CUDA, where torch's check raises.)"""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def retire_pair(outputs: Outputs, pair: Pair) -> Callable[[], None]:
+    """What runs when a graphed callable is destroyed: handed-out outputs raise when read, and
+    the capture's tensors in the pool are dropped so its memory can go back. A closure over
+    these two objects only: a bound method would keep the callable alive forever."""
+
+    def retire() -> None:
+        outputs.retire()
+        pair.leaves = []
+        pair.static_grad_inputs = []
+
+    return retire
+
+
+def next_sequence_nr() -> int:
+    """The sequence number that autograd's next node on this thread will exceed."""
+    probe = torch.empty((), device="cpu", requires_grad=True).clone()
+    return _compat.sequence_nr(probe.grad_fn)
