@@ -22,9 +22,11 @@ import threading
 from _thread import get_ident
 from typing import Any, Callable, Iterable
 
+import torch
+
 from torchreplay import _compat
 
-__all__ = ["Callers", "get_ident", "outputs_to_clones"]
+__all__ = ["Callers", "get_ident", "outputs_to_clones", "one_at_a_time"]
 
 log = logging.getLogger(__name__)
 
@@ -67,3 +69,17 @@ def outputs_to_clones(graph: Any, outputs: Iterable[Any]) -> None:
         "are clones from now on (a thread could read an output after another thread's replay "
         "overwrote it)", graph.name,
     )
+
+
+def one_at_a_time(graph: Any, run: Callable[[Any, Any], Any], args: Any, kwargs: Any) -> Any:
+    """``run(args, kwargs)`` under ``graph``'s lock (its ``_callers``) and on its device, with
+    its ``_outputs`` switched to clones at a second thread's first call. For the training
+    graphs; ``tr.graph``'s replay path has the same lines inline, a Python frame less."""
+    callers = graph._callers
+    with callers.lock:
+        if get_ident() != callers.thread:
+            callers.another(get_ident(), lambda: outputs_to_clones(graph, [graph._outputs]))
+        if graph._check_device and torch.cuda.current_device() != graph._device_index:
+            with torch.cuda.device(graph._device_index):
+                return run(args, kwargs)
+        return run(args, kwargs)

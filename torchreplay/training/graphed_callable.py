@@ -45,7 +45,7 @@ from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import Placed
 from torchreplay.core.pool import LiveWindow, Pool
-from torchreplay.core.threads import Callers, get_ident, outputs_to_clones
+from torchreplay.core.threads import Callers, one_at_a_time
 from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import ReplayInputError, StaleOutputError, UnsupportedError
 from torchreplay.stats import TrainingStats
@@ -304,17 +304,7 @@ class GraphedCallable:
             enabled and torch.get_autocast_dtype("cuda") != dtype
         ):
             raise ReplayInputError(self._autocast_message())
-        callers = self._callers
-        with callers.lock:  # one call at a time: threads share the buffers (core/threads.py)
-            if get_ident() != callers.thread:
-                callers.another(get_ident(), self._make_clones)
-            if self._check_device and torch.cuda.current_device() != self._device_index:
-                with torch.cuda.device(self._device_index):
-                    return self._dispatch(args, kwargs)
-            return self._dispatch(args, kwargs)
-
-    def _make_clones(self) -> None:
-        outputs_to_clones(self, [self._outputs])
+        return one_at_a_time(self, self._dispatch, args, kwargs)  # core/threads.py
 
     def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._verify_left:

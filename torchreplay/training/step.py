@@ -42,7 +42,7 @@ from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool, release_with
-from torchreplay.core.threads import Callers, get_ident, outputs_to_clones
+from torchreplay.core.threads import Callers, one_at_a_time
 from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
 from torchreplay.stats import TrainingStats
@@ -339,17 +339,7 @@ class GraphedStep:
             self._ranks(0, EAGER if fallback else GRAPH)
         if fallback:
             return self._fallback(args, kwargs)
-        callers = self._callers
-        with callers.lock:  # one step at a time: threads share the buffers (core/threads.py)
-            if get_ident() != callers.thread:
-                callers.another(get_ident(), self._make_clones)
-            if self._check_device and torch.cuda.current_device() != self._device_index:
-                with torch.cuda.device(self._device_index):
-                    return self._dispatch(args, kwargs)
-            return self._dispatch(args, kwargs)
-
-    def _make_clones(self) -> None:
-        outputs_to_clones(self, [self._outputs])
+        return one_at_a_time(self, self._dispatch, args, kwargs)  # core/threads.py
 
     def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._verify_left:
