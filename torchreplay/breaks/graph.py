@@ -271,17 +271,19 @@ class BreakableGraph:
             leaves = self._flatten(args, kwargs)
         module = self._module
         mode_changed = module is not None and module.training != self._training
+        placed = self._placed  # the model moved or reloaded as a whole (core/placed.py)
+        moved = placed is not None and placed.table[placed.key].data_ptr() != placed.at
         size = None
         if self._ranks is not None:  # collectives inside: the ranks agree first
-            size, rows = agree_size(self._ranks, self.runtime, leaves, mode_changed)
+            size, rows = agree_size(self._ranks, self.runtime, leaves, mode_changed or moved)
+        if moved:
+            raise placed.error(self.name)  # type: ignore[union-attr]
+        if self._ranks is not None:
             if size == -1 and not mode_changed:
                 self.runtime._count_fallback("a call above the largest captured size (on a rank)")
                 with torch.no_grad():
                     out = run_eagerly_at(self.runtime, flat_call(self.fn, self._spec), leaves, rows)
                 return _compat.tree_unflatten(out, self._out_spec)
-        placed = self._placed  # the model moved or reloaded as a whole (core/placed.py)
-        if placed is not None and placed.table[placed.key].data_ptr() != placed.at:
-            raise placed.error(self.name)
         if self._policy_on and not mode_changed and eager_by_policy(self, leaves, size):
             with torch.no_grad():
                 return self.fn(*args, **kwargs)

@@ -125,13 +125,14 @@ class Graphed:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._module
         fallback = module is not None and module.training != self._training
+        placed = self._placed  # the model moved or reloaded as a whole (core/placed.py)
+        moved = placed is not None and placed.table[placed.key].data_ptr() != placed.at
         if self._ranks is not None:  # collectives inside: every rank replays, or all raise
-            self._ranks(0, EAGER if fallback else GRAPH)
+            self._ranks(0, EAGER if fallback or moved else GRAPH)
+        if moved:
+            raise placed.error(self.name)  # type: ignore[union-attr]
         if fallback:
             return self._fallback(args, kwargs)
-        placed = self._placed  # the model moved or reloaded as a whole (core/placed.py)
-        if placed is not None and placed.table[placed.key].data_ptr() != placed.at:
-            raise placed.error(self.name)
         callers = self._callers
         with callers.lock:
             if get_ident() != callers.thread:

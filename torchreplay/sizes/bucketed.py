@@ -317,13 +317,15 @@ class BucketedGraph:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._module
+        placed = self._placed  # the model moved or reloaded as a whole (core/placed.py)
+        if placed is not None and placed.table[placed.key].data_ptr() != placed.at:
+            if self._ranks is not None:  # the others replay only if every rank would
+                self._ranks(0, EAGER)
+            raise placed.error(self.name)
         if module is not None and module.training != self._training:
             if self._ranks is not None:  # every rank falls back, or all raise
                 self._ranks(0, EAGER)
             return self._mode_fallback(args, kwargs)
-        placed = self._placed  # the model moved or reloaded as a whole (core/placed.py)
-        if placed is not None and placed.table[placed.key].data_ptr() != placed.at:
-            raise placed.error(self.name)
         with (callers := self._callers).lock:  # one call at a time (core/threads.py)
             if get_ident() != callers.thread:
                 callers.another(get_ident(), self._make_clones)
