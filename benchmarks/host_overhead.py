@@ -16,6 +16,7 @@ import torch
 import torchreplay as tr
 from torchreplay import _compat
 from torchreplay.bench.timing import handwritten_graph
+from torchreplay.core.placed import CHANGES
 from torchreplay.models.factories import mlp_factory, resnet50_factory
 
 def per_call(f, n=2000, reps=9):
@@ -48,6 +49,8 @@ for row, fac in (("mlp", mlp_factory), ("resnet50", resnet50_factory)):
         hand = handwritten_graph(model, (x,), {})
     gs = tr.graph(model, x, outputs="static")
     gc_ = tr.graph(model, x)  # checked
+    gk = tr.graph(model, x)  # checked, its outputs kept: a graph of its own, or the "dropped"
+    # calls after a "kept" round would find the kept output held and make new tensors
     gc_unplaced = tr.graph(model, x)  # checked, without the per-call state check (core/placed.py)
     gc_unplaced._placed = None
     print(f"== {row}")
@@ -56,7 +59,7 @@ for row, fac in (("mlp", mlp_factory), ("resnet50", resnet50_factory)):
     def checked_call(): return gc_(x)
     def checked_keep():
         global kept
-        kept = gc_(x)
+        kept = gk(x)
     print(" real replays (host us/call):")
     interleaved({"hand": hand_call, "static": static_call, "checked (dropped)": checked_call, "checked (kept)": checked_keep,
                  "checked, no state check": lambda: gc_unplaced(x)})
@@ -65,7 +68,7 @@ for row, fac in (("mlp", mlp_factory), ("resnet50", resnet50_factory)):
     hand_static = x.clone()
     def hand_dry():
         hand_static.copy_(x); noop(); return hand_static
-    gs._replay = noop; gc_._replay = noop; gc_unplaced._replay = noop
+    gs._replay = noop; gc_._replay = noop; gk._replay = noop; gc_unplaced._replay = noop
     print(" dry (no replay):")
     interleaved({"hand": hand_dry, "static": static_call, "checked (dropped)": checked_call, "checked (kept)": checked_keep,
                  "checked, no state check": lambda: gc_unplaced(x)}, rounds=400)
@@ -73,6 +76,7 @@ for row, fac in (("mlp", mlp_factory), ("resnet50", resnet50_factory)):
     ptr, nbytes, metas = o.groups[0]
     S = _compat.alias_storage(ptr, o.device, nbytes)
     meta = metas[0][1]
+    pl = gc_._placed  # the per-call state check, as inlined in Graphed.__call__
     print(" components:")
     for name, f in [("copy_", lambda: hand_static.copy_(x)),
                     ("alias_storage", lambda: _compat.alias_storage(ptr, o.device, nbytes)),
@@ -81,11 +85,13 @@ for row, fac in (("mlp", mlp_factory), ("resnet50", resnet50_factory)):
                     ("storage_Use_Count", lambda: torch._C._storage_Use_Count(S._cdata)),
                     ("getrefcount", lambda: sys.getrefcount(S)),
                     ("emit", o.emit), ("copy_in", lambda: gc_._inputs.copy_in((x,), {})),
-                    ("empty_like", lambda: torch.empty_like(x))]:
+                    ("empty_like", lambda: torch.empty_like(x)),
+                    ("a lambda (floor)", lambda: None),
+                    ("state check", lambda: pl is not None and (pl.seen != CHANGES[0] or pl.table[pl.key].data_ptr() != pl.at) and pl.moved())]:
         print(f"   {name:22s} {per_call(f):7.3f}")
     pr = cProfile.Profile(); pr.enable()
     for _ in range(20000): gc_(x)
     pr.disable(); torch.cuda.synchronize()
     st = io.StringIO(); pstats.Stats(pr, stream=st).sort_stats("tottime").print_stats(14); print(st.getvalue()[-3500:])
-    del hand, gs, gc_, model
+    del hand, gs, gc_, gk, model
     torch.cuda.empty_cache()

@@ -201,9 +201,10 @@ def graph(
     .. warning::
         The graph reads the module's parameters and buffers where they were at capture. Update
         weights in place (``load_state_dict(sd)``, ``p.copy_(new)`` under ``no_grad``); a model
-        moved or reloaded as a whole (``model.half()``, ``load_state_dict(sd, assign=True)``)
-        raises :class:`~torchreplay.ReplayInputError` at the next call; graph it again. One
-        tensor replaced alone is not seen: the graph keeps its old memory and value
+        moved or reloaded (``model.half()``, ``load_state_dict(sd, assign=True)``), a weight
+        given a new ``nn.Parameter`` and a layer replaced raise
+        :class:`~torchreplay.ReplayInputError` at the next call; graph it again. One tensor
+        moved alone by ``p.data = new`` is not seen: the graph keeps its old memory and value
         (:mod:`torchreplay.core.placed`).
     """
     bucket_options = {

@@ -203,6 +203,46 @@ def test_weights_loaded_in_place_reach_the_segments_and_a_reloaded_model_raises(
         g(torch.randn(8, H, device=DEV), torch.tensor(5))
 
 
+class CountingAttention(Attention):
+    """A break that sets its own buffer anew at every call (as a KV cache module may)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x, lengths):
+        self.calls = self.calls + 1
+        return super().forward(x, lengths)
+
+
+def test_a_break_setting_its_own_state_stays_graphed_and_a_replaced_layer_raises() -> None:
+    """The breaks run eagerly and may set their own buffers per call: that is neither a change
+    to the graphed segments nor a cost (their state is not watched). A layer of the segments
+    replaced after capture, or a break module itself, raises ReplayInputError naming it."""
+    torch.manual_seed(0)
+    model = Net()
+    for b in model.blocks:
+        b.attn = CountingAttention()
+    model = model.to(DEV).eval()
+    g = tr.graph(model, torch.randn(4, T, H, device=DEV), lengths_for(4), breaks=[CountingAttention])
+    seen = []
+    with torch.no_grad():
+        for _ in range(10):
+            x, lengths = torch.randn(4, T, H, device=DEV), lengths_for(4)
+            torch.testing.assert_close(g(x, lengths), model(x, lengths), **CLOSE)
+            seen.append(g._placed.seen)
+    assert len(set(seen)) == 1 and g.stats.fallbacks == 0  # no change counted, no slow check
+    calls = model.blocks[0].attn.calls
+    model.blocks[1].mlp = nn.Sequential(nn.Linear(H, H)).to(DEV)
+    with pytest.raises(tr.ReplayInputError, match=r"submodule 'blocks\.1\.mlp' was replaced"):
+        g(torch.randn(4, T, H, device=DEV), lengths_for(4))
+    assert model.blocks[0].attn.calls is calls  # raised before any break ran
+    g2 = tr.graph(model, torch.randn(4, T, H, device=DEV), lengths_for(4), breaks=[CountingAttention])
+    model.blocks[2].attn = CountingAttention().to(DEV)
+    with pytest.raises(tr.ReplayInputError, match=r"submodule 'blocks\.2\.attn' was replaced"):
+        g2(torch.randn(4, T, H, device=DEV), lengths_for(4))
+
+
 def test_sizes_with_breaks_pad_and_slice_back_every_size() -> None:
     model = net()
     sizes = [1, 2, 4, 8, 16, 32]

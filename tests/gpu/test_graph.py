@@ -604,6 +604,41 @@ def test_weights_loaded_in_place_reach_the_graph_and_a_reloaded_model_raises(siz
         g2(torch.randn(8, 64, device=DEV))
 
 
+@pytest.mark.parametrize("sizes", [None, [2, 4, 8]], ids=["one shape", "sizes"])
+@pytest.mark.parametrize("how", ["parameter", "tied", "submodule"])
+def test_one_weight_or_layer_replaced_after_capture_raises_and_other_registrations_do_not(
+    how: str, sizes
+) -> None:
+    """Eager semantics for one weight or one layer replaced in the middle of the model (a new
+    ``nn.Parameter``, a weight tied to another, ``model[1] = nn.GELU()``): the next call raises
+    ReplayInputError naming it (seen through torch's registration hooks, core/placed.py),
+    never a replay of the old weight or layer. A registration that changes nothing the graph
+    reads (a new buffer) keeps every later call graphed and equal to eager."""
+    torch.manual_seed(0)
+    model = mlp(depth=3, width=64)
+    g = tr.graph(model, torch.randn(8, 64, device=DEV), sizes=sizes)
+    rows = 8 if sizes is None else 3
+    with torch.no_grad():
+        model[0].register_buffer("unused", torch.randn(3, device=DEV))
+        for _ in range(5):
+            x = torch.randn(rows, 64, device=DEV)
+            torch.testing.assert_close(g(x), model(x), rtol=1e-5, atol=1e-5)
+        replays = g.stats.replays
+        assert replays == 5 and g.stats.fallbacks == 0
+        if how == "parameter":
+            model[2].weight = nn.Parameter(torch.randn_like(model[2].weight))
+            named = r"'2\.weight' is at another address"
+        elif how == "tied":
+            model[4].weight = model[2].weight
+            named = r"'4\.weight' is at another address"
+        else:
+            model[1] = nn.GELU()
+            named = r"submodule '1' was replaced by GELU"
+        with pytest.raises(tr.ReplayInputError, match=named):
+            g(torch.randn(rows, 64, device=DEV))
+    assert g.stats.replays == replays
+
+
 def test_a_weight_replaced_alone_keeps_the_graph_on_its_captured_memory() -> None:
     """One weight in the middle replaced by ``p.data = new`` is not checked per call (only
     the first parameter is): the graph holds the memory it captured, so, even with that memory

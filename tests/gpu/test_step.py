@@ -96,6 +96,36 @@ def test_adamw_capturable_with_lr_scheduler_20_steps_equal_eager(lr_kind: str) -
     assert step.stats.replays == STEPS and step.stats.captures == 1
 
 
+def test_weights_loaded_in_place_train_on_and_a_model_given_new_weights_raises() -> None:
+    """A checkpoint loaded in place (``load_state_dict(sd)``) between steps is what the next
+    graphed steps train, equal to eager; ``assign=True`` or one new ``nn.Parameter`` puts
+    tensors in the model that the graph never captured (and the optimizer does not hold):
+    ReplayInputError naming the weight, not a step that trains the old tensors."""
+    model = build_mlp(MLPConfig(depth=3, width=64), DEV)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = adamw(model, 1e-3, fused=True), adamw(ref, 1e-3, fused=True)
+    data = batches(8, (8, 64), (8, 64))
+    step = tr.graph_step(make_step(model, opt), *data[0], optimizers=opt)
+    ref_step = make_step(ref, ref_opt)
+    for i, (x, y) in enumerate(data):
+        if i == 4:
+            sd = {k: torch.randn_like(v) * 0.1 for k, v in model.state_dict().items()}
+            model.load_state_dict(sd)
+            ref.load_state_dict(sd)
+        torch.testing.assert_close(step(x, y).clone(), ref_step(x, y).detach(), **TOL)
+    assert_same_state(model, ref)
+    assert step.stats.replays == len(data)
+    first = next(n for n, _ in model.named_parameters())
+    last = [n for n, _ in model.named_parameters()][-1]
+    owner, leaf = model.get_submodule(last.rpartition(".")[0]), last.rpartition(".")[2]
+    setattr(owner, leaf, nn.Parameter(getattr(owner, leaf).detach().clone()))
+    with pytest.raises(tr.ReplayInputError, match=f"'{last}'"):
+        step(*data[0])
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    with pytest.raises(tr.ReplayInputError, match=f"'{first}'"):
+        step(*data[0])
+
+
 def test_graphing_leaves_state_as_found_then_n_steps_equal_n_eager() -> None:
     """Parameters, BatchNorm statistics, AdamW state (existing: 2 eager steps before), gradients
     and RNG are as they were after graph_step; N graphed steps then equal N eager steps."""

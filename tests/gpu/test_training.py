@@ -445,7 +445,8 @@ def test_verify_catches_a_parameter_replaced_after_capture() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).to(DEV)
     tr.make_graphed_callables(model, (torch.randn(4, 16, device=DEV),), verify=1)
-    model[2].weight = nn.Parameter(torch.randn(4, 16, device=DEV))  # the graph keeps the old one
+    # p.data = ... on one weight fires no registration hook: the graph keeps the old memory
+    model[2].weight.data = torch.randn(4, 16, device=DEV)
     with pytest.raises(tr.VerifyError, match=r"call 1 of graphed 'Sequential': output differs"):
         model(torch.randn(4, 16, device=DEV))
 
@@ -472,6 +473,43 @@ def test_a_graphed_module_reloaded_in_place_trains_on_the_new_weights_and_reload
         model.zero_grad(set_to_none=True)
     model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
     with pytest.raises(tr.ReplayInputError, match=r"'0\.weight'"):
+        model(torch.randn(4, 16, device=DEV))
+
+
+def test_input_gradients_taken_with_autograd_grad_are_the_callers_own() -> None:
+    """``torch.autograd.grad(loss, x)`` for a leaf input x returns the gradient autograd got,
+    as is. It must not be the backward graph's buffer: the next backward would overwrite it
+    (torch's tool hands out that buffer). Five calls kept, each equal to eager after all ran;
+    a leaf with .grad accumulates as eagerly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(DEV)
+    ref = copy.deepcopy(model)
+    tr.make_graphed_callables(model, (torch.randn(4, 16, device=DEV, requires_grad=True),))
+    xs = [torch.randn(4, 16, device=DEV, requires_grad=True) for _ in range(5)]
+    got = [torch.autograd.grad(model(x).square().sum(), x)[0] for x in xs]
+    for x, g in zip(xs, got):
+        want = torch.autograd.grad(ref(x).square().sum(), x)[0]
+        torch.testing.assert_close(g, want)
+    assert len({g.data_ptr() for g in got}) == len(got)
+    x = torch.randn(4, 16, device=DEV, requires_grad=True)
+    for _ in range(2):
+        model(x).square().sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    for _ in range(2):
+        ref(x_ref).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+def test_a_graphed_module_given_a_new_parameter_object_over_the_same_memory_raises() -> None:
+    """Training reads the parameter objects: the backward's gradients go to the ones captured.
+    A new nn.Parameter over the same memory (the old one's .grad would be filled, the new
+    one's left None) raises ReplayInputError, where inference would go on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).to(DEV)
+    tr.make_graphed_callables(model, (torch.randn(4, 16, device=DEV),))
+    model(torch.randn(4, 16, device=DEV)).sum().backward()
+    model[2].bias = nn.Parameter(model[2].bias.detach())
+    with pytest.raises(tr.ReplayInputError, match=r"'2\.bias' is another tensor object"):
         model(torch.randn(4, 16, device=DEV))
 
 

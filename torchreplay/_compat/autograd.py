@@ -6,7 +6,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["set_sequence_nr", "sequence_nr", "restore_unversioned", "in_backward"]
+__all__ = ["set_sequence_nr", "sequence_nr", "restore_unversioned", "in_backward", "is_accumulate_grad"]
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
@@ -16,6 +16,18 @@ def in_backward() -> bool:
     forward run again)? ``torch._C._current_graph_task_id`` is -1 outside one; a torch without
     it says no."""
     return _graph_task_id is not None and _graph_task_id() >= 0
+
+
+_AccumulateGrad = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", None)
+
+
+def is_accumulate_grad(node: Any) -> bool:
+    """Is this autograd node a leaf tensor's ``AccumulateGrad`` (what an edge to a leaf that
+    requires grad points to)? ``torch._C._functions.AccumulateGrad``; a torch without it: by its
+    ``variable`` attribute, which only that node has."""
+    if _AccumulateGrad is not None:
+        return isinstance(node, _AccumulateGrad)
+    return node is not None and hasattr(node, "variable")
 
 
 def set_sequence_nr(grad_fn: Any, seq: int) -> None:

@@ -43,7 +43,7 @@ from torchreplay.core.capture import (
     warn_mode_changed,
 )
 from torchreplay.core.padding import flat_call
-from torchreplay.core.placed import Placed
+from torchreplay.core.placed import CHANGES, Placed
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.core.writes import WriteWatch
 from torchreplay.distributed import agreement
@@ -271,8 +271,10 @@ class BreakableGraph:
             leaves = self._flatten(args, kwargs)
         module = self._module
         mode_changed = module is not None and module.training != self._training
-        placed = self._placed  # the model moved or reloaded as a whole (core/placed.py)
-        moved = placed is not None and placed.table[placed.key].data_ptr() != placed.at
+        placed = self._placed  # the model moved, or weights or submodules replaced
+        moved = placed is not None and (
+            placed.seen != CHANGES[0] or placed.table[placed.key].data_ptr() != placed.at
+        ) and placed.moved()
         size = None
         if self._ranks is not None:  # collectives inside: the ranks agree first
             size, rows = agree_size(self._ranks, self.runtime, leaves, mode_changed or moved)
@@ -413,8 +415,10 @@ class _Runtime(PiecewiseRuntime):
         finally:
             self._snapshot.restore()
             self._snapshot = None
-        if self._front._placed is None:
-            self._front._placed = Placed.of(module, self.device)
+        if self._front._placed is None:  # the breaks run eagerly: their own state may change
+            eager = [getattr(c.call, "__self__", None) for c in self._front.breaks]
+            skip = [m for m in eager if isinstance(m, torch.nn.Module)]
+            self._front._placed = Placed.of(module, self.device, skip=skip)
         self._learn_output_dims()
         return entries
 

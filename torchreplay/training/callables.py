@@ -296,9 +296,10 @@ def make_graphed_callables(
     .. warning::
         After graphing, do not replace or move the tensors the graphs use (assigning a new
         ``nn.Parameter``, ``module.to(...)``, ``load_state_dict(..., assign=True)``): the graphs
-        keep reading the captured ones. A module moved or reloaded as a whole raises
-        :class:`~torchreplay.ReplayInputError` at the next call (its first parameter is
-        checked); one tensor replaced alone is not seen (the graphs hold its old memory and
+        keep reading the captured ones. A module moved or reloaded, a new ``nn.Parameter``
+        (even over the same memory) or a submodule replaced raises
+        :class:`~torchreplay.ReplayInputError` at the next call (core/placed.py); one tensor
+        moved alone by ``p.data = new`` is not seen (the graphs hold its old memory and
         compute with it), but ``verify=K`` catches it. In-place updates (optimizer steps,
         ``load_state_dict``) are fine.
 

@@ -43,7 +43,7 @@ from torchreplay.core.args import CallArgs, fn_name, owning_module
 from torchreplay.core.capture import warn_mode_changed
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
-from torchreplay.core.placed import Placed
+from torchreplay.core.placed import CHANGES, Placed
 from torchreplay.core.pool import LiveWindow, Pool
 from torchreplay.core.threads import Callers, one_at_a_time
 from torchreplay.distributed import EAGER, GRAPH, agreement
@@ -285,15 +285,17 @@ class GraphedCallable:
         self._bwd_pos = -1
         self._device_index = self.device.index
         self._check_device = self.device.type == "cuda" and torch.cuda.device_count() > 1
-        self._placed = Placed.of(self._module, self.device)
+        self._placed = Placed.of(self._module, self.device, objects=True)  # grads go to them
 
     # -- replay ----------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._module
         fallback = module is not None and module.training != self._training
-        placed = self._placed  # the model moved or reloaded as a whole (core/placed.py)
-        moved = placed is not None and placed.table[placed.key].data_ptr() != placed.at
+        placed = self._placed  # the model moved, or weights or submodules replaced
+        moved = placed is not None and (
+            placed.seen != CHANGES[0] or placed.table[placed.key].data_ptr() != placed.at
+        ) and placed.moved()
         if self._ranks is not None:  # collectives inside: every rank replays, or all raise
             self._ranks(0, EAGER if fallback or moved else GRAPH)
         if moved:
@@ -434,11 +436,18 @@ class GraphedCallable:
         n_leaves = len(self._tensor_idx)
         fresh_pos: list[int] = []
         fresh_src: list[torch.Tensor] = []
+        edges = None
         for static, pos in zip(self._static_grad_inputs, self._grad_pos):
             if static is None or not needs[pos + 2]:
                 continue
-            if pos >= n_leaves and self._surface_t[pos - n_leaves].grad is None:
-                # AccumulateGrad would keep the returned tensor as .grad: give it its own copy.
+            if pos < n_leaves and edges is None:
+                edges = ctx.next_functions  # one per tensor input: no runner, no outputs tuple
+            if (
+                pos >= n_leaves and self._surface_t[pos - n_leaves].grad is None
+            ) or (pos < n_leaves and _compat.is_accumulate_grad(edges[pos][0])):
+                # AccumulateGrad would keep the returned tensor as .grad, and
+                # torch.autograd.grad(..., inputs=x) hands a leaf's gradient to the caller as it
+                # is: the next backward would overwrite it. Give it its own copy.
                 fresh_pos.append(pos)
                 fresh_src.append(static)
             else:

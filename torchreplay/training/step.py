@@ -41,6 +41,7 @@ from torchreplay.core.capture import capture, side_stream
 from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
+from torchreplay.core.placed import CHANGES, Placed
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.core.threads import Callers, one_at_a_time
 from torchreplay.distributed import EAGER, GRAPH, agreement
@@ -220,6 +221,8 @@ class GraphedStep:
         roots = roots_of(keeper.called_modules)
         self._roots = roots
         self._modes = [(m, m.training) for m in roots]
+        # The modules it ran, moved or with weights or submodules replaced (core/placed.py).
+        self._placed = Placed.of(roots, device, objects=True)
         self._param_names = param_names(self._params, roots, self.optimizers)
 
         leaves, spec = _compat.tree_flatten(captured.out)
@@ -335,8 +338,14 @@ class GraphedStep:
             if module.training != training:
                 fallback = True
                 break
+        placed = self._placed
+        moved = placed is not None and (
+            placed.seen != CHANGES[0] or placed.table[placed.key].data_ptr() != placed.at
+        ) and placed.moved()
         if self._ranks is not None:  # collectives inside (DDP): every rank replays, or all raise
-            self._ranks(0, EAGER if fallback else GRAPH)
+            self._ranks(0, EAGER if fallback or moved else GRAPH)
+        if moved:
+            raise placed.error(self.name)  # type: ignore[union-attr]
         if fallback:
             return self._fallback(args, kwargs)
         return one_at_a_time(self, self._dispatch, args, kwargs)  # core/threads.py
@@ -514,6 +523,12 @@ def graph_step(
         call (Adam/AdamW with ``capturable=True`` or ``fused=True``, ``SGD(fused=True)``); other
         hyperparameters, and the learning rate of other optimizers, are frozen into the graph and
         a call after they changed raises :class:`~torchreplay.ReplayInputError`.
+
+    .. warning::
+        Load checkpoints in place (``model.load_state_dict(sd)``, ``optimizer.load_state_dict``
+        before graphing). A model moved or given new parameter objects (``assign=True``, a new
+        ``nn.Parameter``, a layer replaced) raises :class:`~torchreplay.ReplayInputError` at
+        the next call: the graph would keep training the tensors it captured.
 
     .. warning::
         With a ``GradScaler``, the optimizer must be fused (``fused=True``): the unfused
