@@ -41,7 +41,7 @@ from torchreplay.core.capture import capture, side_stream
 from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
-from torchreplay.core.placed import CHANGES, Placed
+from torchreplay.core.placed import Placed
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.core.threads import Callers, one_at_a_time
 from torchreplay.distributed import EAGER, GRAPH, agreement
@@ -338,10 +338,8 @@ class GraphedStep:
             if module.training != training:
                 fallback = True
                 break
-        placed = self._placed
-        moved = placed is not None and (
-            placed.seen != CHANGES[0] or placed.table[placed.key].data_ptr() != placed.at
-        ) and placed.moved()
+        placed = self._placed  # a step takes milliseconds: the check's method, not inlined
+        moved = placed is not None and placed.changed()
         if self._ranks is not None:  # collectives inside (DDP): every rank replays, or all raise
             self._ranks(0, EAGER if fallback or moved else GRAPH)
         if moved:
