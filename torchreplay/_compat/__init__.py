@@ -579,11 +579,7 @@ __all__ += [
     "load_artifact", "inductor_config_hash", "shape_ranges",
 ]
 from torchreplay._compat.distributed import (  # noqa: E402  (the torch.distributed names)
-    default_store,
-    dist_ready,
-    group_named,
-    group_of_arg,
-    group_ranks,
+    default_store, dist_ready, group_named, group_of_arg, group_ranks,
 )
 
 __all__ += ["default_store", "dist_ready", "group_named", "group_of_arg", "group_ranks"]

@@ -96,10 +96,9 @@ class Placed:
 
     Each call runs :meth:`changed`, inlined: ``placed.seen != CHANGES[0] or
     placed.table[placed.key].data_ptr() != placed.at``, and only when that is true the whole
-    comparison, :meth:`moved`. ``table`` is the
-    ``_parameters`` (or ``_buffers``) dict of the submodule holding the first parameter (or
-    buffer, where there is none), so ``.to()`` and ``p.data = ...`` on the whole model are seen
-    without a hook.
+    comparison, :meth:`moved`. ``table`` is the ``_parameters`` (or ``_buffers``) dict of the
+    submodule holding the first parameter (or buffer, where there is none), so ``.to()`` and
+    ``p.data = ...`` on the whole model are seen without a hook.
 
     Args (of :meth:`of`):
         objects: a tensor replaced by another object over the same memory counts as a change
@@ -210,8 +209,10 @@ class Placed:
             return f"its module's '{name}' is gone (now {now!r}; a parametrization or pruning?)"
         if now.data_ptr() == at:
             return f"its module's '{name}' is another tensor object over the same memory"
-        return f"its module's '{name}' is at another address than at capture (0x{at:x} then, " \
+        return (
+            f"its module's '{name}' is at another address than at capture (0x{at:x} then, "
             f"0x{now.data_ptr():x} now)"
+        )
 
     def error(self, graph: str) -> ReplayInputError:
         if not self._what:
