@@ -195,23 +195,36 @@ def test_a_set_whose_parameters_were_freed_waits_until_its_outputs_are_let_go() 
     assert sorted(dropped) == [0, 1] and inst.pending == []
 
 
+def _instances_of(params: list[torch.nn.Parameter]) -> Instances:
+    """The instances of one forward graph, with a first set captured over ``params``."""
+    inst = Instances([0], "fwd")
+    inst.add(*_params_call(params))
+    return inst
+
+
+def drop(s: object, why: str) -> None:  # what the runtime passes to drop a set's graphs
+    pass
+
+
+def _moved_call(params: list[torch.nn.Parameter], keep: list[torch.Tensor]) -> tuple:
+    """Move the first parameter by ``p.data = new`` (its old memory kept taken, so the address
+    is new each time) and return the call's ``(args, ptrs)``."""
+    keep.append(params[0].data)
+    params[0].data = torch.randn(3, 3)
+    return _params_call(params)
+
+
 def test_parameters_that_keep_moving_are_no_longer_captured() -> None:
     """A parameter found at another address MAX_MOVES times (FSDP's resharding reallocates
     it around every call): its calls are "moving" (run without graphs) from then on, while
     another instance whose parameters stay put is still captured and found."""
     moving = [torch.nn.Parameter(torch.randn(3, 3))]
     steady = [torch.nn.Parameter(torch.randn(3, 3))]
-    inst = Instances([0], "fwd")
-    drop = lambda s, why: None  # noqa: E731
-    args, ptrs = _params_call(steady)
-    inst.add(args, ptrs)
+    inst = _instances_of(steady)
     outcomes = []
     keep = []
     for _ in range(MAX_MOVES + 2):
-        keep.append(moving[0].data)  # the old memory stays taken: a new address each time
-        moving[0].data = torch.randn(3, 3)
-        args, ptrs = _params_call(moving)
-        outcomes.append(inst.switch(args, ptrs, drop))
+        outcomes.append(inst.switch(*_moved_call(moving, keep), drop))
     assert outcomes == ["new"] * MAX_MOVES + ["moving"] * 2
     assert inst.current is None  # the runtime's fast path must not find a dropped set's graphs
     args, ptrs = _params_call(steady)
@@ -227,22 +240,14 @@ def test_weights_swapped_in_now_and_then_keep_being_captured() -> None:
     "moving"; once moves come at every call (the new set's graphs never replay), MAX_MOVES of
     them in a row stop the captures."""
     weights = [torch.nn.Parameter(torch.randn(3, 3))]
-    inst = Instances([0], "fwd")
-    drop = lambda s, why: None  # noqa: E731
-    args, ptrs = _params_call(weights)
-    inst.add(args, ptrs)
+    inst = _instances_of(weights)
     keep = []
     for _ in range(3 * MAX_MOVES):
-        keep.append(weights[0].data)  # the old memory stays taken: a new address each time
-        weights[0].data = torch.randn(3, 3)
-        args, ptrs = _params_call(weights)
-        assert inst.switch(args, ptrs, drop, replayed=True) == "new"  # the old set replayed
+        # the old set replayed
+        assert inst.switch(*_moved_call(weights, keep), drop, replayed=True) == "new"
     outcomes = []
     for _ in range(MAX_MOVES + 1):
-        keep.append(weights[0].data)
-        weights[0].data = torch.randn(3, 3)
-        args, ptrs = _params_call(weights)
-        outcomes.append(inst.switch(args, ptrs, drop, replayed=False))
+        outcomes.append(inst.switch(*_moved_call(weights, keep), drop, replayed=False))
     assert outcomes == ["new"] * (MAX_MOVES - 1) + ["moving"] * 2
 
 
