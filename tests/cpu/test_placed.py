@@ -45,6 +45,16 @@ def test_a_model_moved_or_reloaded_as_a_whole_is_seen_and_named(how: str) -> Non
     assert "'MyModel'" in str(err) and "'0.weight'" in str(err) and "assign=True" in str(err)
 
 
+def test_the_first_weight_deleted_is_a_clear_error_not_a_key_error() -> None:
+    """``del module.weight`` fires no hook; the per-call check reads the first tensor's entry,
+    which is then missing: it sees a change (address 0) and names it, no raw KeyError."""
+    model = _model()
+    placed = Placed.of(model, CPU)
+    del model[0].weight
+    assert placed.changed()
+    assert "'0.weight' is gone (now None: deleted" in str(placed.error("MyModel"))
+
+
 def test_the_captured_storages_are_held_so_no_graph_reads_freed_memory() -> None:
     """One tensor moved alone by ``p.data = ...`` (no hook fires) is not seen per call; its old
     memory stays allocated while the graph lives (the graph keeps computing with the old value,

@@ -6,7 +6,6 @@ in one pool."""
 
 from __future__ import annotations
 
-import gc
 import math
 
 import pytest
@@ -14,6 +13,8 @@ import torch
 import torch.nn as nn
 
 import torchreplay as tr
+
+from memory import reserved
 
 pytestmark = [
     pytest.mark.gpu,
@@ -297,12 +298,6 @@ def test_sizes_options_with_breaks_capture_lazy_fallback_error_max_graphs() -> N
         call(h, 9)
     assert h.stats.fallbacks == 0
 
-
-def reserved() -> int:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_reserved()
 
 
 def test_segments_times_sizes_share_one_pool() -> None:

@@ -4,7 +4,6 @@ sizes, and the built-in Llama decoding through padded graphs with its in-place K
 
 from __future__ import annotations
 
-import gc
 import logging
 
 import pytest
@@ -15,6 +14,8 @@ import torchreplay as tr
 from torchreplay import _compat
 from torchreplay.sizes.plan import target_size
 from torchreplay.models.llama import LlamaConfig, build_llama
+
+from memory import reserved
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,12 +46,6 @@ def mlp(depth: int = 6, width: int = 256) -> nn.Module:
         layers += [nn.Linear(width, width), nn.ReLU()]
     return nn.Sequential(*layers).to(DEV).eval()
 
-
-def reserved() -> int:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_reserved()
 
 
 # A padded call runs the GEMMs with M = s rows instead of n, and cuBLAS may pick another kernel

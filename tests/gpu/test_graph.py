@@ -4,7 +4,6 @@ failed captures that leave the process usable, and memory that comes back."""
 from __future__ import annotations
 
 import copy
-import gc
 import linecache
 import dataclasses
 
@@ -13,7 +12,8 @@ import torch
 import torch.nn as nn
 
 import torchreplay as tr
-from torchreplay import _compat
+
+from memory import reserved
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,19 +38,6 @@ def mlp(depth: int = 6, width: int = 256) -> nn.Module:
         layers += [nn.Linear(width, width), nn.ReLU()]
     return nn.Sequential(*layers).to(DEV).eval()
 
-
-def reserved() -> int:
-    """Reserved bytes after freeing the cache and torch's cuBLAS workspaces.
-
-    torch keeps a cuBLAS workspace per stream that used a matmul; our captures clear them (so a
-    graph owns the workspace it recorded, see ``_compat.clear_cublas_workspaces``) and the next
-    eager matmul makes one again. That cache is not memory of any graph, so it is left out.
-    """
-    gc.collect()
-    torch.cuda.synchronize()
-    _compat.clear_cublas_workspaces()
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_reserved()
 
 
 # -- correctness ------------------------------------------------------------------------------
@@ -605,7 +592,7 @@ def test_weights_loaded_in_place_reach_the_graph_and_a_reloaded_model_raises(siz
 
 
 @pytest.mark.parametrize("sizes", [None, [2, 4, 8]], ids=["one shape", "sizes"])
-@pytest.mark.parametrize("how", ["parameter", "tied", "submodule"])
+@pytest.mark.parametrize("how", ["parameter", "tied", "submodule", "deleted"])
 def test_one_weight_or_layer_replaced_after_capture_raises_and_other_registrations_do_not(
     how: str, sizes
 ) -> None:
@@ -631,9 +618,12 @@ def test_one_weight_or_layer_replaced_after_capture_raises_and_other_registratio
         elif how == "tied":
             model[4].weight = model[2].weight
             named = r"'4\.weight' is at another address"
-        else:
+        elif how == "submodule":
             model[1] = nn.GELU()
             named = r"submodule '1' was replaced by GELU"
+        else:  # no hook fires; eagerly the next call would raise AttributeError
+            del model[0].weight
+            named = r"'0\.weight' is gone \(now None: deleted"
         with pytest.raises(tr.ReplayInputError, match=named):
             g(torch.randn(rows, 64, device=DEV))
     assert g.stats.replays == replays

@@ -43,7 +43,7 @@ from torchreplay.core.capture import (
     warn_mode_changed,
 )
 from torchreplay.core.padding import flat_call
-from torchreplay.core.placed import CHANGES, Placed
+from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.core.writes import WriteWatch
 from torchreplay.distributed import agreement
@@ -273,7 +273,7 @@ class BreakableGraph:
         mode_changed = module is not None and module.training != self._training
         placed = self._placed  # the model moved, or weights or submodules replaced
         moved = placed is not None and (
-            placed.seen != CHANGES[0] or placed.table[placed.key].data_ptr() != placed.at
+            placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
         ) and placed.moved()
         size = None
         if self._ranks is not None:  # collectives inside: the ranks agree first

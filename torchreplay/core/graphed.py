@@ -14,7 +14,7 @@ from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
 from torchreplay.core.capture import StateSnapshot, capture, side_stream, warn_mode_changed
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
-from torchreplay.core.placed import CHANGES, Placed
+from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.core.threads import Callers, get_ident, outputs_to_clones
 from torchreplay.distributed import EAGER, GRAPH, agreement
@@ -127,7 +127,7 @@ class Graphed:
         fallback = module is not None and module.training != self._training
         placed = self._placed  # the model moved, or weights or submodules replaced
         moved = placed is not None and (
-            placed.seen != CHANGES[0] or placed.table[placed.key].data_ptr() != placed.at
+            placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
         ) and placed.moved()
         if self._ranks is not None:  # collectives inside: every rank replays, or all raise
             self._ranks(0, EAGER if fallback or moved else GRAPH)

@@ -41,7 +41,7 @@ from torch.nn.modules import module as _nn_module
 
 from torchreplay.errors import ReplayInputError
 
-__all__ = ["CHANGES", "Placed"]
+__all__ = ["CHANGES", "GONE", "Placed"]
 
 #: Bumped whenever a parameter, buffer or submodule is set on a module some graph watches: a
 #: graph whose count is behind compares its whole layout at its next call.
@@ -49,6 +49,9 @@ CHANGES = [0]
 #: The watched modules, by id, held weakly.
 _WATCHED: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
 _HOOKED: list[Any] = []
+#: What the per-call check reads when the first tensor's entry was deleted (``del
+#: module.weight`` fires no hook): an empty tensor, at address 0, which no captured one has.
+GONE = torch.empty(0)
 
 
 def _registered(module: torch.nn.Module, name: str, value: Any) -> None:
@@ -95,10 +98,10 @@ class Placed:
     """Where a module's state was at capture, and which submodules it had.
 
     Each call runs :meth:`changed`, inlined: ``placed.seen != CHANGES[0] or
-    placed.table[placed.key].data_ptr() != placed.at``, and only when that is true the whole
-    comparison, :meth:`moved`. ``table`` is the ``_parameters`` (or ``_buffers``) dict of the
-    submodule holding the first parameter (or buffer, where there is none), so ``.to()`` and
-    ``p.data = ...`` on the whole model are seen without a hook.
+    placed.table.get(placed.key, GONE).data_ptr() != placed.at``, and only when that is true
+    the whole comparison, :meth:`moved`. ``table`` is the ``_parameters`` (or ``_buffers``)
+    dict of the submodule holding the first parameter (or buffer, where there is none), so
+    ``.to()`` and ``p.data = ...`` on the whole model are seen without a hook.
 
     Args (of :meth:`of`):
         objects: a tensor replaced by another object over the same memory counts as a change
@@ -175,7 +178,7 @@ class Placed:
     def changed(self) -> bool:
         """What each call checks (inlined there: this is that line)."""
         return (
-            self.seen != CHANGES[0] or self.table[self.key].data_ptr() != self.at
+            self.seen != CHANGES[0] or self.table.get(self.key, GONE).data_ptr() != self.at
         ) and self.moved()
 
     def moved(self) -> bool:
@@ -206,7 +209,10 @@ class Placed:
     @staticmethod
     def _tensor_change(name: str, now: Any, at: int) -> str:
         if not isinstance(now, torch.Tensor):
-            return f"its module's '{name}' is gone (now {now!r}; a parametrization or pruning?)"
+            return (
+                f"its module's '{name}' is gone (now {now!r}: deleted, or a parametrization or "
+                "pruning?)"
+            )
         if now.data_ptr() == at:
             return f"its module's '{name}' is another tensor object over the same memory"
         return (

@@ -32,7 +32,7 @@ from torchreplay.core.capture import (
 from torchreplay.core.io import Inputs, same_constant, widens, write_back
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.padding import flat_call, pad_sample, run_padded
-from torchreplay.core.placed import CHANGES, Placed
+from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.threads import Callers, get_ident, outputs_to_clones
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.distributed import EAGER, GRAPH, agreement
@@ -319,7 +319,7 @@ class BucketedGraph:
         module = self._module
         placed = self._placed  # the model moved, or weights or submodules replaced
         if placed is not None and (
-            placed.seen != CHANGES[0] or placed.table[placed.key].data_ptr() != placed.at
+            placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
         ) and placed.moved():
             if self._ranks is not None:  # the others replay only if every rank would
                 self._ranks(0, EAGER)
