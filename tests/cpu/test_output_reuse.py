@@ -195,7 +195,7 @@ def test_outputs_made_clones_mark_the_handed_out_stale_and_clone_after() -> None
 
     if not _compat.HAS_CHECKED_OUTPUTS:
         pytest.skip("this torch cannot mark storages stale")
-    pool = torch.randn(4, 3)
+    pool = torch.randn(4, 3, device="cuda")  # HAS_CHECKED_OUTPUTS: a CUDA build
     out = Outputs(pool, "checked", "g", lambda t: True, reuse=True)
     handed = out.emit()
     assert handed.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()
@@ -205,3 +205,40 @@ def test_outputs_made_clones_mark_the_handed_out_stale_and_clone_after() -> None
     again = out.emit()
     assert torch.equal(again, pool)
     assert again.untyped_storage().data_ptr() != pool.untyped_storage().data_ptr()
+
+
+def test_a_non_leaf_inputs_gradient_is_handed_out_under_the_policy() -> None:
+    """training/pair.py InputGrads: under checked, the backward's buffer itself, the same tensor
+    again while nobody kept it, and a kept one raises once a later backward (or another graph of
+    the pool) overwrote its memory; clone copies; static is the buffer."""
+    from torchreplay.training.pair import InputGrads
+
+    buf = torch.randn(4, 3, device="cuda" if torch.cuda.is_available() else "cpu")
+    grads = InputGrads("g (backward)")
+    assert grads.emit(0, buf, "static") is buf
+    copy = grads.emit(0, buf, "clone")
+    assert torch.equal(copy, buf) and copy.data_ptr() != buf.data_ptr()
+    if not _compat.HAS_CHECKED_OUTPUTS:
+        copy = grads.emit(0, buf, "checked")  # Outputs falls back to clones
+        assert torch.equal(copy, buf) and copy.data_ptr() != buf.data_ptr()
+        pytest.skip("this torch cannot mark storages stale")
+
+    first = grads.emit(0, buf, "checked")
+    assert first.data_ptr() == buf.data_ptr() and torch.equal(first, buf)
+    first_id = id(first)
+    del first
+    again = grads.emit(0, buf, "checked")  # nobody kept it: the same tensor
+    assert id(again) == first_id
+    kept = again
+    del again
+    later = grads.emit(0, buf, "checked")  # the next backward: the kept one is stale
+    assert later is not kept and later.data_ptr() == buf.data_ptr()
+    with pytest.raises(RuntimeError, match=r"StaleOutputError.*'g \(backward\)'"):
+        kept.sum()
+    grads.invalidate()  # another graph of the pool replayed
+    with pytest.raises(RuntimeError, match="StaleOutputError"):
+        later.sum()
+    last = grads.emit(1, buf, "checked")
+    grads.retire()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        last.sum()

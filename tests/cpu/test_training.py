@@ -477,6 +477,33 @@ def test_a_dropped_window_is_forgotten() -> None:
     assert not pool._windows
 
 
+def test_a_member_that_reports_its_outputs_is_invalidated_only_while_it_has_some() -> None:
+    """core/pool.py: a replay marks stale the outputs of the members after it. One registered
+    with reports=True is looked at only after it said it handed outputs out (on_live), once,
+    until it hands out again; one that does not report is looked at every time."""
+    pool = Pool(CPU)
+    walked, a, b = _M("walked"), _M("a"), _M("b")
+    pool.register(_M("first"))
+    pool.register(walked)
+    live_a = pool.on_live(pool.register(a, reports=True))
+    live_b = pool.on_live(pool.register(b, reports=True))
+    pool.before_replay(0)
+    assert (walked.invalidated, a.invalidated, b.invalidated) == (1, 0, 0)
+    live_a()
+    live_b()
+    pool.before_replay(2)  # a's own replay: only b, after it
+    assert (walked.invalidated, a.invalidated, b.invalidated) == (1, 0, 1)
+    pool.before_replay(2)  # b has nothing out any more
+    assert b.invalidated == 1
+    pool.before_replay(0)
+    assert (walked.invalidated, a.invalidated, b.invalidated) == (2, 1, 1)
+    pool.before_replay(0)
+    assert (walked.invalidated, a.invalidated, b.invalidated) == (3, 1, 1)
+    live_b()
+    pool.before_replay(3)  # b's own replay: nothing after it
+    assert b.invalidated == 1
+
+
 # -- make_graphed_callables end to end, with capture and replay emulated on the CPU -------------
 
 

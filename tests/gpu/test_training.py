@@ -6,7 +6,6 @@ verify=, and warm-up that leaves the model and the RNG as it found them."""
 from __future__ import annotations
 
 import copy
-import gc
 import logging
 import itertools
 
@@ -17,6 +16,8 @@ import torch.nn.functional as F
 
 import torchreplay as tr
 from torchreplay.models import CNNConfig, MLPConfig, build_cnn, build_mlp
+
+from memory import reserved
 
 pytestmark = [
     pytest.mark.gpu,
@@ -500,6 +501,49 @@ def test_input_gradients_taken_with_autograd_grad_are_the_callers_own() -> None:
     torch.testing.assert_close(x.grad, x_ref.grad)
 
 
+@pytest.mark.parametrize("policy", ["checked", "clone"])
+def test_a_non_leaf_inputs_gradient_kept_across_backwards_never_changes(policy: str) -> None:
+    """``h = m1(x)`` feeds ``m2``, both graphed: the gradient m2's backward hands to ``h`` is
+    its graph's memory, which m1's backward reads in the same backward without a copy. Taken
+    with ``torch.autograd.grad(loss, h)`` and kept, later calls overwrite that memory: the kept
+    tensor must then raise when read (checked) or hold eager's value (clone), never silently
+    hold a later call's gradient. Read at once, each is eager's."""
+    torch.manual_seed(0)
+    m1 = nn.Sequential(nn.Linear(16, 32), nn.Tanh()).to(DEV)
+    m2 = nn.Linear(32, 4).to(DEV)
+    r1, r2 = copy.deepcopy(m1), copy.deepcopy(m2)
+    samples = tuple((torch.randn(4, n, device=DEV, requires_grad=True),) for n in (16, 32))
+    tr.make_graphed_callables((m1, m2), samples, outputs=policy)
+    kept, wants = [], []
+    for _ in range(4):
+        x = torch.randn(4, 16, device=DEV, requires_grad=True)
+        h = m1(x)
+        g_h, g_x = torch.autograd.grad(m2(h).square().sum(), (h, x))
+        h_ref = r1(x)
+        want_h, want_x = torch.autograd.grad(r2(h_ref).square().sum(), (h_ref, x))
+        torch.testing.assert_close(g_h, want_h, **TOL)
+        torch.testing.assert_close(g_x, want_x, **TOL)
+        kept.append(g_h)
+        wants.append(want_h)
+    held = []  # a hook keeping the gradient, with plain backward()
+    for _ in range(2):
+        h = m1(torch.randn(4, 16, device=DEV))
+        h.register_hook(held.append)
+        m2(h).sum().backward()
+    for g, want in zip(kept, wants):
+        if policy == "clone":
+            torch.testing.assert_close(g, want, **TOL)
+        else:
+            with pytest.raises(RuntimeError, match="StaleOutputError"):
+                g.sum()
+    if policy == "clone":
+        assert held[0].data_ptr() != held[1].data_ptr()
+    else:
+        with pytest.raises(RuntimeError, match="StaleOutputError"):
+            held[0].sum()
+    torch.testing.assert_close(held[1], torch.ones(4, 4, device=DEV) @ m2.weight)
+
+
 def test_a_graphed_module_given_a_new_parameter_object_over_the_same_memory_raises() -> None:
     """Training reads the parameter objects: the backward's gradients go to the ones captured.
     A new nn.Parameter over the same memory (the old one's .grad would be filled, the new
@@ -559,12 +603,6 @@ def test_a_kept_eager_graph_on_the_default_stream_is_a_clear_error_and_the_proce
 
 
 def test_graphs_release_their_memory() -> None:
-    def reserved() -> int:
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        return torch.cuda.memory_reserved()
-
     model = build_mlp(MLPConfig(depth=4, width=256), DEV)
     x = torch.randn(8, 256, device=DEV)
     warm = copy.deepcopy(model)  # the first capture creates the side stream's library handles

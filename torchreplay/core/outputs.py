@@ -97,6 +97,8 @@ class Outputs:
         self.watch = sorted(watch)
         self._watched: list[torch.Tensor] = []
         self.reuse = reuse and _compat.HAS_USE_COUNTS
+        #: Called whenever new tensors are handed out (the pool's :meth:`~Pool.on_live`).
+        self.on_live: Callable[[], None] | None = None
         # With reuse: the tensors the last call handed out, and their storages' use counts when
         # nothing but those tensors and our storage object refer to them.
         self._handed: list[torch.Tensor] = []
@@ -227,6 +229,8 @@ class Outputs:
             for _, meta in metas:
                 handed.append(_compat.tensor_from_storage(meta, storage))
         self.live = live
+        if self.on_live is not None:
+            self.on_live()
         if _storage_use_count is not None:
             self._handles = [_compat.storage_handle(s) for s in live]
         if self.reuse:

@@ -159,10 +159,14 @@ def _build(runners: list[GraphedCallable], device: torch.device, pool: Pool, con
         r._adopt(pair, pool)
         pool.track(r, [g for g in pair.graphs if g is not None], retire_pair(r._outputs, pair))
         release_with(r, r.collectives, r._ranks)
-    for r in runners:
-        r._fwd_pos = pool.register(r.fwd_member)
+    for r in runners:  # each reports its outputs to the pool (core/pool.py)
+        r._fwd_pos = pool.register(r.fwd_member, reports=True)
+        r._outputs.on_live = pool.on_live(r._fwd_pos)
     for r in reversed(runners):
-        r._bwd_pos = pool.register(r.bwd_member) if r._has_backward else -1
+        r._bwd_pos = -1
+        if r._has_backward:
+            r._bwd_pos = pool.register(r.bwd_member, reports=True)
+            r._input_grads.on_live = pool.on_live(r._bwd_pos)
     log.info(
         "torchreplay: graphed %d callable(s) for training (%s) on %s in %.3f s",
         len(runners),

@@ -15,6 +15,8 @@ A call ``y = f(x)`` of a graphed callable:
    the static buffer, which ``AccumulateGrad`` adds in place: ``.grad`` accumulates g1 + g2 over
    micro-batches as in eager mode and never aliases the graph's memory (torch's returns the
    static buffer itself, which becomes ``.grad``; the next replay overwrites it: pytorch#181723).
+   A leaf input gets a copy too; a non-leaf input (the previous layer's output) a tensor over
+   the buffer under the output policy (:class:`~torchreplay.training.pair.InputGrads`).
 
 Replay order. Graphs captured into one pool (the callables of one call share one, like torch's)
 are captured forward 1..N, then backward N..1. A forward's saved activations live in the pool
@@ -43,13 +45,13 @@ from torchreplay.core.args import CallArgs, fn_name, owning_module
 from torchreplay.core.capture import warn_mode_changed
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
-from torchreplay.core.placed import CHANGES, Placed
+from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import LiveWindow, Pool
 from torchreplay.core.threads import Callers, one_at_a_time
 from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import ReplayInputError, StaleOutputError, UnsupportedError
 from torchreplay.stats import TrainingStats
-from torchreplay.training.pair import Member, Order, Pair, capturing, next_sequence_nr
+from torchreplay.training.pair import InputGrads, Member, Order, Pair, capturing, next_sequence_nr
 from torchreplay.training.state import StateKeeper
 from torchreplay.training.verify import (
     Tolerance,
@@ -280,7 +282,9 @@ class GraphedCallable:
         self._warm_fn = None  # only capture needs it (and it refers back to self: a cycle)
         # Kept here: the pool refers to its members weakly.
         self.fwd_member = Member(f"{self.name} (forward)", self._outputs.invalidate)
-        self.bwd_member = Member(f"{self.name} (backward)")
+        grads = pair.input_grads = InputGrads(f"{self.name} (backward)")
+        self._input_grads = grads
+        self.bwd_member = Member(f"{self.name} (backward)", grads.invalidate)
         self._fwd_pos = -1
         self._bwd_pos = -1
         self._device_index = self.device.index
@@ -294,7 +298,7 @@ class GraphedCallable:
         fallback = module is not None and module.training != self._training
         placed = self._placed  # the model moved, or weights or submodules replaced
         moved = placed is not None and (
-            placed.seen != CHANGES[0] or placed.table[placed.key].data_ptr() != placed.at
+            placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
         ) and placed.moved()
         if self._ranks is not None:  # collectives inside: every rank replays, or all raise
             self._ranks(0, EAGER if fallback or moved else GRAPH)
@@ -440,19 +444,24 @@ class GraphedCallable:
         for static, pos in zip(self._static_grad_inputs, self._grad_pos):
             if static is None or not needs[pos + 2]:
                 continue
-            if pos < n_leaves and edges is None:
-                edges = ctx.next_functions  # one per tensor input: no runner, no outputs tuple
-            if (
-                pos >= n_leaves and self._surface_t[pos - n_leaves].grad is None
-            ) or (pos < n_leaves and _compat.is_accumulate_grad(edges[pos][0])):
+            if pos < n_leaves:
+                if edges is None:
+                    edges = ctx.next_functions  # one per tensor input: no runner, no outputs tuple
+                fresh = _compat.is_accumulate_grad(edges[pos][0])
+                if not fresh:  # a non-leaf input: see InputGrads
+                    result[pos] = self._input_grads.emit(pos, static, self._outputs.policy)
+                    continue
+            else:
+                fresh = self._surface_t[pos - n_leaves].grad is None
+            if fresh:
                 # AccumulateGrad would keep the returned tensor as .grad, and
                 # torch.autograd.grad(..., inputs=x) hands a leaf's gradient to the caller as it
                 # is: the next backward would overwrite it. Give it its own copy.
                 fresh_pos.append(pos)
                 fresh_src.append(static)
             else:
-                # We keep a reference, so autograd never takes this buffer as its own: a leaf's
-                # existing .grad adds it in place, anything else copies or reads it.
+                # We keep a reference, so autograd never takes this buffer as its own: the
+                # existing .grad adds it in place.
                 result[pos] = static
         if fresh_src:
             for pos, t in zip(fresh_pos, _compat.foreach_clone(fresh_src)):

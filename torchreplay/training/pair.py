@@ -1,6 +1,7 @@
 """What capture hands to replay in training: one callable's captured forward/backward
-(:class:`Pair`), its entries in the pool's capture order (:class:`Member`), and the backward order
-shared by callables of one pool (:class:`Order`)."""
+(:class:`Pair`), its entries in the pool's capture order (:class:`Member`), the backward order
+shared by callables of one pool (:class:`Order`), and the gradients its backward hands to
+non-leaf inputs (:class:`InputGrads`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from torchreplay import _compat
 from torchreplay.core.outputs import Outputs
 
-__all__ = ["Member", "Order", "Pair", "capturing", "next_sequence_nr", "retire_pair"]
+__all__ = ["InputGrads", "Member", "Order", "Pair", "capturing", "next_sequence_nr", "retire_pair"]
 
 
 class Member:
@@ -38,6 +39,55 @@ class Order:
         self.last = -1
 
 
+class InputGrads:
+    """The gradient a backward graph hands to a non-leaf input (the previous layer's output),
+    under the callable's output policy.
+
+    The layer before reads that gradient within the same backward, so under ``"checked"`` no
+    copy is made: it gets a tensor over the backward graph's memory, as a forward's output is.
+    But ``torch.autograd.grad(loss, h)`` or a hook on ``h`` hands that tensor to the caller as
+    it is, and the next backward replay overwrites its memory: then it is marked stale (a read
+    raises :class:`~torchreplay.StaleOutputError`) instead of silently holding the later
+    backward's values. A tensor nobody kept is handed out again, which costs two integer
+    compares. ``"clone"`` gives a copy; ``"static"`` the buffer itself (as torch's tool does).
+    """
+
+    __slots__ = ("name", "on_live", "_by_pos")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.on_live: Callable[[], None] | None = None  # the pool's, once registered
+        self._by_pos: dict[int, Outputs] = {}
+
+    def emit(self, pos: int, static: torch.Tensor, policy: str) -> torch.Tensor:
+        """This backward's gradient for input ``pos``, whose buffer is ``static``."""
+        if policy == "static":
+            return static
+        if policy == "clone":
+            return static.clone()
+        out = self._by_pos.get(pos)
+        if out is None:
+            out = Outputs(static, "checked", self.name, _owned, reuse=True)
+            out.on_live = self.on_live
+            self._by_pos[pos] = out
+        return out.emit()  # type: ignore[no-any-return]
+
+    def invalidate(self) -> None:
+        """Another graph of the pool replayed over this memory: what was handed out is stale."""
+        for out in self._by_pos.values():
+            out.invalidate()
+
+    def retire(self) -> None:
+        """The callable is gone and its memory given back: what was handed out raises."""
+        for out in self._by_pos.values():
+            out.retire()
+        self._by_pos = {}
+
+
+def _owned(t: torch.Tensor) -> bool:
+    return True
+
+
 @dataclasses.dataclass
 class Pair:
     """The captured forward and backward of one callable (what replay needs from capture).
@@ -54,6 +104,7 @@ class Pair:
         seconds: warm-up and capture time.
         collectives, collective_log: the ``torch.distributed`` collectives of the forward and
             then the backward, and the forward's log (it holds their groups).
+        input_grads: what the backward handed to non-leaf inputs (retired with the pair).
     """
 
     fwd_replay: Callable[[], Any]
@@ -69,6 +120,7 @@ class Pair:
     written: tuple[int, ...] = ()
     collectives: tuple[Any, ...] = ()
     collective_log: Any = None
+    input_grads: InputGrads | None = None  # set when the callable adopts the pair
 
 
 def capturing() -> bool:
@@ -83,6 +135,8 @@ def retire_pair(outputs: Outputs, pair: Pair) -> Callable[[], None]:
 
     def retire() -> None:
         outputs.retire()
+        if pair.input_grads is not None:
+            pair.input_grads.retire()
         pair.leaves = []
         pair.static_grad_inputs = []
 
