@@ -435,38 +435,10 @@ class GraphedCallable:
             ctx.tr_verify = None
             self._verify_backward(verify, grads)
 
-        result: list[Any] = [None] * (len(self._tensor_idx) + len(self._surface_t))
-        needs = ctx.needs_input_grad
-        n_leaves = len(self._tensor_idx)
-        fresh_pos: list[int] = []
-        fresh_src: list[torch.Tensor] = []
-        edges = None
-        for static, pos in zip(self._static_grad_inputs, self._grad_pos):
-            if static is None or not needs[pos + 2]:
-                continue
-            if pos < n_leaves:
-                if edges is None:
-                    edges = ctx.next_functions  # one per tensor input: no runner, no outputs tuple
-                fresh = _compat.is_accumulate_grad(edges[pos][0])
-                if not fresh:  # a non-leaf input: see InputGrads
-                    result[pos] = self._input_grads.emit(pos, static, self._outputs.policy)
-                    continue
-            else:
-                fresh = self._surface_t[pos - n_leaves].grad is None
-            if fresh:
-                # AccumulateGrad would keep the returned tensor as .grad, and
-                # torch.autograd.grad(..., inputs=x) hands a leaf's gradient to the caller as it
-                # is: the next backward would overwrite it. Give it its own copy.
-                fresh_pos.append(pos)
-                fresh_src.append(static)
-            else:
-                # We keep a reference, so autograd never takes this buffer as its own: the
-                # existing .grad adds it in place.
-                result[pos] = static
-        if fresh_src:
-            for pos, t in zip(fresh_pos, _compat.foreach_clone(fresh_src)):
-                result[pos] = t
-        return result
+        return self._input_grads.hand(
+            ctx, self._static_grad_inputs, self._grad_pos, len(self._tensor_idx),
+            self._surface_t, self._outputs.policy,
+        )
 
     # -- verify ----------------------------------------------------------------------------
 

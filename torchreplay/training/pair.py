@@ -40,16 +40,22 @@ class Order:
 
 
 class InputGrads:
-    """The gradient a backward graph hands to a non-leaf input (the previous layer's output),
-    under the callable's output policy.
+    """The gradients a backward graph hands to autograd, one per input that needs one.
 
-    The layer before reads that gradient within the same backward, so under ``"checked"`` no
-    copy is made: it gets a tensor over the backward graph's memory, as a forward's output is.
-    But ``torch.autograd.grad(loss, h)`` or a hook on ``h`` hands that tensor to the caller as
-    it is, and the next backward replay overwrites its memory: then it is marked stale (a read
-    raises :class:`~torchreplay.StaleOutputError`) instead of silently holding the later
-    backward's values. A tensor nobody kept is handed out again, which costs two integer
-    compares. ``"clone"`` gives a copy; ``"static"`` the buffer itself (as torch's tool does).
+    - A parameter (or other captured leaf) whose ``.grad`` exists gets the static buffer:
+      ``AccumulateGrad`` adds it in place, and since we keep a reference it never takes the
+      buffer as its own.
+    - A parameter whose ``.grad`` is None, and a leaf input, get their own copy (one
+      multi-tensor launch for all): ``AccumulateGrad`` would keep the buffer as ``.grad``, and
+      ``torch.autograd.grad(loss, x)`` hands a leaf's gradient to the caller as it is; the next
+      backward would overwrite either.
+    - A non-leaf input (the previous layer's output) gets it under the callable's output
+      policy. The layer before reads it within the same backward, so under ``"checked"`` no
+      copy is made: a tensor over the buffer, as a forward's output is. If
+      ``torch.autograd.grad(loss, h)`` or a hook on ``h`` hands it to the caller, a later replay
+      that overwrites it marks it stale (a read raises :class:`~torchreplay.StaleOutputError`)
+      instead of leaving the later call's values in it. A tensor nobody kept is handed out
+      again. ``"clone"`` gives a copy; ``"static"`` the buffer itself (as torch's tool does).
     """
 
     __slots__ = ("name", "on_live", "_by_pos")
@@ -71,6 +77,42 @@ class InputGrads:
             out.on_live = self.on_live
             self._by_pos[pos] = out
         return out.emit()  # type: ignore[no-any-return]
+
+    def hand(
+        self,
+        ctx: Any,
+        statics: list[torch.Tensor | None],
+        grad_pos: list[int],
+        n_inputs: int,
+        surface: tuple[torch.Tensor, ...],
+        policy: str,
+    ) -> list[Any]:
+        """The backward's results for autograd: ``statics[k]`` is the gradient buffer of
+        position ``grad_pos[k]``, which counts the ``n_inputs`` tensor inputs, then ``surface``
+        (the parameters and other leaves the callable differentiates into)."""
+        result: list[Any] = [None] * (n_inputs + len(surface))
+        needs = ctx.needs_input_grad  # after the runner and the outputs tuple: pos + 2
+        fresh_pos: list[int] = []
+        fresh_src: list[torch.Tensor] = []
+        edges = None
+        for static, pos in zip(statics, grad_pos):
+            if static is None or not needs[pos + 2]:
+                continue
+            if pos < n_inputs:
+                if edges is None:
+                    edges = ctx.next_functions  # one per tensor input: no runner, no outputs
+                if not _compat.is_accumulate_grad(edges[pos][0]):  # a non-leaf input
+                    result[pos] = self.emit(pos, static, policy)
+                    continue
+            elif surface[pos - n_inputs].grad is not None:
+                result[pos] = static
+                continue
+            fresh_pos.append(pos)
+            fresh_src.append(static)
+        if fresh_src:
+            for pos, t in zip(fresh_pos, _compat.foreach_clone(fresh_src)):
+                result[pos] = t
+        return result
 
     def invalidate(self) -> None:
         """Another graph of the pool replayed over this memory: what was handed out is stale."""
