@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 import torchreplay as tr
+from torchreplay.training.pair import InputGrads
 
 DEPTH, WIDTH, BATCH = 8, 256, 8
 
@@ -48,7 +49,7 @@ def stepper(layers, x):
     return step
 
 
-class Buffers:
+class Buffers(InputGrads):
     """What a backward handed to a non-leaf input before InputGrads: its buffer, always."""
 
     def emit(self, pos, static, policy):
@@ -58,7 +59,7 @@ class Buffers:
 def buffers(layers, samples):
     graphed = tr.make_graphed_callables(layers, samples)
     for layer in graphed:
-        layer.forward._input_grads = Buffers()
+        layer.forward._input_grads = Buffers("buffers")
     return graphed
 
 
