@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import linecache
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -443,6 +444,31 @@ def test_shared_pool_marks_later_graphs_outputs_stale() -> None:
     with torch.no_grad():
         assert torch.equal(ya, a(x))
         assert torch.equal(gb(x), b(x))
+
+
+def test_a_pool_whose_graphs_were_all_dropped_serves_new_graphs_in_order() -> None:
+    """Dropping the last graph of a Pool resets its capture order: graphs captured into the
+    same Pool afterwards (fewer than before) get the stale marking of a fresh pool."""
+    pool = tr.Pool()
+    a, b = mlp(depth=2, width=128), mlp(depth=3, width=128)
+    x = torch.randn(4, 128, device=DEV)
+    for extra in (True, False):
+        ga = tr.graph(a, x, pool=pool)
+        gb = tr.graph(b, x, pool=pool)
+        more = [tr.graph(a, x, pool=pool)] if extra else []
+        for _ in range(3):
+            xi = torch.randn(4, 128, device=DEV)
+            yb = gb(xi)
+            ya = ga(xi)
+            with pytest.raises(RuntimeError, match="StaleOutputError"):
+                yb.sum().item()
+            with torch.no_grad():
+                assert torch.equal(ya, a(xi))
+                assert torch.equal(gb(xi), b(xi))
+                assert all(torch.equal(m(xi), a(xi)) for m in more)
+        del ga, gb, more, ya, yb
+        gc.collect()
+        assert not pool._members  # the last graph went: the order starts again
 
 
 @dataclasses.dataclass

@@ -301,6 +301,9 @@ def _release(pool_ref: weakref.ReferenceType[Pool], graphs: Sequence[Any], retir
         return  # other graphs still use the pool's memory
     pool._handle = None
     pool._members = []
+    pool._walked = []
+    pool._live = set()
+    pool._live_max = -1
     pool.shared = False
     pool._windows.clear()
     log.debug("torchreplay: the last graph of %r was dropped; giving its memory back", pool)
