@@ -1,7 +1,7 @@
 """What capture hands to replay in training: one callable's captured forward/backward
 (:class:`Pair`), its entries in the pool's capture order (:class:`Member`), the backward order
 shared by callables of one pool (:class:`Order`), and the gradients its backward hands to
-non-leaf inputs (:class:`InputGrads`)."""
+autograd (:class:`InputGrads`)."""
 
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ class Pair:
         seconds: warm-up and capture time.
         collectives, collective_log: the ``torch.distributed`` collectives of the forward and
             then the backward, and the forward's log (it holds their groups).
-        input_grads: what the backward handed to non-leaf inputs (retired with the pair).
+        input_grads: the gradients the backward hands to autograd (retired with the pair).
     """
 
     fwd_replay: Callable[[], Any]
