@@ -229,3 +229,22 @@ def test_unflattener_builds_what_tree_unflatten_builds(out) -> None:
     assert all(a is b for a, b in zip(_compat.tree_flatten(got)[0], fresh))
     if isinstance(want, dict):
         assert list(got) == list(want)  # the keys in the captured order
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["one tensor", "several"])
+def test_copy_in_of_an_input_that_requires_grad_is_not_recorded_by_autograd(n) -> None:
+    """A training call copies the previous layer's output (it requires grad) into a static
+    buffer under grad mode. Recorded, the buffer would require grad with a history that keeps
+    that layer's autograd graph alive until the next call (``NotImplemented`` for the
+    multi-tensor copy); the capture's sample does the same at construction."""
+    samples = tuple(torch.randn(3, 4, requires_grad=True) * 2 for _ in range(n))
+    inp = Inputs(lambda *xs: xs, samples, {}, CPU)
+    for slot in inp.tensor_slots:
+        assert not slot.static.requires_grad and slot.static.grad_fn is None
+    for _ in range(2):
+        xs = tuple(torch.randn(3, 4, requires_grad=True) * 2 for _ in range(n))
+        inp.copy_in(xs, {})
+        for slot, x in zip(inp.tensor_slots, xs):
+            assert not slot.static.requires_grad and slot.static.grad_fn is None
+            torch.testing.assert_close(slot.static, x.detach())
+    assert torch.is_grad_enabled()

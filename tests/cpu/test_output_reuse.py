@@ -242,3 +242,32 @@ def test_a_non_leaf_inputs_gradient_is_handed_out_under_the_policy() -> None:
     grads.retire()
     with pytest.raises(RuntimeError, match="destroyed"):
         last.sum()
+
+
+def test_an_output_nobody_can_reach_is_kept_through_invalidation_and_handed_out_again() -> None:
+    """Outputs.invalidate (an earlier graph of the pool replayed): a tensor nobody can reach is
+    not marked stale but handed out again by the next emit, which tells the pool it has outputs
+    out again (the pool stopped counting them); a kept one is marked stale as before."""
+    from torchreplay.core.outputs import Outputs
+
+    if not _compat.HAS_CHECKED_OUTPUTS:
+        pytest.skip("this torch cannot mark storages stale")
+    pool = torch.randn(4, 3, device="cuda")  # HAS_CHECKED_OUTPUTS: a CUDA build
+    out = Outputs((pool, pool[0]), "checked", "g", lambda t: True, reuse=True)
+    told = []
+    out.on_live = lambda: told.append(1)
+    first = out.emit()
+    assert len(told) == 1
+    ids = [id(t) for t in first]
+    del first
+    out.invalidate()
+    again = out.emit()
+    assert [id(t) for t in again] == ids and len(told) == 2
+    assert torch.equal(again[0], pool) and torch.equal(again[1], pool[0])
+    kept = again[1]
+    del again
+    out.invalidate()
+    with pytest.raises(RuntimeError, match="StaleOutputError"):
+        kept.sum()
+    fresh = out.emit()
+    assert id(fresh[1]) not in ids and torch.equal(fresh[1], pool[0]) and len(told) == 3

@@ -1,4 +1,5 @@
-"""Autograd's private names: the order of its nodes and the version counters of saved tensors."""
+"""Autograd's private names: the order of its nodes, the version counters of saved tensors, and
+copies it must not record."""
 
 from __future__ import annotations
 
@@ -6,9 +7,31 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["set_sequence_nr", "sequence_nr", "restore_unversioned", "in_backward", "is_accumulate_grad"]
+__all__ = [
+    "foreach_copy_untracked", "set_sequence_nr", "sequence_nr", "restore_unversioned", "in_backward",
+    "is_accumulate_grad",
+]
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+_foreach_copy = torch._foreach_copy_
+_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled  # what torch.no_grad() calls, without its frames
+
+
+def foreach_copy_untracked(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """``torch._foreach_copy_`` (one launch for many copies) with autograd off. A source that
+    requires grad, copied in under grad mode, would make a static buffer require grad too, with
+    a history (``NotImplemented`` for the multi-tensor copy) that keeps the source's autograd
+    graph alive until the next call; and recording it costs about 2 us a call."""
+    if not _grad_enabled():
+        _foreach_copy(dsts, srcs)
+        return
+    _set_grad_enabled(False)
+    try:
+        _foreach_copy(dsts, srcs)
+    finally:
+        _set_grad_enabled(True)
 
 
 def in_backward() -> bool:

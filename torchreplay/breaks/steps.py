@@ -94,10 +94,8 @@ class BreakStep:
                     srcs.append(o)
             elif not _same(o, b):
                 raise self._changed(j, o, b)
-        if len(dsts) == 1:
-            dsts[0].copy_(srcs[0])
-        elif dsts:
-            _compat.foreach_copy_(dsts, srcs)
+        if dsts:  # not recorded by autograd: a break's output may require grad
+            _compat.foreach_copy_untracked(dsts, srcs)
         return outs
 
     def _changed(self, j: int, o: Any, b: Any) -> ReplayInputError:

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
 _foreach_copy = _compat.foreach_copy_
+_copy_untracked = _compat.foreach_copy_untracked
 
 # Lossless casts a call may make into a static buffer: every value of the source dtype is exactly
 # representable in the target. Integer -> float and bool -> anything are left out on purpose: they
@@ -144,7 +145,7 @@ class _Slot:
             # caller still owns.
             self.static: torch.Tensor | None = torch.empty_like(
                 leaf, memory_format=torch.preserve_format
-            ).copy_(leaf)
+            ).copy_(leaf.detach())
             self.value = None
             self.shape = leaf.shape
             self.dtype = leaf.dtype
@@ -241,7 +242,10 @@ class Inputs:
                     self._convert(i, slot, leaf)
                     return leaves
                 try:  # one tensor through the multi-tensor copy: a microsecond less than copy_
-                    _foreach_copy([static], [leaf])
+                    if leaf.requires_grad:  # (training) a copy autograd must not record
+                        _copy_untracked([static], [leaf])
+                    else:
+                        _foreach_copy([static], [leaf])
                 except RuntimeError:
                     raise self.tensor_error(slot, leaf) from None
             return leaves
@@ -251,6 +255,7 @@ class Inputs:
                 raise self.constant_error(slot, leaf)
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
+        tracked = False
         for i, static, shape, dtype, device, slot in self._tensor_checks:
             leaf = leaves[i]
             if leaf is not static:
@@ -259,8 +264,11 @@ class Inputs:
                     continue
                 dsts.append(static)
                 srcs.append(leaf)
+                tracked = tracked or leaf.requires_grad
         try:
-            if dsts:
+            if tracked:
+                _copy_untracked(dsts, srcs)
+            elif dsts:
                 _foreach_copy(dsts, srcs)
         except RuntimeError:
             for i, static, _, _, _, slot in self._tensor_checks:
@@ -294,7 +302,8 @@ class Inputs:
                 str(slot.dtype).removeprefix("torch."),
                 str(slot.dtype).removeprefix("torch."),
             )
-        static.copy_(leaf)
+        with torch.no_grad():
+            static.copy_(leaf)
 
     # -- input writes --------------------------------------------------------------------------
 

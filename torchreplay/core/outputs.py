@@ -118,12 +118,25 @@ class Outputs:
         )
 
     def invalidate(self) -> None:
-        """Mark the outputs handed out by the last :meth:`emit` as stale."""
+        """Mark the outputs handed out by the last :meth:`emit` as stale. With ``reuse``, ones
+        nobody can reach any more are kept instead, to be handed out again by the next
+        :meth:`emit` (nobody can read what the overwrite left in them meanwhile)."""
         if self.live:
+            if self.reuse and self._unreachable():
+                return
             for storage in self.live:
                 _compat.invalidate_storage(storage, self.stale_message)
             self.live = []
             self._handed = []
+
+    def _unreachable(self) -> bool:
+        """:meth:`emit`'s test, in the same form (the reference counts it expects depend on it)."""
+        handed = self._handed
+        return bool(
+            handed
+            and _getrefcount(handed[0]) == _FIRST_REFS
+            and _unheld(handed, self._versions, self.live, self._handles, self._uses)
+        )
 
     def held(self) -> bool:
         """Is a tensor the last call handed out for a ``watch`` leaf still owned outside (by
@@ -190,6 +203,8 @@ class Outputs:
                 and _unheld(handed, self._versions, self.live, self._handles, self._uses)
             ):
                 handed = self._new_tensors()
+            elif self.on_live is not None:  # the pool may have counted them stale since
+                self.on_live()
             if self.is_leaf:
                 return handed[0]
             leaves = list(leaves)

@@ -237,17 +237,23 @@ class Pool:
             del self._windows[window.start]
 
     def _clobber(self, position: int, reader: LiveWindow | None) -> None:
+        doomed = []
+        for start, ref in self._windows.items():
+            window = ref()
+            # Gone, or captured before the writer or after the reader: the writer's scratch
+            # may lie where the window's data is.
+            if window is None or (
+                window is not reader and not window.start < position < window.end
+            ):
+                doomed.append((start, window))
+        if not doomed:  # the common case: every window spans this replay
+            return
         member = self._members[position]() if position < len(self._members) else None
         by = getattr(member, "name", None) or f"graph #{position} of the pool"
-        for start, ref in list(self._windows.items()):
-            window = ref()
-            if window is None:
-                del self._windows[start]
-            elif window is not reader and not window.start < position < window.end:
-                # Captured before the writer or after the reader: its scratch may lie where
-                # the window's data is.
+        for start, window in doomed:
+            if window is not None:
                 window.clobbered_by = by
-                del self._windows[start]
+            del self._windows[start]
 
     def reserved_bytes(self) -> int:
         """Bytes of device memory the allocator holds for this pool right now."""

@@ -17,6 +17,7 @@ __all__ = [
 
 _Tensor = torch.Tensor
 _foreach_copy = _compat.foreach_copy_
+_copy_untracked = _compat.foreach_copy_untracked
 
 
 class PieceGraph:
@@ -51,7 +52,8 @@ class PieceGraph:
             elif value.shape != buf.shape or value.dtype != buf.dtype:
                 return False
             else:
-                _foreach_copy([buf], [value])  # a microsecond less than buf.copy_(value)
+                # a microsecond less than buf.copy_(value); not recorded by autograd
+                (_copy_untracked if value.requires_grad else _foreach_copy)([buf], [value])
         return True
 
 

@@ -172,7 +172,7 @@ class PiecewiseRuntime:
     def _replay(self, route: Route, args: tuple[Any, ...]) -> tuple[Any, ...]:
         entry = route.entry
         if route.dsts:
-            _compat.foreach_copy_(route.dsts, [args[i] for i in route.src_idx])
+            _compat.foreach_copy_untracked(route.dsts, [args[i] for i in route.src_idx])
         if route.pads:  # buffers of one size
             torch._foreach_zero_(route.pads)
             for view, value in route.fills:

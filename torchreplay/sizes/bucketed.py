@@ -375,12 +375,11 @@ class BucketedGraph:
         if n < self._clean_from:
             self._pad(n)
         # Copy-in before the old outputs are invalidated: an argument may be one of them.
-        if len(dsts) == 1:
-            dsts[0].copy_(srcs[0])
-        elif dsts:
-            _compat.foreach_copy_(dsts, srcs)
+        if dsts:
+            _compat.foreach_copy_untracked(dsts, srcs)
         for dst, leaf in widened:  # after the padding refill, so it lands on top of it
-            dst.copy_(leaf)
+            with torch.no_grad():
+                dst.copy_(leaf)
         if self._writes:
             self._inputs.check_aliasing(leaves)
         self._clean_from = route.clean_after

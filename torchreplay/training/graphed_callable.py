@@ -259,8 +259,13 @@ class GraphedCallable:
         self._pair = pair
         self._fwd_replay = pair.fwd_replay
         self._bwd_replay = pair.bwd_replay
-        self._outputs = Outputs(tuple(pair.leaves), self.config.outputs, self.name, pair.owned)
-        self._detach_diff = self._outputs.policy == "static"
+        self._outputs = Outputs(
+            tuple(pair.leaves), self.config.outputs, self.name, pair.owned, reuse=True
+        )
+        # The node's outputs are new tensors over the handed-out memory, not the handed-out
+        # tensors themselves: autograd would set a grad_fn on those, and a checked output
+        # with a grad_fn cannot be handed out again (a new tensor and storage every call).
+        self._detach_diff = self._outputs.policy != "clone"
         self._spec = pair.spec
         self._single = _compat.is_leaf_treespec(pair.spec)
         self._rebuild = _compat.unflattener(pair.spec)
