@@ -12,7 +12,9 @@ chain, ``.sum().backward()``). Printed:
    autograd and the engine;
 3. ``torch.profiler`` self CPU time per step of the top events for each.
 
-Usage: ``PYTHONPATH=. python benchmarks/mgc_host_profile.py``
+``--resnet50``: one callable, torchvision's ResNet-50 at batch 1, in place of the chain.
+
+Usage: ``PYTHONPATH=. python benchmarks/mgc_host_profile.py [--resnet50]``
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch
 import torch.nn as nn
 
 import torchreplay as tr
+from torchreplay import _compat
 from torchreplay.core import io, outputs, pool
 from torchreplay.training import graphed_callable as gc_mod
 from torchreplay.training import pair
@@ -34,15 +37,26 @@ from torchreplay.training import pair
 DEPTH, WIDTH, BATCH = 8, 256, 8
 
 
+RESNET = "--resnet50" in sys.argv  # one callable: torchvision's ResNet-50, batch 1
+
+
 def chain(graph):
     torch.manual_seed(0)
-    layers = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()).cuda() for _ in range(DEPTH)]
-    samples = [
-        (torch.randn(BATCH, WIDTH, device="cuda", requires_grad=k > 0),) for k in range(DEPTH)
-    ]
+    if RESNET:
+        import torchvision
+
+        layers = [torchvision.models.resnet50().cuda()]
+        samples = [(torch.randn(1, 3, 224, 224, device="cuda"),)]
+        x = torch.randn(1, 3, 224, 224, device="cuda")
+    else:
+        layers = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()).cuda() for _ in range(DEPTH)]
+        samples = [
+            (torch.randn(BATCH, WIDTH, device="cuda", requires_grad=k > 0),) for k in range(DEPTH)
+        ]
+        x = torch.randn(BATCH, WIDTH, device="cuda")
     graphed = list(graph(tuple(layers), tuple(samples)))
     params = [p for layer in layers for p in layer.parameters()]
-    return graphed, params, torch.randn(BATCH, WIDTH, device="cuda")
+    return graphed, params, x
 
 
 def phases(layers, params, x):
@@ -69,7 +83,8 @@ for c in chains.values():
     for _ in range(20):
         phases(*c)
 torch.cuda.synchronize()
-print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: {DEPTH} layers")
+print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: "
+      f"{'ResNet-50 b1' if RESNET else f'{DEPTH} layers'}")
 
 # 1. forward and backward apart
 names = list(chains)
@@ -119,6 +134,7 @@ wrapped = [
     (G, "_attach", "    _attach (window, sequence nr)"),
     (G, "_backward", "backward node body (all)"),
     (pair.InputGrads, "hand", "    InputGrads.hand"),
+    (_compat, "foreach_clone", "      foreach_clone"),
     (pool.Pool, "close_window", "    pool.close_window"),
     (outputs.Outputs, "_new_tensors", "    Outputs._new_tensors (fwd+bwd)"),
     (gc_mod, "one_at_a_time", "    one_at_a_time (incl. _run)"),
