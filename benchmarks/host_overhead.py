@@ -77,6 +77,7 @@ for row, fac in (("mlp", mlp_factory), ("resnet50", resnet50_factory)):
     S = _compat.alias_storage(ptr, o.device, nbytes)
     meta = metas[0][1]
     pl = gc_._placed  # the per-call state check, as inlined in Graphed.__call__
+    pool = gc_.pool  # the per-call stream check (core/pool.py Pool.on_stream)
     print(" components:")
     for name, f in [("copy_", lambda: hand_static.copy_(x)),
                     ("alias_storage", lambda: _compat.alias_storage(ptr, o.device, nbytes)),
@@ -87,6 +88,7 @@ for row, fac in (("mlp", mlp_factory), ("resnet50", resnet50_factory)):
                     ("emit", o.emit), ("copy_in", lambda: gc_._inputs.copy_in((x,), {})),
                     ("empty_like", lambda: torch.empty_like(x)),
                     ("a lambda (floor)", lambda: None),
+                    ("stream check", lambda: _compat.current_stream_id(pool.index) != pool.stream_id),
                     ("state check", lambda: pl is not None and (pl.seen != CHANGES[0] or pl.table[pl.key].data_ptr() != pl.at) and pl.moved())]:
         print(f"   {name:22s} {per_call(f):7.3f}")
     pr = cProfile.Profile(); pr.enable()

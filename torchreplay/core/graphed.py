@@ -21,6 +21,8 @@ from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import CaptureError
 from torchreplay.stats import GraphStats
 
+_stream_id = _compat.current_stream_id
+
 __all__ = ["Graphed", "owned_by", "refuse_static_written_outputs", "resolve_config", "resolve_pool"]
 
 log = logging.getLogger(__name__)
@@ -139,6 +141,9 @@ class Graphed:
         with callers.lock:
             if get_ident() != callers.thread:
                 callers.another(get_ident(), self._make_clones)
+            pool = self.pool  # another stream than the last call's: it waits for that one
+            if _stream_id(pool.index) != pool.stream_id:
+                pool.on_stream(_stream_id(pool.index))
             if self._check_device and torch.cuda.current_device() != self._device_index:
                 with torch.cuda.device(self._device_index):
                     return self._run(args, kwargs)

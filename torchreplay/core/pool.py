@@ -74,8 +74,8 @@ class Pool:
     Args:
         device: the CUDA device of the pool; default: the device of the first graph captured in it.
 
-    .. warning::
-        Graphs that share a pool must not run concurrently on different streams.
+    Calls on several CUDA streams are ordered: a call on another stream than the pool's last
+    call waits for what was queued on that one first (:meth:`on_stream`).
     """
 
     def __init__(self, device: torch.device | int | str | None = None) -> None:
@@ -93,6 +93,10 @@ class Pool:
         #: True once more than one graph was captured into this pool (a plain attribute: it is
         #: read on every replay).
         self.shared = False
+        #: The id of the CUDA stream the last call of a member ran on (read on every call).
+        self.stream_id: int | None = None
+        self._last_stream: torch.cuda.Stream | None = None
+        self.index = self.device.index if self.device is not None else None
         # One live window per writer position: a new replay of the writer clobbers the old one.
         # Weak: a window whose reader was dropped (an autograd graph freed) needs no tracking.
         self._windows: dict[int, weakref.ReferenceType[LiveWindow]] = {}
@@ -125,6 +129,7 @@ class Pool:
         """Fix the pool's device at the first capture; refuse a graph on another device."""
         if self.device is None:
             self.device = device
+            self.index = device.index if device.index is not None else torch.cuda.current_device()
         elif self.device != device:
             raise CaptureError(
                 f"pool is on {self.device} but this graph's inputs are on {device}; "
@@ -212,6 +217,21 @@ class Pool:
                     member.invalidate_outputs()
         if self._windows:
             self._clobber(position, reader)
+
+    def on_stream(self, stream_id: int) -> None:
+        """A member is called on the stream ``stream_id``, not the one the pool's last call ran
+        on. The GPU runs two streams' work in any order, so this call's copy-in and replay could
+        overwrite buffers and pool memory that the last call's replay, or what its caller queued
+        after it, still reads. The current stream waits for everything queued on the last one
+        so far (one event); calls from then on are ordered by this stream. Each call compares
+        the current stream's id with :attr:`stream_id` and calls this only when they differ."""
+        self.stream_id = stream_id
+        if not torch.cuda.is_available():  # graphs emulated on the CPU (tests): no streams
+            return
+        current = torch.cuda.current_stream(self.index)
+        if self._last_stream is not None:
+            current.wait_stream(self._last_stream)
+        self._last_stream = current
 
     def open_window(self, start: int, end: int, name: str) -> LiveWindow:
         """Record that what the replay at ``start`` just left is needed by the replay at ``end``.

@@ -10,8 +10,9 @@ clones, the caller's own memory, and what it handed out so far is marked stale. 
 engine thread does not count: it runs while the thread that called ``backward()`` waits (a
 backward graph, or a forward run again by activation checkpointing).
 
-Calls on different CUDA streams at once are not ordered by the lock: the GPU may run one call's
-copy-in during another's replay. Call one graph from one stream at a time.
+The lock orders the calls on the host, not on the GPU: two calls on different CUDA streams
+could run there one over the other. So a call on another stream than its pool's last call first
+makes its stream wait for that one (:func:`follow_stream`, :meth:`~torchreplay.core.pool.Pool.on_stream`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ import torch
 
 from torchreplay import _compat
 
-__all__ = ["Callers", "get_ident", "outputs_to_clones", "one_at_a_time"]
+__all__ = ["Callers", "follow_stream", "get_ident", "outputs_to_clones", "one_at_a_time"]
 
 log = logging.getLogger(__name__)
+
+_stream_id = _compat.current_stream_id
 
 #: ``Callers.thread`` once more than one thread has called.
 SHARED = -1
@@ -55,6 +58,13 @@ class Callers:
             shared()
 
 
+def follow_stream(pool: Any) -> None:
+    """Order this call after the pool's last call if that ran on another CUDA stream
+    (:meth:`~torchreplay.core.pool.Pool.on_stream`)."""
+    if pool is not None and _stream_id(pool.index) != pool.stream_id:
+        pool.on_stream(_stream_id(pool.index))
+
+
 def outputs_to_clones(graph: Any, outputs: Iterable[Any]) -> None:
     """``graph`` (with a ``config`` and a ``name``) is called from a second thread: its
     ``outputs`` (:class:`~torchreplay.core.outputs.Outputs`, or None) and those it makes later
@@ -79,6 +89,7 @@ def one_at_a_time(graph: Any, run: Callable[[Any, Any], Any], args: Any, kwargs:
     with callers.lock:
         if get_ident() != callers.thread:
             callers.another(get_ident(), lambda: outputs_to_clones(graph, [graph._outputs]))
+        follow_stream(graph.pool)
         if graph._check_device and torch.cuda.current_device() != graph._device_index:
             with torch.cuda.device(graph._device_index):
                 return run(args, kwargs)

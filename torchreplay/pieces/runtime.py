@@ -32,7 +32,7 @@ from torchreplay.core.capture import capture, side_stream
 from torchreplay.core.io import write_back
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
-from torchreplay.core.threads import Callers, get_ident, outputs_to_clones
+from torchreplay.core.threads import Callers, follow_stream, get_ident, outputs_to_clones
 from torchreplay.errors import CaptureError
 from torchreplay.pieces.entries import (
     Entry, PieceGraph, Route, entry_key, hand_out, hold_weakly, pad_shared, set_sources, shared_key,
@@ -171,6 +171,7 @@ class PiecewiseRuntime:
 
     def _replay(self, route: Route, args: tuple[Any, ...]) -> tuple[Any, ...]:
         entry = route.entry
+        follow_stream(self.pool)  # ordered after a call on another stream
         if route.dsts:
             _compat.foreach_copy_untracked(route.dsts, [args[i] for i in route.src_idx])
         if route.pads:  # buffers of one size

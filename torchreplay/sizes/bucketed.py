@@ -33,7 +33,7 @@ from torchreplay.core.io import Inputs, same_constant, widens, write_back
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.padding import flat_call, pad_sample, run_padded
 from torchreplay.core.placed import CHANGES, GONE, Placed
-from torchreplay.core.threads import Callers, get_ident, outputs_to_clones
+from torchreplay.core.threads import Callers, follow_stream, get_ident, outputs_to_clones
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import CaptureError, ReplayInputError
@@ -331,6 +331,7 @@ class BucketedGraph:
         with (callers := self._callers).lock:  # one call at a time (core/threads.py)
             if get_ident() != callers.thread:
                 callers.another(get_ident(), self._make_clones)
+            follow_stream(self.pool)  # ordered after a call on another stream
             if self._check_device and torch.cuda.current_device() != self._device_index:
                 with torch.cuda.device(self._device_index):
                     return self._run(args, kwargs)

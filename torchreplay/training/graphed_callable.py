@@ -47,7 +47,7 @@ from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import LiveWindow, Pool
-from torchreplay.core.threads import Callers, one_at_a_time
+from torchreplay.core.threads import Callers, follow_stream, one_at_a_time
 from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import ReplayInputError, StaleOutputError, UnsupportedError
 from torchreplay.stats import TrainingStats
@@ -415,6 +415,7 @@ class GraphedCallable:
             )
         pool = self.pool
         assert pool is not None
+        follow_stream(pool)  # ordered after a call on another stream
         if pool.shared:
             pool.before_replay(self._bwd_pos, window)
         dsts: list[torch.Tensor] = []
