@@ -88,7 +88,7 @@ for row, fac in (("mlp", mlp_factory), ("resnet50", resnet50_factory)):
                     ("emit", o.emit), ("copy_in", lambda: gc_._inputs.copy_in((x,), {})),
                     ("empty_like", lambda: torch.empty_like(x)),
                     ("a lambda (floor)", lambda: None),
-                    ("stream check", lambda: _compat.current_stream_id(pool.index) != pool.stream_id),
+                    ("stream check", lambda: _compat.current_stream(pool.index) != pool.stream),
                     ("state check", lambda: pl is not None and (pl.seen != CHANGES[0] or pl.table[pl.key].data_ptr() != pl.at) and pl.moved())]:
         print(f"   {name:22s} {per_call(f):7.3f}")
     pr = cProfile.Profile(); pr.enable()

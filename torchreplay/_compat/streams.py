@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-__all__ = ["current_stream_id"]
-
-_current_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
+__all__ = ["current_stream"]
 
 
-def current_stream_id(index: int) -> int:
-    """The id of the current CUDA stream on device ``index``: what ``torch.cuda.current_stream(
-    index).stream_id`` says, without making the Stream object (every replay reads it).
-    ``torch._C._cuda_getCurrentStream`` returns ``(stream_id, device_index, device_type)``; a
-    build without CUDA has no streams to tell apart: 0."""
-    if _current_stream is None:
-        return 0
-    return _current_stream(index)[0]  # type: ignore[no-any-return]
+def _no_streams(index: int) -> tuple[int, int, int]:
+    return (0, index, 0)
+
+
+#: ``current_stream(index)``: the current CUDA stream on device ``index`` as ``(stream_id,
+#: device_index, device_type)``, what ``torch.cuda.current_stream`` reads before it makes a
+#: Stream object (every replay reads it: ``torch._C._cuda_getCurrentStream`` itself, no frame of
+#: ours). A build without CUDA has no streams to tell apart: always ``(0, index, 0)``.
+current_stream: Callable[[int], tuple[int, int, int]] = getattr(
+    torch._C, "_cuda_getCurrentStream", _no_streams
+)

@@ -21,7 +21,7 @@ from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import CaptureError
 from torchreplay.stats import GraphStats
 
-_stream_id = _compat.current_stream_id
+_current_stream = _compat.current_stream
 
 __all__ = ["Graphed", "owned_by", "refuse_static_written_outputs", "resolve_config", "resolve_pool"]
 
@@ -142,8 +142,9 @@ class Graphed:
             if get_ident() != callers.thread:
                 callers.another(get_ident(), self._make_clones)
             pool = self.pool  # another stream than the last call's: it waits for that one
-            if _stream_id(pool.index) != pool.stream_id:
-                pool.on_stream(_stream_id(pool.index))
+            stream = _current_stream(pool.index)
+            if stream != pool.stream:
+                pool.on_stream(stream)
             if self._check_device and torch.cuda.current_device() != self._device_index:
                 with torch.cuda.device(self._device_index):
                     return self._run(args, kwargs)

@@ -93,8 +93,9 @@ class Pool:
         #: True once more than one graph was captured into this pool (a plain attribute: it is
         #: read on every replay).
         self.shared = False
-        #: The id of the CUDA stream the last call of a member ran on (read on every call).
-        self.stream_id: int | None = None
+        #: The CUDA stream the last call of a member ran on, as ``_compat.current_stream`` gives
+        #: it (read on every call).
+        self.stream: tuple[int, int, int] | None = None
         self._last_stream: torch.cuda.Stream | None = None
         self.index = self.device.index if self.device is not None else None
         # One live window per writer position: a new replay of the writer clobbers the old one.
@@ -218,14 +219,14 @@ class Pool:
         if self._windows:
             self._clobber(position, reader)
 
-    def on_stream(self, stream_id: int) -> None:
-        """A member is called on the stream ``stream_id``, not the one the pool's last call ran
-        on. The GPU runs two streams' work in any order, so this call's copy-in and replay could
+    def on_stream(self, stream: tuple[int, int, int]) -> None:
+        """A member is called on ``stream`` (as ``_compat.current_stream`` gives it), not the
+        one the pool's last call ran on. The GPU runs two streams' work in any order, so this call's copy-in and replay could
         overwrite buffers and pool memory that the last call's replay, or what its caller queued
         after it, still reads. The current stream waits for everything queued on the last one
         so far (one event); calls from then on are ordered by this stream. Each call compares
-        the current stream's id with :attr:`stream_id` and calls this only when they differ."""
-        self.stream_id = stream_id
+        the current stream with :attr:`stream` and calls this only when they differ."""
+        self.stream = stream
         if not torch.cuda.is_available():  # graphs emulated on the CPU (tests): no streams
             return
         current = torch.cuda.current_stream(self.index)

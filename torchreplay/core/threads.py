@@ -31,7 +31,7 @@ __all__ = ["Callers", "follow_stream", "get_ident", "outputs_to_clones", "one_at
 
 log = logging.getLogger(__name__)
 
-_stream_id = _compat.current_stream_id
+_current_stream = _compat.current_stream
 
 #: ``Callers.thread`` once more than one thread has called.
 SHARED = -1
@@ -61,8 +61,10 @@ class Callers:
 def follow_stream(pool: Any) -> None:
     """Order this call after the pool's last call if that ran on another CUDA stream
     (:meth:`~torchreplay.core.pool.Pool.on_stream`)."""
-    if pool is not None and _stream_id(pool.index) != pool.stream_id:
-        pool.on_stream(_stream_id(pool.index))
+    if pool is not None:
+        stream = _current_stream(pool.index)
+        if stream != pool.stream:
+            pool.on_stream(stream)
 
 
 def outputs_to_clones(graph: Any, outputs: Iterable[Any]) -> None:
