@@ -35,11 +35,6 @@ def slow_model() -> nn.Module:
     return nn.Sequential(*layers).to(DEV)
 
 
-def two_streams() -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    return s1, s2
-
-
 def on(stream: torch.cuda.Stream, f, *xs: torch.Tensor):
     """Run ``f(*xs)`` on ``stream`` (which first waits for the inputs made on the current one)."""
     stream.wait_stream(torch.cuda.current_stream())
@@ -47,21 +42,26 @@ def on(stream: torch.cuda.Stream, f, *xs: torch.Tensor):
         return f(*xs)
 
 
+def alternate(g, model: nn.Module, rows: int = 256) -> None:
+    """``g`` on stream 1 (``rows`` rows), then on stream 2 (256), ROUNDS times, no synchronize
+    between; each result against ``model``'s."""
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    for _ in range(ROUNDS):
+        x1 = torch.randn(rows, 2048, device=DEV)
+        x2 = torch.randn(256, 2048, device=DEV)
+        y1 = on(s1, lambda x: g(x).clone(), x1)
+        y2 = on(s2, lambda x: g(x).clone(), x2)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(y1, model(x1), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(y2, model(x2), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("sizes", [None, [128, 256]], ids=["one shape", "sizes"])
 def test_calls_on_two_streams_each_get_their_own_inputs_result(sizes) -> None:
     model = slow_model().eval()
     with torch.no_grad():
         g = tr.graph(model, torch.randn(256, 2048, device=DEV), sizes=sizes)
-        s1, s2 = two_streams()
-        for _ in range(ROUNDS):
-            rows = 256 if sizes is None else 200
-            x1 = torch.randn(rows, 2048, device=DEV)
-            x2 = torch.randn(256, 2048, device=DEV)
-            y1 = on(s1, lambda x: g(x).clone(), x1)
-            y2 = on(s2, lambda x: g(x).clone(), x2)
-            torch.cuda.synchronize()
-            torch.testing.assert_close(y1, model(x1), rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(y2, model(x2), rtol=1e-4, atol=1e-4)
+        alternate(g, model, rows=256 if sizes is None else 200)
 
 
 def test_a_graphed_callable_trained_on_two_streams_gets_each_inputs_gradients() -> None:
@@ -70,7 +70,7 @@ def test_a_graphed_callable_trained_on_two_streams_gets_each_inputs_gradients() 
     model = slow_model()
     ref = slow_model()
     f = tr.make_graphed_callables(model, (torch.randn(256, 2048, device=DEV),))
-    s1, s2 = two_streams()
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
     def step(m, x):
         m.zero_grad(set_to_none=True)
@@ -96,16 +96,7 @@ class Half(nn.Module):
 
 def test_a_breakable_graph_on_two_streams_gets_each_inputs_result() -> None:
     """breaks= (the piecewise runtime): a break between two halves, called on two streams."""
-
     model = nn.Sequential(slow_model(), Half(), slow_model()).eval()
     with torch.no_grad():
         g = tr.graph(model, torch.randn(256, 2048, device=DEV), breaks=[Half])
-        s1, s2 = two_streams()
-        for _ in range(ROUNDS):
-            x1 = torch.randn(256, 2048, device=DEV)
-            x2 = torch.randn(256, 2048, device=DEV)
-            y1 = on(s1, lambda x: g(x).clone(), x1)
-            y2 = on(s2, lambda x: g(x).clone(), x2)
-            torch.cuda.synchronize()
-            torch.testing.assert_close(y1, model(x1), rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(y2, model(x2), rtol=1e-4, atol=1e-4)
+        alternate(g, model)
