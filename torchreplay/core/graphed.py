@@ -141,7 +141,9 @@ class Graphed:
         with callers.lock:
             if get_ident() != callers.thread:
                 callers.another(get_ident(), self._make_clones)
-            pool = self.pool  # another stream than the last call's: it waits for that one
+            # Another stream than the pool's last call's waits for that one (core/threads.py
+            # follow_stream, inline: a Python frame less on every replay).
+            pool = self.pool
             stream = _current_stream(pool.index)
             if stream != pool.stream:
                 pool.on_stream(stream)

@@ -221,9 +221,9 @@ class Pool:
 
     def on_stream(self, stream: tuple[int, int, int]) -> None:
         """A member is called on ``stream`` (as ``_compat.current_stream`` gives it), not the
-        one the pool's last call ran on. The GPU runs two streams' work in any order, so this call's copy-in and replay could
-        overwrite buffers and pool memory that the last call's replay, or what its caller queued
-        after it, still reads. The current stream waits for everything queued on the last one
+        one the pool's last call ran on. The GPU runs two streams' work in any order, so this
+        call's copy-in and replay could overwrite buffers and pool memory that the last call's
+        replay, or what its caller queued after it, still reads. The current stream waits for everything queued on the last one
         so far (one event); calls from then on are ordered by this stream. Each call compares
         the current stream with :attr:`stream` and calls this only when they differ."""
         self.stream = stream
