@@ -102,6 +102,9 @@ class Outputs:
         # With reuse: the tensors the last call handed out, and their storages' use counts when
         # nothing but those tensors and our storage object refer to them.
         self._handed: list[torch.Tensor] = []
+        # They survived an invalidation because nobody could reach them: later invalidations
+        # need no new look until an emit hands them out again (which tells the pool, on_live).
+        self._kept = False
         self._versions: list[int] = []
         self._uses = [1 + len(metas) for _, _, metas in self.groups]
         self.stale_message = (
@@ -122,7 +125,10 @@ class Outputs:
         nobody can reach any more are kept instead, to be handed out again by the next
         :meth:`emit` (nobody can read what the overwrite left in them meanwhile)."""
         if self.live:
+            if self._kept:
+                return
             if self.reuse and self._unreachable():
+                self._kept = True
                 return
             for storage in self.live:
                 _compat.invalidate_storage(storage, self.stale_message)
@@ -155,6 +161,7 @@ class Outputs:
             self.policy = "clone"
             self._checked = False
             self._handed = []
+            self._kept = False
             self.reuse = False
 
     def in_use(self) -> bool:
@@ -203,8 +210,10 @@ class Outputs:
                 and _unheld(handed, self._versions, self.live, self._handles, self._uses)
             ):
                 handed = self._new_tensors()
-            elif self.on_live is not None:  # the pool may have counted them stale since
-                self.on_live()
+            elif self._kept:  # kept through an invalidation: the pool counts them out again
+                self._kept = False
+                if self.on_live is not None:
+                    self.on_live()
             if self.is_leaf:
                 return handed[0]
             leaves = list(leaves)
@@ -227,6 +236,7 @@ class Outputs:
     def _new_tensors(self) -> list[torch.Tensor]:
         """New tensors over the output memory, group by group; a storage of the last call is
         used again if nothing holds it, else marked stale and replaced."""
+        self._kept = False
         last = self.live
         # With reuse, our own reference to a handed tensor keeps its storage in use: only a
         # tensor someone else holds gets here, so there is no free storage to look for.
