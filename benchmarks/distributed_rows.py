@@ -52,6 +52,8 @@ def main() -> int:
                   f"{world} rank(s); {v['agreement']}")
             for b in ("b1", "b8", "b32"):
                 _table(f"  batch {b[1:]}", v[b])
+            if "exchange" in v:
+                _table("  agreeing on a size alone (median, min us per call)", v["exchange"])
         elif row == "agree":
             res = run_ranks(rows.agree_cost, 2, backend="gloo", timeout=300)
             out[row] = res

@@ -769,11 +769,14 @@ def test_fsdp2_blocks_compiled_one_by_one_equal_eager(reshard: bool) -> None:
     next block's input, must stay readable when its graph is dropped (before, a
     StaleOutputError), the gradients equal eager's, and once the parameters are seen to keep
     moving the blocks run without graphs (counted) instead of being captured every step."""
-    out = run_ranks(w_fsdp, WORLD, reshard, 8, backend="nccl", timeout=300)
+    out = run_ranks(w_fsdp, WORLD, reshard, 12, backend="nccl", timeout=300)
     assert all(s == "ok" for s, _ in out), out
     for _, r in out:
         assert r["worst"] < 3e-3, r
-        assert r["captures"][-1] == r["captures"][3], r  # no captures in the last 4 steps
+        # no captures in the last 4 of 12 steps: on 2 ranks (H200 x2) the last capture came
+        # at step 5 (captures so far 5, 10, 14, 17, 19, 19, 19, 19), one step later than on
+        # one rank, so 8 steps with the last 4 checked left the rule too little room
+        assert r["captures"][-1] == r["captures"][-5], r
         moving = any("moves to new memory" in why for why in r["reasons"])
         # resharded after every forward, the parameters always move; else, maybe not
         assert moving if reshard else (moving or r["replays"] >= 8 * 4), r

@@ -67,6 +67,39 @@ def tp_mlp(rank: int, world: int, repeats: int = 9, calls: int = 50) -> dict[str
                 "tr.graph(sizes=), check=False": lambda: unchecked(x),
             }
             out[f"b{batch}"] = time_interleaved(calls_, _opts(repeats, calls))
+    if checked._ranks is not None:
+        out["exchange"] = _exchange_cost(checked._ranks)
+    return out
+
+
+def _exchange_cost(agreement: Any) -> dict[str, tuple[float, float]]:
+    """What agreeing on a size costs one call on the host, alone (every rank calls the same
+    number of times, so the calls pair up): our agreement, and the alternatives a serving
+    engine uses (vLLM's data-parallel padding all-reduces the ranks' sizes over a gloo group;
+    over NCCL it needs a GPU tensor and a sync to read the result). Median and minimum us per
+    call over loops of many calls, so the ranks' skew at a loop's start is spread thin."""
+    from torchreplay.bench.timing import host_loop_us
+    from torchreplay.distributed.agree import GRAPH
+
+    gloo = dist.new_group(backend="gloo")
+    on_cpu = torch.zeros(1, dtype=torch.int64)
+    on_gpu = torch.zeros(1, dtype=torch.int64, device="cuda")
+
+    def gloo_max() -> None:
+        on_cpu[0] = 8
+        dist.all_reduce(on_cpu, op=dist.ReduceOp.MAX, group=gloo)
+
+    def nccl_max() -> None:
+        on_gpu.fill_(8)
+        dist.all_reduce(on_gpu, op=dist.ReduceOp.MAX)
+        on_gpu.item()
+
+    out = {
+        "tr agreement (sync_sizes)": host_loop_us(lambda: agreement(8, GRAPH), n=2000),
+        "all_reduce of the size, gloo": host_loop_us(gloo_max, n=200, samples=9),
+        "all_reduce of the size, NCCL + .item()": host_loop_us(nccl_max, n=200, samples=9),
+    }
+    dist.destroy_process_group(gloo)
     return out
 
 
