@@ -24,8 +24,14 @@ def free_port() -> int:
 
 
 def _main(
-    rank: int, world: int, port: int, backend: str, fn: Callable[..., Any], args: tuple, q: Any
+    rank: int, world: int, port: int, backend: str, fn: Callable[..., Any], args: tuple, q: Any,
+    stderr_dir: str | None = None,
 ) -> None:
+    if stderr_dir is not None:  # everything this process writes to fd 2, NCCL's C++ included
+        fd = os.open(os.path.join(stderr_dir, f"rank{rank}.err"),
+                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 2)
+        os.close(fd)
     import torch
     import torch.distributed as dist
 
@@ -56,15 +62,19 @@ def run_ranks(
     backend: str = "gloo",
     timeout: float = 120.0,
     exits: list[int | None] | None = None,
+    stderr_dir: str | None = None,
 ) -> list[tuple[str, Any]]:
     """``[(status, value)]`` per rank: ``("ok", returned)``, ``("raised", "Type: message ...")``
     or ``("hung", None)``. ``exits`` receives each process's exit code (``None``: it did not
-    exit within 30 s of reporting, and was killed)."""
+    exit within 30 s of reporting, and was killed). With ``stderr_dir``, each rank's standard
+    error (to its exit) goes to ``rank<N>.err`` there."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_main, args=(r, world, port, backend, fn, args, q), daemon=True)
+        ctx.Process(
+            target=_main, args=(r, world, port, backend, fn, args, q, stderr_dir), daemon=True
+        )
         for r in range(world)
     ]
     for p in procs:
