@@ -434,6 +434,110 @@ def test_functional_collectives_in_a_graph() -> None:
         assert r["worst"] < 1e-5 and r["collectives"] == ["all_reduce"], r
 
 
+def w_every_collective(rank: int, world: int) -> dict:
+    """all_reduce, all_gather_into_tensor, reduce_scatter_tensor and broadcast in one graph,
+    each rank with inputs of its own (so the gathered and broadcast values differ by rank)."""
+    dev = torch.device("cuda", rank)
+    n = 16
+
+    def f(x: torch.Tensor):
+        summed = x * 2
+        dist.all_reduce(summed)
+        gathered = torch.empty(world * n, device=dev)
+        dist.all_gather_into_tensor(gathered, x)
+        scattered = torch.empty(n, device=dev)
+        dist.reduce_scatter_tensor(scattered, gathered.sin())
+        root = x + 1
+        dist.broadcast(root, src=0)
+        return summed, gathered, scattered, root
+
+    g = tr.graph(f, torch.randn(n, device=dev))
+    worst = 0.0
+    for i in range(20):
+        gen = torch.Generator(device=dev).manual_seed(100 * i + rank)
+        x = torch.randn(n, device=dev, generator=gen)
+        got = [t.clone() for t in g(x)]
+        for a, b in zip(got, f(x)):
+            worst = max(worst, (a - b).abs().max().item())
+    return {"worst": worst, "collectives": [c.op for c in g.collectives]}
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
+def test_every_collective_kind_in_a_graph_equals_eager() -> None:
+    out = run_ranks(w_every_collective, WORLD, backend="nccl", timeout=240)
+    assert all(s == "ok" for s, _ in out), out
+    for _, r in out:
+        assert r["worst"] < 1e-5, r
+        ops = r["collectives"]
+        assert len(ops) == 4, r
+        for want, op in zip(("allreduce", "allgather", "reduce_scatter", "broadcast"), ops):
+            assert want in op, r
+
+
+class _GatherSP(torch.autograd.Function):
+    """Sequence parallelism: all_gather the rows forward, reduce_scatter the gradient back."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        world = dist.get_world_size()
+        out = x.new_empty(world * x.shape[0], *x.shape[1:])
+        dist.all_gather_into_tensor(out, x.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        world = dist.get_world_size()
+        out = g.new_empty(g.shape[0] // world, *g.shape[1:])
+        dist.reduce_scatter_tensor(out, g.contiguous())
+        return out
+
+
+class _SPBlock(torch.nn.Module):
+    def __init__(self, dev: torch.device) -> None:
+        super().__init__()
+        torch.manual_seed(0)  # the same weights on every rank
+        self.lin = torch.nn.Linear(D, D).to(dev)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(_GatherSP.apply(x)).tanh()
+
+
+def w_mgc_gather(rank: int, world: int) -> dict:
+    import copy
+
+    dev = torch.device("cuda", rank)
+    graphed = _SPBlock(dev)
+    eager = copy.deepcopy(graphed)
+    lin, ref = graphed.lin, eager.lin
+    x0 = torch.randn(4, D, device=dev, requires_grad=True)
+    tr.make_graphed_callables(graphed, (x0,))
+    worst = 0.0
+    for i in range(10):
+        gen = torch.Generator(device=dev).manual_seed(10 * i + rank)  # rows of its own
+        x = torch.randn(4, D, device=dev, generator=gen)
+        xg, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yg, yr = graphed(xg), eager(xr)
+        gout = torch.randn(yr.shape, device=dev, generator=gen)
+        yg.backward(gout)
+        yr.backward(gout)
+        for a, b in [(yg, yr), (xg.grad, xr.grad), (lin.weight.grad, ref.weight.grad)]:
+            worst = max(worst, (a - b).abs().max().item())
+        for p in [*lin.parameters(), *ref.parameters()]:
+            p.grad = None
+    return {"worst": worst, "collectives": [c.op for c in graphed.forward.collectives]}
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs CUDA")
+def test_make_graphed_callables_with_all_gather_forward_and_reduce_scatter_backward() -> None:
+    out = run_ranks(w_mgc_gather, WORLD, backend="nccl", timeout=240)
+    assert all(s == "ok" for s, _ in out), out
+    for _, r in out:
+        assert r["worst"] < 1e-4, r
+        ops = r["collectives"]
+        assert any("allgather" in op for op in ops), r
+        assert any("reduce_scatter" in op for op in ops), r
+
+
 @pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
 def test_graphs_on_two_devices_of_one_process() -> None:
     graphs, refs = [], []
