@@ -26,8 +26,14 @@ inside ``compile+capture``. So, by default, every start here shares one bytecode
 (``PYTHONPYCACHEPREFIX``), filled by an untimed start of each kind first; ``--no-bytecode``
 leaves the environment as it is.
 
+``--kinds inductor`` starts ``torch.compile(model)`` (Inductor, no CUDA graphs); ``aot`` runs
+torch's own AOT precompile of the fullgraph models
+(``torch.compile(forward, fullgraph=True).aot_compile(...)`` with the model as an argument, saved, then
+``torch.compiler.load_compiled_function``; Inductor without CUDA graphs): its warm start skips
+Dynamo's trace too, which no cache of ours can, so it shows how low a warm start can go.
+
 Usage: ``python benchmarks/cache_start.py [--models data-if,bert,llama-67,llama-1]
-[--no-bytecode] [--json PATH]``.
+[--kinds tr,ro,aot] [--no-bytecode] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -85,6 +91,22 @@ torch.cuda.synchronize()
 t_built = time.time()
 if MODE == "tr":
     c = tr.compile(model, sizes=sizes)
+elif MODE == "aot":  # torch's precompile (Inductor, no CUDA graphs): Dynamo's trace saved too
+    import os
+    def forward(m, *a):  # the model as an argument: the saved function holds no module
+        return m(*a)
+    torch._dynamo.config.enable_aot_compile = True  # off by default in torch 2.11
+    path = os.environ["AOT_FILE"]
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            loaded = torch.compiler.load_compiled_function(f, f_globals=globals())
+    else:
+        with torch.no_grad():
+            loaded = torch.compile(forward, fullgraph=True).aot_compile(((model, *make()), {}))
+        loaded.save_compiled_function(path)
+    c = lambda *a: loaded(model, *a)
+elif MODE == "inductor":  # torch.compile's default: Inductor, no CUDA graphs
+    c = torch.compile(model)
 else:
     c = torch.compile(model, mode="reduce-overhead")
 with torch.no_grad():
@@ -113,7 +135,7 @@ print("RESULT " + json.dumps(out))
 def _start(model: str, mode: str, dirs: dict[str, str]) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}",
            "TORCHINDUCTOR_CACHE_DIR": dirs["inductor"], "TRITON_CACHE_DIR": dirs["triton"],
-           "TORCHREPLAY_CACHE_DIR": dirs["ours"]}
+           "TORCHREPLAY_CACHE_DIR": dirs["ours"], "AOT_FILE": os.path.join(dirs["ours"], "aot.bin")}
     if dirs.get("pycache"):  # Python's bytecode kept between the starts, as an install has it
         env.pop("PYTHONDONTWRITEBYTECODE", None)
         env["PYTHONPYCACHEPREFIX"] = dirs["pycache"]
@@ -132,30 +154,34 @@ def _fresh(root: Path, *names: str) -> None:
         (root / name).mkdir(parents=True)
 
 
-def run(models: list[str], bytecode: bool = True) -> list[dict[str, object]]:
+def run(models: list[str], bytecode: bool = True, kinds: tuple[str, ...] = ("tr", "ro")
+        ) -> list[dict[str, object]]:
+    """Start each model cold then warm, for each kind: ``tr`` (and warm with our cache only),
+    ``ro`` (reduce-overhead) and ``aot`` (torch's precompile; fullgraph models only)."""
+    labels = {"tr": ("tr.compile cold", "tr.compile warm"),
+              "ro": ("reduce-overhead cold", "reduce-overhead warm"),
+              "inductor": ("torch.compile default cold", "torch.compile default warm"),
+              "aot": ("torch precompile cold", "torch precompile warm")}
     rows: list[dict[str, object]] = []
     pycache = tempfile.mkdtemp(prefix="cache-start-pycache-") if bytecode else ""
     for model in models:
+        todo = [k for k in kinds if not (k == "aot" and model == "data-if")]
         root = Path(tempfile.mkdtemp(prefix=f"cache-start-{model}-"))
         dirs = {k: str(root / k) for k in ("inductor", "triton", "ours")}
         dirs["pycache"] = pycache
         if bytecode:  # one start of each kind writes the bytecode of what it imports; not timed
-            for mode in ("tr", "ro"):
+            for mode in todo:
                 _fresh(root, "inductor", "triton", "ours")
                 _start(model, mode, dirs)
-        _fresh(root, "inductor", "triton", "ours")
-        runs = [("tr.compile cold", "tr"), ("tr.compile warm", "tr")]
-        for label, mode in runs:
-            rows.append({"model": model, "start": label, **_start(model, mode, dirs)})
-            print(rows[-1], flush=True)
-        _fresh(root, "inductor", "triton")
-        rows.append({"model": model, "start": "tr.compile warm (our cache only)",
-                     **_start(model, "tr", dirs)})
-        print(rows[-1], flush=True)
-        _fresh(root, "inductor", "triton", "ours")
-        for label in ("reduce-overhead cold", "reduce-overhead warm"):
-            rows.append({"model": model, "start": label, **_start(model, "ro", dirs)})
-            print(rows[-1], flush=True)
+        for mode in todo:
+            _fresh(root, "inductor", "triton", "ours")
+            starts = [(label, ()) for label in labels[mode]]
+            if mode == "tr":
+                starts.append(("tr.compile warm (our cache only)", ("inductor", "triton")))
+            for label, emptied in starts:
+                _fresh(root, *emptied)
+                rows.append({"model": model, "start": label, **_start(model, mode, dirs)})
+                print(rows[-1], flush=True)
         shutil.rmtree(root, ignore_errors=True)
     if pycache:
         shutil.rmtree(pycache, ignore_errors=True)
@@ -184,8 +210,12 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--no-bytecode", action="store_true",
                    help="every start compiles Python's sources (a machine that keeps no bytecode)")
+    p.add_argument("--kinds", default="tr,ro",
+                   help="tr (tr.compile), ro (reduce-overhead), inductor (torch.compile's "
+                        "default, no graphs), aot (torch's AOT precompile: "
+                        "Inductor, no graphs, fullgraph models; a warm start without Dynamo's trace)")
     ns = p.parse_args()
-    rows = run(ns.models.split(","), bytecode=not ns.no_bytecode)
+    rows = run(ns.models.split(","), bytecode=not ns.no_bytecode, kinds=tuple(ns.kinds.split(",")))
     print(table(rows))
     if ns.json:
         Path(ns.json).write_text(json.dumps(rows, indent=1))
