@@ -185,8 +185,13 @@ def graph(
         Pass values that change between calls (positions, lengths) as tensors.
 
     .. warning::
-        The graph is for inference: it is captured under ``torch.no_grad()``. To train through
-        graphs use :func:`torchreplay.make_graphed_callables` or :func:`torchreplay.graph_step`.
+        The graph is for inference: it is captured under ``torch.no_grad()`` and its outputs
+        carry no autograd history. A call the graph cannot serve as eager would runs eagerly
+        instead, warning once per reason and counted in ``stats.fallbacks``: with autograd on
+        and an argument that requires grad (eager records a backward to it), under another CUDA
+        autocast setting than the capture's (the graph computes in the captured dtypes), or with
+        the module switched between train and eval. To train through graphs use
+        :func:`torchreplay.make_graphed_callables` or :func:`torchreplay.graph_step`.
 
     .. warning::
         With ``outputs="checked"``, an output you keep across calls raises when read after the

@@ -248,3 +248,60 @@ def test_copy_in_of_an_input_that_requires_grad_is_not_recorded_by_autograd(n) -
             assert not slot.static.requires_grad and slot.static.grad_fn is None
             torch.testing.assert_close(slot.static, x.detach())
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["one tensor", "several"])
+@pytest.mark.parametrize("cast", [False, True], ids=["same dtype", "widened"])
+def test_an_inference_graph_copies_nothing_for_a_call_autograd_must_record(n, cast) -> None:
+    """``tr.graph``'s inputs (``eager_if_tracked``): with autograd on and an argument that
+    requires grad, eager records a backward to it, which the graph cannot; copy_in returns None
+    before writing anything (the call then runs eagerly, core/modes.py). Under no_grad, or with
+    no argument requiring grad, it copies as before; training graphs never return None."""
+    samples = tuple(torch.randn(3, 4) for _ in range(n))
+    inp = Inputs(lambda *xs: xs, samples, {}, CPU)
+    inp.eager_if_tracked = True
+    before = [slot.static.clone() for slot in inp.tensor_slots]
+    dtype = torch.float16 if cast else torch.float32
+    xs = tuple(torch.randn(3, 4, dtype=dtype) for _ in range(n - 1)) + (
+        torch.randn(3, 4, dtype=dtype, requires_grad=True),)
+    assert inp.copy_in(xs, {}) is None
+    for slot, old in zip(inp.tensor_slots, before):
+        assert torch.equal(slot.static, old)  # nothing written
+    assert inp.tracked_path(xs, {}) == inp.tensor_slots[-1].path
+    with torch.no_grad():
+        assert inp.copy_in(xs, {}) is not None
+    for slot, x in zip(inp.tensor_slots, xs):
+        torch.testing.assert_close(slot.static, x.detach().float())
+    plain = tuple(x.detach() for x in xs)
+    assert inp.copy_in(plain, {}) is not None  # nothing requires grad: copied
+    training = Inputs(lambda *xs: xs, samples, {}, CPU)  # eager_if_tracked off
+    assert training.copy_in(xs, {}) is not None
+
+
+def test_eager_calls_name_the_reason_and_warn_once_each(caplog) -> None:
+    """core/modes.py: the mode and autocast reasons, the autograd reason from the leaves, one
+    warning per reason, each call counted and run as the plain callable."""
+    from torchreplay.core.modes import AUTOCAST, GRAD, TRAIN_MODE, EagerCalls, tracked_leaf
+
+    module = torch.nn.Linear(4, 4).eval()
+    calls = EagerCalls("m", training=False)
+    assert calls.autocast is None and calls.reason(module) is None
+    x = torch.randn(2, 4, requires_grad=True)
+    assert calls.reason(module, [3, x]) == GRAD and tracked_leaf([3, x]) == 1
+    with torch.no_grad():
+        assert calls.reason(module, [3, x]) is None
+    module.train()
+    assert calls.reason(module, [x]) == TRAIN_MODE
+    module.eval()
+    calls.autocast = torch.bfloat16  # as if captured under autocast(bfloat16): now there is none
+    assert calls.reason(module) == AUTOCAST
+    stats = GraphStats(lambda: 0)
+    with caplog.at_level("WARNING", logger="torchreplay"):
+        for _ in range(3):
+            for why in (AUTOCAST, GRAD):
+                y = calls.run(module, (x,), {}, why, stats, "args[0] 'x'")
+    assert stats.fallbacks == 6 and y.grad_fn is not None
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2
+    assert "autocast(bfloat16)" in said[0] and "no autocast" in said[0]
+    assert "args[0] 'x'" in said[1] and "torch.no_grad()" in said[1] and "make_graphed_callables" in said[1]

@@ -40,8 +40,8 @@ from torchreplay.core.capture import (
     capture,
     on_side_stream,
     side_stream,
-    warn_mode_changed,
 )
+from torchreplay.core.modes import GRAD, EagerCalls, tracked_leaf
 from torchreplay.core.padding import flat_call
 from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import Pool, release_with
@@ -136,7 +136,7 @@ class BreakableGraph:
             resolved = tuple(Break("module", b.module, b.path) for b in self.auto)
         self._breaks = resolved
         self._training = self._module.training if self._module is not None else None
-        self._warned_mode = False
+        self._eager_calls = EagerCalls(self.name, bool(self._training))  # core/modes.py
         self._placed: Placed | None = None  # at the first capture
         self._spec = call.spec
         self._paths = tuple(call.paths)
@@ -270,7 +270,10 @@ class BreakableGraph:
         else:
             leaves = self._flatten(args, kwargs)
         module = self._module
-        mode_changed = module is not None and module.training != self._training
+        calls = self._eager_calls  # core/modes.py: what a replay cannot do as eager does
+        grad = torch.is_grad_enabled()
+        why = calls.reason(module, leaves if grad else None)
+        mode_changed = why is not None
         placed = self._placed  # the model moved, or weights or submodules replaced
         moved = placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
@@ -289,13 +292,11 @@ class BreakableGraph:
         if self._policy_on and not mode_changed and eager_by_policy(self, leaves, size):
             with torch.no_grad():
                 return self.fn(*args, **kwargs)
-        if mode_changed:
-            if not self._warned_mode:
-                self._warned_mode = True
-                warn_mode_changed(self.name, bool(self._training))
-            self.stats.fallbacks += 1
-            return self.fn(*args, **kwargs)
-        if torch.is_grad_enabled():
+        if why is not None:
+            k = tracked_leaf(leaves) if why == GRAD else None
+            what = self._paths[k] if k is not None else ""
+            return calls.run(self.fn, args, kwargs, why, self.stats, what)
+        if grad:
             with torch.no_grad():
                 out = self.runtime(*leaves, size=size)
         else:

@@ -11,8 +11,9 @@ import torch
 from torchreplay import _compat
 from torchreplay.config import RANKS, SAFE, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
-from torchreplay.core.capture import StateSnapshot, capture, side_stream, warn_mode_changed
+from torchreplay.core.capture import StateSnapshot, capture, side_stream
 from torchreplay.core.io import Inputs
+from torchreplay.core.modes import AUTOCAST, GRAD, TRAIN_MODE, EagerCalls, tracked_leaf
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import Pool, release_with
@@ -22,6 +23,8 @@ from torchreplay.errors import CaptureError
 from torchreplay.stats import GraphStats
 
 _current_stream = _compat.current_stream
+_any_autocast = _compat.any_autocast
+_cuda_autocast = _compat.cuda_autocast
 
 __all__ = ["Graphed", "owned_by", "refuse_static_written_outputs", "resolve_config", "resolve_pool"]
 
@@ -65,9 +68,10 @@ class Graphed:
         self.device = device
         self.pool = pool if pool is not None else Pool(device)
         self.stats = GraphStats(self.pool.reserved_bytes)
-        self._warned_fallback = False
+        self._eager = EagerCalls(self.name, self._training)  # calls a replay cannot serve
 
         self._inputs = Inputs(call, device)
+        self._inputs.eager_if_tracked = True  # copy_in: None for a call autograd must record
         self.static_args = self._inputs.static_args
         self.static_kwargs = self._inputs.static_kwargs
         self._stream = side_stream(device)
@@ -126,17 +130,24 @@ class Graphed:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._module
-        fallback = module is not None and module.training != self._training
+        eager = self._eager  # core/modes.py: what a replay cannot do as eager does
+        why = None
+        if module is not None and module.training != self._training:
+            why = TRAIN_MODE
+        elif (eager.autocast is not None or _any_autocast()) and _cuda_autocast() != eager.autocast:
+            why = AUTOCAST
         placed = self._placed  # the model moved, or weights or submodules replaced
         moved = placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
         ) and placed.moved()
         if self._ranks is not None:  # collectives inside: every rank replays, or all raise
-            self._ranks(0, EAGER if fallback or moved else GRAPH)
+            if why is None and tracked_leaf(self._inputs.flatten(args, kwargs)) is not None:
+                why = GRAD  # decided before the agreement, not at the copy-in
+            self._ranks(0, EAGER if why or moved else GRAPH)
         if moved:
             raise placed.error(self.name)  # type: ignore[union-attr]
-        if fallback:
-            return self._fallback(args, kwargs)
+        if why is not None:
+            return self._fallback(args, kwargs, why)
         callers = self._callers
         with callers.lock:
             if get_ident() != callers.thread:
@@ -156,6 +167,8 @@ class Graphed:
         # Copy-in first: an argument may be a previous output of this graph (y = g(y)), which
         # must be read before the replay overwrites it and before it is marked stale.
         leaves = self._inputs.copy_in(args, kwargs)
+        if leaves is None:  # autograd on and an argument that requires grad
+            return self._fallback(args, kwargs, GRAD)
         if self._writes:
             self._inputs.check_aliasing(leaves)
         if self.pool.shared:
@@ -173,12 +186,9 @@ class Graphed:
     def _make_clones(self) -> None:
         outputs_to_clones(self, [self._outputs])
 
-    def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        self.stats.fallbacks += 1
-        if not self._warned_fallback:
-            self._warned_fallback = True
-            warn_mode_changed(self.name, self._training)
-        return self.fn(*args, **kwargs)
+    def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any], why: str) -> Any:
+        what = self._inputs.tracked_path(args, kwargs) if why == GRAD else ""
+        return self._eager.run(self.fn, args, kwargs, why, self.stats, what)
 
     def __repr__(self) -> str:
         return f"Graphed({self.name}, device={self.device}, {self.stats.explain()})"

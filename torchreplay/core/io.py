@@ -29,6 +29,7 @@ __all__ = [
     "describe_tensor",
     "same_constant",
     "conversion_fix",
+    "warn_widening",
     "widens",
     "write_back",
 ]
@@ -38,6 +39,30 @@ log = logging.getLogger(__name__)
 _Tensor = torch.Tensor
 _foreach_copy = _compat.foreach_copy_
 _copy_untracked = _compat.foreach_copy_untracked
+_grad_enabled = torch.is_grad_enabled
+
+
+def warn_widening(
+    warned: set[tuple[int, torch.dtype]], i: int, path: str, got: torch.dtype, want: torch.dtype
+) -> None:
+    """Warn once per argument ``i`` and dtype that a lossless cast copies it in."""
+    if (i, got) in warned:
+        return
+    warned.add((i, got))
+    name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
+    log.warning(
+        "torchreplay: %s is %s but the graph was captured with %s: copying it in with a lossless "
+        "cast (the graph computes in %s; each call pays the cast). Pass %s, or graph with a "
+        "sample of this dtype",
+        path, name(got), name(want), name(want), name(want),
+    )
+
+
+def _copy_widening(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each source into its static buffer with a (lossless) cast, unrecorded by autograd."""
+    with torch.no_grad():
+        for static, leaf in pairs:
+            static.copy_(leaf)
 
 # Lossless casts a call may make into a static buffer: every value of the source dtype is exactly
 # representable in the target. Integer -> float and bool -> anything are left out on purpose: they
@@ -179,6 +204,9 @@ class Inputs:
             [s.static if s.static is not None else s.value for s in self.slots]
         )
         self.tensor_slots = [s for s in self.slots if s.static is not None]
+        #: An inference graph's (tr.graph): :meth:`copy_in` copies nothing and returns None for a
+        #: call with autograd on and a tensor that requires grad (core/modes.py: run eagerly).
+        self.eager_if_tracked = False
         # What copy_in checks, precomputed as tuples: attribute lookups on the hot path cost
         # as much as the checks themselves.
         self._tensor_checks = [
@@ -213,7 +241,7 @@ class Inputs:
                 pass  # a different keyword: the slow path names it
         return self._flatten_slow(args, kwargs)
 
-    def copy_in(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Sequence[Any]:
+    def copy_in(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Sequence[Any] | None:
         """Check every argument against the capture and copy tensors into the static buffers.
 
         Shape, dtype and device are checked here, before anything is written: those are the
@@ -221,7 +249,8 @@ class Inputs:
         (a sparse tensor) is turned into the same error when it raises.
 
         Returns the call's leaves in capture order (training passes the caller's tensors on to
-        autograd, so that gradients reach them).
+        autograd, so that gradients reach them); ``None``, having copied nothing, for a call
+        autograd must record when :attr:`eager_if_tracked`.
         """
         # flatten's and _matches' common cases inline: this runs on every replay
         if self._only_args and not kwargs and len(args) == self.nargs:
@@ -239,10 +268,15 @@ class Inputs:
                     and leaf.dtype is dtype
                     and leaf.get_device() == device
                 ) and not _matches(leaf, shape, dtype, device):
-                    self._convert(i, slot, leaf)
+                    self._check_widening(i, slot, leaf)
+                    if leaf.requires_grad and self.eager_if_tracked and _grad_enabled():
+                        return None
+                    _copy_widening([(static, leaf)])
                     return leaves
                 try:  # one tensor through the multi-tensor copy: a microsecond less than copy_
                     if leaf.requires_grad:  # (training) a copy autograd must not record
+                        if self.eager_if_tracked and _grad_enabled():
+                            return None
                         _copy_untracked([static], [leaf])
                     else:
                         _foreach_copy([static], [leaf])
@@ -255,21 +289,25 @@ class Inputs:
                 raise self.constant_error(slot, leaf)
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
+        widened: list[tuple[torch.Tensor, torch.Tensor]] = []
         tracked = False
         for i, static, shape, dtype, device, slot in self._tensor_checks:
             leaf = leaves[i]
             if leaf is not static:
                 if not _matches(leaf, shape, dtype, device):
-                    self._convert(i, slot, leaf)  # a widening cast copies on its own
-                    continue
-                dsts.append(static)
-                srcs.append(leaf)
+                    self._check_widening(i, slot, leaf)  # a widening cast: copied on its own
+                    widened.append((static, leaf))
+                else:
+                    dsts.append(static)
+                    srcs.append(leaf)
                 tracked = tracked or leaf.requires_grad
+        if tracked and self.eager_if_tracked and _grad_enabled():
+            return None  # before anything is written
+        if widened:
+            _copy_widening(widened)
         try:
-            if tracked:
-                _copy_untracked(dsts, srcs)
-            elif dsts:
-                _foreach_copy(dsts, srcs)
+            if dsts:
+                (_copy_untracked if tracked else _foreach_copy)(dsts, srcs)
         except RuntimeError:
             for i, static, _, _, _, slot in self._tensor_checks:
                 if leaves[i] is not static and leaves[i].layout is not torch.strided:
@@ -277,9 +315,16 @@ class Inputs:
             raise
         return leaves
 
-    def _convert(self, i: int, slot: _Slot, leaf: Any) -> None:
-        """Copy a tensor of the captured shape and device whose dtype widens losslessly into the
-        captured one; raise the argument's error for anything else."""
+    def tracked_path(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """The path of the first argument that requires grad (for a message)."""
+        for slot, leaf in zip(self.slots, self.flatten(args, kwargs)):
+            if isinstance(leaf, _Tensor) and leaf.requires_grad:
+                return slot.path
+        return "an argument"
+
+    def _check_widening(self, i: int, slot: _Slot, leaf: Any) -> None:
+        """Accept a tensor of the captured shape and device whose dtype widens losslessly into
+        the captured one (warning once); raise the argument's error for anything else."""
         static = slot.static
         assert static is not None
         if not (
@@ -290,20 +335,7 @@ class Inputs:
             and widens(leaf.dtype, slot.dtype)  # type: ignore[arg-type]
         ):
             raise self.tensor_error(slot, leaf)
-        if (i, leaf.dtype) not in self._widened:
-            self._widened.add((i, leaf.dtype))
-            log.warning(
-                "torchreplay: %s is %s but the graph was captured with %s: copying it in with a "
-                "lossless cast (the graph computes in %s; each call pays the cast). Pass %s, or "
-                "graph with a sample of this dtype",
-                slot.path,
-                str(leaf.dtype).removeprefix("torch."),
-                str(slot.dtype).removeprefix("torch."),
-                str(slot.dtype).removeprefix("torch."),
-                str(slot.dtype).removeprefix("torch."),
-            )
-        with torch.no_grad():
-            static.copy_(leaf)
+        warn_widening(self._widened, i, slot.path, leaf.dtype, slot.dtype)  # type: ignore[arg-type]
 
     # -- input writes --------------------------------------------------------------------------
 

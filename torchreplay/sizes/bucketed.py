@@ -27,9 +27,10 @@ from torchreplay import _compat
 from torchreplay.config import RANKS, SAFE, BucketConfig, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
 from torchreplay.core.capture import (
-    StateSnapshot, capture, on_side_stream, progress, side_stream, warn_mode_changed,
+    StateSnapshot, capture, on_side_stream, progress, side_stream,
 )
-from torchreplay.core.io import Inputs, same_constant, widens, write_back
+from torchreplay.core.io import Inputs, same_constant, warn_widening, widens, write_back
+from torchreplay.core.modes import GRAD, EagerCalls, tracked_leaf
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.padding import flat_call, pad_sample, run_padded
 from torchreplay.core.placed import CHANGES, GONE, Placed
@@ -52,6 +53,10 @@ __all__ = ["BucketedGraph"]
 log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled
+_foreach_copy = _compat.foreach_copy_
+_copy_untracked = _compat.foreach_copy_untracked
+_TRACKED = object()  # _replay: the call must record autograd, so it runs eagerly
 
 
 class BucketedGraph:
@@ -120,7 +125,7 @@ class BucketedGraph:
         self.device = device
         self.pool = pool if pool is not None else Pool(device)
         self.stats = GraphStats(self.pool.reserved_bytes)
-        self._warned_mode = False
+        self._eager_calls = EagerCalls(self.name, self._training)  # core/modes.py
         self._warned_sizes: set[int] = set()
         self._graphs: dict[int, _SizeGraph] = {}
         self._routes: list[_Route | None] = [None] * (self._max + 1)
@@ -324,10 +329,13 @@ class BucketedGraph:
             if self._ranks is not None:  # the others replay only if every rank would
                 self._ranks(0, EAGER)
             raise placed.error(self.name)
-        if module is not None and module.training != self._training:
+        # core/modes.py: what a replay cannot do as eager does (with ranks: decided before they agree)
+        why = self._eager_calls.reason(
+            module, self._inputs.flatten(args, kwargs) if self._ranks is not None else None)
+        if why is not None:
             if self._ranks is not None:  # every rank falls back, or all raise
                 self._ranks(0, EAGER)
-            return self._mode_fallback(args, kwargs)
+            return self._mode_fallback(args, kwargs, why)
         with (callers := self._callers).lock:  # one call at a time (core/threads.py)
             if get_ident() != callers.thread:
                 callers.another(get_ident(), self._make_clones)
@@ -348,7 +356,8 @@ class BucketedGraph:
         route = self._routes[n] if n <= self._max else None
         if route is None:
             return self._new_size(n, leaves, args, kwargs)
-        return self._replay(route, n, leaves)
+        out = self._replay(route, n, leaves)
+        return self._mode_fallback(args, kwargs, GRAD) if out is _TRACKED else out
 
     def _replay(self, route: _Route, n: int, leaves: list[Any]) -> Any:
         dsts: list[torch.Tensor] = []
@@ -373,11 +382,14 @@ class BucketedGraph:
                     continue
                 dsts.append(dst)
                 srcs.append(leaf)
+        grad = _grad_enabled()
+        if grad and tracked_leaf(leaves) is not None:
+            return _TRACKED  # before anything is written
         if n < self._clean_from:
             self._pad(n)
         # Copy-in before the old outputs are invalidated: an argument may be one of them.
-        if dsts:
-            _compat.foreach_copy_untracked(dsts, srcs)
+        if dsts:  # autograd off for the copy: it must not record one
+            (_copy_untracked if grad else _foreach_copy)(dsts, srcs)
         for dst, leaf in widened:  # after the padding refill, so it lands on top of it
             with torch.no_grad():
                 dst.copy_(leaf)
@@ -406,17 +418,7 @@ class BucketedGraph:
         other dtype."""
         if not widens(leaf.dtype, slot.dtype):
             raise self._input_error(leaves, n)
-        if (i, leaf.dtype) not in self._warned_casts:
-            self._warned_casts.add((i, leaf.dtype))
-            log.warning(
-                "torchreplay: %s is %s but '%s' was captured with %s: copying it in with a "
-                "lossless cast (each call pays it). Pass %s, or graph with a sample of this dtype",
-                slot.path,
-                str(leaf.dtype).removeprefix("torch."),
-                self.name,
-                str(slot.dtype).removeprefix("torch."),
-                str(slot.dtype).removeprefix("torch."),
-            )
+        warn_widening(self._warned_casts, i, slot.path, leaf.dtype, slot.dtype)
         return self._routes[n].dsts[i]  # type: ignore[union-attr,return-value]
 
     def _copy_back(self, leaves: Any, route: _Route) -> None:
@@ -477,7 +479,7 @@ class BucketedGraph:
             size = self._agreed[agreed] if agreed <= self._max else None
             route = self._wide.get((n, size)) if size is not None else None
         if route is not None:
-            return self._replay(route, n, leaves)
+            return self._replay(route, n, leaves)  # not _TRACKED: __call__ decided that first
         decision = decide(self.options, agreed, self._graphs, name=self.name, where=self._plan.where())
         if decision.action == "error":
             raise ReplayInputError(decision.message)
@@ -508,8 +510,8 @@ class BucketedGraph:
         if n not in self._warned_sizes:
             self._warned_sizes.add(n)
             log.warning("%s", message)
-        if padded_from is None:
-            with torch.no_grad():  # what the graph would have computed, without autograd
+        if padded_from is None:  # no autograd, as the graph, unless it must record one (core/modes.py)
+            with torch.set_grad_enabled(tracked_leaf(self._inputs.flatten(args, kwargs)) is not None):
                 return self.fn(*args, **kwargs)
         plan = self._out_plan
         out_dims = ["size" if leaf.kind == "size" else leaf.dims for leaf in plan.leaves]
@@ -572,12 +574,9 @@ class BucketedGraph:
 
     # -- fallbacks and errors -------------------------------------------------------------------
 
-    def _mode_fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        self.stats.fallbacks += 1
-        if not self._warned_mode:
-            self._warned_mode = True
-            warn_mode_changed(self.name, self._training)
-        return self.fn(*args, **kwargs)
+    def _mode_fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any], why: str) -> Any:
+        what = self._inputs.tracked_path(args, kwargs) if why == GRAD else ""
+        return self._eager_calls.run(self.fn, args, kwargs, why, self.stats, what)
 
     def _check_call(self, leaves: list[Any], n: int) -> None:
         """Raise the input error of a call whose arguments do not fit any size."""

@@ -43,6 +43,7 @@ from torchreplay import _compat
 from torchreplay.config import RANKS, GraphConfig
 from torchreplay.core.args import CallArgs, fn_name, owning_module
 from torchreplay.core.capture import warn_mode_changed
+from torchreplay.core.modes import autocast_name
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import CHANGES, GONE, Placed
@@ -67,6 +68,8 @@ __all__ = ["GraphedCallable", "TrainingStats"]
 log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
+_any_autocast = _compat.any_autocast
+_cuda_autocast = _compat.cuda_autocast
 
 
 class GraphedCallable:
@@ -142,10 +145,7 @@ class GraphedCallable:
         self._placed: Placed | None = None  # at _adopt
         self._callers = Callers()
         self._discovering_done = False
-        self._autocast = (
-            torch.is_autocast_enabled("cuda"),
-            torch.get_autocast_dtype("cuda"),
-        )
+        self._autocast = _compat.cuda_autocast()  # its dtype, None: off
 
         def warm(*a: Any, **k: Any) -> Any:
             return self._warm(a, k)
@@ -311,10 +311,8 @@ class GraphedCallable:
             raise placed.error(self.name)  # type: ignore[union-attr]
         if fallback:
             return self._fallback(args, kwargs)
-        enabled, dtype = self._autocast
-        if torch.is_autocast_enabled("cuda") != enabled or (
-            enabled and torch.get_autocast_dtype("cuda") != dtype
-        ):
+        autocast = self._autocast
+        if (autocast is not None or _any_autocast()) and _cuda_autocast() != autocast:
             raise ReplayInputError(self._autocast_message())
         return one_at_a_time(self, self._dispatch, args, kwargs)  # core/threads.py
 
@@ -545,14 +543,7 @@ class GraphedCallable:
         return self._run_fn(*args, **kwargs)
 
     def _autocast_message(self) -> str:
-        enabled, dtype = self._autocast
-        now = torch.is_autocast_enabled("cuda")
-        captured = f"autocast({str(dtype).removeprefix('torch.')})" if enabled else "no autocast"
-        current = (
-            f"autocast({str(torch.get_autocast_dtype('cuda')).removeprefix('torch.')})"
-            if now
-            else "no autocast"
-        )
+        captured, current = autocast_name(self._autocast), autocast_name(_cuda_autocast())
         return (
             f"'{self.name}' was graphed under {captured} but is called under {current}; the graph "
             "always computes in the precision it was captured in. Call it under the same "

@@ -42,6 +42,7 @@ from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import Placed
+from torchreplay.core.modes import AUTOCAST, EagerCalls
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.core.threads import Callers, one_at_a_time
 from torchreplay.distributed import EAGER, GRAPH, agreement
@@ -122,6 +123,7 @@ class GraphedStep:
         self._lr_slots: list[LrSlot] = []
         self._guards: list[GroupGuard] = []
         self._warned_fallback = False
+        self._eager_calls = EagerCalls(self.name, True)  # the autocast setting of the capture
         for opt in optimizers:  # before anything runs: refuse what cannot be captured
             check_optimizer(opt)
             if self._scalers:
@@ -338,12 +340,15 @@ class GraphedStep:
             if module.training != training:
                 fallback = True
                 break
+        autocast = not fallback and self._eager_calls.autocast_changed()
         placed = self._placed  # a step takes milliseconds: the check's method, not inlined
         moved = placed is not None and placed.changed()
         if self._ranks is not None:  # collectives inside (DDP): every rank replays, or all raise
-            self._ranks(0, EAGER if fallback or moved else GRAPH)
+            self._ranks(0, EAGER if fallback or autocast or moved else GRAPH)
         if moved:
             raise placed.error(self.name)  # type: ignore[union-attr]
+        if autocast:  # called under another autocast setting than captured: other dtypes
+            return self._eager_calls.run(self.fn, args, kwargs, AUTOCAST, self.stats)
         if fallback:
             return self._fallback(args, kwargs)
         return one_at_a_time(self, self._dispatch, args, kwargs)  # core/threads.py

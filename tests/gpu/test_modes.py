@@ -1,0 +1,151 @@
+"""Calls a graph cannot serve as eager would (core/modes.py), on a real GPU: under another CUDA
+autocast setting than the capture's, and with autograd on and an argument that requires grad.
+``tr.graph`` (one shape, ``sizes=``, ``breaks=``) runs them eagerly, each equal to eager (dtypes,
+values, gradients) over many calls with fresh inputs, and replays again in the captured setting;
+``graph_step`` runs a step eagerly under another autocast; ``make_graphed_callables`` raises."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchreplay as tr
+from torchreplay.errors import ReplayInputError
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+DEV = "cuda"
+CALLS = 6
+FRONTS = ["one shape", "sizes", "breaks"]
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).to(DEV).eval()
+
+
+def build(front: str, model: nn.Module, x: torch.Tensor):
+    if front == "sizes":
+        return tr.graph(model, x, sizes=[2, 4, 8])
+    if front == "breaks":
+        return tr.graph(model, x, breaks=[model[1]])
+    return tr.graph(model, x)
+
+
+def rows(front: str) -> int:
+    return 3 if front == "sizes" else 4  # with sizes=, a call padded to 4 rows
+
+
+def autocast(dtype):
+    return torch.autocast("cuda", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("front", FRONTS)
+@pytest.mark.parametrize("captured", [None, torch.bfloat16], ids=["captured plain", "captured bf16"])
+def test_a_call_under_another_autocast_setting_runs_eagerly(front, captured, caplog) -> None:
+    model = mlp()
+    other = torch.bfloat16 if captured is None else None
+    n = rows(front)
+    with torch.no_grad(), autocast(captured):
+        g = build(front, model, torch.randn(n, 64, device=DEV))
+    replays, fallbacks = g.stats.replays, g.stats.fallbacks
+    with caplog.at_level(logging.WARNING, logger="torchreplay"), torch.no_grad():
+        for _ in range(CALLS):
+            for setting in (captured, other, torch.float16):
+                x = torch.randn(n, 64, device=DEV)
+                with autocast(setting):
+                    got = g(x)
+                    want = model(x)
+                assert got.dtype == want.dtype
+                if setting == captured:  # replayed: the captured kernels
+                    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+                else:  # eagerly: the very kernels eager runs
+                    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert g.stats.replays - replays == CALLS
+    assert g.stats.fallbacks - fallbacks == 2 * CALLS
+    said = [r.getMessage() for r in caplog.records if "autocast" in r.getMessage()]
+    assert len(said) == 1, said  # once per reason, not per setting or call
+    assert "run eagerly" in said[0]
+
+
+@pytest.mark.parametrize("front", FRONTS)
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen weights", "trained weights"])
+def test_autograd_to_an_argument_runs_eagerly_with_eager_gradients(front, frozen, caplog) -> None:
+    """A frozen network used as a loss (or an input attribution): eager backpropagates through it
+    to the argument, and to its weights when they require grad; a replay could not."""
+    model, ref = mlp(), mlp()
+    for p in (*model.parameters(), *ref.parameters()):
+        p.requires_grad_(not frozen)
+    n = rows(front)
+    with torch.no_grad():
+        g = build(front, model, torch.randn(n, 64, device=DEV))
+    replays = g.stats.replays
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        for _ in range(CALLS):
+            x = torch.randn(n, 64, device=DEV)
+            a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+            loss, ref_loss = g(a).square().mean(), ref(b).square().mean()
+            loss.backward()
+            ref_loss.backward()
+            torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+            with torch.no_grad():  # the same argument under no_grad: the graph replays
+                torch.testing.assert_close(g(a), ref(b), rtol=1e-5, atol=1e-5)
+            plain = g(x)  # nothing requires grad, autograd on: replays; no history
+            assert plain.grad_fn is None
+            torch.testing.assert_close(plain, ref(x).detach(), rtol=1e-5, atol=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        if frozen:
+            assert p.grad is None and q.grad is None
+        else:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    assert g.stats.replays - replays == 2 * CALLS
+    said = [r.getMessage() for r in caplog.records if "requiring grad" in r.getMessage()]
+    assert len(said) == 1 and "args[0]" in said[0], said
+
+
+def test_graph_step_under_another_autocast_runs_the_step_eagerly() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).to(DEV)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, capturable=True)
+
+    def make(m, o):
+        def step(x, y):
+            o.zero_grad(set_to_none=True)
+            loss = F.mse_loss(m(x).float(), y)
+            loss.backward()
+            o.step()
+            return loss
+        return step
+
+    data = [(torch.randn(8, 64, device=DEV), torch.randn(8, 64, device=DEV)) for _ in range(8)]
+    step, ref_step = tr.graph_step(make(model, opt), *data[0]), make(ref, ref_opt)
+    for k, (x, y) in enumerate(data):
+        setting = torch.bfloat16 if k % 2 else None
+        with autocast(setting):
+            loss = step(x, y).clone()
+            ref_loss = ref_step(x, y).detach()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-3, atol=1e-4)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
+    assert step.stats.replays == 4 and step.stats.fallbacks == 4
+
+
+def test_make_graphed_callables_under_another_autocast_raises() -> None:
+    model = mlp().train()
+    x = torch.randn(4, 64, device=DEV, requires_grad=True)
+    graphed = tr.make_graphed_callables(model, (x,))
+    graphed(x).sum().backward()
+    with autocast(torch.bfloat16), pytest.raises(ReplayInputError, match="no autocast.*autocast\\(bfloat16\\)"):
+        graphed(torch.randn(4, 64, device=DEV, requires_grad=True))

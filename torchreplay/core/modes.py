@@ -1,0 +1,129 @@
+"""Calls an inference graph runs eagerly because the graph cannot do what eager does (internal).
+
+A graph replays what it recorded: the kernels of the CUDA autocast setting it was captured
+under, with no autograd. Eagerly:
+
+- a module switched between train and eval runs other code (dropout, batch statistics);
+- a call under another autocast setting computes in other dtypes and returns them;
+- a call with autograd on and an argument that requires grad records a backward to that
+  argument (a frozen network used as a loss, an input-gradient attribution).
+
+Replaying would give another result than eager, or no gradient, silently. So ``tr.graph`` (one
+shape, ``sizes=`` and ``breaks=``) runs such a call as the plain callable, warns once per
+reason naming the fix, and counts it in ``stats.fallbacks``; the next call in the captured
+setting replays again. ``graph_step`` does the same for another autocast setting.
+``make_graphed_callables`` records autograd itself and raises ``ReplayInputError`` on another
+autocast setting instead: its backward cannot run eagerly once its forward has replayed.
+
+Autograd through the module's parameters alone (grad mode on, no argument requiring grad) is
+not a reason: most inference code runs without ``torch.no_grad()`` and never calls backward.
+The graph's outputs carry no autograd history; ``tr.graph``'s docstring says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+
+from torchreplay import _compat
+from torchreplay.core.capture import warn_mode_changed
+
+__all__ = ["TRAIN_MODE", "AUTOCAST", "GRAD", "EagerCalls", "autocast_name", "tracked_leaf"]
+
+log = logging.getLogger(__name__)
+
+TRAIN_MODE = "train/eval mode"
+AUTOCAST = "autocast"
+GRAD = "autograd"
+
+_Tensor = torch.Tensor
+
+
+def autocast_name(dtype: torch.dtype | None) -> str:
+    return "no autocast" if dtype is None else f"autocast({str(dtype).removeprefix('torch.')})"
+
+
+def tracked_leaf(leaves: Sequence[Any]) -> int | None:
+    """The index of the first tensor among ``leaves`` that requires grad while autograd is on:
+    eagerly the call would record a backward to it. ``None`` otherwise."""
+    if not torch.is_grad_enabled():
+        return None
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, _Tensor) and leaf.requires_grad:
+            return i
+    return None
+
+
+class EagerCalls:
+    """One graph's reasons to run a call eagerly: the CUDA autocast setting it was captured
+    under (``autocast``: the dtype, ``None`` when off), and which reasons it has warned about.
+
+    :meth:`reason` tests the mode and the autocast setting; ``tr.graph``'s one-shape hot path
+    inlines it. Either costs one C call when autocast was off at capture and is off now. The
+    autograd reason is found where the arguments are copied in, at no cost when no argument
+    requires grad.
+    """
+
+    __slots__ = ("name", "training", "autocast", "_warned")
+
+    def __init__(self, name: str, training: bool) -> None:
+        self.name = name
+        self.training = training
+        self.autocast = _compat.cuda_autocast()
+        self._warned: set[str] = set()
+
+    def autocast_changed(self) -> bool:
+        return (self.autocast is not None or _compat.any_autocast()) and (
+            _compat.cuda_autocast() != self.autocast
+        )
+
+    def reason(self, module: torch.nn.Module | None, leaves: Sequence[Any] | None = None) -> str | None:
+        """Why this call runs eagerly: the module's train/eval mode or the autocast setting
+        changed since capture, or (only when ``leaves`` are given: graphs whose ranks agree
+        before the copy-in) autograd must record a backward to an argument. ``None``: replay."""
+        if module is not None and module.training != self.training:
+            return TRAIN_MODE
+        if self.autocast_changed():
+            return AUTOCAST
+        if leaves is not None and tracked_leaf(leaves) is not None:
+            return GRAD
+        return None
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        why: str,
+        stats: Any,
+        what: str = "an argument",
+    ) -> Any:
+        """Count the call, warn once for ``why`` (``what``: the argument that requires grad),
+        and run ``fn`` eagerly."""
+        stats.fallbacks += 1
+        if why not in self._warned:
+            self._warned.add(why)
+            self._warn(why, what)
+        return fn(*args, **kwargs)
+
+    def _warn(self, why: str, what: str) -> None:
+        if why == TRAIN_MODE:
+            warn_mode_changed(self.name, self.training)
+        elif why == AUTOCAST:
+            log.warning(
+                "torchreplay: '%s' was captured under %s but is called under %s: a graph computes "
+                "in the dtypes it was captured in, so calls under this setting run eagerly "
+                "(counted in stats.fallbacks). Graph it under this setting to replay it there.",
+                self.name, autocast_name(self.autocast), autocast_name(_compat.cuda_autocast()),
+            )
+        else:
+            log.warning(
+                "torchreplay: '%s' is called with autograd on and %s requiring grad: eagerly the "
+                "call records a backward to it, which an inference graph cannot, so such calls "
+                "run eagerly (counted in stats.fallbacks). To replay the graph, call it under "
+                "torch.no_grad() or pass %s.detach(); to train through graphs, use "
+                "tr.make_graphed_callables.",
+                self.name, what, what,
+            )
