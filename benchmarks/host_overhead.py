@@ -89,6 +89,7 @@ for row, fac in (("mlp", mlp_factory), ("resnet50", resnet50_factory)):
                     ("empty_like", lambda: torch.empty_like(x)),
                     ("a lambda (floor)", lambda: None),
                     ("stream check", lambda: _compat.current_stream(pool.index) != pool.stream),
+                    ("autocast check", getattr(_compat, "any_autocast", lambda: False)),
                     ("state check", lambda: pl is not None and (pl.seen != CHANGES[0] or pl.table[pl.key].data_ptr() != pl.at) and pl.moved())]:
         print(f"   {name:22s} {per_call(f):7.3f}")
     pr = cProfile.Profile(); pr.enable()
