@@ -149,3 +149,84 @@ def test_make_graphed_callables_under_another_autocast_raises() -> None:
     graphed(x).sum().backward()
     with autocast(torch.bfloat16), pytest.raises(ReplayInputError, match="no autocast.*autocast\\(bfloat16\\)"):
         graphed(torch.randn(4, 64, device=DEV, requires_grad=True))
+
+
+# -- a graph called inside another graph's capture -------------------------------------------
+
+
+@pytest.mark.parametrize("front", FRONTS)
+@pytest.mark.parametrize("outer", ["tr.graph", "torch.cuda.graph"])
+def test_a_graph_called_inside_another_capture_is_recorded_into_it(front, outer) -> None:
+    """A graphed block inside a model that is then graphed whole: CUDA allows no replay inside
+    a capture, so the block runs its callable there and its kernels become part of the outer
+    graph. The outer graph equals eager over fresh inputs; the block still replays alone."""
+    block = mlp()
+    n = rows(front)
+    with torch.no_grad():
+        inner = build(front, block, torch.randn(n, 64, device=DEV))
+
+        def model(x):
+            return inner(x * 0.5).relu() + x
+
+        def eager(x):
+            return block(x * 0.5).relu() + x
+
+        if outer == "tr.graph":
+            g = tr.graph(model, torch.randn(n, 64, device=DEV))
+            run = g
+        else:  # torch's recipe: warm up on a side stream, capture, copy in, replay
+            static = torch.randn(n, 64, device=DEV)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    model(static)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = model(static)
+
+            def run(x):
+                static.copy_(x)
+                graph.replay()
+                return out.clone()
+
+        for _ in range(CALLS):
+            x = torch.randn(n, 64, device=DEV)
+            torch.testing.assert_close(run(x), eager(x), rtol=1e-5, atol=1e-5)
+        replays = inner.stats.replays
+        for _ in range(CALLS):  # alone, outside any capture: it replays again
+            x = torch.randn(n, 64, device=DEV)
+            torch.testing.assert_close(inner(x), block(x), rtol=1e-5, atol=1e-5)
+        assert inner.stats.replays - replays == CALLS
+
+
+def test_make_graphed_callables_inside_a_graphed_training_step() -> None:
+    """A block graphed for training, then the whole step graphed with ``graph_step``: inside
+    the step's capture the block runs as is, forward and backward, recorded into the step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).to(DEV)
+    ref = copy.deepcopy(model)
+    x0 = torch.randn(8, 64, device=DEV)
+    graphed = tr.make_graphed_callables(model[0], (x0,))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, capturable=True)
+
+    def make(first, rest, o):
+        def step(x, y):
+            o.zero_grad(set_to_none=True)
+            loss = F.mse_loss(rest(first(x)), y)
+            loss.backward()
+            o.step()
+            return loss
+        return step
+
+    rest = nn.Sequential(model[1], model[2])
+    data = [(torch.randn(8, 64, device=DEV), torch.randn(8, 64, device=DEV)) for _ in range(8)]
+    step = tr.graph_step(make(graphed, rest, opt), *data[0])
+    ref_step = make(ref[0], nn.Sequential(ref[1], ref[2]), ref_opt)
+    for x, y in data:
+        torch.testing.assert_close(step(x, y).clone(), ref_step(x, y).detach(), rtol=1e-4, atol=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    assert step.stats.replays == len(data)

@@ -28,7 +28,7 @@ import torch
 from torchreplay import _compat
 from torchreplay.config import GraphConfig
 from torchreplay.core.args import fn_name
-from torchreplay.core.pool import Pool
+from torchreplay.core.pool import Pool, expect_capture
 from torchreplay.core.writes import WriteWatch
 from torchreplay.distributed.collectives import Collective, CollectiveLog
 from torchreplay.errors import CaptureError
@@ -185,6 +185,7 @@ class Segments:
     def resume(self) -> None:
         """Begin capturing the next segment."""
         graph = torch.cuda.CUDAGraph()
+        expect_capture()  # a graph called inside this capture runs eagerly (core/pool.py)
         # The capture's cuBLAS workspace must live in the graph's pool (see _compat).
         _compat.clear_cublas_workspaces()
         graph.capture_begin(pool=self._pool.handle, capture_error_mode=self._mode)

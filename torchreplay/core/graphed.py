@@ -13,7 +13,7 @@ from torchreplay.config import RANKS, SAFE, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
 from torchreplay.core.capture import StateSnapshot, capture, side_stream
 from torchreplay.core.io import Inputs
-from torchreplay.core.modes import AUTOCAST, GRAD, TRAIN_MODE, EagerCalls, tracked_leaf
+from torchreplay.core.modes import AUTOCAST, CAPTURE, GRAD, TRAIN_MODE, EagerCalls, tracked_leaf
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import Pool, release_with
@@ -156,8 +156,8 @@ class Graphed:
             # follow_stream, inline: a Python frame less on every replay).
             pool = self.pool
             stream = _current_stream(pool.index)
-            if stream != pool.stream:
-                pool.on_stream(stream)
+            if stream != pool.stream and pool.on_stream(stream):  # inside another capture
+                return self._fallback(args, kwargs, CAPTURE)
             if self._check_device and torch.cuda.current_device() != self._device_index:
                 with torch.cuda.device(self._device_index):
                     return self._run(args, kwargs)

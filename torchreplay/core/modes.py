@@ -6,7 +6,10 @@ under, with no autograd. Eagerly:
 - a module switched between train and eval runs other code (dropout, batch statistics);
 - a call under another autocast setting computes in other dtypes and returns them;
 - a call with autograd on and an argument that requires grad records a backward to that
-  argument (a frozen network used as a loss, an input-gradient attribution).
+  argument (a frozen network used as a loss, an input-gradient attribution);
+- a call inside another graph's capture (a graphed submodule of a model then graphed whole, or
+  captured by ``torch.cuda.graph``) has its kernels recorded into that graph, where CUDA allows
+  no replay (:meth:`~torchreplay.core.pool.Pool.on_stream` tells, when the stream changes).
 
 Replaying would give another result than eager, or no gradient, silently. So ``tr.graph`` (one
 shape, ``sizes=`` and ``breaks=``) runs such a call as the plain callable, warns once per
@@ -30,13 +33,14 @@ import torch
 from torchreplay import _compat
 from torchreplay.core.capture import warn_mode_changed
 
-__all__ = ["TRAIN_MODE", "AUTOCAST", "GRAD", "EagerCalls", "autocast_name", "tracked_leaf"]
+__all__ = ["TRAIN_MODE", "AUTOCAST", "GRAD", "CAPTURE", "EagerCalls", "autocast_name", "tracked_leaf"]
 
 log = logging.getLogger(__name__)
 
 TRAIN_MODE = "train/eval mode"
 AUTOCAST = "autocast"
 GRAD = "autograd"
+CAPTURE = "another graph's capture"
 
 _Tensor = torch.Tensor
 
@@ -111,6 +115,11 @@ class EagerCalls:
     def _warn(self, why: str, what: str) -> None:
         if why == TRAIN_MODE:
             warn_mode_changed(self.name, self.training)
+        elif why == CAPTURE:  # what eager code does there: not a degradation, no warning
+            log.info(
+                "torchreplay: '%s' is called inside another CUDA graph's capture: it runs its "
+                "callable there, recorded into that graph", self.name,
+            )
         elif why == AUTOCAST:
             log.warning(
                 "torchreplay: '%s' was captured under %s but is called under %s: a graph computes "

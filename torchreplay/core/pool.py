@@ -37,7 +37,7 @@ from torchreplay.distributed.collectives import groups_of
 from torchreplay.distributed.watch import on_destroy
 from torchreplay.errors import CaptureError
 
-__all__ = ["Pool", "LiveWindow", "release_with"]
+__all__ = ["Pool", "LiveWindow", "expect_capture", "release_with"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class Pool:
         self.stream: tuple[int, int, int] | None = None
         self._last_stream: torch.cuda.Stream | None = None
         self.index = self.device.index if self.device is not None else None
+        _LIVE.add(self)
         # One live window per writer position: a new replay of the writer clobbers the old one.
         # Weak: a window whose reader was dropped (an autograd graph freed) needs no tracking.
         self._windows: dict[int, weakref.ReferenceType[LiveWindow]] = {}
@@ -219,20 +220,30 @@ class Pool:
         if self._windows:
             self._clobber(position, reader)
 
-    def on_stream(self, stream: tuple[int, int, int]) -> None:
+    def on_stream(self, stream: tuple[int, int, int]) -> bool:
         """A member is called on ``stream`` (as ``_compat.current_stream`` gives it), not the
         one the pool's last call ran on. The GPU runs two streams' work in any order, so this
         call's copy-in and replay could overwrite buffers and pool memory that the last call's
         replay, or what its caller queued after it, still reads. The current stream waits for everything queued on the last one
         so far (one event); calls from then on are ordered by this stream. Each call compares
-        the current stream with :attr:`stream` and calls this only when they differ."""
-        self.stream = stream
+        the current stream with :attr:`stream` and calls this only when they differ.
+
+        Returns True, changing nothing, when that stream is capturing a CUDA graph: the member
+        is called inside another graph's capture (a graphed submodule of a model graphed
+        whole), where a replay is not allowed; it runs its callable eagerly, into that capture,
+        as eager code would be recorded. Captures run on streams of their own, and every
+        capture of ours first makes each pool look again (:func:`expect_capture`)."""
         if not torch.cuda.is_available():  # graphs emulated on the CPU (tests): no streams
-            return
+            self.stream = stream
+            return False
+        if _stream_capturing(self.index):
+            return True
+        self.stream = stream
         current = torch.cuda.current_stream(self.index)
         if self._last_stream is not None:
             current.wait_stream(self._last_stream)
         self._last_stream = current
+        return False
 
     def open_window(self, start: int, end: int, name: str) -> LiveWindow:
         """Record that what the replay at ``start`` just left is needed by the replay at ``end``.
@@ -305,6 +316,26 @@ def _as_cuda_device(device: torch.device | int | str) -> torch.device:
     if d.type == "cuda" and d.index is None:
         d = torch.device("cuda", torch.cuda.current_device())
     return d
+
+
+def _stream_capturing(index: int) -> bool:
+    """Is the current stream of CUDA device ``index`` capturing a graph?"""
+    if torch.cuda.current_device() == index:
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(index):
+        return torch.cuda.is_current_stream_capturing()
+
+
+#: Every pool alive, for :func:`expect_capture`.
+_LIVE: weakref.WeakSet[Pool] = weakref.WeakSet()
+
+
+def expect_capture() -> None:
+    """A capture of ours begins: every live pool's next call compares its stream again
+    (:meth:`Pool.on_stream`). A graph called inside the capture, on the capturing stream, would
+    otherwise skip the check when a warm-up had called it on that stream already."""
+    for pool in list(_LIVE):
+        pool.stream = None
 
 
 def _release(pool_ref: weakref.ReferenceType[Pool], graphs: Sequence[Any], retire: Callable[[], None]) -> None:

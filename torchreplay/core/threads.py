@@ -58,13 +58,15 @@ class Callers:
             shared()
 
 
-def follow_stream(pool: Any) -> None:
+def follow_stream(pool: Any) -> bool:
     """Order this call after the pool's last call if that ran on another CUDA stream
-    (:meth:`~torchreplay.core.pool.Pool.on_stream`)."""
+    (:meth:`~torchreplay.core.pool.Pool.on_stream`). True: the stream is capturing another
+    graph, which this call must not replay into; the caller runs its callable eagerly."""
     if pool is not None:
         stream = _current_stream(pool.index)
         if stream != pool.stream:
-            pool.on_stream(stream)
+            return pool.on_stream(stream)
+    return False
 
 
 def outputs_to_clones(graph: Any, outputs: Iterable[Any]) -> None:
@@ -83,15 +85,23 @@ def outputs_to_clones(graph: Any, outputs: Iterable[Any]) -> None:
     )
 
 
-def one_at_a_time(graph: Any, run: Callable[[Any, Any], Any], args: Any, kwargs: Any) -> Any:
+def one_at_a_time(
+    graph: Any,
+    run: Callable[[Any, Any], Any],
+    args: Any,
+    kwargs: Any,
+    eager: Callable[[Any, Any], Any] | None = None,
+) -> Any:
     """``run(args, kwargs)`` under ``graph``'s lock (its ``_callers``) and on its device, with
-    its ``_outputs`` switched to clones at a second thread's first call. For the training
-    graphs; ``tr.graph``'s replay path has the same lines inline, a Python frame less."""
+    its ``_outputs`` switched to clones at a second thread's first call; ``eager(args, kwargs)``
+    instead inside another graph's capture (:func:`follow_stream`). For the training graphs;
+    ``tr.graph``'s replay path has the same lines inline, a Python frame less."""
     callers = graph._callers
     with callers.lock:
         if get_ident() != callers.thread:
             callers.another(get_ident(), lambda: outputs_to_clones(graph, [graph._outputs]))
-        follow_stream(graph.pool)
+        if follow_stream(graph.pool) and eager is not None:
+            return eager(args, kwargs)
         if graph._check_device and torch.cuda.current_device() != graph._device_index:
             with torch.cuda.device(graph._device_index):
                 return run(args, kwargs)

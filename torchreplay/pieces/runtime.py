@@ -12,9 +12,9 @@ Memory and copies, the properties this module is built for:
 - the caller's outputs follow ``tr.graph``'s output policy (``checked`` by default).
 
 Safety: a piece that fails to capture runs ungraphed (one warning, counted in ``stats.fallbacks``)
-or raises (``strict=True``); an eager step's value of another shape than at capture makes the
-rest of that call run ungraphed, counted. Calls from several threads: :mod:`~torchreplay.core.threads`.
-"""
+or raises (``strict=True``); so does the rest of a call whose eager step made a value of another
+shape than at capture, and a call inside another graph's capture (recorded there, no warning).
+Calls from several threads: :mod:`~torchreplay.core.threads`."""
 
 from __future__ import annotations
 
@@ -86,10 +86,8 @@ class PiecewiseRuntime:
         self.program = program
         self.guard_outputs = frozenset(guard_outputs)
         self.after_replay = after_replay
-        #: the saved activations that await their backward (only with ``guard_outputs``)
-        self.saved = SavedActivations() if guard_outputs else None
-        #: a backward's test of a new set of inputs read in place: are they where its graphs
-        #: can read them (False: that forward ran ungraphed, so does this call)
+        self.saved = SavedActivations() if guard_outputs else None  # awaiting their backward
+        #: a backward's test of new inputs read in place: False when that forward ran ungraphed
         self.admit: Callable[[tuple[Any, ...]], bool] | None = None
         self.name = name
         self.sizes = tuple(sorted(set(sizes))) if sizes else None
@@ -171,7 +169,9 @@ class PiecewiseRuntime:
 
     def _replay(self, route: Route, args: tuple[Any, ...]) -> tuple[Any, ...]:
         entry = route.entry
-        follow_stream(self.pool)  # ordered after a call on another stream
+        if follow_stream(self.pool):  # ordered after a call on another stream; True: inside
+            self.stats.fallbacks += 1  # another graph's capture, recorded there
+            return self._run_ungraphed(args)
         if route.dsts:
             _compat.foreach_copy_untracked(route.dsts, [args[i] for i in route.src_idx])
         if route.pads:  # buffers of one size

@@ -30,7 +30,7 @@ from torchreplay.core.capture import (
     StateSnapshot, capture, on_side_stream, progress, side_stream,
 )
 from torchreplay.core.io import Inputs, same_constant, warn_widening, widens, write_back
-from torchreplay.core.modes import GRAD, EagerCalls, tracked_leaf
+from torchreplay.core.modes import CAPTURE, GRAD, EagerCalls, tracked_leaf
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.padding import flat_call, pad_sample, run_padded
 from torchreplay.core.placed import CHANGES, GONE, Placed
@@ -339,7 +339,8 @@ class BucketedGraph:
         with (callers := self._callers).lock:  # one call at a time (core/threads.py)
             if get_ident() != callers.thread:
                 callers.another(get_ident(), self._make_clones)
-            follow_stream(self.pool)  # ordered after a call on another stream
+            if follow_stream(self.pool):  # ordered after a call on another stream
+                return self._mode_fallback(args, kwargs, CAPTURE)  # inside another capture
             if self._check_device and torch.cuda.current_device() != self._device_index:
                 with torch.cuda.device(self._device_index):
                     return self._run(args, kwargs)

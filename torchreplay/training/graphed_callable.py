@@ -314,7 +314,7 @@ class GraphedCallable:
         autocast = self._autocast
         if (autocast is not None or _any_autocast()) and _cuda_autocast() != autocast:
             raise ReplayInputError(self._autocast_message())
-        return one_at_a_time(self, self._dispatch, args, kwargs)  # core/threads.py
+        return one_at_a_time(self, self._dispatch, args, kwargs, self._inside_capture)
 
     def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._verify_left:
@@ -533,6 +533,12 @@ class GraphedCallable:
                 "until that backward runs. Call backward once per forward to replay every call; "
                 "keep outputs without a backward under torch.no_grad() or .detach()ed", self.name,
             )
+        return self._run_fn(*args, **kwargs)
+
+    def _inside_capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Called inside another graph's capture (core/threads.py one_at_a_time): the module
+        runs as is, with autograd, recorded into that graph (a whole training step graphed)."""
+        self.stats.fallbacks += 1
         return self._run_fn(*args, **kwargs)
 
     def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
