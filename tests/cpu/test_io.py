@@ -293,6 +293,12 @@ def test_eager_calls_name_the_reason_and_warn_once_each(caplog) -> None:
     module.train()
     assert calls.reason(module, [x]) == TRAIN_MODE
     module.eval()
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from torchreplay.core.modes import DISPATCH_MODE
+
+    with FlopCounterMode(display=False):  # a TorchDispatchMode sees every op eagerly
+        assert calls.reason(module) == DISPATCH_MODE
     calls.autocast = torch.bfloat16  # as if captured under autocast(bfloat16): now there is none
     assert calls.reason(module) == AUTOCAST
     stats = GraphStats(lambda: 0)

@@ -151,6 +151,35 @@ def test_make_graphed_callables_under_another_autocast_raises() -> None:
         graphed(torch.randn(4, 64, device=DEV, requires_grad=True))
 
 
+@pytest.mark.parametrize("front", FRONTS)
+def test_a_call_under_a_dispatch_mode_runs_eagerly_so_the_mode_sees_every_op(front) -> None:
+    """``FlopCounterMode`` counts what eager counts; a trace (``make_fx``) records the model's
+    ops, so the traced program follows its inputs (a replay would have handed the trace its
+    output buffer as a constant). Outside any mode the graph replays."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = mlp()
+    n = rows(front)
+    with torch.no_grad():
+        g = build(front, model, torch.randn(n, 64, device=DEV))
+        x = torch.randn(n, 64, device=DEV)
+        with FlopCounterMode(display=False) as eager_count:
+            model(x)
+        with FlopCounterMode(display=False) as graph_count:
+            y = g(x)
+        assert graph_count.get_total_flops() == eager_count.get_total_flops() > 0
+        torch.testing.assert_close(y, model(x), rtol=0, atol=0)
+        traced = make_fx(lambda t: g(t))(x)
+        assert any(node.target is torch.ops.aten.addmm.default for node in traced.graph.nodes)
+        replays = g.stats.replays
+        for _ in range(CALLS):
+            x = torch.randn(n, 64, device=DEV)
+            torch.testing.assert_close(traced(x), model(x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(g(x), model(x), rtol=1e-5, atol=1e-5)
+        assert g.stats.replays - replays == CALLS
+
+
 # -- a graph called inside another graph's capture -------------------------------------------
 
 

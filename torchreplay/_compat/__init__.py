@@ -590,10 +590,10 @@ from torchreplay._compat.ops import (  # noqa: E402  (a custom op's kernel and s
 __all__ += ["argument_kinds", "custom_op_kernel", "eval_frame_callback", "modes_active", "plain_value",
             "without_dynamo_guard"]
 from torchreplay._compat.streams import current_stream  # noqa: E402
-from torchreplay._compat.amp import any_autocast, cuda_autocast  # noqa: E402
+from torchreplay._compat.amp import any_autocast, cuda_autocast, dispatch_modes  # noqa: E402
 from torchreplay._compat.autograd import (  # noqa: E402  (autograd's node order and version counters)
     foreach_copy_untracked, in_backward, is_accumulate_grad, restore_unversioned, sequence_nr, set_sequence_nr,
 )
 
-__all__ += ["any_autocast", "cuda_autocast", "current_stream", "foreach_copy_untracked", "in_backward", "is_accumulate_grad",
+__all__ += ["any_autocast", "cuda_autocast", "dispatch_modes", "current_stream", "foreach_copy_untracked", "in_backward", "is_accumulate_grad",
             "restore_unversioned", "sequence_nr", "set_sequence_nr"]

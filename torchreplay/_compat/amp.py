@@ -1,4 +1,5 @@
-"""Autocast's state, read on every call of a graph: is CUDA autocast on, and in which dtype."""
+"""What a graph's every call reads of the call's context: is CUDA autocast on and in which
+dtype, and is a ``TorchDispatchMode`` on."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["any_autocast", "cuda_autocast"]
+__all__ = ["any_autocast", "cuda_autocast", "dispatch_modes"]
 
 
 def _cuda_on() -> bool:
@@ -24,3 +25,14 @@ def cuda_autocast() -> torch.dtype | None:
     if not any_autocast() or not torch.is_autocast_enabled("cuda"):
         return None
     return torch.get_autocast_dtype("cuda")
+
+
+def _none() -> int:
+    return 0
+
+
+#: ``dispatch_modes()``: how many ``TorchDispatchMode``s are on (user modes such as
+#: ``FlopCounterMode``, and infra modes such as ``FakeTensorMode`` or a tracer's proxy mode):
+#: ``torch._C._len_torch_dispatch_stack`` (private, the binding itself: every call reads it). A
+#: torch without it: 0 (no mode is seen).
+dispatch_modes: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack", _none)

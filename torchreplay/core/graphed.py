@@ -13,7 +13,9 @@ from torchreplay.config import RANKS, SAFE, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
 from torchreplay.core.capture import StateSnapshot, capture, side_stream
 from torchreplay.core.io import Inputs
-from torchreplay.core.modes import AUTOCAST, CAPTURE, GRAD, TRAIN_MODE, EagerCalls, tracked_leaf
+from torchreplay.core.modes import (
+    AUTOCAST, CAPTURE, DISPATCH_MODE, GRAD, TRAIN_MODE, EagerCalls, tracked_leaf,
+)
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import Pool, release_with
@@ -25,6 +27,7 @@ from torchreplay.stats import GraphStats
 _current_stream = _compat.current_stream
 _any_autocast = _compat.any_autocast
 _cuda_autocast = _compat.cuda_autocast
+_dispatch_modes = _compat.dispatch_modes
 
 __all__ = ["Graphed", "owned_by", "refuse_static_written_outputs", "resolve_config", "resolve_pool"]
 
@@ -136,6 +139,8 @@ class Graphed:
             why = TRAIN_MODE
         elif (eager.autocast is not None or _any_autocast()) and _cuda_autocast() != eager.autocast:
             why = AUTOCAST
+        elif _dispatch_modes():  # FlopCounterMode, FakeTensorMode, a tracer: they see each op
+            why = DISPATCH_MODE
         placed = self._placed  # the model moved, or weights or submodules replaced
         moved = placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at

@@ -5,6 +5,10 @@ under, with no autograd. Eagerly:
 
 - a module switched between train and eval runs other code (dropout, batch statistics);
 - a call under another autocast setting computes in other dtypes and returns them;
+- a call under a ``TorchDispatchMode`` sends every op through it: ``FlopCounterMode`` counts
+  them, ``FakeTensorMode`` and a tracer (``make_fx``, non-strict ``torch.export``) follow fake
+  tensors through them and record them; a replay would hide them (and hand real outputs to a
+  trace as constants);
 - a call with autograd on and an argument that requires grad records a backward to that
   argument (a frozen network used as a loss, an input-gradient attribution);
 - a call inside another graph's capture (a graphed submodule of a model then graphed whole, or
@@ -33,12 +37,16 @@ import torch
 from torchreplay import _compat
 from torchreplay.core.capture import warn_mode_changed
 
-__all__ = ["TRAIN_MODE", "AUTOCAST", "GRAD", "CAPTURE", "EagerCalls", "autocast_name", "tracked_leaf"]
+__all__ = [
+    "TRAIN_MODE", "AUTOCAST", "DISPATCH_MODE", "GRAD", "CAPTURE", "EagerCalls", "autocast_name",
+    "tracked_leaf",
+]
 
 log = logging.getLogger(__name__)
 
 TRAIN_MODE = "train/eval mode"
 AUTOCAST = "autocast"
+DISPATCH_MODE = "a TorchDispatchMode"
 GRAD = "autograd"
 CAPTURE = "another graph's capture"
 
@@ -64,8 +72,9 @@ class EagerCalls:
     """One graph's reasons to run a call eagerly: the CUDA autocast setting it was captured
     under (``autocast``: the dtype, ``None`` when off), and which reasons it has warned about.
 
-    :meth:`reason` tests the mode and the autocast setting; ``tr.graph``'s one-shape hot path
-    inlines it. Either costs one C call when autocast was off at capture and is off now. The
+    :meth:`reason` tests the module's mode, the autocast setting and the dispatch modes;
+    ``tr.graph``'s one-shape hot path inlines it. Either costs two C calls when autocast was
+    off at capture and no mode is on. The
     autograd reason is found where the arguments are copied in, at no cost when no argument
     requires grad.
     """
@@ -91,6 +100,8 @@ class EagerCalls:
             return TRAIN_MODE
         if self.autocast_changed():
             return AUTOCAST
+        if _compat.dispatch_modes():
+            return DISPATCH_MODE
         if leaves is not None and tracked_leaf(leaves) is not None:
             return GRAD
         return None
@@ -115,6 +126,11 @@ class EagerCalls:
     def _warn(self, why: str, what: str) -> None:
         if why == TRAIN_MODE:
             warn_mode_changed(self.name, self.training)
+        elif why == DISPATCH_MODE:  # what the caller asked for: no warning
+            log.info(
+                "torchreplay: '%s' is called under a TorchDispatchMode: it runs its callable, "
+                "so that the mode sees every op as it would eagerly", self.name,
+            )
         elif why == CAPTURE:  # what eager code does there: not a degradation, no warning
             log.info(
                 "torchreplay: '%s' is called inside another CUDA graph's capture: it runs its "
