@@ -190,8 +190,10 @@ def graph(
         instead, warning once per reason and counted in ``stats.fallbacks``: with autograd on
         and an argument that requires grad (eager records a backward to it), under another CUDA
         autocast setting than the capture's (the graph computes in the captured dtypes), or with
-        the module switched between train and eval. To train through graphs use
-        :func:`torchreplay.make_graphed_callables` or :func:`torchreplay.graph_step`.
+        the module switched between train and eval. Calls under a ``TorchDispatchMode``
+        (``FlopCounterMode``, a trace) and inside another graph's capture run eagerly too,
+        without a warning, so that the mode or the capture sees every op. To train through
+        graphs use :func:`torchreplay.make_graphed_callables` or :func:`torchreplay.graph_step`.
 
     .. warning::
         With ``outputs="checked"``, an output you keep across calls raises when read after the

@@ -595,5 +595,5 @@ from torchreplay._compat.autograd import (  # noqa: E402  (autograd's node order
     foreach_copy_untracked, in_backward, is_accumulate_grad, restore_unversioned, sequence_nr, set_sequence_nr,
 )
 
-__all__ += ["any_autocast", "cuda_autocast", "dispatch_modes", "current_stream", "foreach_copy_untracked", "in_backward", "is_accumulate_grad",
-            "restore_unversioned", "sequence_nr", "set_sequence_nr"]
+__all__ += ["any_autocast", "cuda_autocast", "dispatch_modes", "current_stream", "foreach_copy_untracked",
+            "in_backward", "is_accumulate_grad", "restore_unversioned", "sequence_nr", "set_sequence_nr"]
