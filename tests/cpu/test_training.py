@@ -1123,3 +1123,18 @@ def test_emulated_graph_step_zero_grad_at_the_end_and_eval_fallback(emulated_ste
     assert step.stats.fallbacks == 1 and step.stats.replays == 3
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b)
+
+
+def test_a_capture_makes_every_live_pool_look_at_its_stream_again() -> None:
+    """core/pool.py expect_capture: a capture of ours warms up on the stream it then captures
+    on, so a graph called there inside the capture would skip the stream check (on_stream, which
+    tells a capturing stream) unless every pool's last stream is forgotten first. Without CUDA,
+    on_stream records the stream and reports no capture."""
+    from torchreplay.core.pool import expect_capture
+
+    pools = [Pool(CPU), Pool(CPU)]
+    for p in pools:
+        assert p.on_stream((7, 0, 1)) is False and p.stream == (7, 0, 1)
+    expect_capture()
+    assert all(p.stream is None for p in pools)
+    assert pools[0].on_stream((7, 0, 1)) is False and pools[0].stream == (7, 0, 1)
