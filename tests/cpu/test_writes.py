@@ -97,3 +97,31 @@ def test_a_widening_cast_is_copied_in_with_one_warning(caplog: pytest.LogCapture
     assert len(said) == 1 and "args[0] 'x' is float16" in said[0] and "lossless cast" in said[0]
     with pytest.raises(ReplayInputError, match="float64.*captured with.*float32"):
         inputs.copy_in((torch.randn(2, 3, dtype=torch.float64),), {})
+
+
+def test_a_compiled_region_inside_the_watch_runs_compiled_and_its_writes_are_found() -> None:
+    """A function that calls a torch.compile'd model, graphed: the capture runs under the
+    watch, where the compiled region must run its compiled code (a recompile inside a capture
+    fails), and a write it makes to a watched buffer must still be found (the version counter,
+    which torch bumps for inputs a compiled graph mutates)."""
+    torch._dynamo.reset()
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def region(x, y):
+        x.add_(1)
+        return y * 2
+
+    x, y = torch.zeros(4), torch.randn(4)
+    with torch.no_grad():
+        region(x, y)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        watch = WriteWatch([y, x])
+        with watch:
+            out = region(x, y)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no recompile
+        assert watch.written == [1] and x.eq(2).all() and torch.equal(out, y * 2)
+        watch = WriteWatch([y, x])
+        with watch:
+            y.mul_(3)  # an eager write: the mode sees the op
+        assert watch.written == [0]
+    torch._dynamo.reset()

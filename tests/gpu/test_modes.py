@@ -230,6 +230,23 @@ def test_a_graph_called_inside_another_capture_is_recorded_into_it(front, outer)
         assert inner.stats.replays - replays == CALLS
 
 
+@pytest.mark.parametrize("compiler", ["torch.compile", "tr.compile"])
+def test_a_compiled_block_inside_a_graph_runs_its_compiled_code_in_the_capture(compiler) -> None:
+    """A function that calls a compiled block, graphed with ``tr.graph``: the capture's write
+    watch (a dispatch mode) no longer makes Dynamo compile the block again inside the capture,
+    which failed; the block's compiled code is recorded into the graph (core/writes.py)."""
+    block = mlp()
+    inner = torch.compile(block) if compiler == "torch.compile" else tr.compile(block, cache_dir=None)
+    with torch.no_grad():
+        inner(torch.randn(4, 64, device=DEV))
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        g = tr.graph(lambda x: inner(x * 0.5).relu() + x, torch.randn(4, 64, device=DEV))
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+        for _ in range(CALLS):
+            x = torch.randn(4, 64, device=DEV)
+            torch.testing.assert_close(g(x), block(x * 0.5).relu() + x, rtol=1e-5, atol=1e-5)
+
+
 def test_make_graphed_callables_inside_a_graphed_training_step() -> None:
     """A block graphed for training, then the whole step graphed with ``graph_step``: inside
     the step's capture the block runs as is, forward and backward, recorded into the step."""

@@ -9,8 +9,14 @@ written buffers are copied back into the caller's tensors (:meth:`torchreplay.co
 static input buffers whose memory an op's schema marks as written. It runs once, on the capture
 call (the call the graph replays), so replays pay nothing for it.
 
-A write that the schema does not show cannot be seen: a raw Triton or CUDA kernel launched outside
-an aten op, or a custom op registered without ``mutates_args``. Register such ops with
+A ``torch.compile``d region called inside the capture runs its compiled code, as it does outside
+one (the mode says ``ignore_compile_internals``: under any other mode torch recompiles such a
+frame, and a compile inside a capture fails, so a function that calls a compiled model could not be
+graphed). The mode does not see that region's ops; a write there to a watched buffer is found by
+the buffer's version counter, which torch bumps for every input a compiled graph mutates.
+
+A write that neither shows cannot be seen: a raw Triton or CUDA kernel launched outside an aten
+op, or a custom op registered without ``mutates_args``. Register such ops with
 ``torch.library.custom_op(..., mutates_args=(...))``.
 """
 
@@ -44,8 +50,24 @@ class WriteWatch(LightDispatchMode):
 
     def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
         super().__init__()
+        self._buffers = list(buffers)
         self._spans = [(_span(b), i) for i, b in enumerate(buffers)]
+        self._versions: list[int] = []
         self.written: list[int] = []
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # compiled regions run their compiled code inside the capture (see above)
+
+    def __enter__(self) -> WriteWatch:
+        self._versions = [b._version for b in self._buffers]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        for i, (b, version) in enumerate(zip(self._buffers, self._versions)):
+            if b._version != version and i not in self.written:  # a compiled region wrote it
+                self.written.append(i)
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
