@@ -17,8 +17,9 @@ under, with no autograd. Eagerly:
 
 Replaying would give another result than eager, or no gradient, silently. So ``tr.graph`` (one
 shape, ``sizes=`` and ``breaks=``) runs such a call as the plain callable, warns once per
-reason naming the fix, and counts it in ``stats.fallbacks``; the next call in the captured
-setting replays again. ``graph_step`` does the same for another autocast setting.
+reason naming the fix (a dispatch mode and a capture are only logged: they are what the caller
+asked for), and counts it in ``stats.fallbacks``; the next call in the captured setting
+replays again. ``graph_step`` does the same for another autocast setting.
 ``make_graphed_callables`` records autograd itself and raises ``ReplayInputError`` on another
 autocast setting instead: its backward cannot run eagerly once its forward has replayed.
 
