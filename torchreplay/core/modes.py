@@ -52,6 +52,9 @@ GRAD = "autograd"
 CAPTURE = "another graph's capture"
 
 _Tensor = torch.Tensor
+_any_autocast = _compat.any_autocast
+_cuda_autocast = _compat.cuda_autocast
+_dispatch_modes = _compat.dispatch_modes
 
 
 def autocast_name(dtype: torch.dtype | None) -> str:
@@ -89,9 +92,7 @@ class EagerCalls:
         self._warned: set[str] = set()
 
     def autocast_changed(self) -> bool:
-        return (self.autocast is not None or _compat.any_autocast()) and (
-            _compat.cuda_autocast() != self.autocast
-        )
+        return (self.autocast is not None or _any_autocast()) and _cuda_autocast() != self.autocast
 
     def reason(self, module: torch.nn.Module | None, leaves: Sequence[Any] | None = None) -> str | None:
         """Why this call runs eagerly: the module's train/eval mode or the autocast setting
@@ -99,9 +100,10 @@ class EagerCalls:
         before the copy-in) autograd must record a backward to an argument. ``None``: replay."""
         if module is not None and module.training != self.training:
             return TRAIN_MODE
-        if self.autocast_changed():
+        autocast = self.autocast  # autocast_changed, inline: every call of sizes= and breaks=
+        if (autocast is not None or _any_autocast()) and _cuda_autocast() != autocast:
             return AUTOCAST
-        if _compat.dispatch_modes():
+        if _dispatch_modes():
             return DISPATCH_MODE
         if leaves is not None and tracked_leaf(leaves) is not None:
             return GRAD
@@ -142,7 +144,7 @@ class EagerCalls:
                 "torchreplay: '%s' was captured under %s but is called under %s: a graph computes "
                 "in the dtypes it was captured in, so calls under this setting run eagerly "
                 "(counted in stats.fallbacks). Graph it under this setting to replay it there.",
-                self.name, autocast_name(self.autocast), autocast_name(_compat.cuda_autocast()),
+                self.name, autocast_name(self.autocast), autocast_name(_cuda_autocast()),
             )
         else:
             log.warning(
