@@ -157,8 +157,8 @@ def weak_alias(t: torch.Tensor) -> torch.Tensor:
         return t
     st = t.untyped_storage()
     storage = _construct_storage(st.data_ptr(), t.device, st.nbytes())
-    out = torch.empty((0,), dtype=t.dtype, device=t.device)
-    return out.set_(storage, t.storage_offset(), t.shape, t.stride())
+    with torch.inference_mode(False):  # a normal tensor: a buffer of ours, written in either mode
+        return torch.empty((0,), dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
 
 
 def invalidate_storage(storage: torch.UntypedStorage, message: str) -> None:
@@ -592,8 +592,9 @@ __all__ += ["argument_kinds", "custom_op_kernel", "eval_frame_callback", "modes_
 from torchreplay._compat.streams import current_stream  # noqa: E402
 from torchreplay._compat.amp import any_autocast, cuda_autocast, dispatch_modes  # noqa: E402
 from torchreplay._compat.autograd import (  # noqa: E402  (autograd's node order and version counters)
-    foreach_copy_untracked, in_backward, is_accumulate_grad, restore_unversioned, sequence_nr, set_sequence_nr,
+    foreach_copy_untracked, in_backward, is_accumulate_grad, normal_tensors, restore_unversioned, sequence_nr,
+    set_sequence_nr, versions_of,
 )
-
 __all__ += ["any_autocast", "cuda_autocast", "dispatch_modes", "current_stream", "foreach_copy_untracked",
-            "in_backward", "is_accumulate_grad", "restore_unversioned", "sequence_nr", "set_sequence_nr"]
+            "in_backward", "is_accumulate_grad", "normal_tensors", "restore_unversioned", "sequence_nr",
+            "set_sequence_nr", "versions_of"]

@@ -1,5 +1,5 @@
 """Autograd's private names: the order of its nodes, the version counters of saved tensors, and
-copies it must not record."""
+copies it must not record; and the version counters of inference tensors, which have none."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 __all__ = [
     "foreach_copy_untracked", "set_sequence_nr", "sequence_nr", "restore_unversioned", "in_backward",
-    "is_accumulate_grad",
+    "is_accumulate_grad", "normal_tensors", "versions_of",
 ]
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
@@ -74,14 +74,36 @@ def sequence_nr(grad_fn: Any) -> int:
 _set_versions = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
 
 
-def restore_unversioned(saved: Sequence[tuple[torch.Tensor, torch.Tensor]], versions: Sequence[int]) -> None:
+def restore_unversioned(saved: Sequence[tuple[torch.Tensor, torch.Tensor]], versions: Sequence[int | None]) -> None:
     """Copy each saved value back into its tensor and set its version counter back to
-    ``versions`` (read when the values were saved). What a warm-up or capture wrote is undone,
-    so the tensor holds again what autograd may have saved of it for a pending backward: a
-    counter bumped by the undo would make that backward fail ("modified by an inplace
-    operation"). ``torch.autograd._unsafe_preserve_version_counter`` does the same."""
+    ``versions`` (read by :func:`versions_of` when the values were saved). What a warm-up or
+    capture wrote is undone, so the tensor holds again what autograd may have saved of it for a
+    pending backward: a counter bumped by the undo would make that backward fail ("modified by an
+    inplace operation"). ``torch.autograd._unsafe_preserve_version_counter`` does the same. An
+    inference tensor is put back only under ``torch.inference_mode``: outside it nothing can
+    have written it (and nothing may)."""
+    inference = torch.is_inference_mode_enabled()
     with torch.no_grad():
         for t, value in saved:
-            t.copy_(value)
-    if _set_versions is not None and saved:
-        _set_versions(tuple(t for t, _ in saved), tuple(versions))
+            if inference or not t.is_inference():
+                t.copy_(value)
+    counted = [(t, v) for (t, _), v in zip(saved, versions) if v is not None]
+    if _set_versions is not None and counted:
+        _set_versions(tuple(t for t, _ in counted), tuple(v for _, v in counted))
+
+
+def versions_of(tensors: Sequence[torch.Tensor]) -> list[int | None]:
+    """Each tensor's version counter; None for an inference tensor (one made under
+    ``torch.inference_mode``), which has none: reading ``_version`` raises "Inference tensors do
+    not track version counter"."""
+    return [None if t.is_inference() else t._version for t in tensors]
+
+
+def normal_tensors() -> Any:
+    """A context in which new tensors are normal ones, under ``torch.inference_mode`` too.
+
+    Our buffers (static inputs, padded samples, the buffers between pieces) must be: the copy
+    into one at a call outside ``inference_mode`` would raise "Inplace update to inference
+    tensor outside InferenceMode", and their version counters tell which of them a capture
+    wrote. Copying an inference tensor into a normal one is allowed in either mode."""
+    return torch.inference_mode(False)

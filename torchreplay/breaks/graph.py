@@ -182,7 +182,7 @@ class BreakableGraph:
     def _copies(self, call: CallArgs) -> list[Any]:
         """The sample's leaves, tensors cloned (a run on them leaves the caller's alone)."""
         self._check_devices(call)
-        with torch.no_grad():
+        with torch.no_grad(), _compat.normal_tensors():  # their version counters tell the writes
             return [x.clone() if isinstance(x, _Tensor) else x for x in call.leaves]
 
     def _find(self, call: CallArgs) -> list[AutoBreak]:
@@ -454,7 +454,8 @@ class _Runtime(PiecewiseRuntime):
         handed = []
         for o in outs:
             if isinstance(o, _Tensor) and o.is_cuda and o.untyped_storage().data_ptr() not in kept:
-                buf = torch.empty_like(o)  # allocated in the pool: the capture is on
+                with _compat.normal_tensors():  # replays copy into it, in either mode
+                    buf = torch.empty_like(o)  # allocated in the pool: the capture is on
                 self._pending.append((buf, o))
                 handed.append(buf)
             else:

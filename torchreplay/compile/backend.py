@@ -433,7 +433,7 @@ def graph_writes(gm: fx.GraphModule) -> Writes | None:
             return out
 
     try:
-        with mode, torch.no_grad(), _compat.fresh_unbacked_ignored(mode):
+        with mode, torch.no_grad(), _compat.normal_tensors(), _compat.fresh_unbacked_ignored(mode):
             clones = [v.detach().clone() if isinstance(v, torch.Tensor) else v for v in values]
             _Watch(gm, garbage_collect_values=False).run(*clones)
         return found

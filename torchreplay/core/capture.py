@@ -139,10 +139,14 @@ class StateSnapshot:
         self._cuda_rng = torch.cuda.get_rng_state(device)
 
     def restore(self) -> None:
-        """Put every saved tensor and the RNG state back."""
+        """Put every saved tensor and the RNG state back. An inference tensor (a buffer made
+        under ``torch.inference_mode``) only under ``inference_mode``: outside it, nothing can
+        have written it, and a copy into it would raise."""
+        inference = torch.is_inference_mode_enabled()
         with torch.no_grad():
             for t, saved in self._saved:
-                t.copy_(saved)
+                if inference or not t.is_inference():
+                    t.copy_(saved)
         torch.set_rng_state(self._cpu_rng)
         torch.cuda.set_rng_state(self._cuda_rng, self._device)
 

@@ -167,10 +167,12 @@ class _Slot:
                     "(e.g. .to_dense())"
                 )
             # Our own buffer, not the caller's sample: replays must not write into a tensor the
-            # caller still owns.
-            self.static: torch.Tensor | None = torch.empty_like(
-                leaf, memory_format=torch.preserve_format
-            ).copy_(leaf.detach())
+            # caller still owns. A normal tensor under torch.inference_mode too, so that calls in
+            # either mode can copy into it.
+            with _compat.normal_tensors():
+                self.static: torch.Tensor | None = torch.empty_like(
+                    leaf, memory_format=torch.preserve_format
+                ).copy_(leaf.detach())
             self.value = None
             self.shape = leaf.shape
             self.dtype = leaf.dtype

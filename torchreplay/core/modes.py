@@ -26,6 +26,15 @@ autocast setting instead: its backward cannot run eagerly once its forward has r
 Autograd through the module's parameters alone (grad mode on, no argument requiring grad) is
 not a reason: most inference code runs without ``torch.no_grad()`` and never calls backward.
 The graph's outputs carry no autograd history; ``tr.graph``'s docstring says so.
+
+``torch.inference_mode`` is no reason either: a graph records no autograd, so it replays the
+same kernels under it, at capture or at a call. Our own buffers are normal tensors in either
+mode (``_compat.normal_tensors``), so that a graph captured under it can be called outside it;
+outputs are made in the caller's mode, as eager's are. A training step is different: eagerly
+its backward fails with autograd off, so ``graph_step`` runs a call under ``torch.no_grad()`` or
+``inference_mode`` eagerly (:data:`NO_GRAD`, where eager raises its own error), and
+``make_graphed_callables`` and ``graph_step`` refuse to capture under ``inference_mode``
+(:func:`refuse_inference_capture`).
 """
 
 from __future__ import annotations
@@ -37,10 +46,11 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.core.capture import warn_mode_changed
+from torchreplay.errors import CaptureError
 
 __all__ = [
-    "TRAIN_MODE", "AUTOCAST", "DISPATCH_MODE", "GRAD", "CAPTURE", "EagerCalls", "autocast_name",
-    "tracked_leaf",
+    "TRAIN_MODE", "AUTOCAST", "DISPATCH_MODE", "GRAD", "CAPTURE", "NO_GRAD", "EagerCalls",
+    "autocast_name", "refuse_inference_capture", "tracked_leaf",
 ]
 
 log = logging.getLogger(__name__)
@@ -50,6 +60,7 @@ AUTOCAST = "autocast"
 DISPATCH_MODE = "a TorchDispatchMode"
 GRAD = "autograd"
 CAPTURE = "another graph's capture"
+NO_GRAD = "autograd off"
 
 _Tensor = torch.Tensor
 _any_autocast = _compat.any_autocast
@@ -59,6 +70,18 @@ _dispatch_modes = _compat.dispatch_modes
 
 def autocast_name(dtype: torch.dtype | None) -> str:
     return "no autocast" if dtype is None else f"autocast({str(dtype).removeprefix('torch.')})"
+
+
+def refuse_inference_capture(what: str) -> None:
+    """Raise when a training graph (``what``) is captured under ``torch.inference_mode``: the
+    tensors made there have no autograd, so the backward it records cannot run."""
+    if torch.is_inference_mode_enabled():
+        raise CaptureError(
+            f"{what} was called under torch.inference_mode(): it records a backward, and no "
+            "tensor made under inference_mode has autograd (torch.enable_grad() inside it does "
+            f"not change that). Call {what} outside inference_mode; for inference, graph the "
+            "model with tr.graph, which may be captured and called under inference_mode"
+        )
 
 
 def tracked_leaf(leaves: Sequence[Any]) -> int | None:
@@ -138,6 +161,14 @@ class EagerCalls:
             log.info(
                 "torchreplay: '%s' is called inside another CUDA graph's capture: it runs its "
                 "callable there, recorded into that graph", self.name,
+            )
+        elif why == NO_GRAD:
+            log.warning(
+                "torchreplay: '%s' is called with autograd off (torch.no_grad() or "
+                "torch.inference_mode()): eagerly its backward would fail, so such calls run "
+                "the step eagerly, where it raises or does what the step itself enables "
+                "(counted in stats.fallbacks). Call the step with autograd on to replay it.",
+                self.name,
             )
         elif why == AUTOCAST:
             log.warning(

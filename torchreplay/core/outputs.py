@@ -7,6 +7,10 @@ those objects is most of what the policy costs per call, so the common case of a
 drops each output before the next call is cheaper: when nothing can reach the last call's
 tensors, they are handed out again (:func:`_unheld`); when nothing holds the last call's storage,
 it is used again (:func:`_free`).
+
+Tensors are made in the caller's mode, as eager's outputs are: under ``torch.inference_mode``
+they are inference tensors. Those have no version counter to show a caller's in-place change,
+so they are never handed out again; their storage is, when free.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ _getrefcount = sys.getrefcount
 _getweakrefcount = weakref.getweakrefcount
 _tensor_use_count = _compat.tensor_use_count
 _storage_use_count = _compat.storage_use_count
+_inference_mode = torch.is_inference_mode_enabled
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -207,6 +212,7 @@ class Outputs:
             if not (
                 handed
                 and _getrefcount(handed[0]) == _FIRST_REFS  # the common "kept": fail fast
+                and not _inference_mode()  # eager's outputs would be inference tensors there
                 and _unheld(handed, self._versions, self.live, self._handles, self._uses)
             ):
                 handed = self._new_tensors()
@@ -240,7 +246,7 @@ class Outputs:
         last = self.live
         # With reuse, our own reference to a handed tensor keeps its storage in use: only a
         # tensor someone else holds gets here, so there is no free storage to look for.
-        free = _free(last, self._handles) if last and not self.reuse else ()
+        free = _free(last, self._handles) if last and not (self.reuse and self._handed) else ()
         live = []
         handed = []
         for k, (ptr, nbytes, metas) in enumerate(self.groups):
@@ -258,7 +264,12 @@ class Outputs:
             self.on_live()
         if _storage_use_count is not None:
             self._handles = [_compat.storage_handle(s) for s in live]
-        if self.reuse:
+        if self.reuse and handed and handed[0].is_inference():
+            # Made under torch.inference_mode, as eager's would be: inference tensors have no
+            # version counter to show an in-place change (unsqueeze_) by the caller, so they are
+            # not handed out again; a storage nothing holds still is (_free).
+            self._handed = []
+        elif self.reuse:
             self._handed = handed
             self._versions = [t._version for t in handed]
             if _HELD_STORAGE_REFS[0] < 0:

@@ -30,7 +30,8 @@ def pad_sample(leaf: torch.Tensor, d: int, size: int, fill: Any) -> torch.Tensor
         and leaf.is_contiguous(memory_format=torch.channels_last)
     )
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    out = torch.empty(shape, dtype=leaf.dtype, device=leaf.device, memory_format=fmt)
+    with _compat.normal_tensors():  # its version counter tells what a call wrote
+        out = torch.empty(shape, dtype=leaf.dtype, device=leaf.device, memory_format=fmt)
     rows = min(leaf.shape[d], size)
     out.narrow(d, 0, rows).copy_(leaf.narrow(d, 0, rows))
     if rows < size:

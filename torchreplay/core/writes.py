@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from torchreplay._compat import LightDispatchMode, written_tensors
+from torchreplay._compat import LightDispatchMode, versions_of, written_tensors
 
 __all__ = ["WriteWatch"]
 
@@ -52,7 +52,7 @@ class WriteWatch(LightDispatchMode):
         super().__init__()
         self._buffers = list(buffers)
         self._spans = [(_span(b), i) for i, b in enumerate(buffers)]
-        self._versions: list[int] = []
+        self._versions: list[int | None] = []
         self.written: list[int] = []
 
     @classmethod
@@ -60,14 +60,14 @@ class WriteWatch(LightDispatchMode):
         return True  # compiled regions run their compiled code inside the capture (see above)
 
     def __enter__(self) -> WriteWatch:
-        self._versions = [b._version for b in self._buffers]
+        self._versions = versions_of(self._buffers)  # None: an inference tensor has no counter
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
         for i, (b, version) in enumerate(zip(self._buffers, self._versions)):
-            if b._version != version and i not in self.written:  # a compiled region wrote it
-                self.written.append(i)
+            if version is not None and b._version != version and i not in self.written:
+                self.written.append(i)  # a compiled region wrote it
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None

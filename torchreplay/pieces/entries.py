@@ -133,16 +133,17 @@ def static_buffer(
     """The static input buffer of input ``i`` (like ``arg``, padded along ``dim``) at ``size``
     rows: along dimension 0 with ``sizes``, a view of the one buffer every size shares (made in
     ``buffers`` on first use); else a buffer of its own."""
-    if dim == 0 and sizes:
-        key = shared_key(i, arg, sizes)
-        base = buffers.get(key)
-        if base is None:
-            base = buffers[key] = torch.zeros(key[1], dtype=arg.dtype, device=arg.device)
-        return base.narrow(0, 0, size)  # type: ignore[arg-type]
-    shape = list(arg.shape)
-    if dim is not None:
-        shape[dim] = size
-    return torch.zeros(shape, dtype=arg.dtype, device=arg.device)
+    with _compat.normal_tensors():  # calls copy into it under torch.inference_mode or not
+        if dim == 0 and sizes:
+            key = shared_key(i, arg, sizes)
+            base = buffers.get(key)
+            if base is None:
+                base = buffers[key] = torch.zeros(key[1], dtype=arg.dtype, device=arg.device)
+            return base.narrow(0, 0, size)  # type: ignore[arg-type]
+        shape = list(arg.shape)
+        if dim is not None:
+            shape[dim] = size
+        return torch.zeros(shape, dtype=arg.dtype, device=arg.device)
 
 
 def stage_entry(

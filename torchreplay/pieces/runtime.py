@@ -354,7 +354,7 @@ class PiecewiseRuntime:
                 for i in self._statics + self._pinned
                 if not isinstance(args[i], torch.nn.Parameter) or self._inputs[i].written
             ]
-        versions = [t._version for t, _ in saved]  # a pending backward may have saved them
+        versions = _compat.versions_of([t for t, _ in saved])  # a pending backward saved them?
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device)
         start = time.perf_counter()
@@ -454,8 +454,8 @@ class PiecewiseRuntime:
         copies = []
         for pos, r in enumerate(piece.reads):
             if r in self._from_eager and isinstance(vals[pos], _Tensor):
-                buf = vals[pos].clone()
-                vals[pos] = buf
+                with _compat.normal_tensors():  # replays copy into it, in either mode
+                    vals[pos] = buf = vals[pos].clone()
                 copies.append((pos, buf))
             elif r in self._from_eager and isinstance(vals[pos], (int, float, bool)):
                 copies.append((pos, vals[pos]))

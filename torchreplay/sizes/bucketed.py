@@ -160,11 +160,10 @@ class BucketedGraph:
         start = time.perf_counter()
         snapshot = StateSnapshot(self._module, device) if config.restore_state else None
         self._out_plan = self._probe(snapshot)
-        self._outs = {
-            i: torch.empty(self._out_plan.leaves[i].shape, dtype=self._out_plan.leaves[i].dtype,
-                           device=device)
-            for i in self._out_plan.owned
-        }
+        planned = self._out_plan.leaves
+        with _compat.normal_tensors():  # captures copy into them, under inference_mode or not
+            self._outs = {i: torch.empty(planned[i].shape, dtype=planned[i].dtype, device=device)
+                          for i in self._out_plan.owned}
         self.buffer_bytes = sum(s.static.nbytes for s in self._inputs.tensor_slots) + sum(
             t.nbytes for t in self._outs.values()
         )

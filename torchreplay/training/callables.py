@@ -26,6 +26,7 @@ from torchreplay.config import GraphConfig
 from torchreplay.core.args import CallArgs, infer_device
 from torchreplay.core.capture import capture, side_stream
 from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
+from torchreplay.core.modes import refuse_inference_capture
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.stats import TrainingStats
 from torchreplay.training.graphed_callable import GraphedCallable
@@ -326,6 +327,7 @@ def make_graphed_callables(
             where = "callables" if single else f"callables[{i}]"
             raise TypeError(f"{where} is a {type(fn).__name__}, which is not callable")
     _check_distinct_modules(fns)
+    refuse_inference_capture("make_graphed_callables")
     args_list = _per_callable_args(sample_args, single, len(fns))
     kwargs_list = _per_callable_kwargs(sample_kwargs, single, len(fns))
     if not isinstance(allow_unused_input, bool):

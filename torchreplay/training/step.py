@@ -42,7 +42,7 @@ from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import Placed
-from torchreplay.core.modes import AUTOCAST, EagerCalls
+from torchreplay.core.modes import AUTOCAST, NO_GRAD, EagerCalls, refuse_inference_capture
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.core.threads import Callers, one_at_a_time
 from torchreplay.distributed import EAGER, GRAPH, agreement
@@ -79,6 +79,7 @@ __all__ = ["graph_step", "GraphedStep", "check_optimizer", "check_scaler_support
 log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled
 
 
 # -- the graphed step ----------------------------------------------------------------------------
@@ -341,14 +342,17 @@ class GraphedStep:
                 fallback = True
                 break
         autocast = not fallback and self._eager_calls.autocast_changed()
+        no_grad = not _grad_enabled()  # no_grad or inference_mode: eagerly the backward fails
         placed = self._placed  # a step takes milliseconds: the check's method, not inlined
         moved = placed is not None and placed.changed()
         if self._ranks is not None:  # collectives inside (DDP): every rank replays, or all raise
-            self._ranks(0, EAGER if fallback or autocast or moved else GRAPH)
+            self._ranks(0, EAGER if fallback or autocast or no_grad or moved else GRAPH)
         if moved:
             raise placed.error(self.name)  # type: ignore[union-attr]
         if autocast:  # called under another autocast setting than captured: other dtypes
             return self._eager_calls.run(self.fn, args, kwargs, AUTOCAST, self.stats)
+        if no_grad:
+            return self._eager_calls.run(self.fn, args, kwargs, NO_GRAD, self.stats)
         if fallback:
             return self._fallback(args, kwargs)
         return one_at_a_time(self, self._dispatch, args, kwargs)  # core/threads.py
@@ -549,6 +553,7 @@ def graph_step(
     """
     if not callable(step_fn):
         raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
+    refuse_inference_capture("graph_step")
     if sample_kwargs:
         clash = set(sample_kwargs) & set(kwargs)
         if clash:
