@@ -72,6 +72,21 @@ for row, fac in (("mlp", mlp_factory), ("resnet50", resnet50_factory)):
     print(" dry (no replay):")
     interleaved({"hand": hand_dry, "static": static_call, "checked (dropped)": checked_call, "checked (kept)": checked_keep,
                  "checked, no state check": lambda: gc_unplaced(x)}, rounds=400)
+    # torch.inference_mode (serving): each method enters it per call, so the paired difference
+    # is ours. Under it a checked output is an inference tensor, as eager's: made new per call
+    # (no version counter to reuse it by), over the last call's storage when nothing holds it.
+    gi = tr.graph(model, x)  # its own graph: its outputs are inference tensors
+    inf = torch.inference_mode
+    def hand_inf():
+        with inf(): return hand()
+    def checked_inf():
+        with inf(): return gi(x)
+    def checked_nograd():
+        with torch.no_grad(): return gc2(x)
+    gc2 = tr.graph(model, x)
+    print(" real replays, each call in a context (host us/call):")
+    interleaved({"hand, inference_mode": hand_inf, "checked, inference_mode": checked_inf,
+                 "checked, no_grad": checked_nograd})
     o = gc_._outputs
     ptr, nbytes, metas = o.groups[0]
     S = _compat.alias_storage(ptr, o.device, nbytes)
@@ -96,5 +111,5 @@ for row, fac in (("mlp", mlp_factory), ("resnet50", resnet50_factory)):
     for _ in range(20000): gc_(x)
     pr.disable(); torch.cuda.synchronize()
     st = io.StringIO(); pstats.Stats(pr, stream=st).sort_stats("tottime").print_stats(14); print(st.getvalue()[-3500:])
-    del hand, gs, gc_, gk, model
+    del hand, gs, gc_, gk, gi, gc2, model
     torch.cuda.empty_cache()

@@ -90,8 +90,9 @@ def test_each_front_end_captured_in_one_mode_and_called_in_the_other_equals_eage
 
 
 def test_outputs_kept_across_calls_under_inference_mode_hold_or_raise_as_under_no_grad() -> None:
-    """The checked policy, in the mode: an output dropped before the next call costs no new
-    storage; one kept across a call is stale (it raises), never silently overwritten."""
+    """The checked policy, in the mode: an output dropped before the next call is handed out
+    again (unless its layout was changed in place); one kept across a call is stale (it
+    raises), never silently overwritten; each output is of the kind eager's is."""
     model = model_for("one shape")
     with torch.inference_mode():
         g = tr.graph(model, torch.randn(4, 64, device=DEV))
@@ -102,10 +103,21 @@ def test_outputs_kept_across_calls_under_inference_mode_hold_or_raise_as_under_n
         torch.testing.assert_close(second, model(x2))
         with pytest.raises(RuntimeError, match="StaleOutputError"):
             kept.sum()
-        value = second.clone()
+        value, second_id = second.clone(), id(second)
         del second
-        third = g(x2)
-        assert torch.equal(third, value)
+        third = g(x2)  # nobody can reach the last one: the same tensor again, no new object
+        assert id(third) == second_id and torch.equal(third, value) and third.is_inference()
+        third.unsqueeze_(0)  # an in-place change of layout, which no version counter shows
+        del third
+        fourth = g(x2)
+        assert fourth.shape == (4, 64) and torch.equal(fourth, value)
+    with torch.no_grad():  # out of the mode: a normal tensor, as eager's
+        fifth = g(x1)
+        torch.testing.assert_close(fifth, model(x1))
+    assert not fifth.is_inference()
+    del fifth
+    with torch.inference_mode():
+        assert g(x1).is_inference()
 
 
 def step(cache: torch.Tensor, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

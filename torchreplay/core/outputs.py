@@ -9,8 +9,9 @@ tensors, they are handed out again (:func:`_unheld`); when nothing holds the las
 it is used again (:func:`_free`).
 
 Tensors are made in the caller's mode, as eager's outputs are: under ``torch.inference_mode``
-they are inference tensors. Those have no version counter to show a caller's in-place change,
-so they are never handed out again; their storage is, when free.
+they are inference tensors, handed out again only under it (and normal ones only outside it).
+Inference tensors have no version counter, so :func:`_unheld_inference` looks at their layout
+instead.
 """
 
 from __future__ import annotations
@@ -110,7 +111,12 @@ class Outputs:
         # They survived an invalidation because nobody could reach them: later invalidations
         # need no new look until an emit hands them out again (which tells the pool, on_live).
         self._kept = False
-        self._versions: list[int] = []
+        self._versions: list[int] | None = []  # None: the handed tensors are inference tensors
+        # What every handed tensor's layout is (they are made from the capture's metadata).
+        self._layouts = [
+            (meta["size"], tuple(meta["stride"]), meta["storage_offset"])
+            for _, _, metas in self.groups for _, meta in metas
+        ]
         self._uses = [1 + len(metas) for _, _, metas in self.groups]
         self.stale_message = (
             f"StaleOutputError: this tensor is an output of the torchreplay graph '{name}', "
@@ -141,13 +147,15 @@ class Outputs:
             self._handed = []
 
     def _unreachable(self) -> bool:
-        """:meth:`emit`'s test, in the same form (the reference counts it expects depend on it)."""
+        """:meth:`emit`'s test, in the same form (the reference counts it expects depend on it),
+        in either mode."""
         handed = self._handed
-        return bool(
-            handed
-            and _getrefcount(handed[0]) == _FIRST_REFS
-            and _unheld(handed, self._versions, self.live, self._handles, self._uses)
-        )
+        if not (handed and _getrefcount(handed[0]) == _FIRST_REFS):
+            return False
+        versions = self._versions
+        if versions is None:
+            return _unheld_inference(handed, self._layouts, self.live, self._handles, self._uses)
+        return _unheld(handed, versions, self.live, self._handles, self._uses)
 
     def held(self) -> bool:
         """Is a tensor the last call handed out for a ``watch`` leaf still owned outside (by
@@ -209,12 +217,18 @@ class Outputs:
         leaves = self.static
         if self._checked:
             handed = self._handed
-            if not (
-                handed
-                and _getrefcount(handed[0]) == _FIRST_REFS  # the common "kept": fail fast
-                and not _inference_mode()  # eager's outputs would be inference tensors there
-                and _unheld(handed, self._versions, self.live, self._handles, self._uses)
-            ):
+            reuse = False
+            if handed and _getrefcount(handed[0]) == _FIRST_REFS:  # the common "kept": fail fast
+                versions = self._versions  # None: inference tensors, handed out under the mode
+                if not _inference_mode():
+                    reuse = versions is not None and _unheld(
+                        handed, versions, self.live, self._handles, self._uses
+                    )
+                elif versions is None:
+                    reuse = _unheld_inference(
+                        handed, self._layouts, self.live, self._handles, self._uses
+                    )
+            if not reuse:
                 handed = self._new_tensors()
             elif self._kept:  # kept through an invalidation: the pool counts them out again
                 self._kept = False
@@ -246,7 +260,7 @@ class Outputs:
         last = self.live
         # With reuse, our own reference to a handed tensor keeps its storage in use: only a
         # tensor someone else holds gets here, so there is no free storage to look for.
-        free = _free(last, self._handles) if last and not (self.reuse and self._handed) else ()
+        free = _free(last, self._handles) if last and not self.reuse else ()
         live = []
         handed = []
         for k, (ptr, nbytes, metas) in enumerate(self.groups):
@@ -264,14 +278,10 @@ class Outputs:
             self.on_live()
         if _storage_use_count is not None:
             self._handles = [_compat.storage_handle(s) for s in live]
-        if self.reuse and handed and handed[0].is_inference():
-            # Made under torch.inference_mode, as eager's would be: inference tensors have no
-            # version counter to show an in-place change (unsqueeze_) by the caller, so they are
-            # not handed out again; a storage nothing holds still is (_free).
-            self._handed = []
-        elif self.reuse:
+        if self.reuse:
             self._handed = handed
-            self._versions = [t._version for t in handed]
+            # Made under torch.inference_mode, as eager's would be: no version counters.
+            self._versions = None if handed[0].is_inference() else [t._version for t in handed]
             if _HELD_STORAGE_REFS[0] < 0:
                 del storage
                 _HELD_STORAGE_REFS[0] = _loop_refcount(live)
@@ -306,6 +316,43 @@ def _unheld(
             or t._version != versions[k]
             or _tensor_use_count(t) != 1
             or t.requires_grad
+            or t.grad is not None
+            or t.__dict__
+            or _getweakrefcount(t)
+        ):
+            return False
+        k += 1
+    held = _HELD_STORAGE_REFS[0]
+    k = 0
+    for s in storages:
+        if _getrefcount(s) != held or _storage_use_count(handles[k]) != uses[k]:
+            return False
+        k += 1
+    return True
+
+
+def _unheld_inference(
+    handed: list[torch.Tensor],
+    layouts: list[tuple[torch.Size, tuple[int, ...], int]],
+    storages: list[torch.UntypedStorage],
+    handles: list[int],
+    uses: list[int],
+) -> bool:
+    """:func:`_unheld` for inference tensors (handed out under ``torch.inference_mode``), which
+    have no version counter. What the counter shows there is seen otherwise: an in-place change
+    of shape (``unsqueeze_``, ``t_``, ``as_strided_``) in the tensor's layout, a ``set_`` to
+    other memory in the storage's use count; values written in place are the replay's to
+    overwrite, as in new tensors over the same memory. Written out again, not shared with
+    :func:`_unheld`: a call less on the replay path."""
+    k = 0
+    for t in handed:
+        size, stride, offset = layouts[k]
+        if (
+            _getrefcount(t) != _FREE_REFS
+            or _tensor_use_count(t) != 1
+            or t.shape != size
+            or t.stride() != stride
+            or t.storage_offset() != offset
             or t.grad is not None
             or t.__dict__
             or _getweakrefcount(t)
