@@ -192,8 +192,10 @@ def graph(
         autocast setting than the capture's (the graph computes in the captured dtypes), or with
         the module switched between train and eval. Calls under a ``TorchDispatchMode``
         (``FlopCounterMode``, a trace) and inside another graph's capture run eagerly too,
-        without a warning, so that the mode or the capture sees every op. To train through
-        graphs use :func:`torchreplay.make_graphed_callables` or :func:`torchreplay.graph_step`.
+        without a warning, so that the mode or the capture sees every op. ``torch.inference_mode``
+        is no reason: capture and call under it or not, in any mix; a call under it returns
+        inference tensors, as eager does. To train through graphs use
+        :func:`torchreplay.make_graphed_callables` or :func:`torchreplay.graph_step`.
 
     .. warning::
         With ``outputs="checked"``, an output you keep across calls raises when read after the
