@@ -571,7 +571,7 @@ model = transformers.LlamaForCausalLM(cfg).cuda().eval()
 ids = torch.randint(0, 512, (2, 12), device="cuda")
 kwargs = dict(max_new_tokens=16, do_sample=False, cache_implementation="static", pad_token_id=0,
               disable_compile=True)
-with torch.no_grad():
+with torch.{context}():
     want = model.generate(ids, **kwargs)
     compiled = tr.compile(model.forward)
     model.forward = compiled
@@ -584,13 +584,15 @@ print("EQUAL")
 """
 
 
-def test_hf_llama_generate_with_a_static_cache_equals_eager() -> None:
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
+def test_hf_llama_generate_with_a_static_cache_equals_eager(context: str) -> None:
     """transformers' recipe for fast generation (a static cache, the model's forward compiled),
     with our backend in place of reduce-overhead: the same greedy tokens as eager. The prefill
     moves each layer's length counter to the GPU (an eager step) and a graph advances it: its
     warm-ups once ran it past the cache's end (a device-side assert), and the write was lost.
     ``disable_compile=True``: else ``generate`` wraps the decode steps in its own
-    ``torch.compile(mode="reduce-overhead")``, which traces through ours."""
+    ``torch.compile(mode="reduce-overhead")``, which traces through ours. Under ``no_grad`` and
+    under ``inference_mode`` (serving's context: the cache and every output inference tensors)."""
     pytest.importorskip("transformers")
     import subprocess
     import sys
@@ -598,7 +600,7 @@ def test_hf_llama_generate_with_a_static_cache_equals_eager() -> None:
 
     root = str(Path(__file__).resolve().parents[2])
     proc = subprocess.run(
-        [sys.executable, "-c", _LLAMA_GENERATE.format(root=root)],
+        [sys.executable, "-c", _LLAMA_GENERATE.format(root=root, context=context)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0 and "EQUAL" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]

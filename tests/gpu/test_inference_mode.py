@@ -228,3 +228,43 @@ def test_a_graphed_step_called_with_autograd_off_runs_eagerly_and_raises_as_eage
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
     assert graphed.stats.replays == CALLS // 2 and graphed.stats.fallbacks == CALLS // 2
+
+
+@pytest.mark.parametrize("sizes", [None, [2, 4, 8]], ids=["one shape", "sizes"])
+def test_hf_bert_graphed_and_called_under_inference_mode_equals_eager(sizes) -> None:
+    """A model nobody here wrote, with keyword arguments and an attention mask, all under the
+    mode as a serving loop runs it."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(
+        vocab_size=1000, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+        intermediate_size=256, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        model = transformers.BertModel(cfg).to(DEV).eval()
+
+        def batch(n: int) -> dict[str, torch.Tensor]:
+            ids = torch.randint(0, 1000, (n, 16), device=DEV)
+            mask = (torch.rand(n, 16, device=DEV) > 0.2).long()
+            mask[:, 0] = 1
+            return {"input_ids": ids, "attention_mask": mask}
+
+        g = tr.graph(model, **batch(4 if sizes is None else 3), sizes=sizes)
+        for k in range(CALLS):
+            b = batch(4 if sizes is None else 1 + k % 8)
+            got, want = g(**b), model(**b)
+            torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=1e-4, atol=1e-4)
+            assert got.last_hidden_state.is_inference()
+    assert g.stats.fallbacks == 0
+
+
+def test_torchvision_resnet_graphed_under_inference_mode_equals_eager() -> None:
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).to(DEV).eval()
+    with torch.inference_mode():
+        g = tr.graph(model, torch.randn(2, 3, 64, 64, device=DEV))
+        for _ in range(CALLS):
+            x = torch.randn(2, 3, 64, 64, device=DEV)
+            torch.testing.assert_close(g(x), model(x), rtol=1e-4, atol=1e-4)
+    assert g.stats.fallbacks == 0
