@@ -276,3 +276,36 @@ def test_make_graphed_callables_inside_a_graphed_training_step() -> None:
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
     assert step.stats.replays == len(data)
+
+
+@pytest.mark.parametrize("front", FRONTS)
+def test_a_forward_hook_added_after_capture_runs_eagerly_until_removed(front, caplog) -> None:
+    """Eagerly a hook registered after capture runs at every call (features collected from a
+    layer, say); a replay would run none of its code. Calls run eagerly while it is there, equal
+    to eager, the hook seeing eager's values; after its removal calls replay again. A hook present
+    at capture that changes the output replays its tensor work."""
+    model = mlp()
+    model[0].register_forward_hook(lambda m, i, o: o * 2)  # present at capture: in the graph
+    n = rows(front)
+    with caplog.at_level(logging.WARNING, logger="torchreplay"), torch.no_grad():
+        g = build(front, model, torch.randn(n, 64, device=DEV))
+        assert any("forward hooks" in r.getMessage() for r in caplog.records)  # named once
+        caplog.clear()
+        seen: list[torch.Tensor] = []
+        handle = model[2].register_forward_hook(lambda m, i, o: seen.append(o.clone()))
+        replays, fallbacks = g.stats.replays, g.stats.fallbacks
+        for k in range(CALLS):
+            x = torch.randn(n, 64, device=DEV)
+            got = g(x)
+            want = model(x)  # the hook sees eager's output too
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            assert len(seen) == 2 * (k + 1)
+            torch.testing.assert_close(seen[-2], seen[-1], rtol=0, atol=0)
+        assert g.stats.fallbacks - fallbacks == CALLS and g.stats.replays == replays
+        said = [r.getMessage() for r in caplog.records if "changed since capture" in r.getMessage()]
+        assert len(said) == 1 and "Linear" in said[0]
+        handle.remove()
+        for _ in range(CALLS):
+            x = torch.randn(n, 64, device=DEV)
+            torch.testing.assert_close(g(x), model(x), rtol=2e-5, atol=2e-5)
+        assert g.stats.replays - replays == CALLS and len(seen) == 2 * CALLS

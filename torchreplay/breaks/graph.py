@@ -136,7 +136,7 @@ class BreakableGraph:
             resolved = tuple(Break("module", b.module, b.path) for b in self.auto)
         self._breaks = resolved
         self._training = self._module.training if self._module is not None else None
-        self._eager_calls = EagerCalls(self.name, bool(self._training))  # core/modes.py
+        self._eager_calls = EagerCalls(self.name, bool(self._training), self._module)  # core/modes.py
         self._placed: Placed | None = None  # at the first capture
         self._spec = call.spec
         self._paths = tuple(call.paths)

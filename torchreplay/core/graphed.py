@@ -14,7 +14,7 @@ from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
 from torchreplay.core.capture import StateSnapshot, capture, side_stream
 from torchreplay.core.io import Inputs
 from torchreplay.core.modes import (
-    AUTOCAST, CAPTURE, DISPATCH_MODE, GRAD, TRAIN_MODE, EagerCalls, tracked_leaf,
+    AUTOCAST, CAPTURE, DISPATCH_MODE, GRAD, HOOKS, TRAIN_MODE, EagerCalls, tracked_leaf,
 )
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import CHANGES, GONE, Placed
@@ -28,6 +28,7 @@ _current_stream = _compat.current_stream
 _any_autocast = _compat.any_autocast
 _cuda_autocast = _compat.cuda_autocast
 _dispatch_modes = _compat.dispatch_modes
+_Handles = torch.utils.hooks.RemovableHandle  # its next_id counts every hook registered
 
 __all__ = ["Graphed", "owned_by", "refuse_static_written_outputs", "resolve_config", "resolve_pool"]
 
@@ -71,7 +72,8 @@ class Graphed:
         self.device = device
         self.pool = pool if pool is not None else Pool(device)
         self.stats = GraphStats(self.pool.reserved_bytes)
-        self._eager = EagerCalls(self.name, self._training)  # calls a replay cannot serve
+        self._eager = EagerCalls(self.name, self._training, self._module)  # calls a replay cannot serve
+        self._hooks = self._eager.hooks
 
         self._inputs = Inputs(call, device)
         self._inputs.eager_if_tracked = True  # copy_in: None for a call autograd must record
@@ -141,6 +143,8 @@ class Graphed:
             why = AUTOCAST
         elif _dispatch_modes():  # FlopCounterMode, FakeTensorMode, a tracer: they see each op
             why = DISPATCH_MODE
+        elif self._hooks.at != _Handles.next_id and not self._hooks.look():  # a hook came or went
+            why = HOOKS
         placed = self._placed  # the model moved, or weights or submodules replaced
         moved = placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at

@@ -27,6 +27,12 @@ Autograd through the module's parameters alone (grad mode on, no argument requir
 not a reason: most inference code runs without ``torch.no_grad()`` and never calls backward.
 The graph's outputs carry no autograd history; ``tr.graph``'s docstring says so.
 
+Forward hooks added to the module (or any of its submodules, or globally) after capture, or
+removed, are a reason: a replay runs none of the hook's code, and still runs the tensor work of
+a removed one (:class:`Hooks`). Hooks present at capture are recorded into the graph: their
+tensor work replays, their Python side effects (a list of features, a counter) happened at
+capture only, which is said once, when the graph is made.
+
 ``torch.inference_mode`` is no reason either: a graph records no autograd, so it replays the
 same kernels under it, at capture or at a call. Our own buffers are normal tensors in either
 mode (``_compat.normal_tensors``), so that a graph captured under it can be called outside it;
@@ -49,8 +55,8 @@ from torchreplay.core.capture import warn_mode_changed
 from torchreplay.errors import CaptureError
 
 __all__ = [
-    "TRAIN_MODE", "AUTOCAST", "DISPATCH_MODE", "GRAD", "CAPTURE", "NO_GRAD", "EagerCalls",
-    "autocast_name", "refuse_inference_capture", "tracked_leaf",
+    "TRAIN_MODE", "AUTOCAST", "DISPATCH_MODE", "GRAD", "CAPTURE", "NO_GRAD", "HOOKS", "EagerCalls",
+    "Hooks", "autocast_name", "refuse_inference_capture", "tracked_leaf",
 ]
 
 log = logging.getLogger(__name__)
@@ -61,15 +67,66 @@ DISPATCH_MODE = "a TorchDispatchMode"
 GRAD = "autograd"
 CAPTURE = "another graph's capture"
 NO_GRAD = "autograd off"
+HOOKS = "forward hooks"
 
 _Tensor = torch.Tensor
 _any_autocast = _compat.any_autocast
 _cuda_autocast = _compat.cuda_autocast
 _dispatch_modes = _compat.dispatch_modes
+_Handles = torch.utils.hooks.RemovableHandle  # its next_id counts every hook ever registered
 
 
 def autocast_name(dtype: torch.dtype | None) -> str:
     return "no autocast" if dtype is None else f"autocast({str(dtype).removeprefix('torch.')})"
+
+
+class Hooks:
+    """The forward hooks a call of ``module`` runs (its own, its submodules', the global ones),
+    as at capture. The per-call test is ``at != RemovableHandle.next_id and not look()``: one
+    attribute read while no hook handle was made anywhere since the last look (which compares
+    them all, O(modules)). While they differ, ``at`` is -1: every call looks again, so removing
+    the hook lets calls replay again."""
+
+    __slots__ = ("_modules", "_captured", "at")
+
+    def __init__(self, module: torch.nn.Module | None) -> None:
+        self._modules = list(module.modules()) if module is not None else []
+        self.at = _Handles.next_id
+        self._captured = self._state()
+
+    def _state(self) -> list[Any]:
+        g = torch.nn.modules.module
+        state: list[Any] = [tuple(g._global_forward_pre_hooks), tuple(g._global_forward_hooks)]
+        for m in self._modules:  # O(modules): only after a handle was made
+            pre, post = m._forward_pre_hooks, m._forward_hooks
+            if pre or post:
+                state.append((id(m), tuple(pre), tuple(post)))
+        return state
+
+    def look(self) -> bool:
+        """Look again; return whether they still are the captured ones."""
+        same = self._state() == self._captured
+        self.at = _Handles.next_id if same else -1
+        return same
+
+    def changed_names(self) -> str:
+        """The modules whose hooks differ from capture (for the warning)."""
+        names = {id(m): type(m).__name__ for m in self._modules}
+        now = {k[0]: k for k in self._state()[2:]}
+        then = {k[0]: k for k in self._captured[2:]}
+        diff = [names[i] for i in set(now) | set(then) if now.get(i) != then.get(i)]
+        if self._state()[:2] != self._captured[:2]:
+            diff.append("the global hooks")
+        return ", ".join(sorted(diff)[:5]) or "?"
+
+    def with_effects(self) -> list[str]:
+        """Modules with hooks at capture whose code is not torch's own (weight_norm, pruning
+        and spectral_norm hooks only compute tensors): their Python side effects happen once."""
+        return [
+            type(m).__name__ for m in self._modules
+            for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())
+            if not getattr(type(h), "__module__", "").startswith("torch.")
+        ]
 
 
 def refuse_inference_capture(what: str) -> None:
@@ -106,13 +163,23 @@ class EagerCalls:
     requires grad.
     """
 
-    __slots__ = ("name", "training", "autocast", "_warned")
+    __slots__ = ("name", "training", "autocast", "hooks", "_warned")
 
-    def __init__(self, name: str, training: bool) -> None:
+    def __init__(self, name: str, training: bool, module: torch.nn.Module | None = None) -> None:
         self.name = name
         self.training = training
         self.autocast = _compat.cuda_autocast()
+        self.hooks = Hooks(module)
         self._warned: set[str] = set()
+        hooked = self.hooks.with_effects()
+        if hooked:
+            log.warning(
+                "torchreplay: '%s' has forward hooks (on %s): they run while the graph is "
+                "captured, so their tensor work replays every call, but their Python side effects "
+                "(appending to a list, logging, counting) happen only then. Hooks added or "
+                "removed after capture make calls run eagerly.",
+                name, ", ".join(sorted(set(hooked))[:5]),
+            )
 
     def autocast_changed(self) -> bool:
         return (self.autocast is not None or _any_autocast()) and _cuda_autocast() != self.autocast
@@ -128,6 +195,9 @@ class EagerCalls:
             return AUTOCAST
         if _dispatch_modes():
             return DISPATCH_MODE
+        hooks = self.hooks
+        if hooks.at != _Handles.next_id and not hooks.look():
+            return HOOKS
         if leaves is not None and tracked_leaf(leaves) is not None:
             return GRAD
         return None
@@ -169,6 +239,15 @@ class EagerCalls:
                 "the step eagerly, where it raises or does what the step itself enables "
                 "(counted in stats.fallbacks). Call the step with autograd on to replay it.",
                 self.name,
+            )
+        elif why == HOOKS:
+            log.warning(
+                "torchreplay: forward hooks of '%s' changed since capture (on %s): a replay "
+                "would run none of a new hook's code and still the tensor work of a removed one, "
+                "so calls run eagerly while they differ (counted in stats.fallbacks). Remove "
+                "them to replay again, or graph the model again with them (their tensor work "
+                "then replays; their Python side effects happen at capture only).",
+                self.name, self.hooks.changed_names(),
             )
         elif why == AUTOCAST:
             log.warning(

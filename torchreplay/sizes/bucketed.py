@@ -125,7 +125,7 @@ class BucketedGraph:
         self.device = device
         self.pool = pool if pool is not None else Pool(device)
         self.stats = GraphStats(self.pool.reserved_bytes)
-        self._eager_calls = EagerCalls(self.name, self._training)  # core/modes.py
+        self._eager_calls = EagerCalls(self.name, self._training, self._module)  # core/modes.py
         self._warned_sizes: set[int] = set()
         self._graphs: dict[int, _SizeGraph] = {}
         self._routes: list[_Route | None] = [None] * (self._max + 1)

@@ -1,0 +1,73 @@
+"""Forward hooks that change after capture (core/modes.py ``Hooks``): the per-call test is one
+attribute read until a hook handle is made anywhere; then every module's hooks are compared
+with capture's. A hook added or removed after capture is a reason to run eagerly; hooks present
+at capture with Python code of their own are named once."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+import torch.nn.utils.prune
+
+from torchreplay.core.modes import HOOKS, EagerCalls, Hooks
+
+
+def model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Sequential(nn.Linear(3, 3)))
+
+
+def test_a_hook_added_after_capture_anywhere_in_the_tree_is_seen_and_its_removal_too() -> None:
+    m = model()
+    hooks = Hooks(m)
+    assert hooks.at == torch.utils.hooks.RemovableHandle.next_id
+    other = nn.Linear(2, 2).register_forward_hook(lambda *a: None)  # not ours: same hooks
+    assert hooks.look() and hooks.at == torch.utils.hooks.RemovableHandle.next_id
+    handle = m[2][0].register_forward_hook(lambda *a: None)
+    assert not hooks.look() and hooks.at == -1  # every call looks again while they differ
+    assert hooks.changed_names() == "Linear"
+    handle.remove()
+    assert hooks.look()
+    pre = m.register_forward_pre_hook(lambda *a: None)  # on the module itself
+    assert not hooks.look()
+    pre.remove()
+    glob = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert not hooks.look() and "the global hooks" in hooks.changed_names()
+    finally:
+        glob.remove()
+    assert hooks.look()
+    other.remove()
+
+
+def test_a_hook_removed_after_capture_is_seen() -> None:
+    m = model()
+    handle = m[1].register_forward_hook(lambda *a: None)
+    hooks = Hooks(m)
+    handle.remove()  # a removal makes no handle: the next registration anywhere shows it,
+    m[0].register_forward_hook(lambda *a: None).remove()  # or this call's look
+    assert not hooks.look()
+
+
+def test_eager_calls_gives_the_hooks_reason_and_names_hooks_with_effects(caplog) -> None:
+    m = model()
+    seen = []
+    m[1].register_forward_hook(lambda mod, i, o: seen.append(o))
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        calls = EagerCalls("m", m.training, m)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "ReLU" in said[0] and "only then" in said[0]
+    assert calls.reason(m) is None
+    h = m[0].register_forward_hook(lambda *a: None)
+    assert calls.reason(m) == HOOKS
+    h.remove()
+    assert calls.reason(m) is None
+
+
+def test_torch_own_hooks_are_not_named(caplog) -> None:
+    m = model()
+    torch.nn.utils.prune.l1_unstructured(m[0], "weight", amount=0.5)  # a forward pre-hook
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        EagerCalls("m", False, m)
+    assert not caplog.records
