@@ -189,8 +189,10 @@ def graph(
         carry no autograd history. A call the graph cannot serve as eager would runs eagerly
         instead, warning once per reason and counted in ``stats.fallbacks``: with autograd on
         and an argument that requires grad (eager records a backward to it), under another CUDA
-        autocast setting than the capture's (the graph computes in the captured dtypes), or with
-        the module switched between train and eval. Calls under a ``TorchDispatchMode``
+        autocast setting than the capture's (the graph computes in the captured dtypes), with
+        the module switched between train and eval, or with forward hooks added or removed
+        since capture (a replay runs no hook code: hooks present at capture replay their tensor
+        work, but their Python side effects happened at capture only). Calls under a ``TorchDispatchMode``
         (``FlopCounterMode``, a trace) and inside another graph's capture run eagerly too,
         without a warning, so that the mode or the capture sees every op. ``torch.inference_mode``
         is no reason: capture and call under it or not, in any mix; a call under it returns
