@@ -11,7 +11,6 @@ where eager's error is raised."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
@@ -20,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchreplay as tr
+from twin_steps import twin_steps
 
 pytestmark = [
     pytest.mark.gpu,
@@ -197,23 +197,9 @@ def test_make_graphed_callables_called_under_inference_mode_runs_the_forward() -
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_graphed_step_called_with_autograd_off_runs_eagerly_and_raises_as_eager(mode) -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).to(DEV)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, capturable=True)
-
-    def make(m, o):
-        def train_step(x, y):
-            o.zero_grad(set_to_none=True)
-            loss = F.mse_loss(m(x), y)
-            loss.backward()
-            o.step()
-            return loss
-        return train_step
-
+    model, ref, train_step, ref_step = twin_steps(DEV)
     data = [(torch.randn(8, 64, device=DEV), torch.randn(8, 64, device=DEV)) for _ in range(CALLS)]
-    graphed, ref_step = tr.graph_step(make(model, opt), *data[0]), make(ref, ref_opt)
+    graphed = tr.graph_step(train_step, *data[0])
     for k, (x, y) in enumerate(data):
         if k % 2:
             with MODES[mode]():

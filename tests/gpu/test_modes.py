@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import torchreplay as tr
 from torchreplay.errors import ReplayInputError
+from twin_steps import twin_steps
 
 pytestmark = [
     pytest.mark.gpu,
@@ -114,23 +115,9 @@ def test_autograd_to_an_argument_runs_eagerly_with_eager_gradients(front, frozen
 
 
 def test_graph_step_under_another_autocast_runs_the_step_eagerly() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).to(DEV)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, capturable=True)
-
-    def make(m, o):
-        def step(x, y):
-            o.zero_grad(set_to_none=True)
-            loss = F.mse_loss(m(x).float(), y)
-            loss.backward()
-            o.step()
-            return loss
-        return step
-
+    model, ref, train_step, ref_step = twin_steps(DEV)
     data = [(torch.randn(8, 64, device=DEV), torch.randn(8, 64, device=DEV)) for _ in range(8)]
-    step, ref_step = tr.graph_step(make(model, opt), *data[0]), make(ref, ref_opt)
+    step = tr.graph_step(train_step, *data[0])
     for k, (x, y) in enumerate(data):
         setting = torch.bfloat16 if k % 2 else None
         with autocast(setting):

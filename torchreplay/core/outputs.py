@@ -342,8 +342,8 @@ def _unheld_inference(
     have no version counter. What the counter shows there is seen otherwise: an in-place change
     of shape (``unsqueeze_``, ``t_``, ``as_strided_``) in the tensor's layout, a ``set_`` to
     other memory in the storage's use count; values written in place are the replay's to
-    overwrite, as in new tensors over the same memory. Written out again, not shared with
-    :func:`_unheld`: a call less on the replay path."""
+    overwrite, as in new tensors over the same memory. The storages are :func:`_unheld`'s to
+    look at (with no tensor to look at there)."""
     k = 0
     for t in handed:
         size, stride, offset = layouts[k]
@@ -359,13 +359,7 @@ def _unheld_inference(
         ):
             return False
         k += 1
-    held = _HELD_STORAGE_REFS[0]
-    k = 0
-    for s in storages:
-        if _getrefcount(s) != held or _storage_use_count(handles[k]) != uses[k]:
-            return False
-        k += 1
-    return True
+    return _unheld([], [], storages, handles, uses)
 
 
 def _loop_refcount(objs: list[Any]) -> int:
