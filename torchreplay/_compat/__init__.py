@@ -290,16 +290,6 @@ def supports_amp_scaling(opt: Any) -> bool:
     return bool(getattr(opt, "_step_supports_amp_scaling", False))
 
 
-def module_hooks(module: torch.nn.Module) -> bool:
-    """Does ``module`` itself have forward, forward-pre, backward or backward-pre hooks?
-
-    The hook dicts are private attributes of ``nn.Module`` (there is no public query); torch's
-    own make_graphed_callables reads the same ones. A torch without one of them counts it empty.
-    """
-    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return any(getattr(module, n, None) for n in names)
-
-
 def abandon_pool(device: int, pool: tuple[int, int]) -> None:
     """Undo what ``capture_begin`` did to the allocator when ``capture_end`` failed.
 
@@ -590,6 +580,8 @@ from torchreplay._compat.ops import (  # noqa: E402  (a custom op's kernel and s
 __all__ += ["argument_kinds", "custom_op_kernel", "eval_frame_callback", "modes_active", "plain_value",
             "without_dynamo_guard"]
 from torchreplay._compat.streams import current_stream  # noqa: E402
+from torchreplay._compat.hooks import forward_hooks, global_forward_hooks, hook_handles_made, module_hooks  # noqa: E402
+__all__ += ["forward_hooks", "global_forward_hooks", "hook_handles_made"]
 from torchreplay._compat.amp import any_autocast, cuda_autocast, dispatch_modes  # noqa: E402
 from torchreplay._compat.autograd import (  # noqa: E402  (autograd's node order and version counters)
     foreach_copy_untracked, in_backward, is_accumulate_grad, normal_tensors, restore_unversioned, sequence_nr,

@@ -28,7 +28,7 @@ _current_stream = _compat.current_stream
 _any_autocast = _compat.any_autocast
 _cuda_autocast = _compat.cuda_autocast
 _dispatch_modes = _compat.dispatch_modes
-_Handles = torch.utils.hooks.RemovableHandle  # its next_id counts every hook registered
+_Handles = _compat.hook_handles_made  # its next_id counts every hook handle torch made
 
 __all__ = ["Graphed", "owned_by", "refuse_static_written_outputs", "resolve_config", "resolve_pool"]
 

@@ -73,7 +73,8 @@ _Tensor = torch.Tensor
 _any_autocast = _compat.any_autocast
 _cuda_autocast = _compat.cuda_autocast
 _dispatch_modes = _compat.dispatch_modes
-_Handles = torch.utils.hooks.RemovableHandle  # its next_id counts every hook ever registered
+_Handles = _compat.hook_handles_made  # its next_id counts every hook handle torch made
+_forward_hooks = _compat.forward_hooks
 
 
 def autocast_name(dtype: torch.dtype | None) -> str:
@@ -95,10 +96,10 @@ class Hooks:
         self._captured = self._state()
 
     def _state(self) -> list[Any]:
-        g = torch.nn.modules.module
-        state: list[Any] = [tuple(g._global_forward_pre_hooks), tuple(g._global_forward_hooks)]
+        pre, post = _compat.global_forward_hooks()
+        state: list[Any] = [tuple(pre), tuple(post)]
         for m in self._modules:  # O(modules): only after a handle was made
-            pre, post = m._forward_pre_hooks, m._forward_hooks
+            pre, post = _forward_hooks(m)
             if pre or post:
                 state.append((id(m), tuple(pre), tuple(post)))
         return state
@@ -112,10 +113,11 @@ class Hooks:
     def changed_names(self) -> str:
         """The modules whose hooks differ from capture (for the warning)."""
         names = {id(m): type(m).__name__ for m in self._modules}
-        now = {k[0]: k for k in self._state()[2:]}
+        state = self._state()
+        now = {k[0]: k for k in state[2:]}
         then = {k[0]: k for k in self._captured[2:]}
         diff = [names[i] for i in set(now) | set(then) if now.get(i) != then.get(i)]
-        if self._state()[:2] != self._captured[:2]:
+        if state[:2] != self._captured[:2]:
             diff.append("the global hooks")
         return ", ".join(sorted(diff)[:5]) or "?"
 
@@ -123,9 +125,8 @@ class Hooks:
         """Modules with hooks at capture whose code is not torch's own (weight_norm, pruning
         and spectral_norm hooks only compute tensors): their Python side effects happen once."""
         return [
-            type(m).__name__ for m in self._modules
-            for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())
-            if not getattr(type(h), "__module__", "").startswith("torch.")
+            type(m).__name__ for m in self._modules for hooks in _forward_hooks(m)
+            for h in hooks.values() if not getattr(type(h), "__module__", "").startswith("torch.")
         ]
 
 
