@@ -67,7 +67,22 @@ def test_eager_calls_gives_the_hooks_reason_and_names_hooks_with_effects(caplog)
 
 def test_torch_own_hooks_are_not_named(caplog) -> None:
     m = model()
-    torch.nn.utils.prune.l1_unstructured(m[0], "weight", amount=0.5)  # a forward pre-hook
+    torch.nn.utils.prune.l1_unstructured(m[0], "weight", amount=0.5)  # a forward pre-hook object
     with caplog.at_level(logging.WARNING, logger="torchreplay"):
         EagerCalls("m", False, m)
     assert not caplog.records
+
+
+def test_a_users_method_hook_is_named(caplog) -> None:
+    class Collector:
+        def __init__(self) -> None:
+            self.seen: list[torch.Tensor] = []
+
+        def keep(self, module: nn.Module, args: object, out: torch.Tensor) -> None:
+            self.seen.append(out)
+
+    m = model()
+    m[2].register_forward_hook(Collector().keep)
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        EagerCalls("m", False, m)
+    assert len(caplog.records) == 1 and "Sequential" in caplog.records[0].getMessage()

@@ -123,10 +123,12 @@ class Hooks:
 
     def with_effects(self) -> list[str]:
         """Modules with hooks at capture whose code is not torch's own (weight_norm, pruning
-        and spectral_norm hooks only compute tensors): their Python side effects happen once."""
+        and spectral_norm hooks only compute tensors): their Python side effects happen once.
+        A function's or method's ``__module__`` is where it was defined; a hook object's, its
+        class's."""
         return [
             type(m).__name__ for m in self._modules for hooks in _forward_hooks(m)
-            for h in hooks.values() if not getattr(type(h), "__module__", "").startswith("torch.")
+            for h in hooks.values() if not (getattr(h, "__module__", None) or "").startswith("torch.")
         ]
 
 
