@@ -353,6 +353,7 @@ def _unheld_inference(
             or t.shape != size
             or t.stride() != stride
             or t.storage_offset() != offset
+            or t.requires_grad  # allowed on an inference tensor under the mode
             or t.grad is not None
             or t.__dict__
             or _getweakrefcount(t)
