@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchreplay as tr
+from fronts import build, rows
 from twin_steps import twin_steps
 
 pytestmark = [
@@ -52,21 +53,6 @@ def model_for(front: str) -> nn.Module:
     return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).to(DEV).eval()
 
 
-def build(front: str, model: nn.Module, x: torch.Tensor):
-    if front == "sizes":
-        return tr.graph(model, x, sizes=[2, 4, 8])
-    if front == "breaks":
-        return tr.graph(model, x, breaks=[model[1]])
-    if front == "breaks, sizes":
-        return tr.graph(model, x, breaks=[model[1]], sizes=[2, 4, 8])
-    if front.startswith("compile"):
-        torch._dynamo.reset()
-        g = tr.compile(model)
-        g(x)  # compiles and captures, in this mode
-        return g
-    return tr.graph(model, x)
-
-
 @pytest.mark.parametrize("front", FRONTS)
 @pytest.mark.parametrize("captured", list(MODES))
 @pytest.mark.parametrize("called", list(MODES))
@@ -74,7 +60,7 @@ def test_each_front_end_captured_in_one_mode_and_called_in_the_other_equals_eage
     front, captured, called
 ) -> None:
     model = model_for(front)
-    n = 3 if "sizes" in front else 4  # sizes=: padded to 4 rows
+    n = rows(front)
     with MODES[captured]():
         g = build(front, model, torch.randn(n, 64, device=DEV))
     for _ in range(CALLS):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import torchreplay as tr
 from torchreplay.errors import ReplayInputError
+from fronts import build, rows
 from twin_steps import twin_steps
 
 pytestmark = [
@@ -32,18 +33,6 @@ FRONTS = ["one shape", "sizes", "breaks"]
 def mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).to(DEV).eval()
-
-
-def build(front: str, model: nn.Module, x: torch.Tensor):
-    if front == "sizes":
-        return tr.graph(model, x, sizes=[2, 4, 8])
-    if front == "breaks":
-        return tr.graph(model, x, breaks=[model[1]])
-    return tr.graph(model, x)
-
-
-def rows(front: str) -> int:
-    return 3 if front == "sizes" else 4  # with sizes=, a call padded to 4 rows
 
 
 def autocast(dtype):
