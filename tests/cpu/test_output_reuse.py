@@ -275,3 +275,57 @@ def test_an_output_nobody_can_reach_is_kept_through_invalidation_and_handed_out_
         kept.sum()
     fresh = out.emit()
     assert id(fresh[1]) not in ids and torch.equal(fresh[1], pool[0]) and len(told) == 3
+
+
+def _handed_inference_tensor() -> tuple[list[torch.Tensor], list, list[torch.UntypedStorage], list[int], list[int]]:
+    """As :func:`_handed_tensor`, for an output made under ``torch.inference_mode``: an inference
+    tensor, with its layout where a normal one has its version counter."""
+    from torchreplay.core import outputs
+
+    live = [torch.UntypedStorage(48)]
+    with torch.inference_mode():
+        handed = [torch.empty(0).set_(live[0], 0, (4, 3), (3, 1))]
+    assert handed[0].is_inference()
+    if outputs._HELD_STORAGE_REFS[0] < 0:
+        outputs._HELD_STORAGE_REFS[0] = outputs._loop_refcount(live)
+    layouts = [(torch.Size((4, 3)), (3, 1), 0)]
+    return handed, layouts, live, [_compat.storage_handle(live[0])], [2]
+
+
+def test_a_dropped_inference_tensor_is_unheld_even_written() -> None:
+    """Values written in place are the next replay's to overwrite, as in a new tensor."""
+    from torchreplay.core.outputs import _unheld_inference
+
+    handed, *rest = _handed_inference_tensor()
+    assert _unheld_inference(handed, *rest)
+    with torch.inference_mode():
+        handed[0].add_(1)
+    assert _unheld_inference(handed, *rest)
+
+
+@pytest.mark.parametrize(
+    "hold",
+    ["variable", "view", "storage_object", "container", "weakref", "requires_grad", "attribute",
+     "unsqueeze_", "t_", "as_strided_", "resize_", "set_"],
+)
+def test_an_inference_tensor_anyone_can_reach_or_tell_apart_is_held(hold: str) -> None:
+    """No version counter: what it would show (a change of layout in place, a set_ to other
+    memory) is seen from the layout and the storage's use count."""
+    from torchreplay.core.outputs import _unheld_inference
+
+    handed, layouts, live, handles, uses = _handed_inference_tensor()
+    keep: list = []
+    with torch.inference_mode():
+        t = handed[0]
+        if hold == "t_":
+            t.t_()
+        elif hold == "as_strided_":
+            t.as_strided_((4, 3), (1, 4))
+        elif hold == "resize_":  # the same strides, fewer rows
+            t.resize_(2, 3)
+        elif hold == "set_":
+            t.set_(torch.UntypedStorage(48), 0, (4, 3), (3, 1))
+        else:
+            _hold(t, hold, keep)
+        del t
+    assert not _unheld_inference(handed, layouts, live, handles, uses), hold
