@@ -128,13 +128,28 @@ def main() -> None:
     x = torch.randn(8, 1024, device="cuda")
     built = {}
     with torch.no_grad():
-        for style, k in [("returns", 1), ("returns", 2), ("returns", 8), ("writes", 8), ("clone", 8)]:
-            model = SplitMLP(k, style=style).cuda().eval()
-            c = tr.compile(model, splitting_ops=[SPLIT_STYLES[style]])
-            want = model(x)
-            for _ in range(3):
-                torch.testing.assert_close(c(x), want)
-            built[style, k] = (c, *runtime_and_args(c, x))
+        for style, k in [("returns", 1), ("returns", 2), ("returns", 8), ("returns, copied", 8),
+                         ("writes", 8), ("clone", 8)]:
+            # "returns, copied": the next graph reads a buffer of its own, copied into every
+            # call (before pieces/handoff.py): no private pool for its runtime
+            made = _compat.private_allocations
+            if style == "returns, copied":
+                _compat.private_allocations = lambda index: None
+            try:
+                model = SplitMLP(k, style=style.split(",")[0]).cuda().eval()
+                # another option value: a backend of its own (tr.compile shares one per class)
+                c = tr.compile(model, splitting_ops=[SPLIT_STYLES[style.split(",")[0]]],
+                               max_graphs=17 if style == "returns, copied" else 16)
+                want = model(x)
+                for _ in range(3):
+                    torch.testing.assert_close(c(x), want)
+                built[style, k] = (c, *runtime_and_args(c, x))
+            finally:
+                _compat.private_allocations = made
+            rt = built[style, k][1]
+            print(f"{style}, {k}: reads of eager values:",
+                  sorted({type(b).__name__ for e in rt._entries.values() for g in e.graphs if g is not None
+                          for _, b in g.copies}))
         calls = {}
         for (style, k), (c, rt, args) in built.items():
             calls[f"tr.compile, {style}, {k}"] = lambda c=c: c(x)

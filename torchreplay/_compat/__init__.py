@@ -580,8 +580,10 @@ from torchreplay._compat.ops import (  # noqa: E402  (a custom op's kernel and s
 __all__ += ["argument_kinds", "custom_op_kernel", "eval_frame_callback", "modes_active", "plain_value",
             "without_dynamo_guard"]
 from torchreplay._compat.streams import current_stream  # noqa: E402
+from torchreplay._compat.mempool import PrivateAllocations, private_allocations  # noqa: E402  (a private pool)
 from torchreplay._compat.hooks import forward_hooks, global_forward_hooks, hook_handles_made, module_hooks  # noqa: E402
-__all__ += ["forward_hooks", "global_forward_hooks", "hook_handles_made"]
+__all__ += ["forward_hooks", "global_forward_hooks", "hook_handles_made", "PrivateAllocations",
+            "private_allocations"]
 from torchreplay._compat.amp import any_autocast, cuda_autocast, dispatch_modes  # noqa: E402
 from torchreplay._compat.autograd import (  # noqa: E402  (autograd's node order and version counters)
     foreach_copy_untracked, in_backward, is_accumulate_grad, normal_tensors, restore_unversioned, sequence_nr,

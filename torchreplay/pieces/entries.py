@@ -8,6 +8,7 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.core.outputs import Outputs
+from torchreplay.pieces.handoff import MOVED, Handoff
 from torchreplay.pieces.program import Constant, Program
 
 __all__ = [
@@ -41,20 +42,35 @@ class PieceGraph:
         self.copies = copies
         self.backs = tuple(backs)
 
-    def copy_in(self, reads: tuple[int, ...], env: list[Any]) -> bool:
-        """Copy the values eager steps made into the graph's own buffers; False when one has
-        another shape or dtype (or, for a number, another value) than at capture."""
+    def copy_in(self, reads: tuple[int, ...], env: list[Any]) -> str | None:
+        """Copy the values eager steps made into the graph's own buffers, or check that a
+        handed-off one is where the graph reads it (:mod:`.handoff`); ``None`` when the graph
+        can replay, else why not: a value of another shape or dtype (or, for a number,
+        another value) than at capture, or a handed-off value that cannot be put back."""
         for pos, buf in self.copies:
             value = env[reads[pos]]
-            if not isinstance(buf, _Tensor):  # a number the graph holds as captured
+            if type(buf) is Handoff:
+                if not buf.at(value):
+                    moved = buf.refill(value)
+                    if moved is None:
+                        return MOVED if isinstance(value, _Tensor) and value.shape == buf.shape else RESHAPED
+                    env[reads[pos]] = moved  # alive until its last reader replayed
+            elif not isinstance(buf, _Tensor):  # a number the graph holds as captured
                 if value != buf:
-                    return False
+                    return RESHAPED
             elif value.shape != buf.shape or value.dtype != buf.dtype:
-                return False
+                return RESHAPED
             else:
                 # a microsecond less than buf.copy_(value); not recorded by autograd
                 (_copy_untracked if value.requires_grad else _foreach_copy)([buf], [value])
-        return True
+        return None
+
+
+#: Why a call runs ungraphed from a graph whose input made by an eager step changed shape.
+RESHAPED = (
+    "an input made by an eager step has another shape (or, for a number, another value) than "
+    "at capture"
+)
 
 
 def _nothing() -> None:

@@ -101,6 +101,12 @@ class Instances:
         self.current = made
         return made
 
+    def forget_entries(self) -> None:
+        """Every set's entries were dropped: none has routes or entries now."""
+        for s in self.sets.values():
+            s.routes.clear()
+            s.entries = 0
+
     def __contains__(self, ptrs: list[int | None]) -> bool:
         return tuple(ptrs) in self.sets
 
@@ -246,16 +252,17 @@ def outputs_held(entries: dict[tuple[Any, ...], Any], set_id: int) -> bool:
 def drop_entries(
     entries: dict[tuple[Any, ...], Any],
     graphs: list[Any],
-    set_id: int,
+    set_id: int | None,
     why: str,
     keep: Callable[[Any], None] | None = None,
 ) -> None:
-    """Remove the entries of set ``set_id`` (the last item of their keys) from ``entries``:
+    """Remove the entries of set ``set_id`` (the last item of their keys; ``None``: every
+    entry) from ``entries``:
     the outputs they handed out raise when read, saying ``why``; their CUDA graphs are freed
     and removed from ``graphs``, but for one handed to ``keep`` (:meth:`Pool.keep
     <torchreplay.core.pool.Pool.keep>`: the pool's last graph must outlive the next capture)."""
     freed = set()
-    for key in [k for k in entries if k[-1] == set_id]:
+    for key in [k for k in entries if set_id is None or k[-1] == set_id]:
         entry = entries.pop(key)
         if entry.outputs is not None:
             entry.outputs.retire(why)

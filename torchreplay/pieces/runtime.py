@@ -6,8 +6,9 @@ Memory and copies, the properties this module is built for:
   largest size;
 - the call's tensor inputs are copied once per call into one set of static buffers at the
   largest size (a call of ``n`` rows fills the leading ``n`` rows; the padding rows are zeroed);
-- a graphed piece reads an earlier graphed piece's outputs where they lie in the pool; only
-  values made by an eager step are copied into the piece's own buffers;
+- a graphed piece reads an earlier graphed piece's outputs where they lie in the pool, and the
+  output of an eager step that is one custom op where the step made it (:mod:`.handoff`);
+  other values made by an eager step are copied into the piece's own buffers;
 - an in-place write to an input reaches the caller's tensor after the call, as in eager;
 - the caller's outputs follow ``tr.graph``'s output policy (``checked`` by default).
 
@@ -38,6 +39,7 @@ from torchreplay.pieces.entries import (
     Entry, PieceGraph, Route, entry_key, hand_out, hold_weakly, pad_shared, set_sources, shared_key,
     stage_entry,
 )
+from torchreplay.pieces.handoff import DEMOTED, MISSES, MOVED, graph_reads, handed_slots
 from torchreplay.pieces.instances import MOVING, Instances, drop_entries, outputs_held, ptrs_of
 from torchreplay.pieces.program import Program, run_in_order
 from torchreplay.pieces.saved import BLOCKED, SavedActivations, guarded, saved_refs
@@ -106,6 +108,11 @@ class PiecewiseRuntime:
         self._last = program.last_reads()
         producers = program.producers()
         self._from_eager = {s for s, i in producers.items() if not program.pieces[i].graphed}
+        # Eager steps whose outputs graphs read where they are (.handoff; not in a training
+        # forward: its activations outlive the call), their pool, calls that missed.
+        self._handoffs = {} if guard_outputs else handed_slots(program)
+        self._alloc: _compat.PrivateAllocations | None = None
+        self._misses = 0
         self._graphable = [p.graphed for p in program.pieces]
         self._sized = [i for i, x in enumerate(self._inputs) if x.kind == "tensor" and x.dim is not None]
         self._size_ints = [i for i, x in enumerate(self._inputs) if x.kind == "int" and x.is_size]
@@ -189,7 +196,8 @@ class PiecewiseRuntime:
         tainted = False
         for graph, fn, reads, writes, last, k in entry.steps:
             if graph is not None and not tainted:
-                if not graph.copies or graph.copy_in(reads, env):
+                why = graph.copy_in(reads, env) if graph.copies else None
+                if why is None:
                     graph.replay()  # its outputs are in env already (Entry.inputs)
                     for pos, buf in graph.backs:  # its writes to what eager steps made
                         env[reads[pos]].copy_(buf)
@@ -197,17 +205,15 @@ class PiecewiseRuntime:
                         env[f] = None
                     continue
                 tainted = True
-                self._count_fallback(
-                    f"{self._pieces[k].name}: an input made by an eager step has another shape "
-                    "(or, for a number, another value) than at capture; the rest of the call "
-                    "runs ungraphed"
-                )
+                self._misses += why is MOVED
+                self._count_fallback(f"{self._pieces[k].name}: {why}; the rest of the call runs ungraphed")
             elif graph is None and k in self.failures:
                 self._count_fallback(f"{self._pieces[k].name} failed to capture and runs ungraphed")
             outs = fn(*[env[r] for r in reads])
             if writes:  # a step that writes no slot may return anything (a break: None)
                 for w, t in zip(writes, outs):
                     env[w] = t
+            outs = t = None  # only env holds them: dropped after their last read (.handoff)
             for f in last:
                 env[f] = None
         if route.backs:  # eager semantics: the callable's writes reach the caller's tensors
@@ -222,9 +228,10 @@ class PiecewiseRuntime:
             self.stats.size_hits[size] = self.stats.size_hits.get(size, 0) + 1
             self.stats.real_rows += n
             self.stats.padded_rows += size - n
-        return hand_out(
-            entry, env, args, self.program, None if n == size else n, tainted, self._in_pool
-        )
+        out = hand_out(entry, env, args, self.program, None if n == size else n, tainted, self._in_pool)
+        if tainted and self._misses >= MISSES and self._handoffs:  # its outputs are clones
+            self._copy_from_now_on()
+        return out
 
     def _run_ungraphed(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """Run every piece as is on the caller's own tensors (no graph, no copies)."""
@@ -318,6 +325,9 @@ class PiecewiseRuntime:
             )
             return
         self.device = device
+        if self._handoffs:
+            self._alloc = _compat.private_allocations(device.index or 0)
+            self._handoffs = self._handoffs if self._alloc is not None else {}
         shared = self._shared_pool
         self.pool = shared if shared is not None and shared.device in (None, device) else Pool(device)
         self._stream = side_stream(device)
@@ -373,12 +383,8 @@ class PiecewiseRuntime:
         self._clean.clear()  # staging and warm-ups wrote the buffers
         log.info(
             "torchreplay: '%s' captured %d size(s) %s in %.2f s (%d graphs, %d eager steps)",
-            self.name,
-            len(todo),
-            [s for s, _ in todo],
-            time.perf_counter() - start,
-            sum(g is not None for e in entries for g in e.graphs),
-            sum(not p.graphed for p in self._pieces),
+            self.name, len(todo), [s for s, _ in todo], time.perf_counter() - start,
+            sum(g is not None for e in entries for g in e.graphs), sum(not p.graphed for p in self._pieces),
         )
         return entries
 
@@ -396,7 +402,7 @@ class PiecewiseRuntime:
             if self._graphable[k]:
                 graph, outs = self._capture_piece(k, vals)
             if graph is None:
-                outs = piece.fn(*vals)
+                outs = (self._alloc.wrap(piece.fn) if k in self._handoffs else piece.fn)(*vals)  # type: ignore[union-attr]
             graphs.append(graph)
             for w, t in zip(piece.writes, outs):
                 env[w] = t
@@ -431,6 +437,8 @@ class PiecewiseRuntime:
         entry.steps = []
         for k, (graph, piece) in enumerate(zip(entry.graphs, self._pieces)):
             fn = piece.replay_fn or piece.fn
+            if k in self._handoffs:  # its allocations from the pool, the same each call
+                fn = self._alloc.wrap(fn)  # type: ignore[union-attr]
             entry.steps.append((graph, fn, piece.reads, piece.writes, self._last[k], k))
             if graph is not None:
                 for w, t in zip(piece.writes, graph.out):
@@ -451,22 +459,8 @@ class PiecewiseRuntime:
     def _capture_piece(self, k: int, vals: list[Any]) -> tuple[PieceGraph | None, Any]:
         piece = self._pieces[k]
         made = list(vals)  # the values as eager steps made them (before the copies below)
-        copies = []
-        for pos, r in enumerate(piece.reads):
-            if r in self._from_eager and isinstance(vals[pos], _Tensor):
-                with _compat.normal_tensors():  # replays copy into it, in either mode
-                    vals[pos] = buf = vals[pos].clone()
-                copies.append((pos, buf))
-            elif r in self._from_eager and isinstance(vals[pos], (int, float, bool)):
-                copies.append((pos, vals[pos]))
-        # What the piece writes in place: each warm-up, and the replay after capture, start
-        # from the values it got (a KV-cache counter advanced once per run would run past the
-        # end of its cache); a value an eager step made is written in the graph's own buffer,
-        # copied back after each replay.
-        written = set(piece.written) | {
-            pos for pos, r in enumerate(piece.reads)
-            if r < len(self._inputs) and self._inputs[r].written
-        }
+        handed = {w for ws in self._handoffs.values() for w in ws}
+        copies, written = graph_reads(piece, vals, self._inputs, self._from_eager, handed, self._alloc)
         with torch.no_grad():
             initial = [(vals[pos], vals[pos].clone()) for pos in sorted(written)
                        if isinstance(vals[pos], _Tensor)]
@@ -547,6 +541,12 @@ class PiecewiseRuntime:
         drop_entries(self._entries, self._graphs, dropped.id, why, keep)
         if self.saved is not None:
             self.saved.keep_only(list(self._entries.values()))
+
+    def _copy_from_now_on(self) -> None:  # handoffs kept missing: captured again, with copies
+        self._handoffs = {}
+        drop_entries(self._entries, self._graphs, None, DEMOTED, self.pool and self.pool.keep)
+        self._instances.forget_entries()
+        self._routes.clear()
 
     def _use_current(self) -> None:
         current = self._instances.current

@@ -1,0 +1,44 @@
+"""Which values of eager steps a graph reads where they are (pieces/handoff.py): the program
+analysis, on programs of exactly known structure (no device needed)."""
+
+from __future__ import annotations
+
+import torch
+
+from torchreplay.pieces.handoff import can_hand_off, handed_slots
+from torchreplay.pieces.program import Input, Piece, Program
+
+
+def _piece(reads, writes, graphed, direct=False):
+    fn = lambda *a: a  # noqa: E731
+    return Piece(fn, tuple(reads), tuple(writes), graphed, "p", replay_fn=fn if direct else None)
+
+
+def test_only_outputs_of_custom_op_steps_that_a_graph_reads_and_nobody_returns() -> None:
+    # slot 0: input; 1: graph; 2, 3: custom-op step; 4: graph; 5: plain eager step; 6: graph
+    pieces = [
+        _piece([0], [1], True),
+        _piece([1], [2, 3], False, direct=True),  # 2 read by a graph, 3 returned
+        _piece([2], [4], True),
+        _piece([4], [5], False),  # no replay_fn: not a custom op's step, copied as before
+        _piece([5], [6], True),
+    ]
+    program = Program((Input("x", "tensor"),), pieces, outputs=(6, 3))
+    assert handed_slots(program) == {1: frozenset({2})}
+
+
+def test_a_value_only_eager_steps_read_is_not_handed_off() -> None:
+    pieces = [
+        _piece([0], [1], False, direct=True),
+        _piece([1], [2], False, direct=True),  # reads 1 eagerly: nothing for a graph
+        _piece([2], [3], True),
+    ]
+    program = Program((Input("x", "tensor"),), pieces, outputs=(3,))
+    assert handed_slots(program) == {1: frozenset({2})}
+
+
+def test_host_tensors_and_other_values_are_copied() -> None:
+    t = torch.zeros(4, 4)
+    assert not can_hand_off(t)  # not on a CUDA device
+    assert not can_hand_off(3)
+    assert not can_hand_off(None)
