@@ -38,7 +38,7 @@ class PrivateAllocations:
 
     .. warning:: Only the calling thread's allocations go to the pool, and all of them, a CUDA
         graph captured inside the function included: route only functions that capture nothing
-        (one custom op).
+        (an eager step that calls a custom op).
     """
 
     def __init__(self, index: int) -> None:

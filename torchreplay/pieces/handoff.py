@@ -3,8 +3,8 @@
 A graph reads its inputs at the addresses they had at capture. A value an eager step makes
 (a splitting op's result) is a new tensor every call, so the runtime copied it into a buffer
 of the graph's own: about 7 us of host time per split on the H200, a third of what a split
-costs. A step that is one custom op (``Piece.replay_fn``) runs instead with its allocations in
-a private pool of the caching allocator (:class:`~torchreplay._compat.PrivateAllocations`):
+costs. A step that calls a custom op (one with a ``Piece.replay_fn``: ``pieces/direct.py``)
+runs instead with its allocations in a private pool of the caching allocator (:class:`~torchreplay._compat.PrivateAllocations`):
 it makes the same allocations in the same order every call, from a pool nobody else allocates
 from, and gets the same block each time. The next graph is captured reading the step's output
 where it was (a :class:`Handoff` instead of a buffer of its own).
@@ -19,6 +19,9 @@ of their own, as it did before this existed.
 
 Not handed off: values a program returns, values that require grad, views, values a graph
 writes in place, and every value of a training forward (its activations outlive the call).
+
+.. warning:: While the step runs, all of its thread's allocations go to the private pool: a
+    custom op that captured a CUDA graph of its own inside would put that graph's memory there.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ _Tensor = torch.Tensor
 
 
 def handed_slots(program: Program) -> dict[int, frozenset[int]]:
-    """Per eager step that is one custom op (it has a ``replay_fn``): the slots it writes that
+    """Per eager step that calls a custom op (it has a ``replay_fn``): the slots it writes that
     a graphed piece reads and the program does not return (candidates for a handoff)."""
     returned = {o for o in program.outputs if isinstance(o, int)}
     read = {r for p in program.pieces if p.graphed for r in p.reads}
