@@ -53,7 +53,8 @@ class PieceGraph:
                 if not buf.at(value):
                     moved = buf.refill(value)
                     if moved is None:
-                        return MOVED if isinstance(value, _Tensor) and value.shape == buf.shape else RESHAPED
+                        same = isinstance(value, _Tensor) and value.shape == buf.shape and value.dtype == buf.dtype
+                        return MOVED if same else RESHAPED
                     env[reads[pos]] = moved  # alive until its last reader replayed
             elif not isinstance(buf, _Tensor):  # a number the graph holds as captured
                 if value != buf:

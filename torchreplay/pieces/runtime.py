@@ -7,7 +7,7 @@ Memory and copies, the properties this module is built for:
 - the call's tensor inputs are copied once per call into one set of static buffers at the
   largest size (a call of ``n`` rows fills the leading ``n`` rows; the padding rows are zeroed);
 - a graphed piece reads an earlier graphed piece's outputs where they lie in the pool, and the
-  output of an eager step that is one custom op where the step made it (:mod:`.handoff`);
+  output of an eager step that calls a custom op where the step made it (:mod:`.handoff`);
   other values made by an eager step are copied into the piece's own buffers;
 - an in-place write to an input reaches the caller's tensor after the call, as in eager;
 - the caller's outputs follow ``tr.graph``'s output policy (``checked`` by default).
