@@ -360,15 +360,6 @@ class _EagerGraph:
             self.fn(*self.args, **self.kwargs)
 
 
-class _Snapshot:
-    def __init__(self, module, device) -> None:
-        self.saved = [(b, b.clone()) for b in module.buffers()] if module is not None else []
-
-    def restore(self) -> None:
-        for b, saved in self.saved:
-            b.copy_(saved)
-
-
 def install_cpu_graphs(setattr_: Any) -> list[int]:
     """Make tr.graph(sizes=...) run on the CPU through ``setattr_`` (monkeypatch's, or plain
     ``setattr`` in a spawned rank); returns the sizes captured, in order."""
@@ -391,7 +382,6 @@ def install_cpu_graphs(setattr_: Any) -> list[int]:
     setattr_(buckets, "infer_device", lambda fn, call, device=None: torch.device("cpu"))
     setattr_(buckets, "side_stream", lambda device: None)
     setattr_(buckets, "on_side_stream", lambda s, d: contextlib.nullcontext())
-    setattr_(buckets, "StateSnapshot", _Snapshot)
     return order
 
 

@@ -128,9 +128,10 @@ def find_on_copies(fn: Callable[..., Any], call: CallArgs, device: torch.device)
     with torch.no_grad():
         leaves = [x.clone() if isinstance(x, torch.Tensor) else x for x in call.leaves]
     a, k = call.unflatten(leaves)
-    snapshot = StateSnapshot(owning_module(fn), device)
+    module = owning_module(fn)
+    snapshot = StateSnapshot(module, device, find=module is None)  # a function's: as they run
     try:
-        with on_side_stream(side_stream(device), device), torch.no_grad():
+        with on_side_stream(side_stream(device), device), torch.no_grad(), snapshot.finding():
             return find_breaks(fn, a, k)
     finally:
         snapshot.restore()

@@ -33,7 +33,7 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.config import RANKS, BucketConfig, GraphConfig, RankConfig
-from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
+from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
 from torchreplay.core.capture import (
     Segments,
     StateSnapshot,
@@ -135,8 +135,6 @@ class BreakableGraph:
             self.auto = self._find(call)
             resolved = tuple(Break("module", b.module, b.path) for b in self.auto)
         self._breaks = resolved
-        self._training = self._module.training if self._module is not None else None
-        self._eager_calls = EagerCalls(self.name, bool(self._training), self._module)  # core/modes.py
         self._placed: Placed | None = None  # at the first capture
         self._spec = call.spec
         self._paths = tuple(call.paths)
@@ -165,6 +163,9 @@ class BreakableGraph:
         )
         self.stats = self.runtime.stats
         self.runtime.prepare(tuple(call.leaves))
+        # after capture: hooks a warm-up removed (a lazy module's) are not counted as changed
+        self._training = self._module.training if self._module is not None else False
+        self._eager_calls = EagerCalls(self.name, self._training, self._module)  # core/modes.py
         self._ranks = agreement(
             ranks, self.collectives or (), self._collective_log, name=self.name,
             parts=[sizes, [b.brk.name for b in self.breaks]], sizes=sizes is not None,
@@ -201,12 +202,12 @@ class BreakableGraph:
         tensors = [i for i, x in enumerate(leaves) if isinstance(x, _Tensor) and x.is_cuda]
         recorder = Recorder(leaves, call.paths)
         reached: set[Any] = set()
-        snapshot = StateSnapshot(self._module, device)
+        snapshot = StateSnapshot(self._module, device, find=self._module is None)
         watch = WriteWatch([leaves[i] for i in tensors])
         args, kwargs = call.unflatten(leaves)
         try:
             with on_side_stream(side_stream(device), device), torch.no_grad():
-                with watch, intercept(self.fn, self._breaks, recorder, reached):
+                with watch, intercept(self.fn, self._breaks, recorder, reached), snapshot.finding():
                     out = self.fn(*args, **kwargs)
         except Exception as exc:
             raise CaptureError(
@@ -215,6 +216,8 @@ class BreakableGraph:
             ) from exc
         finally:
             snapshot.restore()
+        if snapshot.called is not None:  # a plain function: the modules it ran
+            self._module = called_module(snapshot.called)
         check_reached(self._breaks, reached)
         read = {r.leaf for c in recorder.calls for r in c.rules if r.leaf is not None}
         for i, leaf in enumerate(leaves):

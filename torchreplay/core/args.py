@@ -20,7 +20,10 @@ import torch
 from torchreplay import _compat
 from torchreplay.errors import CaptureError, UnsupportedError
 
-__all__ = ["CallArgs", "fn_name", "owning_module", "infer_device", "param_names", "format_path"]
+__all__ = [
+    "CallArgs", "ModuleGroup", "fn_name", "owning_module", "called_module", "roots_of", "infer_device",
+    "param_names", "format_path",
+]
 
 _Tensor = torch.Tensor
 
@@ -38,6 +41,50 @@ def owning_module(fn: Callable[..., Any]) -> torch.nn.Module | None:
         return fn
     owner = getattr(fn, "__self__", None)
     return owner if isinstance(owner, torch.nn.Module) else None
+
+
+def roots_of(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The modules that are not a submodule of another one in ``modules``, in their order."""
+    inner: set[int] = set()
+    for m in modules:
+        for sub in m.modules():
+            if sub is not m:
+                inner.add(id(sub))
+    return [m for m in modules if id(m) not in inner]
+
+
+class ModuleGroup(torch.nn.Module):
+    """The root modules a plain function ran at capture, seen as one module (never called).
+
+    A graph over a module compares ``module.training`` with the capture's at every call, and
+    walks ``module.modules()`` for its hooks and state. For a function that runs several models
+    (an encoder and a head), this group stands for them: its ``training`` is the tuple of
+    theirs, so the one comparison sees any of them switched between train and eval; each is
+    a submodule, named by its class, so the walks and their messages cover them all.
+    """
+
+    def __init__(self, roots: Sequence[torch.nn.Module]) -> None:
+        super().__init__()
+        for i, m in enumerate(roots):
+            name = type(m).__name__
+            self.add_module(name if name not in self._modules else f"{name}_{i}", m)
+
+    @property  # type: ignore[override]
+    def training(self) -> tuple[bool, ...]:  # type: ignore[override]
+        return tuple(m.training for m in self._modules.values())  # type: ignore[union-attr]
+
+    @training.setter
+    def training(self, mode: Any) -> None:  # nn.Module.__init__ and .train() set it: theirs count
+        pass
+
+
+def called_module(called: Sequence[torch.nn.Module]) -> torch.nn.Module | None:
+    """What a graph over a plain function watches: the one root module among those it ran
+    (``called``, in order), a :class:`ModuleGroup` of several, ``None`` when it ran none."""
+    roots = roots_of(called)
+    if not roots:
+        return None
+    return roots[0] if len(roots) == 1 else ModuleGroup(roots)
 
 
 def param_names(fn: Callable[..., Any]) -> list[str]:

@@ -10,7 +10,7 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.config import RANKS, SAFE, GraphConfig, RankConfig
-from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
+from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
 from torchreplay.core.capture import StateSnapshot, capture, side_stream
 from torchreplay.core.io import Inputs
 from torchreplay.core.modes import (
@@ -72,8 +72,6 @@ class Graphed:
         self.device = device
         self.pool = pool if pool is not None else Pool(device)
         self.stats = GraphStats(self.pool.reserved_bytes)
-        self._eager = EagerCalls(self.name, self._training, self._module)  # calls a replay cannot serve
-        self._hooks = self._eager.hooks
 
         self._inputs = Inputs(call, device)
         self._inputs.eager_if_tracked = True  # copy_in: None for a call autograd must record
@@ -81,8 +79,10 @@ class Graphed:
         self.static_kwargs = self._inputs.static_kwargs
         self._stream = side_stream(device)
 
+        find = self._module is None  # a plain function: the modules it runs are found
         snapshot = (
-            StateSnapshot(self._module, device) if config.restore_state else None
+            StateSnapshot(self._module, device, find=find, save=config.restore_state)
+            if config.restore_state or find else None
         )
         captured = capture(
             fn,
@@ -98,6 +98,13 @@ class Graphed:
         )
         if snapshot is not None:
             snapshot.restore()
+            if find:
+                self._module = called_module(snapshot.called or ())
+                self._training = self._module.training if self._module is not None else False
+        del snapshot  # its copies of the module's buffers
+        # after capture: hooks a warm-up removed (a lazy module's) are not counted as changed
+        self._eager = EagerCalls(self.name, self._training, self._module)  # calls a replay cannot serve
+        self._hooks = self._eager.hooks
         self._graph = captured.graph
         self._inputs.set_written(captured.written)
         self._inputs.check_aliasing(call.leaves, where="capture")

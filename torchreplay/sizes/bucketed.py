@@ -16,6 +16,7 @@ The planning (which size a call goes to, what is sliced back, ...) is in :mod:`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -25,7 +26,7 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.config import RANKS, SAFE, BucketConfig, GraphConfig, RankConfig
-from torchreplay.core.args import CallArgs, fn_name, infer_device, owning_module
+from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
 from torchreplay.core.capture import (
     StateSnapshot, capture, on_side_stream, progress, side_stream,
 )
@@ -37,14 +38,14 @@ from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.threads import Callers, follow_stream, get_ident, outputs_to_clones
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.distributed import EAGER, GRAPH, agreement
-from torchreplay.errors import CaptureError, ReplayInputError
+from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
 from torchreplay.sizes.guards import fits, input_error, probe_error, refuse_row_mixing
 from torchreplay.sizes.outputs import OutputPlan, plan_outputs
 from torchreplay.sizes.plan import (
     DimSpec, FillSpec, InputPlan, decide, format_sizes, narrow_leading, plan_inputs, target_size,
 )
 from torchreplay.sizes.routes import (
-    Route as _Route, SizeGraph as _SizeGraph, log_summary, retire_routes,
+    Route as _Route, SizeGraph as _SizeGraph, log_summary, retire_routes, route_views,
 )
 from torchreplay.stats import GraphStats
 
@@ -116,8 +117,7 @@ class BucketedGraph:
         self.sizes = options.sizes
         self._max = options.sizes[-1]
         self._module = owning_module(fn)
-        if self._module is not None:
-            refuse_row_mixing(self._module, self.name)
+        refuse_row_mixing(self._module, self.name)  # a plain function's modules: after the probe
         self._training = self._module.training if self._module is not None else False
         call = CallArgs(fn, args, kwargs)
         self._plan: InputPlan = plan_inputs(call, dim, fill_value)
@@ -125,7 +125,6 @@ class BucketedGraph:
         self.device = device
         self.pool = pool if pool is not None else Pool(device)
         self.stats = GraphStats(self.pool.reserved_bytes)
-        self._eager_calls = EagerCalls(self.name, self._training, self._module)  # core/modes.py
         self._warned_sizes: set[int] = set()
         self._graphs: dict[int, _SizeGraph] = {}
         self._routes: list[_Route | None] = [None] * (self._max + 1)
@@ -158,8 +157,20 @@ class BucketedGraph:
         self._callers = Callers()  # one call at a time: threads share the buffers and outputs
 
         start = time.perf_counter()
-        snapshot = StateSnapshot(self._module, device) if config.restore_state else None
+        find = self._module is None  # a plain function: the modules it runs are found
+        snapshot = (
+            StateSnapshot(self._module, device, find=find, save=config.restore_state)
+            if config.restore_state or find else None
+        )
         self._out_plan = self._probe(snapshot)
+        if find and snapshot is not None:  # the probe ran it: refuse what padding would mix
+            self._module = module = called_module(snapshot.called or ())
+            self._training = module.training if module is not None else False
+            try:
+                refuse_row_mixing(module, self.name)
+            except UnsupportedError:
+                snapshot.restore()
+                raise
         planned = self._out_plan.leaves
         with _compat.normal_tensors():  # captures copy into them, under inference_mode or not
             self._outs = {i: torch.empty(planned[i].shape, dtype=planned[i].dtype, device=device)
@@ -188,6 +199,8 @@ class BucketedGraph:
         if snapshot is not None:
             snapshot.restore()
         del snapshot  # its copies of the module's buffers (a KV cache) are not needed any more
+        # after capture: hooks a warm-up removed (a lazy module's) are not counted as changed
+        self._eager_calls = EagerCalls(self.name, self._training, self._module)  # core/modes.py
         # A callable that writes a varying input leaves its padding rows dirty after a replay.
         self._writes_inputs = any(self._plan.dims[i] is not None for i in self._inputs.written)
         # Rows >= _clean_from of every varying buffer hold the fill value.
@@ -230,9 +243,9 @@ class BucketedGraph:
             small = big // 2
         else:
             small = None  # only size 1: every call has exactly one row, nothing is sliced
-        state_ptrs = {t.untyped_storage().data_ptr() for t in self._state_storages()}
         outs: dict[int, Any] = {}
-        with on_side_stream(self._stream, self.device), torch.no_grad():
+        finding = snapshot.finding() if snapshot is not None else contextlib.nullcontext()
+        with on_side_stream(self._stream, self.device), torch.no_grad(), finding:
             for s in (big, small):
                 if s is None:
                     continue
@@ -246,22 +259,18 @@ class BucketedGraph:
                 outs[s] = out
                 del out, a, k
 
+        # what an output may alias without being new: module state (a plain function's modules,
+        # found just now) and the static arguments
+        modules = snapshot.called if snapshot is not None and snapshot.called else [self._module]
+        state = [t for m in modules if m is not None for t in (*m.parameters(), *m.buffers())]
+        state += [self._slots[i].static for i, d in enumerate(self._plan.dims)
+                  if d is None and self._slots[i].static is not None]
+        state_ptrs = {t.untyped_storage().data_ptr() for t in state}
+
         def is_external(t: torch.Tensor) -> bool:
             return t.untyped_storage().data_ptr() in state_ptrs
 
         return plan_outputs(outs[big], big, outs.get(small) if small else None, small, is_external)
-
-    def _state_storages(self) -> list[torch.Tensor]:
-        """Tensors an output may alias without being new: module state and static arguments."""
-        tensors: list[torch.Tensor] = []
-        if self._module is not None:
-            tensors += list(self._module.parameters()) + list(self._module.buffers())
-        tensors += [
-            self._slots[i].static
-            for i, d in enumerate(self._plan.dims)
-            if d is None and self._slots[i].static is not None
-        ]
-        return tensors
 
     def _capture_size(
         self, s: int, *, warmup: bool, snapshot: StateSnapshot | None, watch: bool = False
@@ -521,20 +530,8 @@ class BucketedGraph:
 
     def _build_route(self, n: int, entry: _SizeGraph) -> _Route:
         s = entry.size
-        dsts: list[torch.Tensor | None] = []
-        shapes: list[torch.Size | None] = []
-        for i, slot in enumerate(self._slots):
-            d = self._plan.dims[i]
-            if slot.static is None:
-                dsts.append(None)
-                shapes.append(None)
-            elif d is None or n == self._max:
-                dsts.append(slot.static)
-                shapes.append(slot.static.shape)
-            else:
-                view = slot.static.narrow(d, 0, n)
-                dsts.append(view)
-                shapes.append(view.shape)
+        dsts = route_views(self._slots, self._plan.dims, n, self._max)
+        shapes = [None if t is None else t.shape for t in dsts]
         plan = self._out_plan
         leaves: list[Any] = []
         owned_ids: set[int] = set()

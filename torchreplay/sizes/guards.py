@@ -40,9 +40,11 @@ _INSTANCE_NORMS = (
 
 
 
-def refuse_row_mixing(module: torch.nn.Module, name: str) -> None:
+def refuse_row_mixing(module: torch.nn.Module | None, name: str) -> None:
     """Raise :class:`~torchreplay.UnsupportedError` if a submodule of ``module`` in training mode
     computes batch statistics, which padding rows would change."""
+    if module is None:
+        return
     for sub_name, sub in module.named_modules():
         if not sub.training:
             continue

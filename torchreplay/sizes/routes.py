@@ -11,7 +11,7 @@ import torch
 from torchreplay.core.outputs import Outputs
 from torchreplay.sizes.plan import format_sizes
 
-__all__ = ["SizeGraph", "Route", "log_summary", "retire_routes"]
+__all__ = ["SizeGraph", "Route", "log_summary", "retire_routes", "route_views"]
 
 log = logging.getLogger("torchreplay.sizes.bucketed")
 
@@ -34,6 +34,16 @@ class SizeGraph:
         self.externals = externals
         self.seconds = seconds
         self.written = written
+
+
+def route_views(slots: Any, dims: Any, n: int, largest: int) -> list[torch.Tensor | None]:
+    """What a call of ``n`` rows copies into, per argument slot: its static buffer, narrowed to
+    ``n`` rows along its varying dimension (``dims[i]``), or ``None`` for a constant."""
+    return [
+        None if slot.static is None
+        else slot.static if d is None or n == largest else slot.static.narrow(d, 0, n)
+        for slot, d in zip(slots, dims)
+    ]
 
 
 class Route:

@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from torchreplay.core.args import CallArgs, infer_device
+from torchreplay.core.args import CallArgs, infer_device, roots_of
 from torchreplay.errors import CaptureError
 from torchreplay.training.state import find_instances
 
@@ -26,16 +26,6 @@ def ddp_warmup(modules: Sequence[Any], warmup: int) -> int:
     if any(isinstance(m, ddp) for m in modules):
         return max(warmup, DDP_WARMUP)
     return warmup
-
-
-def roots_of(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The modules that are not a submodule of another one in ``modules``."""
-    inner: set[int] = set()
-    for m in modules:
-        for sub in m.modules():
-            if sub is not m:
-                inner.add(id(sub))
-    return [m for m in modules if id(m) not in inner]
 
 
 def param_names(
