@@ -10,6 +10,7 @@ import logging
 import torch
 import torch.nn as nn
 import torch.nn.utils.prune
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torchreplay.core.modes import HOOKS, EagerCalls, Hooks
 
@@ -86,3 +87,53 @@ def test_a_users_method_hook_is_named(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="torchreplay"):
         EagerCalls("m", False, m)
     assert len(caplog.records) == 1 and "Sequential" in caplog.records[0].getMessage()
+
+
+def test_training_hooks_backward_gradient_and_optimizer_hooks_are_seen() -> None:
+    """A training graph runs none of them at replay either: a full backward hook of a
+    submodule, a parameter's gradient hook or post-accumulate hook, an optimizer's step hook,
+    and the global ones; without ``backward`` only forward hooks count."""
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    params = list(m.parameters())
+    hooks = Hooks(m, backward=True, tensors=params, optimizers=[opt])
+    forward_only = Hooks(m)
+    for add, name in (
+        (lambda: m[2][0].register_full_backward_hook(lambda *a: None), "Linear"),
+        (lambda: m[0].register_full_backward_pre_hook(lambda *a: None), "Linear"),
+        (lambda: params[1].register_hook(lambda g: g), "a tensor of shape (3,)"),
+        (lambda: params[0].register_post_accumulate_grad_hook(lambda p: None), "a tensor of shape (3, 3)"),
+        (lambda: opt.register_step_post_hook(lambda *a: None), "SGD"),
+        (lambda: torch.nn.modules.module.register_module_full_backward_hook(lambda *a: None),
+         "the global hooks"),
+        (lambda: register_optimizer_step_pre_hook(lambda *a: None),
+         "the global hooks"),
+    ):
+        handle = add()
+        try:
+            assert not hooks.look() and hooks.changed_names() == name
+            assert forward_only.look()  # an inference graph runs no backward
+        finally:
+            handle.remove()
+        assert hooks.look()
+
+
+def test_make_graphed_callables_leaves_out_the_modules_own_hooks() -> None:
+    """They run eagerly around the graphed forward: only its submodules' count."""
+    m = model()
+    hooks = Hooks(m, own=False, backward=True)
+    own = m.register_forward_hook(lambda *a: None)
+    assert hooks.look()
+    own.remove()
+    inner = m[1].register_forward_hook(lambda *a: None)
+    assert not hooks.look() and hooks.changed_names() == "ReLU"
+    inner.remove()
+
+
+def test_hooks_of_several_root_modules() -> None:
+    a, b = model(), model()
+    hooks = Hooks([a, b])
+    h = b[0].register_forward_pre_hook(lambda *x: None)
+    assert not hooks.look()
+    h.remove()
+    assert hooks.look()

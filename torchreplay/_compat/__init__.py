@@ -581,8 +581,12 @@ __all__ += ["argument_kinds", "custom_op_kernel", "eval_frame_callback", "modes_
             "without_dynamo_guard"]
 from torchreplay._compat.streams import current_stream  # noqa: E402
 from torchreplay._compat.mempool import PrivateAllocations, private_allocations  # noqa: E402  (a private pool)
-from torchreplay._compat.hooks import forward_hooks, global_forward_hooks, hook_handles_made, module_hooks  # noqa: E402
-__all__ += ["forward_hooks", "global_forward_hooks", "hook_handles_made", "PrivateAllocations",
+from torchreplay._compat.hooks import (  # noqa: E402
+    backward_hooks, forward_hooks, global_backward_hooks, global_forward_hooks, global_optimizer_hooks,
+    hook_handles_made, module_hooks, optimizer_hooks, tensor_hooks,
+)
+__all__ += ["forward_hooks", "global_forward_hooks", "hook_handles_made", "backward_hooks",
+            "global_backward_hooks", "tensor_hooks", "optimizer_hooks", "global_optimizer_hooks", "PrivateAllocations",
             "private_allocations"]
 from torchreplay._compat.amp import any_autocast, cuda_autocast, dispatch_modes  # noqa: E402
 from torchreplay._compat.autograd import (  # noqa: E402  (autograd's node order and version counters)

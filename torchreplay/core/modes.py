@@ -56,7 +56,7 @@ from torchreplay.errors import CaptureError
 
 __all__ = [
     "TRAIN_MODE", "AUTOCAST", "DISPATCH_MODE", "GRAD", "CAPTURE", "NO_GRAD", "HOOKS", "EagerCalls",
-    "Hooks", "autocast_name", "refuse_inference_capture", "tracked_leaf",
+    "Hooks", "autocast_name", "refuse_inference_capture", "tracked_leaf", "warn_hooks_changed",
 ]
 
 log = logging.getLogger(__name__)
@@ -82,26 +82,49 @@ def autocast_name(dtype: torch.dtype | None) -> str:
 
 
 class Hooks:
-    """The forward hooks a call of ``module`` runs (its own, its submodules', the global ones),
-    as at capture. The per-call test is ``at != RemovableHandle.next_id and not look()``: one
-    attribute read while no hook handle was made anywhere since the last look (which compares
-    them all, O(modules)). While they differ, ``at`` is -1: every call looks again, so removing
-    the hook lets calls replay again."""
+    """The hooks a call of ``module`` runs (its own, its submodules', the global ones), as at
+    capture: forward hooks; with ``backward``, backward hooks too, and the gradient hooks of
+    ``tensors`` and the step hooks of ``optimizers`` (a training graph replays none of their code
+    either). ``own`` False leaves out the module's own hooks (``make_graphed_callables``: they run
+    eagerly around the graphed forward). The per-call test is ``at != RemovableHandle.next_id and
+    not look()``: one attribute read while no hook handle was made anywhere since the last look
+    (which compares them all, O(modules + tensors)). While they differ, ``at`` is -1: every call
+    looks again, so removing the hook lets calls replay again."""
 
-    __slots__ = ("_modules", "_captured", "at")
+    __slots__ = ("_modules", "_captured", "at", "_backward", "_tensors", "_optimizers")
 
-    def __init__(self, module: torch.nn.Module | None) -> None:
-        self._modules = list(module.modules()) if module is not None else []
+    def __init__(
+        self,
+        module: torch.nn.Module | Sequence[torch.nn.Module] | None,
+        *,
+        own: bool = True,
+        backward: bool = False,
+        tensors: Sequence[torch.Tensor] = (),
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+    ) -> None:
+        roots = [] if module is None else [module] if isinstance(module, torch.nn.Module) else module
+        mods = [m for root in roots for m in root.modules()]
+        self._modules = mods if own else mods[1:]  # not own: of one module
+        self._backward = backward
+        self._tensors = list(tensors)
+        self._optimizers = list(optimizers)
         self.at = _Handles.next_id
         self._captured = self._state()
 
     def _state(self) -> list[Any]:
-        pre, post = _compat.global_forward_hooks()
-        state: list[Any] = [tuple(pre), tuple(post)]
+        dicts = [*_compat.global_forward_hooks()]
+        if self._backward:
+            dicts += [*_compat.global_backward_hooks(), *_compat.global_optimizer_hooks()]
+        state: list[Any] = [tuple(d) for d in dicts]
         for m in self._modules:  # O(modules): only after a handle was made
-            pre, post = _forward_hooks(m)
-            if pre or post:
-                state.append((id(m), tuple(pre), tuple(post)))
+            own = _forward_hooks(m) + _compat.backward_hooks(m) if self._backward else _forward_hooks(m)
+            if any(own):
+                state.append((id(m), *map(tuple, own)))
+        for obj, of in (*((t, _compat.tensor_hooks) for t in self._tensors),
+                        *((o, _compat.optimizer_hooks) for o in self._optimizers)):
+            own = of(obj)
+            if any(own):
+                state.append((id(obj), *map(tuple, own)))
         return state
 
     def look(self) -> bool:
@@ -111,13 +134,16 @@ class Hooks:
         return same
 
     def changed_names(self) -> str:
-        """The modules whose hooks differ from capture (for the warning)."""
+        """The modules (tensors, optimizers) whose hooks differ from capture (for the warning)."""
         names = {id(m): type(m).__name__ for m in self._modules}
+        names.update((id(t), f"a tensor of shape {tuple(t.shape)}") for t in self._tensors)
+        names.update((id(o), type(o).__name__) for o in self._optimizers)
         state = self._state()
-        now = {k[0]: k for k in state[2:]}
-        then = {k[0]: k for k in self._captured[2:]}
+        n = 6 if self._backward else 2  # the global dicts come first
+        now = {k[0]: k for k in state[n:]}
+        then = {k[0]: k for k in self._captured[n:]}
         diff = [names[i] for i in set(now) | set(then) if now.get(i) != then.get(i)]
-        if state[:2] != self._captured[:2]:
+        if state[:n] != self._captured[:n]:
             diff.append("the global hooks")
         return ", ".join(sorted(diff)[:5]) or "?"
 
@@ -130,6 +156,18 @@ class Hooks:
             type(m).__name__ for m in self._modules for hooks in _forward_hooks(m)
             for h in hooks.values() if not (getattr(h, "__module__", None) or "").startswith("torch.")
         ]
+
+
+def warn_hooks_changed(name: str, hooks: Hooks) -> None:
+    """Log (once per graph: the caller keeps the flag) that hooks changed since capture."""
+    log.warning(
+        "torchreplay: hooks of '%s' changed since capture (on %s): a replay would run none of a "
+        "new hook's code and still the tensor work of a removed one, so calls run eagerly while "
+        "they differ (counted in stats.fallbacks). Remove them to replay again, or graph it "
+        "again with them (their tensor work then replays; their Python side effects happen at "
+        "capture only).",
+        name, hooks.changed_names(),
+    )
 
 
 def refuse_inference_capture(what: str) -> None:
@@ -244,14 +282,7 @@ class EagerCalls:
                 self.name,
             )
         elif why == HOOKS:
-            log.warning(
-                "torchreplay: forward hooks of '%s' changed since capture (on %s): a replay "
-                "would run none of a new hook's code and still the tensor work of a removed one, "
-                "so calls run eagerly while they differ (counted in stats.fallbacks). Remove "
-                "them to replay again, or graph the model again with them (their tensor work "
-                "then replays; their Python side effects happen at capture only).",
-                self.name, self.hooks.changed_names(),
-            )
+            warn_hooks_changed(self.name, self.hooks)
         elif why == AUTOCAST:
             log.warning(
                 "torchreplay: '%s' was captured under %s but is called under %s: a graph computes "

@@ -43,7 +43,7 @@ from torchreplay import _compat
 from torchreplay.config import RANKS, GraphConfig
 from torchreplay.core.args import CallArgs, fn_name, owning_module
 from torchreplay.core.capture import warn_mode_changed
-from torchreplay.core.modes import autocast_name
+from torchreplay.core.modes import HOOKS, TRAIN_MODE, Hooks, autocast_name, warn_hooks_changed
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import CHANGES, GONE, Placed
@@ -66,6 +66,7 @@ from torchreplay.training.verify import (
 __all__ = ["GraphedCallable", "TrainingStats"]
 
 log = logging.getLogger(__name__)
+_Handles = _compat.hook_handles_made  # its next_id counts every hook handle torch made
 
 _Tensor = torch.Tensor
 _any_autocast = _compat.any_autocast
@@ -112,7 +113,7 @@ class GraphedCallable:
         self._verify_left = verify
         self._verify_total = verify
         self._tol = tol
-        self._warned_fallback = False
+        self._warned: set[str] = set()  # the reasons to run eagerly it warned about
         self._warned_awaiting = False
         self.pool: Pool | None = None
         self.stats = TrainingStats()
@@ -295,22 +296,26 @@ class GraphedCallable:
         self._device_index = self.device.index
         self._check_device = self.device.type == "cuda" and torch.cuda.device_count() > 1
         self._placed = Placed.of(self._module, self.device, objects=True)  # grads go to them
+        # hooks inside the forward (submodules', global) and its backward: none run at replay
+        self._hooks = Hooks(self._module, own=False, backward=True)
 
     # -- replay ----------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self._module
-        fallback = module is not None and module.training != self._training
+        module, hooks = self._module, self._hooks
+        why = TRAIN_MODE if module is not None and module.training != self._training else None
+        if why is None and hooks.at != _Handles.next_id and not hooks.look():
+            why = HOOKS  # added or removed since capture: eagerly they would run, or not
         placed = self._placed  # the model moved, or weights or submodules replaced
         moved = placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
         ) and placed.moved()
         if self._ranks is not None:  # collectives inside: every rank replays, or all raise
-            self._ranks(0, EAGER if fallback or moved else GRAPH)
+            self._ranks(0, EAGER if why is not None or moved else GRAPH)
         if moved:
             raise placed.error(self.name)  # type: ignore[union-attr]
-        if fallback:
-            return self._fallback(args, kwargs)
+        if why is not None:
+            return self._fallback(args, kwargs, why)
         autocast = self._autocast
         if (autocast is not None or _any_autocast()) and _cuda_autocast() != autocast:
             raise ReplayInputError(self._autocast_message())
@@ -541,11 +546,14 @@ class GraphedCallable:
         self.stats.fallbacks += 1
         return self._run_fn(*args, **kwargs)
 
-    def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any], why: str) -> Any:
         self.stats.fallbacks += 1
-        if not self._warned_fallback:
-            self._warned_fallback = True
-            warn_mode_changed(self.name, self._training)
+        if why not in self._warned:
+            self._warned.add(why)
+            if why == HOOKS:
+                warn_hooks_changed(self.name, self._hooks)
+            else:
+                warn_mode_changed(self.name, self._training)
         return self._run_fn(*args, **kwargs)
 
     def _autocast_message(self) -> str:

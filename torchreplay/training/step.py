@@ -42,7 +42,7 @@ from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import Placed
-from torchreplay.core.modes import AUTOCAST, NO_GRAD, EagerCalls, refuse_inference_capture
+from torchreplay.core.modes import AUTOCAST, HOOKS, NO_GRAD, EagerCalls, Hooks, refuse_inference_capture
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.core.threads import Callers, one_at_a_time
 from torchreplay.distributed import EAGER, GRAPH, agreement
@@ -77,6 +77,7 @@ from torchreplay.training.verify import (
 __all__ = ["graph_step", "GraphedStep", "check_optimizer", "check_scaler_support"]
 
 log = logging.getLogger(__name__)
+_Handles = _compat.hook_handles_made  # its next_id counts every hook handle torch made
 
 _Tensor = torch.Tensor
 _grad_enabled = torch.is_grad_enabled
@@ -226,6 +227,10 @@ class GraphedStep:
         self._modes = [(m, m.training) for m in roots]
         # The modules it ran, moved or with weights or submodules replaced (core/placed.py).
         self._placed = Placed.of(roots, device, objects=True)
+        # hooks the step ran at capture only (its modules', its parameters' gradient hooks,
+        # its optimizers'): added or removed since, eagerly they would run, or not
+        self._hooks = Hooks(roots, backward=True, tensors=self._params, optimizers=self.optimizers)
+        self._eager_calls.hooks = self._hooks  # named in its warning
         self._param_names = param_names(self._params, roots, self.optimizers)
 
         leaves, spec = _compat.tree_flatten(captured.out)
@@ -342,11 +347,13 @@ class GraphedStep:
                 fallback = True
                 break
         autocast = not fallback and self._eager_calls.autocast_changed()
+        hooks = self._hooks
+        hooked = hooks.at != _Handles.next_id and not hooks.look()
         no_grad = not _grad_enabled()  # no_grad or inference_mode: eagerly the backward fails
         placed = self._placed  # a step takes milliseconds: the check's method, not inlined
         moved = placed is not None and placed.changed()
         if self._ranks is not None:  # collectives inside (DDP): every rank replays, or all raise
-            self._ranks(0, EAGER if fallback or autocast or no_grad or moved else GRAPH)
+            self._ranks(0, EAGER if fallback or autocast or no_grad or moved or hooked else GRAPH)
         if moved:
             raise placed.error(self.name)  # type: ignore[union-attr]
         if autocast:  # called under another autocast setting than captured: other dtypes
@@ -355,6 +362,8 @@ class GraphedStep:
             return self._eager_calls.run(self.fn, args, kwargs, NO_GRAD, self.stats)
         if fallback:
             return self._fallback(args, kwargs)
+        if hooked:
+            return self._eager_calls.run(self.fn, args, kwargs, HOOKS, self.stats)
         return one_at_a_time(self, self._dispatch, args, kwargs)  # core/threads.py
 
     def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
