@@ -191,7 +191,7 @@ def graph(
         and an argument that requires grad (eager records a backward to it), under another CUDA
         autocast setting than the capture's (the graph computes in the captured dtypes), with
         the module switched between train and eval, or with forward hooks added or removed
-        since capture (a replay runs no hook code: hooks present at capture replay their tensor
+        since capture (for a function: the modules it ran at capture, found then) (a replay runs no hook code: hooks present at capture replay their tensor
         work, but their Python side effects happened at capture only). Calls under a ``TorchDispatchMode``
         (``FlopCounterMode``, a trace) and inside another graph's capture run eagerly too,
         without a warning, so that the mode or the capture sees every op. ``torch.inference_mode``

@@ -296,7 +296,9 @@ def make_graphed_callables(
     .. warning::
         Hooks on the module itself run eagerly around every call. Hooks on its submodules run
         inside the graph: their tensor work replays, their Python side effects happened once,
-        at capture (a warning says so).
+        at capture (a warning says so). A forward or backward hook added to a submodule (or
+        globally) after graphing, or removed, makes calls run eagerly while it differs
+        (counted in ``stats.fallbacks``, one warning).
 
     .. warning::
         After graphing, do not replace or move the tensors the graphs use (assigning a new

@@ -22,6 +22,8 @@ What the graph reads at every call, and what it freezes:
 
 Which modules and optimizers the step touches is found while warm-up runs (torch's global
 module and optimizer pre-hooks); pass ``optimizers=`` to have them checked before anything runs.
+While their hooks (forward, backward, gradient, optimizer step), which a replay does not run,
+differ from the capture's, calls run the step eagerly (``stats.fallbacks``, one warning).
 """
 
 from __future__ import annotations
