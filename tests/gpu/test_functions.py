@@ -189,3 +189,47 @@ def test_sizes_refuse_a_function_whose_model_mixes_rows() -> None:
     with torch.no_grad(), pytest.raises(UnsupportedError, match="BatchNorm1d"):
         tr.graph(lambda x: m(x), torch.randn(4, 64, device=DEV), sizes=SIZES)
     torch.testing.assert_close(m[1].running_mean, before, rtol=0, atol=0)
+
+
+def test_make_graphed_callables_of_a_function_watches_the_modules_it_runs() -> None:
+    """A training graph of a function closing over its model: switched to training, or given
+    a forward hook, its calls run eagerly (eager values and gradients); its weights reloaded
+    with ``assign=True`` raise."""
+    m = model()
+    ref = copy.deepcopy(m)
+    graphed = tr.make_graphed_callables(lambda x: m(x) * 2, (torch.randn(4, 64, device=DEV, requires_grad=True),))
+
+    def check(k: int) -> None:
+        x = torch.randn(4, 64, device=DEV, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_(True)
+        torch.manual_seed(k)
+        out = graphed(x)
+        torch.manual_seed(k)
+        want = ref(x_ref) * 2
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        out.square().sum().backward()
+        want.square().sum().backward()
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+        for p, q in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+            p.grad = q.grad = None
+
+    for k in range(CALLS):
+        check(k)
+    assert graphed.stats.replays == CALLS and graphed.stats.fallbacks == 0
+    m.train(), ref.train()
+    for k in range(CALLS):
+        check(k)
+    assert graphed.stats.fallbacks == CALLS
+    m.eval(), ref.eval()
+    handles = [mod[3].register_forward_hook(lambda mod_, i, o: o + 1) for mod in (m, ref)]
+    for k in range(CALLS):
+        check(k)
+    assert graphed.stats.fallbacks == 2 * CALLS
+    for h in handles:
+        h.remove()
+    check(0)
+    assert graphed.stats.replays == CALLS + 1
+    m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
+    with pytest.raises(ReplayInputError, match="replaced"):
+        graphed(torch.randn(4, 64, device=DEV, requires_grad=True))

@@ -41,8 +41,8 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.config import RANKS, GraphConfig
-from torchreplay.core.args import CallArgs, fn_name, owning_module
-from torchreplay.core.capture import warn_mode_changed
+from torchreplay.core.args import CallArgs, called_module, fn_name, owning_module
+from torchreplay.core.capture import StateSnapshot, warn_mode_changed
 from torchreplay.core.modes import HOOKS, TRAIN_MODE, Hooks, autocast_name, warn_hooks_changed
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
@@ -144,6 +144,7 @@ class GraphedCallable:
         self._grad_pos: list[int] = []  # per _grad_inputs entry: its position among apply inputs
         self._keeper: StateKeeper | None = None
         self._placed: Placed | None = None  # at _adopt
+        self._called: list[torch.nn.Module] | None = None  # a function's modules, found at warm-up
         self._callers = Callers()
         self._discovering_done = False
         self._autocast = _compat.cuda_autocast()  # its dtype, None: off
@@ -157,14 +158,19 @@ class GraphedCallable:
     # -- capture ----------------------------------------------------------------------------
 
     def _warm(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The call that capture() warms up and captures: the forward, plus, when not
-        capturing, the backward (so that backward kernels initialise before capture too)."""
+        """The call that capture() warms up and captures: the forward, plus, when not capturing,
+        the backward (so that backward kernels initialise before capture too)."""
         now_capturing = capturing()
         keeper = self._keeper
         discover = keeper is not None and not now_capturing and not self._discovering_done
         probe = next_sequence_nr() if self._surface is None else 0
+        # a plain function: the modules it runs, watched as a module is (core/args.py)
+        find = self._module is None and self._called is None and not now_capturing
+        finder = StateSnapshot(None, self.device, find=True, save=False) if find else None
         with keeper.discovering() if discover else contextlib.nullcontext():  # type: ignore[union-attr]
-            out = self._run_fn(*args, **kwargs)
+            with finder.finding() if finder is not None else contextlib.nullcontext():
+                out = self._run_fn(*args, **kwargs)
+        self._called = finder.called if finder is not None else self._called
         self._discovering_done = self._discovering_done or discover
         if self._surface is None:
             self._discover(out, probe)
@@ -260,9 +266,7 @@ class GraphedCallable:
         self._pair = pair
         self._fwd_replay = pair.fwd_replay
         self._bwd_replay = pair.bwd_replay
-        self._outputs = Outputs(
-            tuple(pair.leaves), self.config.outputs, self.name, pair.owned, reuse=True
-        )
+        self._outputs = Outputs(tuple(pair.leaves), self.config.outputs, self.name, pair.owned, reuse=True)
         # The node's outputs are new tensors over the handed-out memory, not the handed-out
         # tensors themselves: autograd would set a grad_fn on those, and a checked output
         # with a grad_fn cannot be handed out again (a new tensor and storage every call).
@@ -278,9 +282,7 @@ class GraphedCallable:
         self._writes = bool(self._inputs.written)
         self.stats.written_inputs = self._inputs.written_paths()
         self.collectives = pair.collectives
-        self._ranks = agreement(
-            RANKS, pair.collectives, pair.collective_log, name=self.name, device=self.device
-        )
+        self._ranks = agreement(RANKS, pair.collectives, pair.collective_log, name=self.name, device=self.device)
         self._warned_grad: set[int] = set()
         for s in self._inputs.tensor_slots:
             s.static.requires_grad_(False)  # type: ignore[union-attr]  # copy_in writes into them
@@ -295,9 +297,13 @@ class GraphedCallable:
         self._bwd_pos = -1
         self._device_index = self.device.index
         self._check_device = self.device.type == "cuda" and torch.cuda.device_count() > 1
+        own = self._module is None  # a function's modules run their own hooks inside it
+        if own and self._called:
+            self._module = module = called_module(self._called)
+            self._training = module.training  # type: ignore[union-attr]
         self._placed = Placed.of(self._module, self.device, objects=True)  # grads go to them
         # hooks inside the forward (submodules', global) and its backward: none run at replay
-        self._hooks = Hooks(self._module, own=False, backward=True)
+        self._hooks = Hooks(self._module, own=own, backward=True)
 
     # -- replay ----------------------------------------------------------------------------
 
