@@ -68,10 +68,11 @@ class ModuleGroup(torch.nn.Module):
         for i, m in enumerate(roots):
             name = type(m).__name__
             self.add_module(name if name not in self._modules else f"{name}_{i}", m)
+        object.__setattr__(self, "_roots", tuple(roots))  # read per call: no module lookup
 
     @property  # type: ignore[override]
     def training(self) -> tuple[bool, ...]:  # type: ignore[override]
-        return tuple(m.training for m in self._modules.values())  # type: ignore[union-attr]
+        return tuple([m.training for m in self.__dict__["_roots"]])
 
     @training.setter
     def training(self, mode: Any) -> None:  # nn.Module.__init__ and .train() set it: theirs count
