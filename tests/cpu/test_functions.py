@@ -136,3 +136,16 @@ def test_sizes_refuse_a_functions_batch_norm_in_training_and_put_its_statistics_
     with torch.no_grad(), pytest.raises(UnsupportedError, match="BatchNorm1d"):
         tr.graph(lambda x: m(x), torch.randn(4, 6), sizes=SIZES)
     torch.testing.assert_close(m[1].running_mean, before, rtol=0, atol=0)
+
+
+def test_modules_another_thread_runs_meanwhile_are_not_recorded() -> None:
+    import threading
+
+    mine, theirs = nn.Linear(6, 6), nn.Linear(6, 6)
+    snap = StateSnapshot(None, CPU, find=True)
+    with snap.finding():
+        worker = threading.Thread(target=lambda: theirs(torch.randn(2, 6)))
+        worker.start()
+        worker.join()
+        mine(torch.randn(2, 6))
+    assert snap.called == [mine]

@@ -17,6 +17,7 @@ import gc
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -177,9 +178,10 @@ class StateSnapshot:
             yield
             return
         called, seen, cuda = self.called, self._seen, self._device.type == "cuda"
+        thread = threading.get_ident()  # the hook is global: another thread's modules are not ours
 
         def first_call(module: torch.nn.Module, args: Any) -> None:
-            if id(module) in seen:
+            if id(module) in seen or threading.get_ident() != thread:
                 return
             seen.add(id(module))
             called.append(module)
