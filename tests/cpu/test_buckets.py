@@ -17,6 +17,7 @@ import torch.nn as nn
 import torchreplay as tr
 from torchreplay.core.args import CallArgs
 from torchreplay.core.capture import Captured
+from torchreplay.core.effects import NO_EFFECTS
 from torchreplay.core.writes import WriteWatch
 from torchreplay.sizes import bucketed as buckets
 from torchreplay.sizes.outputs import plan_outputs
@@ -366,13 +367,23 @@ def install_cpu_graphs(setattr_: Any) -> list[int]:
     order: list[int] = []
 
     def fake_capture(fn, args, kwargs, *, device, stream, pool, config, grad=False, warmup=True,
-                     snapshot=None, watch=(), collectives=True):
+                     snapshot=None, watch=(), collectives=True, effects=None):
         watcher = WriteWatch(watch)
+        python = effects if effects is not None else NO_EFFECTS  # as capture() runs it
         with torch.no_grad():
-            for _ in range(config.num_warmup_iters if warmup else 0):
-                fn(*args, **kwargs)
-            with watcher:
+            n = config.num_warmup_iters if warmup else 0
+            if warmup:
+                python.start()
+            for i in range(n):
+                with python.warmup(last=i == n - 1):
+                    fn(*args, **kwargs)
+            with watcher, python.captured():
                 out = fn(*args, **kwargs)
+            err = python.verdict()
+            if err is not None:
+                python.undo()
+                raise err
+            python.put_back_tensors()
         leaves = [t for t in torch.utils._pytree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor)]
         order.append(max((t.shape[0] for t in leaves if t.dim()), default=0))

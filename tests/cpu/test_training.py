@@ -854,22 +854,34 @@ class _FakeGraph:
 
 
 def _emulated_step_capture(fn, args, kwargs, *, device, stream, pool, config, grad, warmup, snapshot,
-                           watch=()):
+                           watch=(), effects=None):
     """capture() for graph_step, emulated: warm-up runs for real; the "graph" re-runs the step
     eagerly on the static inputs with the learning-rate tensors installed (what the captured
-    step reads) and writes its outputs into the captured output tensors."""
+    step reads) and writes its outputs into the captured output tensors. The Python state the
+    step changes is compared as capture() does."""
     step = fn.owner
+    n = config.num_warmup_iters if warmup else 0
     try:
-        for _ in range(config.num_warmup_iters if warmup else 0):
-            fn(*args, **kwargs)
+        effects.start()
+        for i in range(n):
+            with effects.warmup(last=i == n - 1):
+                fn(*args, **kwargs)
         step_mod.capturing = lambda: True
         try:
-            out = fn(*args, **kwargs)  # the capture call: records parameters and .grad
+            with effects.captured():
+                out = fn(*args, **kwargs)  # the capture call: records parameters and .grad
         finally:
             step_mod.capturing = _capturing
     except Exception as exc:
         snapshot.restore()
+        effects.undo()
         raise tr.CaptureError(f"warm-up failed: {exc}") from exc
+    err = effects.verdict()
+    if err is not None:
+        snapshot.restore()
+        effects.undo()
+        raise err
+    effects.put_back_tensors()
     leaves = _compat.tree_flatten(out)[0]
 
     def replay():
@@ -1138,3 +1150,4 @@ def test_a_capture_makes_every_live_pool_look_at_its_stream_again() -> None:
     expect_capture()
     assert all(p.stream is None for p in pools)
     assert pools[0].on_stream((7, 0, 1)) is False and pools[0].stream == (7, 0, 1)
+

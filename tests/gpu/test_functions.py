@@ -233,3 +233,24 @@ def test_make_graphed_callables_of_a_function_watches_the_modules_it_runs() -> N
     m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
     with pytest.raises(ReplayInputError, match="replaced"):
         graphed(torch.randn(4, 64, device=DEV, requires_grad=True))
+
+
+def test_make_graphed_callables_of_two_functions_over_one_model_both_watch_it() -> None:
+    """Each callable finds the modules it runs at its own first warm-up: a model the first
+    one ran is watched by the second too."""
+    m = model()
+    ref = copy.deepcopy(m)
+    samples = tuple((torch.randn(4, 64, device=DEV, requires_grad=True),) for _ in range(2))
+    f1, f2 = tr.make_graphed_callables((lambda x: m(x) * 2, lambda x: m(x) + 1), samples)
+    refs = (lambda x: ref(x) * 2, lambda x: ref(x) + 1)
+    for mode in ("eval", "train"):
+        getattr(m, mode)(), getattr(ref, mode)()
+        for k in range(CALLS):
+            for f, r in zip((f1, f2), refs):
+                x = torch.randn(4, 64, device=DEV)
+                torch.manual_seed(k)
+                out = f(x)
+                torch.manual_seed(k)
+                torch.testing.assert_close(out, r(x), rtol=1e-5, atol=1e-5)
+    assert f1.stats.fallbacks == f2.stats.fallbacks == CALLS
+    assert f1.stats.replays == f2.stats.replays == CALLS

@@ -29,6 +29,7 @@ import torch
 from torchreplay import _compat
 from torchreplay.config import GraphConfig
 from torchreplay.core.args import fn_name
+from torchreplay.core.effects import NO_EFFECTS, NoEffects, PyState
 from torchreplay.core.pool import Pool, expect_capture
 from torchreplay.core.writes import WriteWatch
 from torchreplay.distributed.collectives import Collective, CollectiveLog
@@ -330,6 +331,7 @@ def capture(
     segmented: Callable[[Segments], contextlib.AbstractContextManager[Any]] | None = None,
     diagnose_fn: Callable[..., Any] | None = None,
     collectives: bool = True,
+    effects: PyState | None = None,
 ) -> Captured:
     """Warm ``fn`` up on ``stream`` and capture one call of it into a new graph in ``pool``.
 
@@ -357,6 +359,8 @@ def capture(
         segmented: a context manager factory entered around the captured call with its
             :class:`Segments`; code inside may cut the capture and resume it (breakable
             graphs). ``Captured.graphs`` then holds every segment.
+        effects: the Python state the call can reach, compared around the captured call
+            (core/effects.py): a change a replay cannot repeat raises, after it was put back.
         diagnose_fn: what the check runs to name the op that broke a failed capture (default
             ``fn``; a breakable graph passes ``fn`` with its breaks unseen).
         collectives: record the ``torch.distributed`` collectives of the captured call
@@ -374,15 +378,18 @@ def capture(
     grad_ctx = torch.enable_grad if grad else torch.no_grad
     # (training passes its own StateKeeper, which finds what it needs by itself)
     finding = snapshot.finding() if isinstance(snapshot, StateSnapshot) else contextlib.nullcontext()
+    python = effects if effects is not None else NO_EFFECTS
     with on_side_stream(stream, device), grad_ctx(), finding:
         if warmup:
+            python.start()
             for i in range(config.num_warmup_iters):
                 try:
                     if reset is not None:
                         reset()
-                    fn(*args, **kwargs)
+                    with python.warmup(last=i == config.num_warmup_iters - 1):
+                        fn(*args, **kwargs)
                 except Exception as exc:
-                    _undo(None, device, pool, snapshot, exc)
+                    _undo(None, device, pool, snapshot, exc, python)
                     raise _warmup_error(fn, i, exc) from exc
             if sync:
                 stream.synchronize()  # surface asynchronous warm-up errors before capture begins
@@ -401,6 +408,7 @@ def capture(
                         watcher,
                         recorder if recorder is not None else contextlib.nullcontext(),
                         segmented(segments) if segmented else contextlib.nullcontext(),
+                        python.captured(),
                     ):
                         out = fn(*args, **kwargs)
                 finally:
@@ -410,10 +418,12 @@ def capture(
                         segments.cut()
         except BaseException as exc:
             out = None
-            _undo(segments, device, pool, snapshot, exc)
+            _undo(segments, device, pool, snapshot, exc, python)
             if isinstance(exc, CaptureError) or not isinstance(exc, Exception):
                 raise
-            raise _capture_error(fn, args, kwargs, exc, config, snapshot, diagnose_fn) from exc
+            error = _capture_error(fn, args, kwargs, exc, config, snapshot, diagnose_fn)
+            python.undo()  # the diagnosis ran the call once more
+            raise error from exc
         # Only the graph can tell an empty capture: an optimizer step alone has no tensor
         # argument and returns None, yet records real work on the device.
         if all(segments.empty):
@@ -423,8 +433,14 @@ def capture(
                 f"{device} before graphing"
             )
             out = None
-            _undo(segments, device, pool, snapshot, err)
+            _undo(segments, device, pool, snapshot, err, python)
             raise err
+        err = python.verdict()  # Python state a replay could not change as eager does
+        if err is not None:
+            out = None
+            _undo(segments, device, pool, snapshot, err, python)
+            raise err
+        python.put_back_tensors()
     seconds = time.perf_counter() - start
     log.debug("captured %s on %s in %.4f s", fn_name(fn), device, seconds)
     written = tuple(watcher.written) if isinstance(watcher, WriteWatch) else ()
@@ -448,6 +464,7 @@ def _undo(
     pool: Pool,
     snapshot: StateSnapshot | None,
     exc: BaseException,
+    python: PyState | NoEffects | None = None,
 ) -> None:
     """Release what a failed warm-up or capture holds, so the process stays usable."""
     # The traceback's frames hold the user's locals, tensors in the graph's pool among them.
@@ -470,6 +487,8 @@ def _undo(
     torch.cuda.empty_cache()
     if snapshot is not None:
         snapshot.restore()
+    if python is not None:
+        python.undo()
 
 
 def _warmup_error(fn: Callable[..., Any], i: int, exc: Exception) -> CaptureError:

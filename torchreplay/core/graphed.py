@@ -12,6 +12,7 @@ from torchreplay import _compat
 from torchreplay.config import RANKS, SAFE, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
 from torchreplay.core.capture import StateSnapshot, capture, side_stream
+from torchreplay.core.effects import PyState
 from torchreplay.core.io import Inputs
 from torchreplay.core.modes import (
     AUTOCAST, CAPTURE, DISPATCH_MODE, GRAD, HOOKS, TRAIN_MODE, EagerCalls, tracked_leaf,
@@ -84,6 +85,7 @@ class Graphed:
             StateSnapshot(self._module, device, find=find, save=config.restore_state)
             if config.restore_state or find else None
         )
+        runs = snapshot.called if find and snapshot is not None else [self._module]  # filled in place
         captured = capture(
             fn,
             self.static_args,
@@ -95,6 +97,9 @@ class Graphed:
             snapshot=snapshot,
             watch=[s.static for s in self._inputs.tensor_slots],
             reset=_reset_written(self._inputs, call.leaves),
+            effects=PyState(  # the Python state it changes: core/effects.py
+                self.name, fn, self.static_args, self.static_kwargs, modules=lambda: runs or [],
+            ),
         )
         if snapshot is not None:
             snapshot.restore()

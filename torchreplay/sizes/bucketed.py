@@ -27,9 +27,8 @@ import torch
 from torchreplay import _compat
 from torchreplay.config import RANKS, SAFE, BucketConfig, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
-from torchreplay.core.capture import (
-    StateSnapshot, capture, on_side_stream, progress, side_stream,
-)
+from torchreplay.core.capture import StateSnapshot, capture, on_side_stream, progress, side_stream
+from torchreplay.core.effects import PyState
 from torchreplay.core.io import Inputs, same_constant, warn_widening, widens, write_back
 from torchreplay.core.modes import CAPTURE, GRAD, EagerCalls, tracked_leaf
 from torchreplay.core.outputs import Outputs
@@ -39,7 +38,7 @@ from torchreplay.core.threads import Callers, follow_stream, get_ident, outputs_
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
-from torchreplay.sizes.guards import fits, input_error, probe_error, refuse_row_mixing
+from torchreplay.sizes.guards import check_call, input_error, probe_error, refuse_row_mixing
 from torchreplay.sizes.outputs import OutputPlan, plan_outputs
 from torchreplay.sizes.plan import (
     DimSpec, FillSpec, InputPlan, decide, format_sizes, narrow_leading, plan_inputs, target_size,
@@ -162,6 +161,11 @@ class BucketedGraph:
             StateSnapshot(self._module, device, find=find, save=config.restore_state)
             if config.restore_state or find else None
         )
+        runs = snapshot.called if find and snapshot is not None else [self._module]  # filled in place
+        self._effects = PyState(  # core/effects.py; from before the probe, whose changes
+            self.name, fn, *self._args_at(self._max), modules=lambda: runs or [],  # count too
+        )
+        self._effects.start()
         self._out_plan = self._probe(snapshot)
         if find and snapshot is not None:  # the probe ran it: refuse what padding would mix
             self._module = module = called_module(snapshot.called or ())
@@ -170,6 +174,7 @@ class BucketedGraph:
                 refuse_row_mixing(module, self.name)
             except UnsupportedError:
                 snapshot.restore()
+                self._effects.undo()
                 raise
         planned = self._out_plan.leaves
         with _compat.normal_tensors():  # captures copy into them, under inference_mode or not
@@ -218,6 +223,7 @@ class BucketedGraph:
                 for s in rest:
                     self._capture_size(s, warmup=False, snapshot=None)
                     advance()
+        self._effects.settle()  # nothing left to put back: later captures only compare
         self._placed = Placed.of(self._module, self.device)
         log_summary(self)
 
@@ -255,6 +261,7 @@ class BucketedGraph:
                 except Exception as exc:
                     if snapshot is not None:
                         snapshot.restore()
+                    self._effects.undo()
                     raise probe_error(self.name, self._plan, s, exc) from exc
                 outs[s] = out
                 del out, a, k
@@ -310,6 +317,7 @@ class BucketedGraph:
             snapshot=snapshot,
             watch=[slot.static for slot in self._inputs.tensor_slots] if watch else (),
             collectives=watch,  # the first capture's are what the ranks agree on
+            effects=self._effects,
         )
         if watch:  # the first capture: what the ranks agree on
             self._first_collectives = (captured.collectives, captured.collective_log)
@@ -577,12 +585,7 @@ class BucketedGraph:
 
     def _check_call(self, leaves: list[Any], n: int) -> None:
         """Raise the input error of a call whose arguments do not fit any size."""
-        for i, (leaf, slot) in enumerate(zip(leaves, self._slots)):
-            if slot.static is None:
-                if leaf is not slot.value and not same_constant(leaf, slot.value):
-                    raise self._inputs.constant_error(slot, leaf)
-            elif not fits(leaf, slot, self._plan, i, n):
-                raise self._input_error(leaves, n)
+        check_call(self._plan, self._inputs, self._max, leaves, n)
 
     def _input_error(self, leaves: list[Any], n: int | None) -> ReplayInputError:
         """Build the error that names the first argument that does not fit a call of size ``n``."""

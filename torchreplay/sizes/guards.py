@@ -13,7 +13,7 @@ from torchreplay.core.io import Inputs, conversion_fix, describe_tensor, same_co
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
 from torchreplay.sizes.plan import InputPlan, disagreement_message
 
-__all__ = ["refuse_row_mixing", "probe_error", "input_error", "fits", "pattern"]
+__all__ = ["refuse_row_mixing", "probe_error", "input_error", "fits", "check_call", "pattern"]
 
 _Tensor = torch.Tensor
 
@@ -160,3 +160,13 @@ def pattern(t: torch.Tensor, d: int | None, largest: int) -> str:
         dims[d] = "N"
     inner = ", ".join(dims) + ("," if len(dims) == 1 else "")
     return f"({inner}) {str(t.dtype).removeprefix('torch.')} with N <= {largest}"
+
+
+def check_call(plan: InputPlan, inputs: Inputs, largest: int, leaves: Sequence[Any], n: int) -> None:
+    """Raise the input error of a call of ``n`` rows whose arguments do not fit any size."""
+    for i, (leaf, slot) in enumerate(zip(leaves, inputs.slots)):
+        if slot.static is None:
+            if leaf is not slot.value and not same_constant(leaf, slot.value):
+                raise inputs.constant_error(slot, leaf)
+        elif not fits(leaf, slot, plan, i, n):
+            raise input_error(plan, inputs, largest, list(leaves), n)

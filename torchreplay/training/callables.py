@@ -25,6 +25,7 @@ from torchreplay import _compat
 from torchreplay.config import GraphConfig
 from torchreplay.core.args import CallArgs, infer_device
 from torchreplay.core.capture import capture, side_stream
+from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
 from torchreplay.core.modes import refuse_inference_capture
 from torchreplay.core.pool import Pool, release_with
@@ -64,6 +65,10 @@ def _capture_pairs(
                 warmup=True,
                 snapshot=r._keeper,  # type: ignore[arg-type]
                 watch=[s.static for s in r._inputs.tensor_slots],
+                effects=PyState(  # the Python state its forward changes: core/effects.py
+                    r.name, r.fn, r._inputs.static_args, r._inputs.static_kwargs,
+                    modules=lambda r=r: [r._module] if r._module is not None else (r._called or []),
+                ),
             )
         )
     pairs: list[Pair | None] = [None] * len(runners)

@@ -40,6 +40,7 @@ from torchreplay import _compat
 from torchreplay.config import RANKS, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, fn_name, owning_module
 from torchreplay.core.capture import capture, side_stream
+from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
@@ -192,6 +193,8 @@ class GraphedStep:
                     warmup=True,
                     snapshot=keeper,  # type: ignore[arg-type]
                     watch=[s.static for s in self._inputs.tensor_slots],
+                    # the Python state it changes: core/effects.py
+                    effects=PyState(self.name, step_fn, self.static_args, self.static_kwargs, lambda: modules),
                 )
         except CaptureError as exc:
             self._uninstall()
@@ -574,12 +577,8 @@ def graph_step(
     scalers = as_scalers(scaler, step_fn)
     verify = check_verify(verify)
     tol = resolve_tolerance(verify_tol)
-    cfg = resolve_config(
-        config,
-        outputs=outputs,
-        num_warmup_iters=num_warmup_iters,
-        capture_error_mode=capture_error_mode,
-    )
+    cfg = resolve_config(config, outputs=outputs, num_warmup_iters=num_warmup_iters,
+                         capture_error_mode=capture_error_mode)
     if cfg.num_warmup_iters < 1:
         raise ValueError(
             f"graph_step needs num_warmup_iters >= 1, got {cfg.num_warmup_iters}: optimizers "
@@ -587,14 +586,6 @@ def graph_step(
             "before capture"
         )
     return GraphedStep(
-        step_fn,
-        sample_args,
-        kwargs,
-        optimizers=opts,
-        scalers=scalers,
-        config=cfg,
-        pool=resolve_pool(pool),
-        verify=verify,
-        tol=tol,
-        ranks=RANKS if ranks is None else ranks,
+        step_fn, sample_args, kwargs, optimizers=opts, scalers=scalers, config=cfg,
+        pool=resolve_pool(pool), verify=verify, tol=tol, ranks=RANKS if ranks is None else ranks,
     )

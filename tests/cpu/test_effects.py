@@ -1,0 +1,271 @@
+"""The Python state a captured call changes (core/effects.py ``PyState``, core/pystate.py), on the CPU.
+
+Each case runs the protocol capture() runs (start, warm-ups, the captured call, the verdict,
+undo on failure) with the callable run eagerly in place of the capture, and checks exactly
+what is reported and what is put back. End to end through ``tr.graph(sizes=)`` with
+test_buckets' eager stand-in for CUDA graphs, and through graph_step's emulated capture in
+test_training.py. The GPU tests (tests/gpu/test_effects.py) compare the graphs with eager.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn as nn
+
+import test_buckets
+import torchreplay as tr
+from torchreplay.core.effects import PyState
+from torchreplay.core.pystate import MAX_VALUES
+from torchreplay.errors import CaptureError
+
+LOG = "torchreplay.core.effects"
+
+
+def capture_like(fn: Callable[..., Any], *args: Any, modules=(), warmups: int = 3, **kwargs: Any):
+    """Run ``fn`` as capture() does around PyState; return (error or None, the PyState)."""
+    ps = PyState("fn", fn, args, kwargs, modules=lambda: modules)
+    ps.start()
+    for i in range(warmups):
+        with ps.warmup(last=i == warmups - 1):
+            fn(*args, **kwargs)
+    with ps.captured():
+        fn(*args, **kwargs)
+    err = ps.verdict()
+    if err is not None:
+        ps.undo()
+    else:
+        ps.put_back_tensors()
+    return err, ps
+
+
+class Cache:
+    """DynamicCache's shape: a tensor attribute replaced by a longer one at every call."""
+
+    def __init__(self) -> None:
+        self.keys = torch.randn(1, 4)
+
+    def update(self, k: torch.Tensor) -> torch.Tensor:
+        self.keys = torch.cat([self.keys, k])
+        return self.keys
+
+
+def test_a_cache_grown_by_replacing_its_tensor_raises_and_is_put_back() -> None:
+    cache = Cache()
+    first = cache.keys
+    err, _ = capture_like(lambda k, c: c.update(k).sum(0), torch.randn(1, 4), cache)
+    assert isinstance(err, CaptureError)
+    assert "args[1].keys: tensor(4, 4)" in str(err) and "-> tensor(5, 4)" in str(err)
+    assert "StaticCache" in str(err)  # the fix for HF users
+    assert cache.keys is first  # the warm-ups' and the capture's steps were undone
+
+
+class Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x)
+
+
+def test_a_counter_on_a_module_raises_with_its_path_and_both_values() -> None:
+    m = Counter()
+    err, _ = capture_like(m, torch.randn(2, 4))
+    assert isinstance(err, CaptureError) and "Counter.calls: 3 -> 4" in str(err)
+    assert m.calls == 0
+
+
+def test_a_recurrent_state_on_an_object_raises() -> None:
+    class State:
+        pass
+
+    state = State()
+    state.h = torch.zeros(4)
+    h0 = state.h
+    err, _ = capture_like(lambda x, s: setattr(s, "h", s.h * 0.5 + x) or s.h, torch.randn(4), state)
+    assert isinstance(err, CaptureError) and "args[1].h" in str(err)
+    assert state.h is h0
+
+
+def test_a_list_appended_to_raises_and_is_put_back() -> None:
+    seen: list[torch.Tensor] = [torch.ones(1)]
+    err, _ = capture_like(lambda x, acc: acc.append(x * 2) or x + 1, torch.randn(4), seen)
+    assert isinstance(err, CaptureError) and "args[1]: 4 items -> 5 items" in str(err)
+    assert len(seen) == 1
+
+
+def test_a_closure_rebound_with_nonlocal_raises_and_is_put_back() -> None:
+    h = torch.zeros(4)
+    h0 = h
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        nonlocal h
+        h = h + x
+        return h
+
+    err, _ = capture_like(step, torch.randn(4))
+    assert isinstance(err, CaptureError) and "closure h: tensor(4,)" in str(err)
+    assert h is h0
+
+
+CALLS = 0
+
+
+def _counted(x: torch.Tensor) -> torch.Tensor:
+    global CALLS
+    CALLS += 1
+    return x * 2
+
+
+def test_a_global_assigned_raises_and_is_put_back() -> None:
+    err, _ = capture_like(_counted, torch.randn(4))
+    assert isinstance(err, CaptureError) and "global CALLS: 3 -> 4" in str(err)
+    assert CALLS == 0
+
+
+MODEL = Counter()
+
+
+def _script_step(x: torch.Tensor) -> torch.Tensor:
+    return MODEL(x)  # a module a script keeps in a global
+
+
+def test_a_module_read_from_a_global_is_walked() -> None:
+    err, _ = capture_like(_script_step, torch.randn(2, 4))
+    assert isinstance(err, CaptureError) and "MODEL.calls: 3 -> 4" in str(err)
+
+
+def test_a_tensor_set_but_not_read_warns_once_and_keeps_the_graph(caplog) -> None:
+    class Keeps(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            self.last = y * 2  # for the caller to read: a replay rewrites it in place
+            return y
+
+    m = Keeps()
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        err, ps = capture_like(m, torch.randn(2, 4))
+        assert err is None
+        with ps.captured():  # a second capture (another size) says it no more
+            m(torch.randn(2, 4))
+        assert ps.verdict() is None
+    warned = [r.getMessage() for r in caplog.records if r.name == LOG]
+    assert len(warned) == 1 and "Keeps.last" in warned[0] and "without reading" in warned[0]
+
+
+def test_torch_reparametrizations_and_in_place_state_are_silent(caplog) -> None:
+    norm = nn.utils.spectral_norm(nn.Linear(4, 4)).eval()  # `weight` recomputed at each call
+
+    class Static(nn.Module):  # a static cache written in place
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("kv", torch.zeros(8, 4))
+
+        def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            self.kv.index_copy_(0, pos, x)
+            return self.kv.sum(0)
+
+    class Lazy(nn.Module):  # made at the first call only: the warm-ups' business
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.table is None:
+                self.table = torch.ones(4)
+            return x * self.table
+
+    class Scaler:  # GradScaler's shape: a fresh, empty dict of per-step state after each call
+        def __init__(self) -> None:
+            self.states: dict = collections.defaultdict(dict)
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            self.states[0]["stage"] = 1
+            self.states = collections.defaultdict(dict)
+            return x * 2
+
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        assert capture_like(norm, torch.randn(2, 4))[0] is None
+        assert capture_like(Static(), torch.randn(1, 4), torch.tensor([3]))[0] is None
+        assert capture_like(Lazy(), torch.randn(4))[0] is None
+        assert capture_like(Scaler(), torch.randn(4))[0] is None
+    assert not [r for r in caplog.records if r.name == LOG]
+
+
+def test_a_position_counter_advanced_in_place_is_put_back_after_the_build() -> None:
+    class Positions:  # transformers' StaticLayer: `cumulative_length.add_(n)` at each call
+        def __init__(self) -> None:
+            self.length = torch.zeros((), dtype=torch.long)
+            self.kv = torch.zeros(16, 4)
+
+        def update(self, k: torch.Tensor) -> torch.Tensor:
+            self.kv.index_copy_(0, self.length.view(1), k)
+            self.length.add_(1)
+            return self.kv
+
+    cache = Positions()
+    err, _ = capture_like(lambda k, c: c.update(k).sum(0), torch.randn(1, 4), cache)
+    assert err is None
+    assert int(cache.length) == 0  # as the caller left it: the first replay writes row 0
+
+
+def test_without_warm_ups_a_replaced_tensor_counts_as_read() -> None:
+    m = Counter()
+    m.calls = 0
+
+    class Keeps(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.last = x * 2
+            return x
+
+    err, _ = capture_like(Keeps(), torch.randn(4), warmups=0)
+    assert isinstance(err, CaptureError) and "last" in str(err)
+
+
+def test_where_the_walk_starts() -> None:
+    class Runner:  # a callable object, a bound method, a partial
+        def __init__(self) -> None:
+            self.pos = 0
+
+        def step(self, x: torch.Tensor) -> torch.Tensor:
+            self.pos += 1
+            return x + self.pos
+
+        __call__ = step
+
+    for make in (lambda r: r.step, lambda r: r, lambda r: functools.partial(Runner.step, r)):
+        runner = Runner()
+        err, _ = capture_like(make(runner), torch.randn(4))
+        assert isinstance(err, CaptureError) and ".pos: 3 -> 4" in str(err), make
+        assert runner.pos == 0
+
+
+def test_a_large_global_is_walked_within_bounds() -> None:
+    big = list(range(3 * MAX_VALUES))
+    err, ps = capture_like(lambda x: x * len(big), torch.randn(4))
+    assert err is None
+    nodes = ps.take()
+    assert len(nodes["big"].items) == 512 and nodes["big"].size == len(big)
+
+
+def test_tr_graph_with_sizes_refuses_a_counter_and_leaves_the_module_as_it_was(monkeypatch) -> None:
+    test_buckets.install_cpu_graphs(monkeypatch.setattr)
+    m = Counter()
+    with pytest.raises(CaptureError, match=r"Counter.calls: \d+ -> \d+"):
+        tr.graph(m, torch.randn(4, 4), sizes=[2, 4])
+    assert m.calls == 0  # the probe's, the warm-ups' and the capture's counts put back
+    g = tr.graph(m.lin, torch.randn(4, 4), sizes=[2, 4])  # the same weights without it graph
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(g(x), m.lin(x))

@@ -1,0 +1,225 @@
+"""Python state a graphed call changes at every call (core/effects.py): a replay runs no Python,
+so such a change (a cache object grown by replacing its tensors, as HF's ``DynamicCache``; a
+counter; a recurrent state on an object) happened at capture only and every replay read the
+capture's state, silently. Capture now refuses it with the path, and puts the state back; a
+tensor set but not read (``self.last = y``) keeps eager values with one warning; small tensors
+advanced in place (HF ``StaticCache``'s position) are put back after the build. Each test
+compares with eager over many calls with fresh inputs; real models graph as before."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchreplay as tr
+from torchreplay.errors import CaptureError
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+DEV = "cuda"
+CALLS = 8
+LOG = "torchreplay.core.effects"
+
+
+class Cache:
+    """DynamicCache's shape: each call replaces ``keys`` by a longer tensor and reads it."""
+
+    def __init__(self) -> None:
+        self.keys = torch.randn(3, 16, device=DEV)
+
+    def update(self, k: torch.Tensor) -> torch.Tensor:
+        self.keys = torch.cat([self.keys, k])
+        return self.keys
+
+
+class Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("front", ["graph", "make_graphed_callables"])
+def test_a_cache_object_grown_at_every_call_is_refused_and_left_as_it_was(front) -> None:
+    cache = Cache()
+    first = cache.keys
+    lin = nn.Linear(16, 16, device=DEV)
+
+    def step(k: torch.Tensor) -> torch.Tensor:
+        return lin(cache.update(k)).mean(0)
+
+    k = torch.randn(1, 16, device=DEV, requires_grad=front != "graph")
+    with pytest.raises(CaptureError, match=r"cache\.keys: tensor\(\d+, 16\)"):
+        if front == "graph":
+            tr.graph(step, k)
+        else:
+            tr.make_graphed_callables(step, (k,))
+    assert cache.keys is first  # neither the warm-ups nor the capture grew it
+
+
+@pytest.mark.parametrize("front", ["graph", "sizes", "make_graphed_callables", "graph_step"])
+def test_a_counter_is_refused_by_every_front_and_put_back(front) -> None:
+    m = Counter().to(DEV)
+    x = torch.randn(4, 16, device=DEV)
+    with pytest.raises(CaptureError, match=r"Counter\.calls: \d+ -> \d+"):
+        if front == "graph":
+            tr.graph(m, x)
+        elif front == "sizes":
+            tr.graph(m, x, sizes=[2, 4])
+        elif front == "make_graphed_callables":
+            tr.make_graphed_callables(m, (x.requires_grad_(),))
+        else:
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-3, capturable=True, fused=True)
+
+            def train_step(x: torch.Tensor) -> torch.Tensor:
+                opt.zero_grad(set_to_none=True)
+                loss = m(x).square().mean()
+                loss.backward()
+                opt.step()
+                return loss
+
+            tr.graph_step(train_step, x)
+    assert m.calls == 0
+
+
+def test_a_recurrent_state_object_is_refused_and_the_fix_replays_eager_equal() -> None:
+    cell = nn.GRUCell(16, 16, device=DEV)
+
+    class State:
+        def __init__(self) -> None:
+            self.h = torch.zeros(2, 16, device=DEV)
+
+    state = State()
+    h0 = state.h
+    with torch.no_grad():
+        def step(x: torch.Tensor, s: State) -> torch.Tensor:
+            s.h = cell(x, s.h)
+            return s.h
+
+        with pytest.raises(CaptureError, match=r"args\[1\]\.h"):
+            tr.graph(step, torch.randn(2, 16, device=DEV), state)
+        assert state.h is h0
+
+        # the fix the message names: state written in place, which the graph replays
+        def step_in_place(x: torch.Tensor, s: State) -> torch.Tensor:
+            s.h.copy_(cell(x, s.h))
+            return s.h.clone()
+
+        g = tr.graph(step_in_place, torch.randn(2, 16, device=DEV), state)
+        ref = State()
+        for _ in range(CALLS):
+            x = torch.randn(2, 16, device=DEV)
+            torch.testing.assert_close(g(x, state), step_in_place(x, ref))
+            torch.testing.assert_close(state.h, ref.h)
+
+
+def test_an_attribute_set_but_not_read_keeps_eager_values_with_one_warning(caplog) -> None:
+    class Keeps(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x).relu()
+            self.last = y * 2  # read by the caller after each call
+            return y
+
+    m = Keeps().to(DEV).eval()
+    ref = copy.deepcopy(m)
+    with caplog.at_level(logging.WARNING, logger=LOG), torch.no_grad():
+        g = tr.graph(m, torch.randn(4, 16, device=DEV))
+        for _ in range(CALLS):
+            x = torch.randn(4, 16, device=DEV)
+            torch.testing.assert_close(g(x), ref(x))
+            torch.testing.assert_close(m.last, ref.last)
+    warned = [r.getMessage() for r in caplog.records if r.name == LOG]
+    assert len(warned) == 1 and "Keeps.last" in warned[0]
+    assert g.stats.replays == CALLS and g.stats.fallbacks == 0
+
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    return transformers, cfg, transformers.LlamaForCausalLM(cfg).to(DEV).eval()
+
+
+def test_hf_llama_with_a_dynamic_cache_is_refused_and_its_cache_left_as_it_was() -> None:
+    transformers, cfg, model = _llama()
+    with torch.no_grad():
+        cache = transformers.DynamicCache(config=cfg)
+        model(torch.randint(0, 256, (1, 5), device=DEV), past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length() == 5
+        ids = torch.randint(0, 256, (1, 1), device=DEV)
+        with pytest.raises(CaptureError, match=r"past_key_values'\]\.layers\[0\]\.keys"):
+            tr.graph(model, ids, past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length() == 5
+
+
+def test_hf_llama_decode_with_a_static_cache_is_eager_equal() -> None:
+    """transformers 5's StaticCache places each step by its own position counter
+    (``cumulative_length.add_``): the warm-ups and the capture advanced it by four, so every
+    replay wrote and read four positions too far. It is put back after the build now."""
+    transformers, cfg, model = _llama()
+    prompt = torch.randint(0, 256, (1, 6), device=DEV)
+    caches = [transformers.StaticCache(config=cfg, max_cache_len=64) for _ in range(2)]
+    with torch.no_grad():
+        for c in caches:
+            model(prompt, past_key_values=c, cache_position=torch.arange(6, device=DEV))
+        graphed_cache, eager_cache = caches
+
+        def decode(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            return model(ids, past_key_values=graphed_cache, cache_position=pos).logits
+
+        g = tr.graph(decode, torch.randint(0, 256, (1, 1), device=DEV), torch.tensor([6], device=DEV))
+        for step in range(CALLS):
+            ids = torch.randint(0, 256, (1, 1), device=DEV)
+            pos = torch.tensor([6 + step], device=DEV)
+            want = model(ids, past_key_values=eager_cache, cache_position=pos).logits
+            torch.testing.assert_close(g(ids, pos), want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(graphed_cache.layers[0].keys, eager_cache.layers[0].keys)
+    assert g.stats.replays == CALLS
+
+
+def test_real_models_graph_eager_equal_with_no_warning(caplog) -> None:
+    """The check walks every module's attributes and the arguments: none of these changes
+    anything per call, so each graphs as before."""
+    models = []
+    transformers = pytest.importorskip("transformers")
+    bert = transformers.BertModel(transformers.BertConfig(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256)).to(DEV).eval()
+    ids = lambda: torch.randint(0, 1000, (2, 16), device=DEV)  # noqa: E731
+    mask = torch.ones(2, 16, dtype=torch.long, device=DEV)
+    models.append(("bert", lambda x: bert(x, attention_mask=mask).last_hidden_state, ids))
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4)).to(DEV).eval()
+    models.append(("gpt2", lambda x: gpt2(x, use_cache=False).logits, ids))
+    torchvision = pytest.importorskip("torchvision")
+    rn = torchvision.models.resnet18().to(DEV).eval()
+    models.append(("resnet18", rn, lambda: torch.randn(2, 3, 64, 64, device=DEV)))
+    try:
+        import timm
+        vit = timm.create_model("vit_tiny_patch16_224", pretrained=False).to(DEV).eval()
+        models.append(("vit", vit, lambda: torch.randn(2, 3, 224, 224, device=DEV)))
+    except ImportError:
+        pass
+    with caplog.at_level(logging.WARNING, logger=LOG), torch.no_grad():
+        for name, fn, make in models:
+            g = tr.graph(fn, make())
+            for _ in range(3):
+                x = make()
+                torch.testing.assert_close(g(x), fn(x), rtol=1e-4, atol=1e-4, msg=name)
+    assert not [r for r in caplog.records if r.name == LOG]

@@ -1,0 +1,270 @@
+"""Python state a captured call changes, which its replays cannot change.
+
+A replay runs no Python. What the callable does in Python at each call happens while the graph
+is captured, and never again:
+
+- an attribute set to a new tensor: HF's ``DynamicCache`` (``self.keys = torch.cat([self.keys,
+  k])``), a recurrent state kept on an object (``state.h = cell(x, state.h)``);
+- a number or another value changed: ``self.step += 1``, a cache position kept as an int;
+- a list or dict grown: ``outputs.append(y)``.
+
+Eagerly the next call reads the new state. A replay reads what the capture read: a decode step
+over a ``DynamicCache`` replays against the cache of the capture and returns wrong logits,
+silently, and its warm-ups have advanced the caller's cache by several steps besides.
+
+So :func:`~torchreplay.core.capture.capture` compares the Python state the call can reach just
+before and just after the captured call (the call the graph replays). What it reaches: the
+arguments and what they hold, the objects its function closes over or is bound to, the globals
+its code names (a script's ``model``, a ``global`` counter), and the modules it runs (their own
+attributes; their parameters, buffers, submodules and hooks are watched elsewhere:
+``core/placed.py``, ``core/modes.py``). Optimizers and ``GradScaler``\ s are left to
+``graph_step``, which keeps their Python state itself (the learning rate, the scaler's stage).
+
+- **A value changed** (a number, a list's length, an object replaced): :class:`CaptureError`
+  naming each path and the fix. A replay would not repeat it.
+- **A tensor replaced by another after the call read it** (a cache, a recurrent state): the same
+  error. Every replay would read the tensor of the capture.
+- **A tensor replaced by one the call did not read before** (``self.last_hidden = h``; a
+  spectral-norm weight recomputed from its parameters at each call): replays are eager-equal.
+  The attribute keeps the capture's tensor, which each replay rewrites with that call's values.
+  One warning says so: a reference kept from an earlier call sees its values change.
+
+Which tensors a call reads is seen by a dispatch mode over the captured call, for the tensors
+the last warm-up replaced (none in most models: then no mode runs). Before the error is raised,
+what the warm-ups and the capture changed is put back (the caller's cache is as it was).
+
+**In-place writes to small tensors the state holds** (transformers' ``StaticCache`` advances
+its position counter with ``cumulative_length.add_``) are replayed, as eager does them; but the
+warm-ups and the capture advanced them too, so every replay wrote four positions past the
+caller's. Tensors of up to 1 MiB are copied before the warm-ups and put back after each capture;
+larger ones are not (the rows of a cache the warm-ups wrote past its position are written again
+by the next call). A module's buffers are ``StateSnapshot``'s.
+
+The warm-ups run before the comparison, so a first call's initialisation (a cache created at
+the first call) is not a change. How far the walk goes: ``core/pystate.py``. Not seen: state
+reached only through another function's globals or an object's methods, and reads inside a
+``torch.compile``d region (its ops are not dispatched to the mode: a tensor only it reads
+counts as not read). Replays compare nothing: this costs capture time only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from torchreplay._compat import LightDispatchMode
+from torchreplay.core.args import roots_of
+from torchreplay.core.pystate import (
+    Change, Node, diff, put_back, roots_of_call, small_tensors, value_at, walk_state,
+)
+from torchreplay.errors import CaptureError
+
+__all__ = ["PyState", "NoEffects", "NO_EFFECTS"]
+
+log = logging.getLogger(__name__)
+
+
+class PyState:
+    """The Python state one capture can change, compared around the captured call.
+
+    Args:
+        name: the graph's name, for messages.
+        fn, args, kwargs: the call being captured (the static arguments).
+        modules: returns the modules the call runs (a plain function's are found while it
+            warms up, so this is asked at each walk).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        modules: Callable[[], Iterable[torch.nn.Module]] = lambda: (),
+    ) -> None:
+        self.name = name
+        self._roots = list(roots_of_call(fn, args, kwargs))
+        self._modules = modules
+        self._start: dict[str, Node] | None = None
+        self._before: dict[str, Node] | None = None
+        self._candidates: set[tuple[str, Any]] = set()  # where the last warm-up replaced tensors
+        self._watch: _ReadWatch | None = None
+        self._warned = False
+        self._saved: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+
+    def take(self) -> dict[str, Node]:
+        """Walk the state; return its mutable nodes by path."""
+        return walk_state(self._roots, roots_of(list(self._modules())), self.name)
+
+    # -- around warm-up and capture (core/capture.py) ----------------------------------------
+
+    def start(self) -> None:
+        """Before the first warm-up: what :meth:`undo` puts back, and the small tensors the
+        state holds, whose in-place writes :meth:`put_back_tensors` undoes."""
+        if self._start is None:
+            self._start = self.take()
+            self._saved = small_tensors(self._start)
+
+    def put_back_tensors(self) -> None:
+        """After a capture: undo what the warm-ups and the capture wrote in place into the
+        small tensors the state holds (a cache's position counter advanced by each call:
+        replays advance it from where the caller left it, as eager calls would)."""
+        with torch.no_grad():
+            for t, version, saved in self._saved:
+                if t._version != version:
+                    with torch.inference_mode(t.is_inference()):
+                        t.copy_(saved)
+
+    @contextlib.contextmanager
+    def warmup(self, last: bool) -> Iterator[None]:
+        """Around a warm-up call; the last one tells which tensors each call replaces."""
+        before = self.take() if last else None
+        yield
+        if before is not None:
+            self._candidates |= {c.where for c in diff(before, self.take()) if c.tensor}
+
+    @contextlib.contextmanager
+    def captured(self) -> Iterator[None]:
+        """Around the captured call: watch reads of the tensors a call replaces."""
+        self._before = self.take()
+        watched = [
+            t for w in self._candidates if isinstance(t := value_at(self._before, w), torch.Tensor)
+        ]
+        self._watch = _ReadWatch(watched) if watched else None
+        with self._watch if self._watch is not None else contextlib.nullcontext():
+            yield
+
+    def verdict(self) -> CaptureError | None:
+        """After the capture ended: the error for what a replay cannot repeat, or None (one
+        warning, once per graph, for tensors replaced but not read)."""
+        before, self._before = self._before, None
+        assert before is not None, "verdict() before captured()"
+        changes = diff(before, self.take())
+        read = self._watch.read if self._watch is not None else set()
+        self._watch = None
+        # A tensor replaced that no earlier warm-up showed (no warm-up ran): assume it is read.
+        unread = [
+            c for c in changes
+            if c.tensor and c.where in self._candidates and id(c.before) not in read
+        ]
+        wrong = [c for c in changes if all(c is not u for u in unread)]
+        unread = [c for c in unread if not _reparametrized(before, c)]
+        if wrong:
+            return _error(self.name, wrong)
+        if unread and not self._warned:
+            self._warned = True
+            log.warning("%s", _unread_warning(self.name, unread))
+        return None
+
+    def settle(self) -> None:
+        """Every capture up front succeeded: drop what :meth:`undo` would put back (it holds
+        the state's old objects). Later captures (a lazy size) still compare."""
+        self._start = None
+        self._saved = []
+
+    def undo(self) -> None:
+        """Put back what the warm-ups and the capture changed (after a failure)."""
+        if self._start is None:
+            return
+        for node in self._start.values():
+            put_back(node)
+        self.put_back_tensors()
+
+
+class NoEffects:
+    """What capture() runs when no Python state is compared (the compile backend's pieces:
+    Dynamo replays their Python side effects itself)."""
+
+    def start(self) -> None:
+        pass
+
+    def warmup(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def captured(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def verdict(self) -> None:
+        return None
+
+    def undo(self) -> None:
+        pass
+
+    def put_back_tensors(self) -> None:
+        pass
+
+
+NO_EFFECTS = NoEffects()
+
+
+# -- which weights torch recomputes ------------------------------------------------------------
+
+
+def _reparametrized(nodes: dict[str, Node], change: Change) -> bool:
+    """A weight torch's own hooks compute from its parameters at every call (spectral norm,
+    weight norm, pruning: ``weight`` from ``weight_orig``, ``weight_g``/``weight_v``): only
+    tensors, read where they are made, not worth a warning."""
+    node = nodes.get(change.where[0])
+    if node is None or not isinstance(node.obj, torch.nn.Module):
+        return False
+    params = node.obj._parameters
+    name = change.where[1]
+    return f"{name}_orig" in params or (f"{name}_g" in params and f"{name}_v" in params)
+
+
+# -- reads ----------------------------------------------------------------------------------------
+
+
+class _ReadWatch(LightDispatchMode):
+    """Record which of ``tensors`` the ops run inside it read (by storage, views included)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self._by_ptr = {t.untyped_storage().data_ptr(): id(t) for t in tensors}
+        self.read: set[int] = set()
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # as WriteWatch: a compiled region runs its compiled code
+
+    def __torch_dispatch__(
+        self, func: Any, types_: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        for a in (*args, *kwargs.values()):
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    hit = self._by_ptr.get(t.untyped_storage().data_ptr())
+                    if hit is not None:
+                        self.read.add(hit)
+        return func(*args, **kwargs)
+
+
+# -- messages -------------------------------------------------------------------------------------
+
+
+def _error(name: str, changes: list[Change]) -> CaptureError:
+    shown = "; ".join(c.describe() for c in changes[:4])
+    more = f" (and {len(changes) - 4} more)" if len(changes) > 4 else ""
+    return CaptureError(
+        f"'{name}' changes Python state at every call, which a replay cannot repeat (a replay "
+        f"runs no Python): {shown}{more}. Eagerly the next call sees the new value; the graph "
+        "would read the capture's at every replay. What the warm-ups and the capture changed was "
+        "put back. Fix: keep such state in a tensor updated in place (a buffer: "
+        "`self.step.add_(1)`, `cache.index_copy_(...)`; for HF models a StaticCache instead of a "
+        "DynamicCache), or pass it in and return the new value, or move the change out of the "
+        "graphed call"
+    )
+
+
+def _unread_warning(name: str, changes: list[Change]) -> str:
+    paths = ", ".join(c.path for c in changes[:4]) + (" ..." if len(changes) > 4 else "")
+    return (
+        f"torchreplay: '{name}' sets {paths} to a new tensor at every call, without reading the "
+        "old one first. A replay runs no Python: the attribute keeps the capture's tensor, which "
+        "each replay rewrites with that call's values (eager-equal values; but a reference kept "
+        "from an earlier call now changes too). Clone what you keep, or return it instead"
+    )
