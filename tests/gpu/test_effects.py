@@ -72,7 +72,7 @@ def test_a_cache_object_grown_at_every_call_is_refused_and_left_as_it_was(front)
 def test_a_counter_is_refused_by_every_front_and_put_back(front) -> None:
     m = Counter().to(DEV)
     x = torch.randn(4, 16, device=DEV)
-    with pytest.raises(CaptureError, match=r"Counter\.calls: \d+ -> \d+"):
+    with pytest.raises(CaptureError, match=r"(Counter|m)\.calls: \d+ -> \d+"):
         if front == "graph":
             tr.graph(m, x)
         elif front == "sizes":

@@ -421,9 +421,11 @@ def capture(
             _undo(segments, device, pool, snapshot, exc, python)
             if isinstance(exc, CaptureError) or not isinstance(exc, Exception):
                 raise
-            error = _capture_error(fn, args, kwargs, exc, config, snapshot, diagnose_fn)
-            python.undo()  # the diagnosis ran the call once more
-            raise error from exc
+            try:  # (no local holds the error: its traceback holds this frame, whose locals
+                # hold the call's tensors and autograd graph until a gc pass, not a refcount)
+                raise _capture_error(fn, args, kwargs, exc, config, snapshot, diagnose_fn) from exc
+            finally:
+                python.undo()  # the diagnosis ran the call once more
         # Only the graph can tell an empty capture: an optimizer step alone has no tensor
         # argument and returns None, yet records real work on the device.
         if all(segments.empty):
@@ -439,7 +441,10 @@ def capture(
         if err is not None:
             out = None
             _undo(segments, device, pool, snapshot, err, python)
-            raise err
+            try:
+                raise err
+            finally:
+                del err  # as above: no frame-error cycle
         python.put_back_tensors()
     seconds = time.perf_counter() - start
     log.debug("captured %s on %s in %.4f s", fn_name(fn), device, seconds)

@@ -17,7 +17,7 @@ before and just after the captured call (the call the graph replays). What it re
 arguments and what they hold, the objects its function closes over or is bound to, the globals
 its code names (a script's ``model``, a ``global`` counter), and the modules it runs (their own
 attributes; their parameters, buffers, submodules and hooks are watched elsewhere:
-``core/placed.py``, ``core/modes.py``). Optimizers and ``GradScaler``\ s are left to
+``core/placed.py``, ``core/modes.py``). Optimizers and gradient scalers are left to
 ``graph_step``, which keeps their Python state itself (the learning rate, the scaler's stage).
 
 - **A value changed** (a number, a list's length, an object replaced): :class:`CaptureError`
@@ -115,7 +115,9 @@ class PyState:
         with torch.no_grad():
             for t, version, saved in self._saved:
                 if t._version != version:
-                    with torch.inference_mode(t.is_inference()):
+                    # (inference_mode(False) would turn autograd back on: only entered for an
+                    # inference tensor, which only the mode may write)
+                    with torch.inference_mode() if t.is_inference() else contextlib.nullcontext():
                         t.copy_(saved)
 
     @contextlib.contextmanager

@@ -59,6 +59,7 @@ _OPAQUE = (
     torch.amp.GradScaler,
 )
 MISSING = object()
+_OURS = "torchreplay."
 
 
 @dataclass(frozen=True, eq=False)
@@ -233,8 +234,8 @@ def _walk(
         _add(nodes, Node(f"closure {path}", value, "cell", {"": contents}))
         _walk(path, contents, depth, nodes, seen, budget, modules)
         return
-    if isinstance(value, _OPAQUE) or value is MISSING:
-        return
+    if isinstance(value, _OPAQUE) or value is MISSING or type(value).__module__.startswith(_OURS):
+        return  # (a graph of ours called inside keeps its own counters)
     seen.add(id(value))
     if isinstance(value, (list, tuple)):
         if isinstance(value, list):
@@ -289,8 +290,9 @@ def small_tensors(nodes: dict[str, Node]) -> list[tuple[torch.Tensor, int, torch
                 continue  # the call's own pytree: its tensors are the static inputs
             values = node.items if node.kind == "list" else node.items.values()
             for t in values:
-                if (
+                if (  # (a parameter, or a leaf autograd tracks, is a module's or optimizer's)
                     isinstance(t, torch.Tensor) and id(t) not in out and t.layout == torch.strided
+                    and not t.requires_grad
                     and t.untyped_storage().nbytes() <= _SMALL_BYTES and t.device.type != "meta"
                 ):
                     out[id(t)] = (t, t._version, t.detach().clone())
