@@ -377,6 +377,7 @@ def install_cpu_graphs(setattr_: Any) -> list[int]:
             for i in range(n):
                 with python.warmup(last=i == n - 1):
                     fn(*args, **kwargs)
+            python.before_capture()
             with watcher, python.captured():
                 out = fn(*args, **kwargs)
             err = python.verdict()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import re
 from typing import Any, Callable
 
 import pytest
@@ -34,6 +35,7 @@ def capture_like(fn: Callable[..., Any], *args: Any, modules=(), warmups: int = 
     for i in range(warmups):
         with ps.warmup(last=i == warmups - 1):
             fn(*args, **kwargs)
+    ps.before_capture()
     with ps.captured():
         fn(*args, **kwargs)
     err = ps.verdict()
@@ -268,3 +270,127 @@ def test_tr_graph_with_sizes_refuses_a_counter_and_leaves_the_module_as_it_was(m
     g = tr.graph(m.lin, torch.randn(4, 4), sizes=[2, 4])  # the same weights without it graph
     x = torch.randn(3, 4)
     torch.testing.assert_close(g(x), m.lin(x))
+
+
+def test_a_lazily_captured_size_puts_back_what_its_capture_advanced_in_place(monkeypatch) -> None:
+    # A size captured at its first call (capture="lazy") ran no warm-ups, so nothing was put
+    # back after it. This stand-in's capture runs the call, as a breakable graph's does (its
+    # segments are replayed once, its breaks run): `length.add_(1)` was kept, and every later
+    # call read one position ahead.
+    test_buckets.install_cpu_graphs(monkeypatch.setattr)
+
+    class Pos:
+        def __init__(self) -> None:
+            self.length = torch.zeros((), dtype=torch.long)
+
+    def step(x: torch.Tensor, c: Pos) -> torch.Tensor:
+        c.length.add_(1)
+        return x + c.length
+
+    for capture in ("ahead", "lazy"):
+        cache, ref = Pos(), Pos()
+        g = tr.graph(step, torch.randn(4, 3), cache, sizes=[1, 2, 4], capture=capture)
+        assert int(cache.length) == 0, capture
+        for n in (1, 2, 3, 1, 4, 2):
+            x = torch.randn(n, 3)
+            torch.testing.assert_close(g(x, cache), step(x, ref))
+            assert int(cache.length) == int(ref.length), (capture, n)
+
+
+class Parts:
+    """A model of a breakable graph's run: ``brk`` runs inside PyState.eager_part, as a
+    break's call in the captured run does (breaks/graph.py); the rest is 'graph segments'."""
+
+    def __init__(self, brk: Callable[..., Any], segment: Callable[..., Any] = lambda s, x: x) -> None:
+        self.ps: PyState | None = None
+        self.brk, self.segment = brk, segment
+        self.seen = 0
+        self.log: list[int] = []
+        self.h = torch.zeros(4)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.segment(self, x * 2)
+        with self.ps.eager_part("break b"):
+            x = self.brk(self, x)
+        return self.segment(self, x + 1)
+
+
+def capture_parts(model: Parts, warmups: int = 3):
+    ps = model.ps = PyState("model", model, (torch.randn(4),), {})  # (parts outside the
+    ps.start()  # captured call are not compared: warm-ups)
+    for i in range(warmups):
+        with ps.warmup(last=i == warmups - 1):
+            model(torch.randn(4))
+    with ps.captured():
+        model(torch.randn(4))
+    err = ps.verdict()
+    if err is not None:
+        ps.undo()
+    return err
+
+
+def _count(s: Parts, x: torch.Tensor) -> torch.Tensor:
+    s.seen += 1
+    s.log.append(s.seen)
+    return x
+
+
+def test_what_a_break_changes_in_python_is_not_an_error() -> None:
+    # a break runs eagerly at every replay: its counter, its log and a tensor it keeps are real
+    def keeps(s: Parts, x: torch.Tensor) -> torch.Tensor:
+        s.h = x * 3  # read by no segment
+        return _count(s, x)
+
+    model = Parts(keeps)
+    assert capture_parts(model) is None
+    assert model.seen == 4 and len(model.log) == 4  # 3 warm-ups, the capture: left as they ran
+
+
+def test_what_a_segment_changes_around_breaks_raises_with_the_breaks_hint() -> None:
+    model = Parts(lambda s, x: x, segment=_count)
+    err = capture_parts(model)
+    assert isinstance(err, CaptureError) and "in a graph segment" in str(err) and "breaks=" in str(err)
+    assert "Parts.seen: " in str(err) and model.seen == 0 and model.log == []  # put back
+
+
+def test_a_list_a_break_and_a_segment_both_append_to_raises() -> None:
+    def seg(s: Parts, x: torch.Tensor) -> torch.Tensor:
+        s.log.append(0)
+        return x
+
+    err = capture_parts(Parts(_count, segment=seg))
+    assert isinstance(err, CaptureError) and "Parts.log" in str(err)
+
+
+def test_a_tensor_a_break_sets_that_a_segment_reads_raises() -> None:
+    def sets(s: Parts, x: torch.Tensor) -> torch.Tensor:
+        s.h = x * 3
+        return x
+
+    def reads(s: Parts, x: torch.Tensor) -> torch.Tensor:
+        return x + s.h  # reads the break's tensor: frozen at the capture's in a graph
+
+    err = capture_parts(Parts(sets, segment=reads))
+    assert isinstance(err, CaptureError)
+    assert re.search(r"Parts.h: tensor\(4,\) at \w+ -> tensor\(4,\) at \w+ \(by break b\)", str(err))
+    assert "copy_" in str(err)
+    # written in place instead: the segments read the same tensor at every call
+    def copies(s: Parts, x: torch.Tensor) -> torch.Tensor:
+        s.h.copy_(x * 3)
+        return x
+
+    assert capture_parts(Parts(copies, segment=reads)) is None
+
+
+def test_a_cache_a_break_grows_raises_even_if_no_segment_reads_its_values() -> None:
+    # HF's DynamicCache updated inside a break (the attention module): the model's own code
+    # before it read the cache's length for the positions, in Python, once: unseen, refused
+    def grows(s: Parts, x: torch.Tensor) -> torch.Tensor:
+        s.h = torch.cat([s.h, x])
+        return x
+
+    model = Parts(grows)
+    err = capture_parts(model)
+    assert isinstance(err, CaptureError) and "grows" in str(err)
+    assert re.search(r"Parts.h: tensor\(16,\) at \w+ -> tensor\(20,\) at \w+ \(by break b\)", str(err))
+    assert model.h.shape == (4,)  # put back

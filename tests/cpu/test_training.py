@@ -866,6 +866,7 @@ def _emulated_step_capture(fn, args, kwargs, *, device, stream, pool, config, gr
         for i in range(n):
             with effects.warmup(last=i == n - 1):
                 fn(*args, **kwargs)
+        effects.before_capture()
         step_mod.capturing = lambda: True
         try:
             with effects.captured():

@@ -223,3 +223,167 @@ def test_real_models_graph_eager_equal_with_no_warning(caplog) -> None:
                 x = make()
                 torch.testing.assert_close(g(x), fn(x), rtol=1e-4, atol=1e-4, msg=name)
     assert not [r for r in caplog.records if r.name == LOG]
+
+
+# -- breakable graphs: a break runs at every replay, the segments do not ------------------------
+
+
+class Logged(nn.Module):
+    """A break that keeps Python state of its own (a call count, the host values it saw)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.calls = 0
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        self.calls += 1
+        self.seen.append(n)
+        return self.lin(x) * n
+
+
+class Around(nn.Module):
+    def __init__(self, count: bool) -> None:
+        super().__init__()
+        self.a, self.brk, self.b = nn.Linear(16, 16), Logged(), nn.Linear(16, 16)
+        self.count, self.steps = count, 0
+
+    def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        if self.count:
+            self.steps += 1  # in a segment: a replay would not count
+        return self.b(self.brk(self.a(x).relu(), n)).relu()
+
+
+def test_a_breaks_own_python_state_is_real_at_every_replay_and_a_segments_is_refused() -> None:
+    torch.manual_seed(0)
+    m = Around(count=False).to(DEV).eval()
+    ref = copy.deepcopy(m)
+    g = tr.graph(m, torch.randn(4, 16, device=DEV), 3, breaks=[Logged])
+    built = m.brk.calls
+    ns = [int(n) for n in torch.randint(1, 9, (CALLS,))]
+    with torch.no_grad():
+        for n in ns:
+            x = torch.randn(4, 16, device=DEV)
+            torch.testing.assert_close(g(x, n), ref(x, n), rtol=1e-4, atol=1e-4)
+    assert m.brk.calls == built + CALLS and m.brk.seen[-CALLS:] == ns  # the break ran each call
+    assert g.stats.replays == CALLS and g.stats.fallbacks == 0
+
+    torch.manual_seed(0)
+    m = Around(count=True).to(DEV).eval()
+    with pytest.raises(CaptureError, match=r"in a graph segment .*Around\.steps: \d+ -> \d+.*breaks="):
+        tr.graph(m, torch.randn(4, 16, device=DEV), 3, breaks=[Logged])
+    assert m.steps == 0 and m.brk.calls == 0 and m.brk.seen == []  # all put back
+
+
+class SetsMask(nn.Module):
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.in_place = in_place
+        self.mask = torch.zeros(4, 16, device=DEV)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_place:
+            self.mask.copy_(x > 0)
+        else:
+            self.mask = (x > 0).float()  # a new tensor each call: the segment after reads it
+        return x.clone()
+
+
+class UsesMask(nn.Module):
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.lin, self.s, self.out = nn.Linear(16, 16), SetsMask(in_place), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.s(self.lin(x)) * self.s.mask)
+
+
+def test_a_tensor_a_break_sets_and_a_segment_reads_is_refused_the_in_place_form_replays() -> None:
+    torch.manual_seed(0)
+    m = UsesMask(in_place=False).to(DEV).eval()
+    first = m.s.mask
+    with pytest.raises(CaptureError, match=r"UsesMask\.s\.mask: .* \(by break SetsMask"):
+        tr.graph(m, torch.randn(4, 16, device=DEV), breaks=[SetsMask])
+    assert m.s.mask is first
+    torch.manual_seed(0)
+    m = UsesMask(in_place=True).to(DEV).eval()
+    ref = copy.deepcopy(m)
+    g = tr.graph(m, torch.randn(4, 16, device=DEV), breaks=[SetsMask])
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = torch.randn(4, 16, device=DEV)
+            torch.testing.assert_close(g(x), ref(x), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(m.s.mask, ref.s.mask)
+    assert g.stats.replays == CALLS
+
+
+def test_hf_llama_with_a_dynamic_cache_and_breaks_is_refused_either_way() -> None:
+    """Updated in a segment (break at the MLP), or in the break (the attention) while the
+    model's Python before it derived the positions from the cache's length: both replay the
+    capture's positions. The cache is left as it was."""
+    transformers, cfg, model = _llama()
+    llama = transformers.models.llama.modeling_llama
+    with torch.no_grad():
+        cache = transformers.DynamicCache(config=cfg)
+        model(torch.randint(0, 256, (1, 5), device=DEV), past_key_values=cache, use_cache=True)
+        ids = torch.randint(0, 256, (1, 1), device=DEV)
+        for brk, what in ((llama.LlamaMLP, "in a graph segment"), (llama.LlamaAttention, "grows")):
+            with pytest.raises(CaptureError, match=what):
+                tr.graph(model, ids, past_key_values=cache, use_cache=True, breaks=[brk])
+            assert cache.get_seq_length() == 5
+
+
+def test_hf_llama_decode_with_a_static_cache_and_attention_breaks_is_eager_equal() -> None:
+    transformers, cfg, model = _llama()
+    prompt = torch.randint(0, 256, (1, 6), device=DEV)
+    caches = [transformers.StaticCache(config=cfg, max_cache_len=64) for _ in range(2)]
+    with torch.no_grad():
+        for c in caches:
+            model(prompt, past_key_values=c, cache_position=torch.arange(6, device=DEV))
+        graphed_cache, eager_cache = caches
+
+        def decode(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            return model(ids, past_key_values=graphed_cache, cache_position=pos).logits
+
+        g = tr.graph(decode, torch.randint(0, 256, (1, 1), device=DEV), torch.tensor([6], device=DEV),
+                     breaks=[transformers.models.llama.modeling_llama.LlamaAttention])
+        for step in range(CALLS):
+            ids = torch.randint(0, 256, (1, 1), device=DEV)
+            pos = torch.tensor([6 + step], device=DEV)
+            want = model(ids, past_key_values=eager_cache, cache_position=pos).logits
+            torch.testing.assert_close(g(ids, pos), want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(graphed_cache.layers[0].keys, eager_cache.layers[0].keys)
+    assert g.stats.replays == CALLS and g.stats.fallbacks == 0
+
+
+class Positioned(nn.Module):
+    """A position counter advanced in place in a graph segment, a break after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.brk = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.length = [torch.zeros((), dtype=torch.long, device=DEV)]  # not a buffer: Python state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.length[0].add_(1)
+        return self.brk(self.lin(x) * self.length[0])
+
+
+@pytest.mark.parametrize("breaks", [None, "brk"])
+def test_a_size_captured_lazily_leaves_its_position_counter_where_eager_does(breaks) -> None:
+    """A size captured at its first call runs no warm-ups; a breakable graph's capture runs its
+    segments once for real, so the counter's advance by it was kept and every later call read
+    one position ahead."""
+    torch.manual_seed(0)
+    m = Positioned().to(DEV).eval()
+    ref = copy.deepcopy(m)
+    kw = {"breaks": [m.brk]} if breaks else {}
+    g = tr.graph(m, torch.randn(8, 16, device=DEV), sizes=[1, 2, 4, 8], capture="lazy", **kw)
+    assert int(m.length[0]) == 0
+    with torch.no_grad():
+        for n in (3, 1, 3, 8, 2, 1, 5, 4):
+            x = torch.randn(n, 16, device=DEV)
+            torch.testing.assert_close(g(x), ref(x), rtol=1e-4, atol=1e-4)
+            assert int(m.length[0]) == int(ref.length[0])
+    assert g.stats.fallbacks == 0

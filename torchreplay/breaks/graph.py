@@ -34,13 +34,8 @@ import torch
 from torchreplay import _compat
 from torchreplay.config import RANKS, BucketConfig, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
-from torchreplay.core.capture import (
-    Segments,
-    StateSnapshot,
-    capture,
-    on_side_stream,
-    side_stream,
-)
+from torchreplay.core.capture import Segments, StateSnapshot, capture, on_side_stream, side_stream
+from torchreplay.core.effects import PyState
 from torchreplay.core.modes import GRAD, EagerCalls, tracked_leaf
 from torchreplay.core.padding import flat_call
 from torchreplay.core.placed import CHANGES, GONE, Placed
@@ -129,50 +124,55 @@ class BreakableGraph:
         self.device = infer_device(fn, call, device)
         self.config = config
         self._module = owning_module(fn)
-        #: with ``breaks="auto"``: the modules chosen, each with the op that made it a break
-        self.auto: list[AutoBreak] = []
-        if auto:
-            self.auto = self._find(call)
-            resolved = tuple(Break("module", b.module, b.path) for b in self.auto)
-        self._breaks = resolved
-        self._placed: Placed | None = None  # at the first capture
-        self._spec = call.spec
-        self._paths = tuple(call.paths)
-        self._nargs = call.nargs
-        self._only_args = len(call.leaves) == call.nargs and not call.kw_keys
-        self._unflatten = call.unflatten
-        dims = plan_inputs(call, dim, fill_value) if sizes is not None else None
-        self.breaks, out, written = self._plan(call)
-        out_leaves, self._out_spec = _compat.tree_flatten(out)
-        self._out_single = len(out_leaves) == 1 and self._out_spec == _LEAF
-        self._rebuild = _compat.unflattener(self._out_spec)
-        self._sample_rows = dims.size if dims is not None else None
-        self._sample_out = [tuple(t.shape) if isinstance(t, _Tensor) else None for t in out_leaves]
-        program = self._program(call, dims, written, len(self._sample_out))
-        self._options = options
-        # capture="lazy", fallback="error" or max_graphs: each call's size goes through the policy
-        self._policy_on = options is not None and (
-            options.capture == "lazy" or options.fallback == "error" or options.max_graphs is not None
-        )
-        #: the collectives of the first capture (its segments and breaks), in order
-        self.collectives: tuple[Any, ...] | None = None
-        self._collective_log: Any = None
-        self.runtime = _Runtime(
-            self, program, name=self.name, sizes=sizes, config=config, pool=pool,
-            max_graphs=1 if sizes is None else 8,
-        )
-        self.stats = self.runtime.stats
-        self.runtime.prepare(tuple(call.leaves))
-        # after capture: hooks a warm-up removed (a lazy module's) are not counted as changed
-        self._training = self._module.training if self._module is not None else False
-        self._eager_calls = EagerCalls(self.name, self._training, self._module)  # core/modes.py
-        self._ranks = agreement(
-            ranks, self.collectives or (), self._collective_log, name=self.name,
-            parts=[sizes, [b.brk.name for b in self.breaks]], sizes=sizes is not None,
-            device=self.device,
-        )
-        release_with(self.runtime, self.collectives or (), self._ranks)
-        self._collective_log = None
+        self._runs: list[torch.nn.Module] = []  # a plain function's modules, found by the plan
+        #: the Python state a segment changes (core/effects.py); the breaks' changes are real
+        self._python = PyState(self.name, fn, sample_args, sample_kwargs, modules=lambda: (
+            self._runs or ([self._module] if self._module is not None else [])))
+        with self._python.building():  # (undone on any error)
+            #: with ``breaks="auto"``: the modules chosen, each with the op that made it a break
+            self.auto: list[AutoBreak] = []
+            if auto:
+                self.auto = self._find(call)
+                resolved = tuple(Break("module", b.module, b.path) for b in self.auto)
+            self._breaks = resolved
+            self._placed: Placed | None = None  # at the first capture
+            self._spec = call.spec
+            self._paths = tuple(call.paths)
+            self._nargs = call.nargs
+            self._only_args = len(call.leaves) == call.nargs and not call.kw_keys
+            self._unflatten = call.unflatten
+            dims = plan_inputs(call, dim, fill_value) if sizes is not None else None
+            self.breaks, out, written = self._plan(call)
+            out_leaves, self._out_spec = _compat.tree_flatten(out)
+            self._out_single = len(out_leaves) == 1 and self._out_spec == _LEAF
+            self._rebuild = _compat.unflattener(self._out_spec)
+            self._sample_rows = dims.size if dims is not None else None
+            self._sample_out = [tuple(t.shape) if isinstance(t, _Tensor) else None for t in out_leaves]
+            program = self._program(call, dims, written, len(self._sample_out))
+            self._options = options
+            # capture="lazy", fallback="error" or max_graphs: each call's size goes through the policy
+            self._policy_on = options is not None and (
+                options.capture == "lazy" or options.fallback == "error" or options.max_graphs is not None
+            )
+            #: the collectives of the first capture (its segments and breaks), in order
+            self.collectives: tuple[Any, ...] | None = None
+            self._collective_log: Any = None
+            self.runtime = _Runtime(
+                self, program, name=self.name, sizes=sizes, config=config, pool=pool,
+                max_graphs=1 if sizes is None else 8,
+            )
+            self.stats = self.runtime.stats
+            self.runtime.prepare(tuple(call.leaves))
+            # after capture: hooks a warm-up removed (a lazy module's) are not counted as changed
+            self._training = self._module.training if self._module is not None else False
+            self._eager_calls = EagerCalls(self.name, self._training, self._module)  # core/modes.py
+            self._ranks = agreement(
+                ranks, self.collectives or (), self._collective_log, name=self.name,
+                parts=[sizes, [b.brk.name for b in self.breaks]], sizes=sizes is not None,
+                device=self.device,
+            )
+            release_with(self.runtime, self.collectives or (), self._ranks)
+            self._collective_log = None
 
     # ------------------------------------------------------------------ the plan
     def _check_devices(self, call: CallArgs) -> None:
@@ -218,6 +218,7 @@ class BreakableGraph:
             snapshot.restore()
         if snapshot.called is not None:  # a plain function: the modules it ran
             self._module = called_module(snapshot.called)
+            self._runs = list(snapshot.called)
         check_reached(self._breaks, reached)
         read = {r.leaf for c in recorder.calls for r in c.rules if r.leaf is not None}
         for i, leaf in enumerate(leaves):
@@ -438,7 +439,8 @@ class _Runtime(PiecewiseRuntime):
         if graph is not None:
             graph.replay()
         try:
-            out = call(*a, **k)
+            with self._front._python.eager_part(f"break {rec.brk.name} at {rec.where}"):
+                out = call(*a, **k)
         except Exception as exc:
             size = self._capturing
             at = f" at size {size} (a break gets the padded rows)" if size is not None else ""
@@ -505,6 +507,7 @@ class _Runtime(PiecewiseRuntime):
                 reset=reset, segmented=segmented,
                 diagnose_fn=outside_breaks(front.fn, front._breaks),
                 collectives=front.collectives is None,  # the first capture's are agreed on
+                effects=front._python,
             )
         finally:
             self._segments = None

@@ -225,8 +225,26 @@ def intercept(
 
 
 def _modules_of(fn: Callable[..., Any]) -> list[nn.Module]:
+    """The modules ``fn`` runs: itself, the module it is bound to, or, for a plain function
+    (``def decode(ids): return model(ids)``), the modules its code closes over or names as
+    globals, with their submodules."""
     owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
-    return list(owner.modules()) if isinstance(owner, nn.Module) else []
+    if isinstance(owner, nn.Module):
+        owners = [owner]
+    else:
+        code = inspect.unwrap(fn)
+        cells = []
+        for cell in getattr(code, "__closure__", None) or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                cells.append(cell.cell_contents)
+        names = getattr(getattr(code, "__code__", None), "co_names", ())
+        found = getattr(code, "__globals__", {})
+        owners = [v for v in cells + [found.get(n) for n in names] if isinstance(v, nn.Module)]
+    seen: dict[int, nn.Module] = {}
+    for o in owners:
+        for m in o.modules():
+            seen.setdefault(id(m), m)
+    return list(seen.values())
 
 
 def _namespaces(fn: Callable[..., Any], modules: list[nn.Module]) -> list[dict[str, Any]]:

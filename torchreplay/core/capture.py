@@ -402,13 +402,14 @@ def capture(
             with _gc_paused():
                 if reset is not None:
                     reset()
+                python.before_capture()
                 segments.resume()
                 try:
                     with (
                         watcher,
                         recorder if recorder is not None else contextlib.nullcontext(),
+                        python.captured(),  # (before a breakable graph's breaks are put in)
                         segmented(segments) if segmented else contextlib.nullcontext(),
-                        python.captured(),
                     ):
                         out = fn(*args, **kwargs)
                 finally:

@@ -40,6 +40,15 @@ caller's. Tensors of up to 1 MiB are copied before the warm-ups and put back aft
 larger ones are not (the rows of a cache the warm-ups wrote past its position are written again
 by the next call). A module's buffers are ``StateSnapshot``'s.
 
+**Eager parts.** A breakable graph's breaks run at every replay, so what they change in Python
+is real; :meth:`PyState.eager_part` is entered around each break in the captured run. The
+places the last warm-up changed are read again at the start, before and after each break and
+at the end: a change seen only across breaks is theirs. Two are refused even so, since the
+segments' Python ran once: a tensor a break sets that a segment reads (the segment keeps the
+capture's), and one a break grows at every call (a ``DynamicCache`` updated at the attention,
+whose length the model's Python read for the positions before the break). A change at a place
+the warm-ups did not change counts as the segments'.
+
 The warm-ups run before the comparison, so a first call's initialisation (a cache created at
 the first call) is not a change. How far the walk goes: ``core/pystate.py``. Not seen: state
 reached only through another function's globals or an object's methods, and reads inside a
@@ -58,7 +67,8 @@ import torch
 from torchreplay._compat import LightDispatchMode
 from torchreplay.core.args import roots_of
 from torchreplay.core.pystate import (
-    Change, Node, diff, put_back, roots_of_call, small_tensors, value_at, walk_state,
+    Change, Node, diff, live_value, put_back, roots_of_call, same_value, small_tensors, value_at,
+    walk_state,
 )
 from torchreplay.errors import CaptureError
 
@@ -91,7 +101,15 @@ class PyState:
         self._start: dict[str, Node] | None = None
         self._before: dict[str, Node] | None = None
         self._candidates: set[tuple[str, Any]] = set()  # where the last warm-up replaced tensors
+        self._changing: set[tuple[str, Any]] = set()  # every place the last warm-up changed
+        self._growing: set[tuple[str, Any]] = set()  # ... to a tensor of another shape
         self._watch: _ReadWatch | None = None
+        # Eager parts (a breakable graph's breaks) in the captured call: the places of
+        # _changing, their values at its start and before and after each part, by part.
+        self._places: list[tuple[tuple[str, Any], Node]] = []
+        self._first: list[Any] = []
+        self._parts: list[tuple[str, list[Any], list[Any]]] = []
+        self._set_by_parts: dict[tuple[str, Any], set[int]] = {}
         self._warned = False
         self._saved: list[tuple[torch.Tensor, int, torch.Tensor]] = []
 
@@ -126,18 +144,62 @@ class PyState:
         before = self.take() if last else None
         yield
         if before is not None:
-            self._candidates |= {c.where for c in diff(before, self.take()) if c.tensor}
+            changes = diff(before, self.take())
+            self._candidates |= {c.where for c in changes if c.tensor}
+            self._changing |= {c.where for c in changes}
+            self._growing |= {c.where for c in changes if c.tensor and c.before.shape != c.after.shape}
+
+    def before_capture(self) -> None:
+        """Before a capture begins (the stream not capturing yet): after the build (a lazy
+        size, no warm-ups) the small tensors are copied here, as :meth:`start` does at the
+        build. A breakable graph's capture runs its segments and breaks for real, so what it
+        writes in place is put back after it."""
+        if self._start is None:
+            self._saved = small_tensors(self.take())
 
     @contextlib.contextmanager
     def captured(self) -> Iterator[None]:
         """Around the captured call: watch reads of the tensors a call replaces."""
-        self._before = self.take()
+        self._before = before = self.take()
         watched = [
-            t for w in self._candidates if isinstance(t := value_at(self._before, w), torch.Tensor)
+            t for w in self._candidates if isinstance(t := value_at(before, w), torch.Tensor)
         ]
         self._watch = _ReadWatch(watched) if watched else None
+        self._places = [(w, before[w[0]]) for w in sorted(self._changing, key=repr) if w[0] in before]
+        self._first = self._live()
+        self._parts, self._set_by_parts = [], {}
         with self._watch if self._watch is not None else contextlib.nullcontext():
             yield
+
+    @contextlib.contextmanager
+    def eager_part(self, name: str) -> Iterator[None]:
+        """Around a call inside the captured call that every replay runs again, eagerly (a
+        break of a breakable graph): what it changes in Python it changes at every call, so it
+        is no error; what it reads is not the graph's. A tensor it puts in place of another is
+        watched: a graph segment that reads it (or the one it replaced) reads the capture's."""
+        if self._before is None:  # not inside the captured call
+            yield
+            return
+        at_entry = self._live()
+        watch = self._watch
+        if watch is not None:
+            watch.paused += 1
+        try:
+            yield
+        finally:
+            if watch is not None:
+                watch.paused -= 1
+            at_exit = self._live()
+            self._parts.append((name, at_entry, at_exit))
+            for (where, _), a, b in zip(self._places, at_entry, at_exit):
+                if isinstance(b, torch.Tensor) and b is not a:
+                    ids = self._set_by_parts.setdefault(where, set())
+                    ids |= {id(a), id(b)} if isinstance(a, torch.Tensor) else {id(b)}
+                    if watch is not None:
+                        watch.add(b)
+
+    def _live(self) -> list[Any]:
+        return [live_value(node, where[1]) for where, node in self._places]
 
     def verdict(self) -> CaptureError | None:
         """After the capture ended: the error for what a replay cannot repeat, or None (one
@@ -147,6 +209,11 @@ class PyState:
         changes = diff(before, self.take())
         read = self._watch.read if self._watch is not None else set()
         self._watch = None
+        parts = bool(self._parts)
+        if parts:
+            changes, err = self._eager_parts(changes, read)
+            if err is not None:
+                return err
         # A tensor replaced that no earlier warm-up showed (no warm-up ran): assume it is read.
         unread = [
             c for c in changes
@@ -155,11 +222,50 @@ class PyState:
         wrong = [c for c in changes if all(c is not u for u in unread)]
         unread = [c for c in unread if not _reparametrized(before, c)]
         if wrong:
-            return _error(self.name, wrong)
+            return _error(self.name, wrong, parts)
         if unread and not self._warned:
             self._warned = True
             log.warning("%s", _unread_warning(self.name, unread))
         return None
+
+    def _eager_parts(
+        self, changes: list[Change], read: set[int]
+    ) -> tuple[list[Change], CaptureError | None]:
+        """Set apart the changes only eager parts made (a place that changed across a part and
+        never between two); return the others, and the error for a tensor a part replaced that
+        a graph segment reads, or that grows at every call (a segment's Python that read its
+        length ran once, at capture: unseen, so refused). A place the last warm-up did not
+        change counts as the graph's."""
+        parts, self._parts = self._parts, []
+        end = self._live()
+        marks = [self._first] + [m for _, a, b in parts for m in (a, b)] + [end]
+        index = {where: j for j, (where, _) in enumerate(self._places)}
+        graph_changes, read_after = [], []
+        for c in changes:
+            j = index.get(c.where)
+            if j is None or any(
+                not same_value(marks[i][j], marks[i + 1][j]) for i in range(0, len(marks), 2)
+            ):
+                graph_changes.append(c)  # (between two parts: in a graph segment)
+            elif c.where in self._growing or self._set_by_parts.get(c.where, set()) & read:
+                part = next(n for n, a, b in parts if not same_value(a[j], b[j]))
+                read_after.append((part, c))
+        self._set_by_parts = {}
+        if read_after:
+            return graph_changes, _segment_read_error(self.name, read_after)
+        return graph_changes, None
+
+    @contextlib.contextmanager
+    def building(self) -> Iterator[None]:
+        """Around a whole build (every capture up front): :meth:`start` first, :meth:`undo` on
+        any error, :meth:`settle` after."""
+        self.start()
+        try:
+            yield
+        except BaseException:
+            self.undo()
+            raise
+        self.settle()
 
     def settle(self) -> None:
         """Every capture up front succeeded: drop what :meth:`undo` would put back (it holds
@@ -185,6 +291,9 @@ class NoEffects:
 
     def warmup(self, last: bool) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+    def before_capture(self) -> None:
+        pass
 
     def captured(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
@@ -227,6 +336,10 @@ class _ReadWatch(LightDispatchMode):
         super().__init__()
         self._by_ptr = {t.untyped_storage().data_ptr(): id(t) for t in tensors}
         self.read: set[int] = set()
+        self.paused = 0  # inside an eager part: its reads are not the graph's
+
+    def add(self, t: torch.Tensor) -> None:
+        self._by_ptr[t.untyped_storage().data_ptr()] = id(t)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -236,6 +349,8 @@ class _ReadWatch(LightDispatchMode):
         self, func: Any, types_: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
         for a in (*args, *kwargs.values()):
             for t in a if isinstance(a, (list, tuple)) else (a,):
                 if isinstance(t, torch.Tensor) and t.device.type != "meta":
@@ -248,17 +363,32 @@ class _ReadWatch(LightDispatchMode):
 # -- messages -------------------------------------------------------------------------------------
 
 
-def _error(name: str, changes: list[Change]) -> CaptureError:
+def _error(name: str, changes: list[Change], parts: bool = False) -> CaptureError:
     shown = "; ".join(c.describe() for c in changes[:4])
     more = f" (and {len(changes) - 4} more)" if len(changes) > 4 else ""
+    where = " in a graph segment" if parts else ""
+    breaks = ", or name the code that changes it in breaks= (a break runs at every call)" if parts else ""
     return CaptureError(
-        f"'{name}' changes Python state at every call, which a replay cannot repeat (a replay "
-        f"runs no Python): {shown}{more}. Eagerly the next call sees the new value; the graph "
+        f"'{name}' changes Python state{where} at every call, which a replay cannot repeat (a "
+        f"replay runs no Python): {shown}{more}. Eagerly the next call sees the new value; the graph "
         "would read the capture's at every replay. What the warm-ups and the capture changed was "
         "put back. Fix: keep such state in a tensor updated in place (a buffer: "
         "`self.step.add_(1)`, `cache.index_copy_(...)`; for HF models a StaticCache instead of a "
-        "DynamicCache), or pass it in and return the new value, or move the change out of the "
-        "graphed call"
+        f"DynamicCache), or pass it in and return the new value, or move the change out of the "
+        f"graphed call{breaks}"
+    )
+
+
+def _segment_read_error(name: str, found: list[tuple[str, Change]]) -> CaptureError:
+    shown = "; ".join(f"{c.describe()} (by {part})" for part, c in found[:4])
+    return CaptureError(
+        f"a break of '{name}' sets a new tensor at every call that a graph segment reads, or "
+        f"one that grows (a cache made longer): {shown}. The break runs again at each replay, "
+        "but the segments ran their Python once, at capture: they read the capture's tensor, "
+        "and what they derived from its length (a position, a mask) is the capture's. What the "
+        "warm-ups and the capture changed was put back. Fix: keep it in a tensor allocated "
+        "once and written in place (`self.x.copy_(new)`, a preallocated cache written with "
+        "`index_copy_`; for HF models a StaticCache), or return it from the break"
     )
 
 

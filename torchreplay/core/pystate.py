@@ -26,8 +26,8 @@ import torch
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "Change", "MAX_DEPTH", "MAX_VALUES", "MISSING", "Node", "diff", "put_back", "roots_of_call",
-    "small_tensors", "value_at", "walk_state", "show",
+    "Change", "MAX_DEPTH", "MAX_VALUES", "MISSING", "Node", "diff", "live_value", "put_back",
+    "roots_of_call", "same_value", "small_tensors", "value_at", "walk_state", "show",
 ]
 
 #: How deep below a root the walk goes (``args[0].layers[3].keys`` is depth 3).
@@ -373,6 +373,44 @@ def value_at(nodes: dict[str, Node], where: tuple[str, Any]) -> Any:
     if node.kind == "list":
         return node.items[where[1]] if isinstance(where[1], int) and where[1] < len(node.items) else None
     return node.items.get(where[1])
+
+
+def live_value(node: Node, key: Any) -> Any:
+    """The value at ``(node, key)`` now (a change's place, read again without a walk): an
+    item, an attribute, a cell's or a global's contents, or a container's length for ``None``."""
+    obj = node.obj
+    if node.kind in ("list", "dict"):
+        if key is None:
+            return len(obj)
+        if node.kind == "list":
+            return obj[key] if isinstance(key, int) and key < len(obj) else MISSING
+        return obj.get(key, MISSING)
+    if node.kind == "cell":
+        try:
+            return obj.cell_contents
+        except ValueError:
+            return MISSING
+    if node.kind == "global":
+        return obj.get(key, MISSING)
+    d = getattr(obj, "__dict__", None)
+    if isinstance(d, dict) and key in d and key not in _slot_names(type(obj)):
+        return d[key]
+    try:
+        return getattr(obj, key) if key in _slot_names(type(obj)) else MISSING
+    except AttributeError:
+        return MISSING
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """The same object, or an equal plain value (what :func:`live_value` returns, compared)."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or not isinstance(a, _SCALARS):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
 
 
 def put_back(node: Node) -> None:
