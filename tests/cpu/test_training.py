@@ -16,6 +16,7 @@ import torch.nn as nn
 
 import torchreplay as tr
 from torchreplay import _compat
+from torchreplay.core.modes import GradFlags
 from torchreplay.training import callables as training
 from torchreplay.training.pair import Pair
 from torchreplay.training import optimizers as optim_mod
@@ -1152,3 +1153,68 @@ def test_a_capture_makes_every_live_pool_look_at_its_stream_again() -> None:
     assert all(p.stream is None for p in pools)
     assert pools[0].on_stream((7, 0, 1)) is False and pools[0].stream == (7, 0, 1)
 
+
+
+def test_grad_flags_see_a_layer_frozen_or_unfrozen() -> None:
+    m = _mlp()
+    m[2].weight.requires_grad_(False)
+    flags = GradFlags(list(m.parameters()), [m])
+    assert not flags.changed()
+    m[0].weight.requires_grad_(False)
+    m[2].weight.requires_grad_(True)
+    assert flags.changed()
+    assert flags.describe() == "0.weight (True -> False), 2.weight (False -> True)"
+    m[0].weight.requires_grad_(True)
+    m[2].weight.requires_grad_(False)
+    assert not flags.changed()
+    only = GradFlags(list(m.parameters()), [m], only_unfrozen=True)  # make_graphed_callables'
+    assert only.names == ["2.weight"]
+    m[0].weight.requires_grad_(False)  # frozen since: autograd drops its gradient itself
+    assert not only.changed()
+    m[2].weight.requires_grad_(True)
+    assert only.changed() and GradFlags([]).changed() is False
+
+
+def test_emulated_graph_step_runs_eagerly_once_a_layer_is_frozen(emulated_step, caplog) -> None:
+    # Eagerly a frozen layer gets no gradient and SGD skips it; a replay would update it
+    model, opt = _make_training()
+
+    def train_step(x):
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = tr.graph_step(train_step, torch.randn(5, 6))
+    step(torch.randn(5, 6))
+    model.fc1.weight.requires_grad_(False)
+    frozen = model.fc1.weight.detach().clone()
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        for _ in range(2):
+            step(torch.randn(5, 6))
+    assert torch.equal(model.fc1.weight, frozen) and model.fc1.weight.grad is None
+    assert step.stats.fallbacks == 2 and step.stats.replays == 1
+    warned = [r.getMessage() for r in caplog.records if "requires_grad" in r.getMessage()]
+    assert len(warned) == 1 and "fc1.weight (True -> False)" in warned[0]
+    model.fc1.weight.requires_grad_(True)  # as captured: replays again
+    step(torch.randn(5, 6))
+    assert step.stats.replays == 2 and step.stats.fallbacks == 2
+
+
+def test_emulated_graphed_callable_runs_eagerly_once_a_frozen_layer_is_unfrozen(emulated) -> None:
+    model, ref = _mlp(), _mlp()
+    for m in (model, ref):
+        m[0].requires_grad_(False)
+    tr.make_graphed_callables(model, (torch.randn(3, 6),))
+    model(torch.randn(3, 6)).sum().backward()
+    assert model.forward.stats.fallbacks == 0 and model[0].weight.grad is None
+    for m in (model, ref):  # unfrozen: the backward graph has no gradient for it
+        m.zero_grad(set_to_none=True)
+        m[0].requires_grad_(True)
+    x = torch.randn(3, 6)
+    model(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    assert model.forward.stats.fallbacks == 1
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=n)

@@ -297,3 +297,55 @@ def test_verify_catches_a_python_global_baked_in_at_capture() -> None:
         LOSS_SCALE = 1.0
     assert info.value.call == 2 and info.value.what == "output"
     assert "differs from eager by up to" in str(info.value)
+
+
+# -- a layer frozen or unfrozen after capture ------------------------------------------------
+
+
+def test_a_layer_frozen_then_unfrozen_trains_as_eager_does(caplog) -> None:
+    """Eagerly a frozen layer gets no gradient and AdamW skips it. A replay computed and applied
+    its gradient: the frozen layer kept training, silently. Calls now run eagerly while the
+    flags differ from capture (one warning naming the layer), and replay again after."""
+    model = build_mlp(MLPConfig(depth=4, width=128), DEV)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = adamw(model, 1e-3, fused=True), adamw(ref, 1e-3, fused=True)
+    data = batches(9, (8, 128), (8, 128))
+    step = tr.graph_step(make_step(model, opt), *data[0], optimizers=opt)
+    ref_step = make_step(ref, ref_opt)
+    first = next(n for n, _ in model.named_parameters())
+    with caplog.at_level("WARNING", logger="torchreplay"):
+        for i, (x, y) in enumerate(data):
+            if i in (3, 6):  # frozen for calls 3-5, then trained again
+                for m in (model, ref):
+                    m.get_parameter(first).requires_grad_(i == 6)
+            frozen = model.get_parameter(first).detach().clone()
+            torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
+            assert_same_state(model, ref)
+            if 3 <= i < 6:
+                assert torch.equal(model.get_parameter(first), frozen)
+    assert step.stats.fallbacks == 3 and step.stats.replays == 6
+    warned = [r.getMessage() for r in caplog.records if "requires_grad" in r.getMessage()]
+    assert len(warned) == 1 and f"{first} (True -> False)" in warned[0]
+
+
+def test_make_graphed_callables_with_a_layer_unfrozen_after_capture_gives_it_a_gradient() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).to(DEV)
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m[0].requires_grad_(False)
+    tr.make_graphed_callables(model, (torch.randn(8, 64, device=DEV),))
+    for i in range(6):
+        if i == 3:
+            for m in (model, ref):
+                m[0].requires_grad_(True)  # unfrozen: the backward graph computed none for it
+                m[2].weight.requires_grad_(False)  # frozen: autograd drops it, as eagerly
+        x = torch.randn(8, 64, device=DEV)
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            m(x).pow(2).mean().backward()
+        for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+            assert (a.grad is None) == (b.grad is None), n
+            if a.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad, **TOL, msg=n)
+    assert model.forward.stats.fallbacks == 3 and model.forward.stats.replays == 3

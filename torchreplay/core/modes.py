@@ -27,6 +27,11 @@ Autograd through the module's parameters alone (grad mode on, no argument requir
 not a reason: most inference code runs without ``torch.no_grad()`` and never calls backward.
 The graph's outputs carry no autograd history; ``tr.graph``'s docstring says so.
 
+A parameter frozen or unfrozen since a training graph's capture (``requires_grad_``) is a
+reason for ``graph_step`` and ``make_graphed_callables`` (:class:`GradFlags`): eagerly it gets
+no gradient (or one), and an optimizer skips it (or updates it); a replay computes the
+gradients it captured.
+
 Forward hooks added to the module (or any of its submodules, or globally) after capture, or
 removed, are a reason: a replay runs none of the hook's code, and still runs the tensor work of
 a removed one (:class:`Hooks`). Hooks present at capture are recorded into the graph: their
@@ -46,6 +51,7 @@ its backward fails with autograd off, so ``graph_step`` runs a call under ``torc
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -55,8 +61,9 @@ from torchreplay.core.capture import warn_mode_changed
 from torchreplay.errors import CaptureError
 
 __all__ = [
-    "TRAIN_MODE", "AUTOCAST", "DISPATCH_MODE", "GRAD", "CAPTURE", "NO_GRAD", "HOOKS", "EagerCalls",
-    "Hooks", "autocast_name", "refuse_inference_capture", "tracked_leaf", "warn_hooks_changed",
+    "TRAIN_MODE", "AUTOCAST", "DISPATCH_MODE", "GRAD", "CAPTURE", "NO_GRAD", "HOOKS", "REQUIRES_GRAD",
+    "EagerCalls", "GradFlags", "Hooks", "autocast_changed", "autocast_name", "refuse_inference_capture",
+    "tracked_leaf", "warn_hooks_changed", "warn_requires_grad",
 ]
 
 log = logging.getLogger(__name__)
@@ -68,6 +75,7 @@ GRAD = "autograd"
 CAPTURE = "another graph's capture"
 NO_GRAD = "autograd off"
 HOOKS = "forward hooks"
+REQUIRES_GRAD = "requires_grad"
 
 _Tensor = torch.Tensor
 _any_autocast = _compat.any_autocast
@@ -182,6 +190,66 @@ def refuse_inference_capture(what: str) -> None:
         )
 
 
+class GradFlags:
+    """``requires_grad`` of the parameters a training graph can give gradients to, as at capture.
+
+    A layer frozen since (``requires_grad_(False)``) gets no gradient eagerly, so an optimizer
+    skips it; one unfrozen gets one and is updated. A replay computes the gradients it captured:
+    a captured optimizer step updates the frozen layer, the unfrozen one stays as it was,
+    silently. ``graph_step`` watches every parameter; ``make_graphed_callables`` only those
+    that did not require grad at capture (autograd drops a gradient for one that no longer does).
+    """
+
+    __slots__ = ("tensors", "flags", "names")
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        modules: Sequence[torch.nn.Module | None] = (),
+        only_unfrozen: bool = False,
+    ) -> None:
+        names = {id(p): n for m in modules if m is not None for n, p in m.named_parameters()}
+        seen: dict[int, torch.Tensor] = {}
+        for t in tensors:
+            if not (only_unfrozen and t.requires_grad):
+                seen.setdefault(id(t), t)
+        self.tensors = list(seen.values())
+        self.names = [names.get(id(t), f"a tensor {tuple(t.shape)}") for t in self.tensors]
+        self.flags = [t.requires_grad for t in self.tensors]
+
+    def changed(self) -> bool:
+        """Does any ``requires_grad`` differ from capture (an attribute read per parameter)?"""
+        return bool(self.tensors) and list(map(_requires_grad, self.tensors)) != self.flags
+
+    def describe(self) -> str:
+        """The parameters whose ``requires_grad`` changed, with it then and now."""
+        now = [t.requires_grad for t in self.tensors]
+        diff = [f"{n} ({a} -> {b})" for n, a, b in zip(self.names, self.flags, now) if a != b]
+        return ", ".join(diff[:4]) + (f" and {len(diff) - 4} more" if len(diff) > 4 else "")
+
+
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+def autocast_changed(name: str, captured: torch.dtype | None) -> str:
+    """The error of a ``make_graphed_callables`` forward called under another autocast setting
+    (its backward cannot run eagerly once its forward has replayed)."""
+    return (
+        f"'{name}' was graphed under {autocast_name(captured)} but is called under "
+        f"{autocast_name(_cuda_autocast())}; the graph always computes in the precision it was "
+        "captured in. Call it under the same autocast setting, or graph it again under this one"
+    )
+
+
+def warn_requires_grad(name: str, what: str) -> None:
+    log.warning(
+        "torchreplay: requires_grad of parameters of '%s' changed since capture: %s. Eagerly a "
+        "frozen parameter gets no gradient and no update, an unfrozen one does; a replay computes "
+        "the gradients it captured. Such calls run eagerly (counted in stats.fallbacks). Graph "
+        "it again after freezing or unfreezing layers to replay it.", name, what,
+    )
+
+
 def tracked_leaf(leaves: Sequence[Any]) -> int | None:
     """The index of the first tensor among ``leaves`` that requires grad while autograd is on:
     eagerly the call would record a backward to it. ``None`` otherwise."""
@@ -283,6 +351,8 @@ class EagerCalls:
             )
         elif why == HOOKS:
             warn_hooks_changed(self.name, self.hooks)
+        elif why == REQUIRES_GRAD:
+            warn_requires_grad(self.name, what)
         elif why == AUTOCAST:
             log.warning(
                 "torchreplay: '%s' was captured under %s but is called under %s: a graph computes "

@@ -43,7 +43,8 @@ from torchreplay import _compat
 from torchreplay.config import RANKS, GraphConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, owning_module
 from torchreplay.core.capture import StateSnapshot, warn_mode_changed
-from torchreplay.core.modes import HOOKS, TRAIN_MODE, Hooks, autocast_name, warn_hooks_changed
+from torchreplay.core import modes
+from torchreplay.core.modes import HOOKS, TRAIN_MODE, GradFlags, Hooks, warn_hooks_changed
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import CHANGES, GONE, Placed
@@ -140,6 +141,7 @@ class GraphedCallable:
         self._no_grad_pos = [k for k, req in enumerate(self._sample_req) if not req]
         self._module_params = list(self._module.parameters()) if self._module is not None else []
         self._surface: list[torch.Tensor] | None = None
+        self._grad_flags = GradFlags([])
         self._grad_inputs: list[torch.Tensor] = []
         self._grad_pos: list[int] = []  # per _grad_inputs entry: its position among apply inputs
         self._keeper: StateKeeper | None = None
@@ -224,6 +226,8 @@ class GraphedCallable:
                 )
             stack.extend(n for n, _ in node.next_functions)
         self._surface = self._module_params + extra
+        # frozen at capture, unfrozen since: the backward graph computes no gradient for it
+        self._grad_flags = GradFlags(self._surface, [self._module], only_unfrozen=True)
         n_leaves = len(self._tensor_idx)
         self._grad_inputs = []
         self._grad_pos = []
@@ -312,6 +316,8 @@ class GraphedCallable:
         why = TRAIN_MODE if module is not None and module.training != self._training else None
         if why is None and hooks.at != _Handles.next_id and not hooks.look():
             why = HOOKS  # added or removed since capture: eagerly they would run, or not
+        if why is None and self._grad_flags.changed():
+            why = modes.REQUIRES_GRAD
         placed = self._placed  # the model moved, or weights or submodules replaced
         moved = placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
@@ -324,7 +330,7 @@ class GraphedCallable:
             return self._fallback(args, kwargs, why)
         autocast = self._autocast
         if (autocast is not None or _any_autocast()) and _cuda_autocast() != autocast:
-            raise ReplayInputError(self._autocast_message())
+            raise ReplayInputError(modes.autocast_changed(self.name, autocast))
         return one_at_a_time(self, self._dispatch, args, kwargs, self._inside_capture)
 
     def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -558,17 +564,11 @@ class GraphedCallable:
             self._warned.add(why)
             if why == HOOKS:
                 warn_hooks_changed(self.name, self._hooks)
+            elif why == modes.REQUIRES_GRAD:
+                modes.warn_requires_grad(self.name, self._grad_flags.describe())
             else:
                 warn_mode_changed(self.name, self._training)
         return self._run_fn(*args, **kwargs)
-
-    def _autocast_message(self) -> str:
-        captured, current = autocast_name(self._autocast), autocast_name(_cuda_autocast())
-        return (
-            f"'{self.name}' was graphed under {captured} but is called under {current}; the graph "
-            "always computes in the precision it was captured in. Call it under the same "
-            "autocast setting, or graph it again under this one"
-        )
 
     def __repr__(self) -> str:
         return f"GraphedCallable({self.name}, device={self.device}, {self.stats.explain()})"

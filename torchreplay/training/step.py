@@ -45,7 +45,9 @@ from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
 from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import Placed
-from torchreplay.core.modes import AUTOCAST, HOOKS, NO_GRAD, EagerCalls, Hooks, refuse_inference_capture
+from torchreplay.core.modes import (
+    AUTOCAST, HOOKS, NO_GRAD, REQUIRES_GRAD, EagerCalls, GradFlags, Hooks, refuse_inference_capture,
+)
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.core.threads import Callers, one_at_a_time
 from torchreplay.distributed import EAGER, GRAPH, agreement
@@ -237,6 +239,8 @@ class GraphedStep:
         self._hooks = Hooks(roots, backward=True, tensors=self._params, optimizers=self.optimizers)
         self._eager_calls.hooks = self._hooks  # named in its warning
         self._param_names = param_names(self._params, roots, self.optimizers)
+        # a layer frozen or unfrozen since capture: calls run eagerly
+        self._grad_flags = GradFlags([p for m in roots for p in m.parameters()] + self._params, roots)
 
         leaves, spec = _compat.tree_flatten(captured.out)
         owned = owned_by(self.pool, self._inputs)
@@ -355,10 +359,12 @@ class GraphedStep:
         hooks = self._hooks
         hooked = hooks.at != _Handles.next_id and not hooks.look()
         no_grad = not _grad_enabled()  # no_grad or inference_mode: eagerly the backward fails
+        frozen = self._grad_flags.changed()
         placed = self._placed  # a step takes milliseconds: the check's method, not inlined
         moved = placed is not None and placed.changed()
         if self._ranks is not None:  # collectives inside (DDP): every rank replays, or all raise
-            self._ranks(0, EAGER if fallback or autocast or no_grad or moved or hooked else GRAPH)
+            eager = fallback or autocast or no_grad or moved or hooked or frozen
+            self._ranks(0, EAGER if eager else GRAPH)
         if moved:
             raise placed.error(self.name)  # type: ignore[union-attr]
         if autocast:  # called under another autocast setting than captured: other dtypes
@@ -369,6 +375,9 @@ class GraphedStep:
             return self._fallback(args, kwargs)
         if hooked:
             return self._eager_calls.run(self.fn, args, kwargs, HOOKS, self.stats)
+        if frozen:
+            what = self._grad_flags.describe()
+            return self._eager_calls.run(self.fn, args, kwargs, REQUIRES_GRAD, self.stats, what)
         return one_at_a_time(self, self._dispatch, args, kwargs)  # core/threads.py
 
     def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
