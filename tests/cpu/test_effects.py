@@ -394,3 +394,61 @@ def test_a_cache_a_break_grows_raises_even_if_no_segment_reads_its_values() -> N
     assert isinstance(err, CaptureError) and "grows" in str(err)
     assert re.search(r"Parts.h: tensor\(16,\) at \w+ -> tensor\(20,\) at \w+ \(by break b\)", str(err))
     assert model.h.shape == (4,)  # put back
+
+
+def test_the_tensors_a_capture_reads_in_python_state_are_checked_by_identity() -> None:
+    class KV:
+        def __init__(self) -> None:
+            self.k = torch.randn(3, 4)
+            self.unused = torch.randn(2)
+            self.lengths = [torch.ones(1)]
+
+    kv = KV()
+
+    def step(x: torch.Tensor, kv: KV) -> torch.Tensor:
+        return x @ kv.k.T * kv.lengths[0]
+
+    ps = PyState("step", step, (torch.randn(2, 4), kv), {}, reads=True)
+    ps.start()
+    for i in range(2):
+        with ps.warmup(last=i == 1):
+            step(torch.randn(2, 4), kv)
+    ps.before_capture()
+    with ps.captured():
+        step(torch.randn(2, 4), kv)
+    assert ps.verdict() is None
+    reads = ps.reads()
+    assert reads is not None and reads.replaced("step") is None
+    kv.k.mul_(2)  # in place: the graph reads the same memory
+    kv.unused = torch.randn(2)  # not read by the call
+    assert reads.replaced("step") is None
+    old = kv.k
+    kv.k = torch.randn(3, 4)
+    err = reads.replaced("step")
+    assert isinstance(err, tr.ReplayInputError) and "args[1].k is tensor(3, 4)" in str(err)
+    assert "copy_" in str(err)
+    kv.k = old
+    kv.lengths[0] = torch.ones(1)
+    assert "args[1].lengths[0]" in str(reads.replaced("step"))
+    assert PyState("f", step, (torch.randn(2, 4), kv), {}).reads() is None  # off by default
+
+
+def test_tr_graph_with_sizes_raises_when_a_cache_tensor_is_replaced(monkeypatch) -> None:
+    test_buckets.install_cpu_graphs(monkeypatch.setattr)
+
+    class Rope(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.freqs = torch.randn(4)  # a plain attribute, not a buffer: Python state
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.freqs
+
+    m = Rope()
+    g = tr.graph(m, torch.randn(4, 4), sizes=[2, 4])
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(g(x), m(x))
+    m.freqs = torch.randn(4)
+    with pytest.raises(tr.ReplayInputError, match=r"Rope\.freqs is tensor\(4,\).*graph again"):
+        g(x)

@@ -387,3 +387,51 @@ def test_a_size_captured_lazily_leaves_its_position_counter_where_eager_does(bre
             torch.testing.assert_close(g(x), ref(x), rtol=1e-4, atol=1e-4)
             assert int(m.length[0]) == int(ref.length[0])
     assert g.stats.fallbacks == 0
+
+
+# -- a tensor in Python state replaced by the caller between calls -----------------------------
+
+
+class KV:
+    """A cache object of the caller's own (not a module): the graph reads ``k`` where it is."""
+
+    def __init__(self) -> None:
+        self.k = torch.randn(8, 16, device=DEV)
+
+
+class Rope(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.brk = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.freqs = torch.randn(16, device=DEV)  # a plain attribute, not a buffer
+
+    def forward(self, x: torch.Tensor, kv: KV) -> torch.Tensor:
+        h = self.brk(self.lin(x) * self.freqs)
+        return (h @ kv.k.T).softmax(-1) @ kv.k
+
+
+@pytest.mark.parametrize("front", ["graph", "sizes", "breaks"])
+def test_a_tensor_in_python_state_replaced_between_calls_raises_written_in_place_replays(front) -> None:
+    """A replay read the tensor that was there at capture: a cache reset by assigning a new
+    tensor (or a plain tensor attribute recomputed) was silently ignored, and the old tensor's
+    memory could be freed and reused. Each call now checks those places by identity."""
+    torch.manual_seed(0)
+    m, kv = Rope().to(DEV).eval(), KV()
+    kw = {"sizes": [2, 4, 8]} if front == "sizes" else {"breaks": [m.brk]} if front == "breaks" else {}
+    g = tr.graph(m, torch.randn(4, 16, device=DEV), kv, **kw)
+    with torch.no_grad():
+        for i in range(CALLS):
+            if i == CALLS // 2:
+                kv.k.copy_(torch.randn(8, 16, device=DEV))  # in place: read by the replays
+                m.freqs.mul_(2)
+            x = torch.randn(4 if front != "sizes" else 1 + i % 4, 16, device=DEV)
+            torch.testing.assert_close(g(x, kv), m(x, kv), rtol=1e-4, atol=1e-4)
+        old, kv.k = kv.k, torch.randn(8, 16, device=DEV)
+        with pytest.raises(tr.ReplayInputError, match=r"args\[1\]\.k is tensor\(8, 16\)"):
+            g(torch.randn(4, 16, device=DEV), kv)
+        kv.k = old
+        x = torch.randn(4, 16, device=DEV)
+        torch.testing.assert_close(g(x, kv), m(x, kv), rtol=1e-4, atol=1e-4)  # as captured again
+        m.freqs = m.freqs.clone()
+        with pytest.raises(tr.ReplayInputError, match=r"Rope\.freqs is tensor\(16,\)"):
+            g(torch.randn(4, 16, device=DEV), kv)

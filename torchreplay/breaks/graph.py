@@ -126,7 +126,7 @@ class BreakableGraph:
         self._module = owning_module(fn)
         self._runs: list[torch.nn.Module] = []  # a plain function's modules, found by the plan
         #: the Python state a segment changes (core/effects.py); the breaks' changes are real
-        self._python = PyState(self.name, fn, sample_args, sample_kwargs, modules=lambda: (
+        self._python = PyState(self.name, fn, sample_args, sample_kwargs, reads=True, modules=lambda: (
             self._runs or ([self._module] if self._module is not None else [])))
         with self._python.building():  # (undone on any error)
             #: with ``breaks="auto"``: the modules chosen, each with the op that made it a break
@@ -173,6 +173,7 @@ class BreakableGraph:
             )
             release_with(self.runtime, self.collectives or (), self._ranks)
             self._collective_log = None
+        self._reads = self._python.reads()
 
     # ------------------------------------------------------------------ the plan
     def _check_devices(self, call: CallArgs) -> None:
@@ -282,11 +283,13 @@ class BreakableGraph:
         moved = placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
         ) and placed.moved()
+        reads = self._reads  # a tensor in Python state it reads, replaced since (core/effects.py)
+        stale = placed.error(self.name) if moved else reads and reads.replaced(self.name)  # type: ignore[union-attr]
         size = None
         if self._ranks is not None:  # collectives inside: the ranks agree first
-            size, rows = agree_size(self._ranks, self.runtime, leaves, mode_changed or moved)
-        if moved:
-            raise placed.error(self.name)  # type: ignore[union-attr]
+            size, rows = agree_size(self._ranks, self.runtime, leaves, mode_changed or bool(stale))
+        if stale:
+            raise stale
         if self._ranks is not None:
             if size == -1 and not mode_changed:
                 self.runtime._count_fallback("a call above the largest captured size (on a rank)")

@@ -67,12 +67,12 @@ import torch
 from torchreplay._compat import LightDispatchMode
 from torchreplay.core.args import roots_of
 from torchreplay.core.pystate import (
-    Change, Node, diff, live_value, put_back, roots_of_call, same_value, small_tensors, value_at,
-    walk_state,
+    MISSING, Change, Node, diff, live_value, path_of, put_back, roots_of_call, same_value, show,
+    small_tensors, state_tensors, value_at, walk_state,
 )
-from torchreplay.errors import CaptureError
+from torchreplay.errors import CaptureError, ReplayInputError
 
-__all__ = ["PyState", "NoEffects", "NO_EFFECTS"]
+__all__ = ["PyState", "NoEffects", "NO_EFFECTS", "StateReads"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class PyState:
         fn, args, kwargs: the call being captured (the static arguments).
         modules: returns the modules the call runs (a plain function's are found while it
             warms up, so this is asked at each walk).
+        reads: find which tensors held in the state the first capture reads (:meth:`reads`).
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class PyState:
         args: Sequence[Any],
         kwargs: dict[str, Any],
         modules: Callable[[], Iterable[torch.nn.Module]] = lambda: (),
+        reads: bool = False,
     ) -> None:
         self.name = name
         self._roots = list(roots_of_call(fn, args, kwargs))
@@ -110,6 +112,10 @@ class PyState:
         self._first: list[Any] = []
         self._parts: list[tuple[str, list[Any], list[Any]]] = []
         self._set_by_parts: dict[tuple[str, Any], set[int]] = {}
+        # The tensors the state holds, watched for reads at the first capture: what
+        # :meth:`reads` checks at each call (None: not known yet).
+        self._state: list[tuple[Node, Any, torch.Tensor]] | None = None if reads else []
+        self._reads: StateReads | None = None
         self._warned = False
         self._saved: list[tuple[torch.Tensor, int, torch.Tensor]] = []
 
@@ -164,6 +170,9 @@ class PyState:
         watched = [
             t for w in self._candidates if isinstance(t := value_at(before, w), torch.Tensor)
         ]
+        if self._state is None:  # the first capture: which of the state's tensors it reads
+            self._state = list(state_tensors(before))
+            watched += [t for _, _, t in self._state]
         self._watch = _ReadWatch(watched) if watched else None
         self._places = [(w, before[w[0]]) for w in sorted(self._changing, key=repr) if w[0] in before]
         self._first = self._live()
@@ -223,6 +232,11 @@ class PyState:
         unread = [c for c in unread if not _reparametrized(before, c)]
         if wrong:
             return _error(self.name, wrong, parts)
+        if self._state and self._reads is None:  # what each replay reads where it was
+            changed = {c.where for c in changes}
+            places = [(n, k, t) for n, k, t in self._state if id(t) in read and (n.path, k) not in changed]
+            self._reads = StateReads(places) if places else None
+            self._state = []
         if unread and not self._warned:
             self._warned = True
             log.warning("%s", _unread_warning(self.name, unread))
@@ -255,6 +269,10 @@ class PyState:
             return graph_changes, _segment_read_error(self.name, read_after)
         return graph_changes, None
 
+    def reads(self) -> StateReads | None:
+        """After the build: the tensors in Python state the graph reads (None: none)."""
+        return self._reads
+
     @contextlib.contextmanager
     def building(self) -> Iterator[None]:
         """Around a whole build (every capture up front): :meth:`start` first, :meth:`undo` on
@@ -280,6 +298,49 @@ class PyState:
         for node in self._start.values():
             put_back(node)
         self.put_back_tensors()
+
+
+class StateReads:
+    """The tensors held in Python state that a graph reads, each where it was at capture: an
+    object's attribute, a list's or dict's item, a global (not a module's parameters or
+    buffers: ``core/placed.py``). A caller that puts another tensor there between calls
+    (``cache.keys = torch.zeros(...)``, a plain tensor attribute of a module recomputed) leaves
+    the graph reading the old one. :meth:`replaced` is asked at each replay: an identity test
+    per place; and the old tensor is kept alive, so a replay never reads freed memory."""
+
+    __slots__ = ("_dicts", "_others")
+
+    def __init__(self, places: list[tuple[Node, Any, torch.Tensor]]) -> None:
+        self._dicts: list[tuple[dict[Any, Any], Any, torch.Tensor, str]] = []
+        self._others: list[tuple[Node, Any, torch.Tensor, str]] = []
+        for node, key, t in places:
+            d = node.obj if node.kind in ("dict", "global") else None
+            attrs = getattr(node.obj, "__dict__", None) if node.kind == "attrs" else None
+            if isinstance(attrs, dict) and attrs.get(key, MISSING) is t:
+                d = attrs  # (an attribute of __dict__, not a slot)
+            if d is not None:
+                self._dicts.append((d, key, t, path_of(node, key)))
+            else:
+                self._others.append((node, key, t, path_of(node, key)))
+
+    def replaced(self, name: str) -> ReplayInputError | None:
+        """The error for the first place that holds another tensor now, or None."""
+        for d, key, t, path in self._dicts:
+            if d.get(key, MISSING) is not t:
+                return _replaced_error(name, path, t, d.get(key, MISSING))
+        for node, key, t, path in self._others:
+            now = live_value(node, key)
+            if now is not t:
+                return _replaced_error(name, path, t, now)
+        return None
+
+
+def _replaced_error(name: str, path: str, old: torch.Tensor, now: Any) -> ReplayInputError:
+    return ReplayInputError(
+        f"{path} is {show(now)}, but '{name}' was captured reading {show(old)} there: the graph "
+        "reads the old tensor at every replay, not the one put there since. Write new values "
+        "into the captured tensor in place (`.copy_(new)`, `.zero_()`), or graph again"
+    )
 
 
 class NoEffects:

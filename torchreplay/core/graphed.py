@@ -86,6 +86,7 @@ class Graphed:
             if config.restore_state or find else None
         )
         runs = snapshot.called if find and snapshot is not None else [self._module]  # filled in place
+        python = PyState(self.name, fn, self.static_args, self.static_kwargs, lambda: runs or [], reads=True)
         captured = capture(
             fn,
             self.static_args,
@@ -97,9 +98,7 @@ class Graphed:
             snapshot=snapshot,
             watch=[s.static for s in self._inputs.tensor_slots],
             reset=_reset_written(self._inputs, call.leaves),
-            effects=PyState(  # the Python state it changes: core/effects.py
-                self.name, fn, self.static_args, self.static_kwargs, modules=lambda: runs or [],
-            ),
+            effects=python,  # the Python state it changes: core/effects.py
         )
         if snapshot is not None:
             snapshot.restore()
@@ -136,6 +135,7 @@ class Graphed:
         self._check_device = torch.cuda.device_count() > 1
         self._callers = Callers()  # one call at a time: threads share the buffers and outputs
         self._placed = Placed.of(self._module, device)
+        self._reads = python.reads()  # tensors in Python state it reads: replaced since, it raises
         log.info(
             "torchreplay: captured '%s' on %s in %.3f s (outputs=%s%s)",
             self.name,
@@ -161,12 +161,15 @@ class Graphed:
         moved = placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
         ) and placed.moved()
+        stale = self._reads.replaced(self.name) if self._reads is not None else None
         if self._ranks is not None:  # collectives inside: every rank replays, or all raise
             if why is None and tracked_leaf(self._inputs.flatten(args, kwargs)) is not None:
                 why = GRAD  # decided before the agreement, not at the copy-in
-            self._ranks(0, EAGER if why or moved else GRAPH)
+            self._ranks(0, EAGER if why or moved or stale else GRAPH)
         if moved:
             raise placed.error(self.name)  # type: ignore[union-attr]
+        if stale is not None:
+            raise stale
         if why is not None:
             return self._fallback(args, kwargs, why)
         callers = self._callers

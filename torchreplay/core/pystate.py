@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "Change", "MAX_DEPTH", "MAX_VALUES", "MISSING", "Node", "diff", "live_value", "put_back",
-    "roots_of_call", "same_value", "small_tensors", "value_at", "walk_state", "show",
+    "path_of", "roots_of_call", "same_value", "small_tensors", "state_tensors", "value_at", "walk_state", "show",
 ]
 
 #: How deep below a root the walk goes (``args[0].layers[3].keys`` is depth 3).
@@ -279,6 +279,22 @@ def _slot_names(cls: type) -> frozenset[str]:
     return frozenset(names - {"__dict__", "__weakref__"})
 
 
+def _own_pytree(node: Node) -> bool:
+    """A list or dict of the call's own arguments (their tensors are our static inputs)."""
+    return node.kind in ("list", "dict") and node.path.startswith(("args[", "kwargs[")) and "." not in node.path
+
+
+def state_tensors(nodes: dict[str, Node]) -> Iterator[tuple[Node, Any, torch.Tensor]]:
+    """Each tensor the state holds (not in the call's own pytree), with its node and key."""
+    for node in nodes.values():
+        if _own_pytree(node):
+            continue
+        pairs = enumerate(node.items) if node.kind == "list" else node.items.items()
+        for key, v in pairs:
+            if isinstance(v, torch.Tensor):
+                yield node, key, v
+
+
 def small_tensors(nodes: dict[str, Node]) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
     """The tensors the state holds of at most :data:`_SMALL_BYTES` (a position, a length, a
     step count), each with its version and a copy. Not the arguments' own tensors (the static
@@ -286,7 +302,7 @@ def small_tensors(nodes: dict[str, Node]) -> list[tuple[torch.Tensor, int, torch
     out: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
     with torch.no_grad():
         for node in nodes.values():
-            if node.kind in ("list", "dict") and node.path.startswith(("args[", "kwargs[")) and "." not in node.path:
+            if _own_pytree(node):
                 continue  # the call's own pytree: its tensors are the static inputs
             values = node.items if node.kind == "list" else node.items.values()
             for t in values:
@@ -353,6 +369,11 @@ def diff(before: dict[str, Node], after: dict[str, Node]) -> list[Change]:
             for k, a, b in pairs if not _same(a, b, old_ids, new_ids)
         ]
     return changes
+
+
+def path_of(node: Node, key: Any) -> str:
+    """The path of ``key`` in ``node`` as messages show it (``cache.layers[0].keys``)."""
+    return _child(node.path, node.kind, key)
 
 
 def _child(path: str, kind: str, key: Any) -> str:

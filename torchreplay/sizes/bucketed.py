@@ -43,9 +43,8 @@ from torchreplay.sizes.outputs import OutputPlan, plan_outputs
 from torchreplay.sizes.plan import (
     DimSpec, FillSpec, InputPlan, decide, format_sizes, narrow_leading, plan_inputs, target_size,
 )
-from torchreplay.sizes.routes import (
-    Route as _Route, SizeGraph as _SizeGraph, log_summary, retire_routes, route_views,
-)
+from torchreplay.sizes.routes import Route as _Route, SizeGraph as _SizeGraph
+from torchreplay.sizes.routes import log_summary, retire_routes, route_views
 from torchreplay.stats import GraphStats
 
 __all__ = ["BucketedGraph"]
@@ -144,10 +143,8 @@ class BucketedGraph:
         self.static_args = self._inputs.static_args
         self.static_kwargs = self._inputs.static_kwargs
         self._slots = self._inputs.slots
-        self._varying = [
-            (self._slots[i].static, self._plan.dims[i], self._plan.fills[i])
-            for i in self._plan.varying
-        ]
+        plan = self._plan
+        self._varying = [(self._slots[i].static, plan.dims[i], plan.fills[i]) for i in plan.varying]
         self._lead = self._plan.lead
         self._lead_dim = self._plan.dims[self._lead]
         self._stream = side_stream(device)
@@ -162,9 +159,8 @@ class BucketedGraph:
             if config.restore_state or find else None
         )
         runs = snapshot.called if find and snapshot is not None else [self._module]  # filled in place
-        self._effects = PyState(  # core/effects.py; from before the probe, whose changes
-            self.name, fn, *self._args_at(self._max), modules=lambda: runs or [],  # count too
-        )
+        # core/effects.py; from before the probe, whose changes count too
+        self._effects = PyState(self.name, fn, *self._args_at(self._max), lambda: runs or [], reads=True)
         self._effects.start()
         self._out_plan = self._probe(snapshot)
         if find and snapshot is not None:  # the probe ran it: refuse what padding would mix
@@ -224,6 +220,7 @@ class BucketedGraph:
                     self._capture_size(s, warmup=False, snapshot=None)
                     advance()
         self._effects.settle()  # nothing left to put back: later captures only compare
+        self._reads = self._effects.reads()
         self._placed = Placed.of(self._module, self.device)
         log_summary(self)
 
@@ -342,9 +339,13 @@ class BucketedGraph:
         if placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
         ) and placed.moved():
+            stale = placed.error(self.name)
+        else:  # a tensor in Python state it reads, replaced since capture (core/effects.py)
+            stale = self._reads and self._reads.replaced(self.name)
+        if stale is not None:
             if self._ranks is not None:  # the others replay only if every rank would
                 self._ranks(0, EAGER)
-            raise placed.error(self.name)
+            raise stale
         # core/modes.py: what a replay cannot do as eager does (with ranks: decided before they agree)
         why = self._eager_calls.reason(
             module, self._inputs.flatten(args, kwargs) if self._ranks is not None else None)
