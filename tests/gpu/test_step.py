@@ -349,3 +349,33 @@ def test_make_graphed_callables_with_a_layer_unfrozen_after_capture_gives_it_a_g
             if a.grad is not None:
                 torch.testing.assert_close(a.grad, b.grad, **TOL, msg=n)
     assert model.forward.stats.fallbacks == 3 and model.forward.stats.replays == 3
+
+
+def test_a_tensor_the_step_reads_from_python_state_replaced_between_steps_raises() -> None:
+    """A loss weight kept as a plain tensor (not a buffer) and reassigned between epochs: a
+    replay read the old one, silently. Written in place, the steps stay eager-equal."""
+    model = build_mlp(MLPConfig(depth=3, width=64), DEV)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = adamw(model, 1e-3, fused=True), adamw(ref, 1e-3, fused=True)
+    weights = {"loss": torch.ones(64, device=DEV)}
+
+    def stepper(m, o):
+        def train_step(x, y):
+            o.zero_grad(set_to_none=True)
+            loss = ((m(x) - y) ** 2 * weights["loss"]).mean()
+            loss.backward()
+            o.step()
+            return loss
+        return train_step
+
+    data = batches(6, (8, 64), (8, 64))
+    step = tr.graph_step(stepper(model, opt), *data[0], optimizers=opt)
+    ref_step = stepper(ref, ref_opt)
+    for i, (x, y) in enumerate(data):
+        if i == 3:
+            weights["loss"].copy_(torch.rand(64, device=DEV))  # in place: the replays read it
+        torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
+        assert_same_state(model, ref)
+    weights["loss"] = torch.rand(64, device=DEV)
+    with pytest.raises(tr.ReplayInputError, match=r"closure weights\['loss'\] is tensor\(64,\)|weights\['loss'\]"):
+        step(*data[0])

@@ -55,21 +55,11 @@ from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
 from torchreplay.stats import TrainingStats
 from torchreplay.training.pair import capturing
 from torchreplay.training.optimizers import (
-    GroupGuard,
-    LrSlot,
-    check_optimizer,
-    check_scaler_support,
-    fused_hint,
-    reads_lr_tensor,
+    GroupGuard, LrSlot, check_optimizer, check_scaler_support, fused_hint, reads_lr_tensor,
 )
 from torchreplay.training.state import StateKeeper, referenced_objects
 from torchreplay.training.step_parts import (
-    as_optimizers,
-    as_scalers,
-    ddp_warmup,
-    param_names,
-    roots_of,
-    step_device,
+    as_optimizers, as_scalers, ddp_warmup, param_names, roots_of, step_device,
 )
 from torchreplay.training.verify import (
     Tolerance,
@@ -179,6 +169,7 @@ class GraphedStep:
         call.__qualname__ = self.name  # capture() names the callable in its messages
         call.owner = self  # type: ignore[attr-defined]
         self._capture_call = call
+        python = PyState(self.name, step_fn, self.static_args, self.static_kwargs, lambda: modules, reads=True)
         try:
             for opt in optimizers:
                 keeper.add_optimizer(opt)
@@ -195,8 +186,7 @@ class GraphedStep:
                     warmup=True,
                     snapshot=keeper,  # type: ignore[arg-type]
                     watch=[s.static for s in self._inputs.tensor_slots],
-                    # the Python state it changes: core/effects.py
-                    effects=PyState(self.name, step_fn, self.static_args, self.static_kwargs, lambda: modules),
+                    effects=python,  # the Python state it changes: core/effects.py
                 )
         except CaptureError as exc:
             self._uninstall()
@@ -241,6 +231,7 @@ class GraphedStep:
         self._param_names = param_names(self._params, roots, self.optimizers)
         # a layer frozen or unfrozen since capture: calls run eagerly
         self._grad_flags = GradFlags([p for m in roots for p in m.parameters()] + self._params, roots)
+        self._reads = python.reads()  # tensors in Python state it reads: replaced since, it raises
 
         leaves, spec = _compat.tree_flatten(captured.out)
         owned = owned_by(self.pool, self._inputs)
@@ -361,12 +352,14 @@ class GraphedStep:
         no_grad = not _grad_enabled()  # no_grad or inference_mode: eagerly the backward fails
         frozen = self._grad_flags.changed()
         placed = self._placed  # a step takes milliseconds: the check's method, not inlined
-        moved = placed is not None and placed.changed()
+        reads = self._reads  # or a tensor in Python state it reads replaced (core/effects.py)
+        stale = placed.error(self.name) if placed is not None and placed.changed() else (
+            reads and reads.replaced(self.name))
         if self._ranks is not None:  # collectives inside (DDP): every rank replays, or all raise
-            eager = fallback or autocast or no_grad or moved or hooked or frozen
+            eager = fallback or autocast or no_grad or stale or hooked or frozen
             self._ranks(0, EAGER if eager else GRAPH)
-        if moved:
-            raise placed.error(self.name)  # type: ignore[union-attr]
+        if stale:
+            raise stale
         if autocast:  # called under another autocast setting than captured: other dtypes
             return self._eager_calls.run(self.fn, args, kwargs, AUTOCAST, self.stats)
         if no_grad:
