@@ -516,8 +516,12 @@ def _emulated_capture_pairs(runners, *, device, pool, config):
     pairs = []
     for r in runners:
         sa, sk = r._inputs.static_args, r._inputs.static_kwargs
-        for _ in range(config.num_warmup_iters):
-            r._warm_fn(*sa, **sk)
+        python = training.forward_effects(r)  # the Python state protocol, as capture() runs it
+        python.start()
+        n = config.num_warmup_iters
+        for i in range(n):
+            with python.warmup(last=i == n - 1):
+                r._warm_fn(*sa, **sk)
         external = {id(t) for t in r._surface}
         if r._module is not None:
             external |= {id(b) for b in r._module.buffers()}
@@ -534,7 +538,14 @@ def _emulated_capture_pairs(runners, *, device, pool, config):
                 out = r._run_fn(*a, **kw)
             return out, grad_in + [t for t in r._surface if t.requires_grad]
 
-        out0, _ = run_on_static()
+        python.before_capture()
+        with python.captured():
+            out0, _ = run_on_static()
+        err = python.verdict()
+        if err is not None:
+            python.undo()
+            raise err
+        python.put_back_tensors()
         leaves0, spec = _compat.tree_flatten(out0)
         owned_pos = [isinstance(o, torch.Tensor) and id(o) not in external for o in leaves0]
         kept = [o.detach().clone() if own else o for o, own in zip(leaves0, owned_pos)]
@@ -576,6 +587,7 @@ def _emulated_capture_pairs(runners, *, device, pool, config):
                 owned=lambda t, ids=kept_ids: id(t) in ids,
                 static_grad_outputs=gouts,
                 static_grad_inputs=gins,
+                reads=python.reads(),
             )
         )
     return pairs
@@ -787,6 +799,43 @@ def test_emulated_a_closure_over_an_activation_is_refused(emulated) -> None:
 
     with pytest.raises(Exception, match="was computed before the call"):
         tr.make_graphed_callables(lambda x: x @ w + h, (torch.randn(2, 4),))
+
+
+def test_emulated_a_tensor_in_python_state_replaced_after_capture_raises(emulated) -> None:
+    """A plain tensor attribute (not a buffer) the forward reads: written in place, every call
+    reads it as eager does; replaced, the graph would read the old one, so the call raises."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 4)
+            self.scale = torch.rand(4) + 0.5  # Python state, not a buffer
+            self.spare = torch.rand(4)  # never read by the forward
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.scale
+
+    torch.manual_seed(0)
+    model = Scaled()
+    ref = copy.deepcopy(model)
+    tr.make_graphed_callables(model, (torch.randn(3, 6),))
+    for i in range(4):
+        if i == 2:
+            with torch.no_grad():
+                model.scale.mul_(2.0)
+                ref.scale.mul_(2.0)
+        x = torch.randn(3, 6)
+        torch.testing.assert_close(model(x), ref(x))
+    model.spare = torch.rand(4)  # not read: no error
+    model(torch.randn(3, 6))
+    old, model.scale = model.scale, torch.rand(4)
+    with pytest.raises(ReplayInputError, match=r"Scaled\.scale is tensor\(4,\).*graph again"):
+        model(torch.randn(3, 6))
+    assert model.forward.stats.replays == 5
+    model.scale = old  # put back: replays again
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(model(x), ref(x))
+    assert model.forward.stats.replays == 6
 
 
 def test_emulated_unused_parameter_needs_allow_unused_input(emulated) -> None:

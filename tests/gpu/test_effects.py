@@ -435,3 +435,43 @@ def test_a_tensor_in_python_state_replaced_between_calls_raises_written_in_place
         m.freqs = m.freqs.clone()
         with pytest.raises(tr.ReplayInputError, match=r"Rope\.freqs is tensor\(16,\)"):
             g(torch.randn(4, 16, device=DEV), kv)
+
+
+def test_make_graphed_callables_raises_when_a_tensor_its_forward_reads_is_replaced() -> None:
+    """The same for training graphs: the forward and backward graphs read the capture's
+    ``freqs``; assigned anew, eager would train with the new one, so the call raises. Written
+    in place, outputs and gradients stay eager's."""
+    torch.manual_seed(0)
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.freqs = torch.rand(16, device=DEV) + 0.5  # a plain attribute, not a buffer
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.freqs
+
+    m = Scaled().to(DEV)
+    ref = copy.deepcopy(m)
+    tr.make_graphed_callables(m, (torch.randn(4, 16, device=DEV, requires_grad=True),))
+    for i in range(CALLS):
+        if i == CALLS // 2:
+            m.freqs.mul_(2)
+            ref.freqs.mul_(2)
+        x = torch.randn(4, 16, device=DEV, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        y, yr = m(x), ref(xr)
+        torch.testing.assert_close(y, yr, rtol=1e-4, atol=1e-4)
+        g = torch.randn_like(y)
+        y.backward(g)
+        yr.backward(g)
+        torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(m.lin.weight.grad, ref.lin.weight.grad, rtol=1e-4, atol=1e-4)
+    assert m.forward.stats.replays == CALLS
+    old, m.freqs = m.freqs, m.freqs.clone()
+    with pytest.raises(tr.ReplayInputError, match=r"Scaled\.freqs is tensor\(16,\)"):
+        m(torch.randn(4, 16, device=DEV, requires_grad=True))
+    m.freqs = old
+    x = torch.randn(4, 16, device=DEV)
+    torch.testing.assert_close(m(x), ref(x), rtol=1e-4, atol=1e-4)

@@ -51,7 +51,9 @@ def _capture_pairs(
     """Warm up and capture forward 1..N, then backward N..1, into ``pool``."""
     stream = side_stream(device)
     forwards = []
+    python: list[PyState] = []
     for r in runners:
+        python.append(forward_effects(r))
         forwards.append(
             capture(
                 r._warm_fn,
@@ -65,10 +67,7 @@ def _capture_pairs(
                 warmup=True,
                 snapshot=r._keeper,  # type: ignore[arg-type]
                 watch=[s.static for s in r._inputs.tensor_slots],
-                effects=PyState(  # the Python state its forward changes: core/effects.py
-                    r.name, r.fn, r._inputs.static_args, r._inputs.static_kwargs,
-                    modules=lambda r=r: [r._module] if r._module is not None else (r._called or []),
-                ),
+                effects=python[-1],  # the Python state its forward changes: core/effects.py
             )
         )
     pairs: list[Pair | None] = [None] * len(runners)
@@ -128,10 +127,22 @@ def _capture_pairs(
             written=fwd.written,
             collectives=fwd.collectives + (bwd.collectives if bwd is not None else ()),
             collective_log=fwd.collective_log or (bwd.collective_log if bwd is not None else None),
+            reads=python[i].reads(),
         )
         forwards[i] = None  # type: ignore[call-overload]
         del leaves, fwd, bwd
     return [p for p in pairs if p is not None]
+
+
+def forward_effects(r: GraphedCallable) -> PyState:
+    """The Python state ``r``'s forward can change, compared around its capture
+    (core/effects.py); its :meth:`~PyState.reads` are the tensors in that state the forward
+    reads, checked at every call."""
+    return PyState(
+        r.name, r.fn, r._inputs.static_args, r._inputs.static_kwargs,
+        modules=lambda: [r._module] if r._module is not None else (r._called or []),
+        reads=True,
+    )
 
 
 def _build(runners: list[GraphedCallable], device: torch.device, pool: Pool, config: GraphConfig) -> None:

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 
 from torchreplay import _compat
+from torchreplay.core.effects import StateReads
 from torchreplay.core.outputs import Outputs
 
 __all__ = ["InputGrads", "Member", "Order", "Pair", "capturing", "next_sequence_nr", "retire_pair"]
@@ -147,6 +148,8 @@ class Pair:
         collectives, collective_log: the ``torch.distributed`` collectives of the forward and
             then the backward, and the forward's log (it holds their groups).
         input_grads: the gradients the backward hands to autograd (retired with the pair).
+        reads: the tensors in Python state the forward reads (core/effects.py), checked by
+            identity at every call; None: none.
     """
 
     fwd_replay: Callable[[], Any]
@@ -163,6 +166,7 @@ class Pair:
     collectives: tuple[Any, ...] = ()
     collective_log: Any = None
     input_grads: InputGrads | None = None  # set when the callable adopts the pair
+    reads: StateReads | None = None
 
 
 def capturing() -> bool:
