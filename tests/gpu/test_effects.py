@@ -170,13 +170,16 @@ def test_hf_llama_with_a_dynamic_cache_is_refused_and_its_cache_left_as_it_was()
         assert cache.get_seq_length() == 5
 
 
-def test_hf_llama_decode_with_a_static_cache_is_eager_equal() -> None:
+@pytest.mark.parametrize("breaks", [False, True], ids=["whole", "attention breaks"])
+def test_hf_llama_decode_with_a_static_cache_is_eager_equal(breaks: bool) -> None:
     """transformers 5's StaticCache places each step by its own position counter
     (``cumulative_length.add_``): the warm-ups and the capture advanced it by four, so every
-    replay wrote and read four positions too far. It is put back after the build now."""
+    replay wrote and read four positions too far. It is put back after the build now, also
+    when the attention runs as a break."""
     transformers, cfg, model = _llama()
     prompt = torch.randint(0, 256, (1, 6), device=DEV)
     caches = [transformers.StaticCache(config=cfg, max_cache_len=64) for _ in range(2)]
+    kw = {"breaks": [transformers.models.llama.modeling_llama.LlamaAttention]} if breaks else {}
     with torch.no_grad():
         for c in caches:
             model(prompt, past_key_values=c, cache_position=torch.arange(6, device=DEV))
@@ -185,14 +188,14 @@ def test_hf_llama_decode_with_a_static_cache_is_eager_equal() -> None:
         def decode(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
             return model(ids, past_key_values=graphed_cache, cache_position=pos).logits
 
-        g = tr.graph(decode, torch.randint(0, 256, (1, 1), device=DEV), torch.tensor([6], device=DEV))
+        g = tr.graph(decode, torch.randint(0, 256, (1, 1), device=DEV), torch.tensor([6], device=DEV), **kw)
         for step in range(CALLS):
             ids = torch.randint(0, 256, (1, 1), device=DEV)
             pos = torch.tensor([6 + step], device=DEV)
             want = model(ids, past_key_values=eager_cache, cache_position=pos).logits
             torch.testing.assert_close(g(ids, pos), want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(graphed_cache.layers[0].keys, eager_cache.layers[0].keys)
-    assert g.stats.replays == CALLS
+    assert g.stats.replays == CALLS and g.stats.fallbacks == 0
 
 
 def test_real_models_graph_eager_equal_with_no_warning(caplog) -> None:
@@ -332,29 +335,6 @@ def test_hf_llama_with_a_dynamic_cache_and_breaks_is_refused_either_way() -> Non
             with pytest.raises(CaptureError, match=what):
                 tr.graph(model, ids, past_key_values=cache, use_cache=True, breaks=[brk])
             assert cache.get_seq_length() == 5
-
-
-def test_hf_llama_decode_with_a_static_cache_and_attention_breaks_is_eager_equal() -> None:
-    transformers, cfg, model = _llama()
-    prompt = torch.randint(0, 256, (1, 6), device=DEV)
-    caches = [transformers.StaticCache(config=cfg, max_cache_len=64) for _ in range(2)]
-    with torch.no_grad():
-        for c in caches:
-            model(prompt, past_key_values=c, cache_position=torch.arange(6, device=DEV))
-        graphed_cache, eager_cache = caches
-
-        def decode(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-            return model(ids, past_key_values=graphed_cache, cache_position=pos).logits
-
-        g = tr.graph(decode, torch.randint(0, 256, (1, 1), device=DEV), torch.tensor([6], device=DEV),
-                     breaks=[transformers.models.llama.modeling_llama.LlamaAttention])
-        for step in range(CALLS):
-            ids = torch.randint(0, 256, (1, 1), device=DEV)
-            pos = torch.tensor([6 + step], device=DEV)
-            want = model(ids, past_key_values=eager_cache, cache_position=pos).logits
-            torch.testing.assert_close(g(ids, pos), want, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(graphed_cache.layers[0].keys, eager_cache.layers[0].keys)
-    assert g.stats.replays == CALLS and g.stats.fallbacks == 0
 
 
 class Positioned(nn.Module):
