@@ -455,3 +455,47 @@ def test_make_graphed_callables_raises_when_a_tensor_its_forward_reads_is_replac
     m.freqs = old
     x = torch.randn(4, 16, device=DEV)
     torch.testing.assert_close(m(x), ref(x), rtol=1e-4, atol=1e-4)
+
+
+# -- what a build writes into large tensors of Python state ------------------------------------
+
+
+class PosCache:
+    """A cache object of the caller's, 4 MiB, written at the position each call is given."""
+
+    def __init__(self) -> None:
+        self.keys = torch.zeros(4, 1024, 256, device=DEV)
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.brk = nn.Linear(256, 256), nn.Linear(256, 256)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: PosCache) -> torch.Tensor:
+        cache.keys.index_copy_(1, pos, self.q(x[:4]).unsqueeze(1))  # x: [B, 256], B >= 4
+        att = (self.brk(x) @ cache.keys[0, :32].T).softmax(-1)  # [B, 32]
+        return att @ cache.keys[1, :32]
+
+
+@pytest.mark.parametrize("front", ["graph", "sizes", "breaks"])
+def test_a_build_leaves_a_large_cache_in_an_argument_as_the_caller_left_it(front) -> None:
+    """Graphed with a sample position of 0 over a cache that held a prompt at rows 0..5: the
+    warm-ups wrote their rows over row 0 and kept them (the cache is over the 1 MiB copied
+    whole), and every output after differed from eager's."""
+    torch.manual_seed(0)
+    m, cache = Decoder().to(DEV).eval(), PosCache()
+    cache.keys[:, :6] = torch.randn(4, 6, 256, device=DEV)
+    ref = copy.deepcopy(cache)
+    kw = {"sizes": [4, 8]} if front == "sizes" else {"breaks": [m.brk]} if front == "breaks" else {}
+    if front == "sizes":
+        kw["dim"] = {"x": 0, "pos": None}
+    g = tr.graph(m, torch.randn(4, 256, device=DEV), torch.tensor([0], device=DEV), cache, **kw)
+    torch.testing.assert_close(cache.keys, ref.keys, rtol=0, atol=0)
+    with torch.no_grad():
+        for p in range(6, 6 + CALLS):
+            x = torch.randn(4 if front != "sizes" else 4 + p % 5, 256, device=DEV)
+            pos = torch.tensor([p], device=DEV)
+            torch.testing.assert_close(g(x, pos, cache), m(x, pos, ref), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(cache.keys, ref.keys, rtol=1e-4, atol=1e-4)
+    assert g.stats.fallbacks == 0

@@ -190,7 +190,8 @@ class BreakableGraph:
     def _find(self, call: CallArgs) -> list[AutoBreak]:
         """``breaks="auto"``: one checked eager run on copies of the sample finds the modules."""
         self._check_devices(call)
-        found = find_on_copies(self.fn, call, self.device)
+        with self._python.build_call():  # (its writes into Python state are put back)
+            found = find_on_copies(self.fn, call, self.device)
         for b in found:
             log.info("torchreplay: '%s' breaks at %s", self.name, b)
         return found
@@ -207,7 +208,7 @@ class BreakableGraph:
         watch = WriteWatch([leaves[i] for i in tensors])
         args, kwargs = call.unflatten(leaves)
         try:
-            with on_side_stream(side_stream(device), device), torch.no_grad():
+            with on_side_stream(side_stream(device), device), torch.no_grad(), self._python.build_call():
                 with watch, intercept(self.fn, self._breaks, recorder, reached), snapshot.finding():
                     out = self.fn(*args, **kwargs)
         except Exception as exc:

@@ -36,9 +36,13 @@ what the warm-ups and the capture changed is put back (the caller's cache is as 
 **In-place writes to small tensors the state holds** (transformers' ``StaticCache`` advances
 its position counter with ``cumulative_length.add_``) are replayed, as eager does them; but the
 warm-ups and the capture advanced them too, so every replay wrote four positions past the
-caller's. Tensors of up to 1 MiB are copied before the warm-ups and put back after each capture;
-larger ones are not (the rows of a cache the warm-ups wrote past its position are written again
-by the next call). A module's buffers are ``StateSnapshot``'s.
+caller's. Tensors of up to 1 MiB are copied before the warm-ups and put back after each capture.
+Larger ones (a cache object's keys, a memory bank kept as a plain attribute) are not copied
+whole: :class:`~torchreplay.core.rewind.Rewind` saves what each write of a call the build makes
+for real (:meth:`PyState.build_call`: warm-ups, the ``sizes=`` probe, a breakable graph's sample
+call) is about to overwrite, the rows of an ``index_copy_``, and writes it back with the small
+ones: a sample position over the caller's prompt left the warm-ups' rows there. A module's
+buffers are ``StateSnapshot``'s.
 
 **Eager parts.** A breakable graph's breaks run at every replay, so what they change in Python
 is real; :meth:`PyState.eager_part` is entered around each break in the captured run. The
@@ -67,9 +71,10 @@ import torch
 from torchreplay._compat import LightDispatchMode
 from torchreplay.core.args import roots_of
 from torchreplay.core.pystate import (
-    MISSING, Change, Node, diff, live_value, path_of, put_back, roots_of_call, same_value, show,
-    small_tensors, state_tensors, value_at, walk_state,
+    MISSING, Change, Node, diff, large_tensors, live_value, path_of, plain_tensors, put_back,
+    roots_of_call, same_value, show, small_tensors, state_tensors, value_at, walk_state,
 )
+from torchreplay.core.rewind import Rewind
 from torchreplay.errors import CaptureError, ReplayInputError
 
 __all__ = ["PyState", "NoEffects", "NO_EFFECTS", "StateReads"]
@@ -118,6 +123,7 @@ class PyState:
         self._reads: StateReads | None = None
         self._warned = False
         self._saved: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        self._rewind: Rewind | None = None  # what the build writes into the large ones
 
     def take(self) -> dict[str, Node]:
         """Walk the state; return its mutable nodes by path."""
@@ -130,12 +136,15 @@ class PyState:
         state holds, whose in-place writes :meth:`put_back_tensors` undoes."""
         if self._start is None:
             self._start = self.take()
-            self._saved = small_tensors(self._start)
+            self._keep(self._start)
 
     def put_back_tensors(self) -> None:
         """After a capture: undo what the warm-ups and the capture wrote in place into the
-        small tensors the state holds (a cache's position counter advanced by each call:
-        replays advance it from where the caller left it, as eager calls would)."""
+        tensors the state holds (a cache's position counter advanced by each call: replays
+        advance it from where the caller left it, as eager calls would; the rows a warm-up
+        wrote into a cache at the sample's position)."""
+        if self._rewind is not None:
+            self._rewind.undo()
         with torch.no_grad():
             for t, version, saved in self._saved:
                 if t._version != version:
@@ -148,12 +157,19 @@ class PyState:
     def warmup(self, last: bool) -> Iterator[None]:
         """Around a warm-up call; the last one tells which tensors each call replaces."""
         before = self.take() if last else None
-        yield
+        with self.build_call():
+            yield
         if before is not None:
             changes = diff(before, self.take())
             self._candidates |= {c.where for c in changes if c.tensor}
             self._changing |= {c.where for c in changes}
             self._growing |= {c.where for c in changes if c.tensor and c.before.shape != c.after.shape}
+
+    def build_call(self) -> contextlib.AbstractContextManager[Any]:
+        """Around a call the build makes for real (a warm-up, the probe of ``sizes=``, a
+        breakable graph's sample call): what it writes into the state's large tensors is
+        recorded, and put back with the small ones (:meth:`put_back_tensors`)."""
+        return self._rewind if self._rewind is not None else contextlib.nullcontext()
 
     def before_capture(self) -> None:
         """Before a capture begins (the stream not capturing yet): after the build (a lazy
@@ -161,7 +177,14 @@ class PyState:
         build. A breakable graph's capture runs its segments and breaks for real, so what it
         writes in place is put back after it."""
         if self._start is None:
-            self._saved = small_tensors(self.take())
+            self._keep(self.take())
+
+    def _keep(self, nodes: dict[str, Node]) -> None:
+        """Copy the small tensors of the state; watch the large ones' writes (core/rewind.py)."""
+        tensors = plain_tensors(nodes)
+        self._saved = small_tensors(tensors)
+        large = large_tensors(tensors)
+        self._rewind = Rewind(large) if large else None
 
     @contextlib.contextmanager
     def captured(self) -> Iterator[None]:
@@ -177,7 +200,8 @@ class PyState:
         self._places = [(w, before[w[0]]) for w in sorted(self._changing, key=repr) if w[0] in before]
         self._first = self._live()
         self._parts, self._set_by_parts = [], {}
-        with self._watch if self._watch is not None else contextlib.nullcontext():
+        # (the rewind outside the read watch: its copies of what an op overwrites are no reads)
+        with self.build_call(), self._watch if self._watch is not None else contextlib.nullcontext():
             yield
 
     @contextlib.contextmanager
@@ -290,6 +314,7 @@ class PyState:
         the state's old objects). Later captures (a lazy size) still compare."""
         self._start = None
         self._saved = []
+        self._rewind = None
 
     def undo(self) -> None:
         """Put back what the warm-ups and the capture changed (after a failure)."""

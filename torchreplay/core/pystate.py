@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "Change", "MAX_DEPTH", "MAX_VALUES", "MISSING", "Node", "diff", "live_value", "put_back",
-    "path_of", "roots_of_call", "same_value", "small_tensors", "state_tensors", "value_at", "walk_state", "show",
+    "large_tensors", "path_of", "plain_tensors", "roots_of_call", "same_value", "small_tensors", "state_tensors", "value_at", "walk_state", "show",
 ]
 
 #: How deep below a root the walk goes (``args[0].layers[3].keys`` is depth 3).
@@ -295,24 +295,38 @@ def state_tensors(nodes: dict[str, Node]) -> Iterator[tuple[Node, Any, torch.Ten
                 yield node, key, v
 
 
-def small_tensors(nodes: dict[str, Node]) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
-    """The tensors the state holds of at most :data:`_SMALL_BYTES` (a position, a length, a
-    step count), each with its version and a copy. Not the arguments' own tensors (the static
-    inputs, put back apart), nor a module's parameters and buffers (``StateSnapshot``'s)."""
-    out: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
-    with torch.no_grad():
-        for node in nodes.values():
-            if _own_pytree(node):
-                continue  # the call's own pytree: its tensors are the static inputs
-            values = node.items if node.kind == "list" else node.items.values()
-            for t in values:
-                if (  # (a parameter, or a leaf autograd tracks, is a module's or optimizer's)
-                    isinstance(t, torch.Tensor) and id(t) not in out and t.layout == torch.strided
-                    and not t.requires_grad
-                    and t.untyped_storage().nbytes() <= _SMALL_BYTES and t.device.type != "meta"
-                ):
-                    out[id(t)] = (t, t._version, t.detach().clone())
+def plain_tensors(nodes: dict[str, Node]) -> list[torch.Tensor]:
+    """The tensors the state holds that a build may have to put back, each once. Not the
+    arguments' own tensors (the static inputs, put back apart), nor a module's parameters and
+    buffers (``StateSnapshot``'s), nor a leaf autograd tracks (a module's or an optimizer's)."""
+    out: dict[int, torch.Tensor] = {}
+    for node in nodes.values():
+        if _own_pytree(node):
+            continue  # the call's own pytree: its tensors are the static inputs
+        values = node.items if node.kind == "list" else node.items.values()
+        for t in values:
+            if (
+                isinstance(t, torch.Tensor) and id(t) not in out and t.layout == torch.strided
+                and not t.requires_grad and t.device.type != "meta"
+            ):
+                out[id(t)] = t
     return list(out.values())
+
+
+def small_tensors(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """Those of ``tensors`` of at most :data:`_SMALL_BYTES` (a position, a length, a step
+    count), each with its version and a copy."""
+    with torch.no_grad():
+        return [
+            (t, t._version, t.detach().clone())
+            for t in tensors if t.untyped_storage().nbytes() <= _SMALL_BYTES
+        ]
+
+
+def large_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Those of ``tensors`` over :data:`_SMALL_BYTES`: what a build writes into them is
+    recorded and put back (core/rewind.py), not copied whole."""
+    return [t for t in tensors if t.untyped_storage().nbytes() > _SMALL_BYTES]
 
 
 # -- comparing and putting back -----------------------------------------------------------------

@@ -254,7 +254,8 @@ class BucketedGraph:
                     continue
                 a, k = self._args_at(s)
                 try:
-                    out = self.fn(*a, **k)
+                    with self._effects.build_call():  # its writes into Python state: put back
+                        out = self.fn(*a, **k)
                 except Exception as exc:
                     if snapshot is not None:
                         snapshot.restore()

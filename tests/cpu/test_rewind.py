@@ -1,0 +1,134 @@
+"""core/rewind.py: what a build's calls write in place into the large tensors of Python state
+(a cache object's keys, a memory bank kept as a plain attribute) is put back after the build,
+by saving only what each write overwrites. Small tensors are copied whole (test_effects.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import test_buckets
+import torchreplay as tr
+from test_effects import capture_like
+from torchreplay.core.rewind import Rewind
+
+ROWS = 1024  # keys of (2, 4, ROWS, 64) float32: 2 MiB, over the 1 MiB copied whole
+
+
+def test_every_kind_of_write_is_put_back_last_first_and_only_what_it_overwrote_is_kept() -> None:
+    k = torch.randn(2, 4, ROWS, 64)
+    bank = torch.randn(300_000)
+    orig_k, orig_bank = k.clone(), bank.clone()
+    rewind = Rewind([k, bank])
+    with rewind:
+        for i in range(3):
+            k.index_copy_(2, torch.tensor([5, 6]), torch.randn(2, 4, 2, 64))  # a KV cache's step
+            k[:, :, torch.tensor([0, 0])] = torch.randn(2, 4, 2, 64)  # index_put_, repeated rows
+            k[:, :, 10:12].copy_(torch.randn(2, 4, 2, 64))  # a view
+            k[:, :, torch.tensor([1])] += 1  # read, then written
+            k[k > 3] = 0  # a boolean mask
+            bank.add_(1.5)  # the whole tensor
+            torch.add(bank[:4], 1, out=bank[4:8])  # out=
+    assert not torch.equal(k, orig_k) and not torch.equal(bank, orig_bank)
+    # rows, not whole caches: 3 x (2 + 2 + 2 + 1 rows of 2x4x64 floats, the mask's elements),
+    # the bank's whole storage for each add_
+    assert rewind.saved_bytes < 3 * (bank.nbytes + 8 * 2 * 4 * 64 * 4) + k.nbytes // 4
+    rewind.undo()
+    assert torch.equal(k, orig_k) and torch.equal(bank, orig_bank)
+    assert rewind.saved_bytes == 0
+    rewind.undo()  # nothing left: a no-op
+    assert torch.equal(k, orig_k)
+
+
+def test_an_index_advanced_in_place_after_the_write_and_a_region_written_again() -> None:
+    k, pos = torch.randn(8, 64, 1024), torch.tensor([3])
+    orig = k.clone()
+    rewind = Rewind([k])
+    with rewind:
+        for _ in range(3):
+            k.index_copy_(0, pos, torch.randn(1, 64, 1024))
+            pos.add_(1)  # the position counter, advanced in place after each write
+            k.zero_()  # the same whole region each time: saved once
+            k[pos] = 1.0
+    assert rewind.saved_bytes < 2 * k.nbytes
+    rewind.undo()
+    assert torch.equal(k, orig)
+
+
+def test_tensors_not_watched_and_reads_are_not_recorded() -> None:
+    k, other = torch.randn(4, 8), torch.randn(4, 8)
+    rewind = Rewind([k])
+    with rewind:
+        other.add_(1)
+        (k * 2).sum()
+    assert rewind.saved_bytes == 0
+    rewind.undo()
+
+
+class Cache:
+    """A KV cache object of the caller's (not a module, so not a buffer): each step writes its
+    rows at the positions it is given, and reads the cache."""
+
+    def __init__(self) -> None:
+        self.keys = torch.zeros(2, 4, ROWS, 64)
+
+    def update(self, pos: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        self.keys.index_copy_(2, pos, k)
+        return self.keys
+
+
+def step(x: torch.Tensor, pos: torch.Tensor, cache: Cache) -> torch.Tensor:
+    keys = cache.update(pos, x.view(2, 4, 1, 64).expand(2, 4, pos.numel(), 64))
+    return (keys[:, :, :16] * x.view(2, 4, 1, 64)).sum(-1)
+
+
+def test_a_build_leaves_the_callers_large_cache_as_it_was() -> None:
+    # The sample's position 0 holds the caller's prompt: the warm-ups and the capture wrote the
+    # sample's row over it, four times, and kept it (a silently wrong cache, every logit after).
+    cache = Cache()
+    cache.keys[:, :, :6] = torch.randn(2, 4, 6, 64)  # a prompt at rows 0..5
+    before = cache.keys.clone()
+    err, _ = capture_like(step, torch.randn(512), torch.tensor([0]), cache)
+    assert err is None
+    assert torch.equal(cache.keys, before)
+
+
+@pytest.mark.parametrize("capture", ["ahead", "lazy"])
+def test_tr_graph_with_a_large_cache_in_an_argument_equals_eager(monkeypatch, capture) -> None:
+    test_buckets.install_cpu_graphs(monkeypatch.setattr)
+    cache = Cache()
+    cache.keys[:, :, :6] = torch.randn(2, 4, 6, 64)
+    ref = copy.deepcopy(cache)
+
+    def decode(x: torch.Tensor, pos: torch.Tensor, c: Cache) -> torch.Tensor:  # x: [B, 512]
+        keys = c.update(pos, x[0].view(2, 4, 1, 64))  # the first row's (a real one)
+        return x * keys[:, :, :16].sum()
+
+    g = tr.graph(decode, torch.randn(1, 512), torch.tensor([0]), cache, sizes=[1, 2, 4],
+                 dim={"x": 0, "pos": None}, capture=capture)
+    assert torch.equal(cache.keys, ref.keys)
+    for p, n in zip(range(6, 12), (1, 3, 2, 4, 1, 2)):
+        x, pos = torch.randn(n, 512), torch.tensor([p])
+        torch.testing.assert_close(g(x, pos, cache), decode(x, pos, ref))
+        assert torch.equal(cache.keys, ref.keys)
+
+
+def test_a_large_accumulator_on_a_module_is_put_back() -> None:
+    class Bank(nn.Module):  # a running sum kept as a plain attribute, not a buffer
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.total = torch.zeros(512, 1024)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            self.total.add_(y.sum())
+            return y * self.total[0, 0]
+
+    m = Bank()
+    err, _ = capture_like(m, torch.randn(4, 8), modules=[m])
+    assert err is None
+    assert int(m.total.count_nonzero()) == 0  # as the caller left it: no call was made

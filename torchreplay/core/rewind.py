@@ -1,0 +1,127 @@
+"""Undo what building a graph wrote in place into the large tensors of Python state.
+
+Warm-up runs the callable for real, several times. A write it makes into a tensor that the
+caller's objects hold (a cache object's ``keys`` passed as an argument, a memory bank kept as a
+plain attribute of a module, a global) stays in the caller's tensor after the build, although
+eagerly no call was made: the rows a decode step writes at a sample position overwrite the
+prompt's rows there, an accumulator has taken the sample in ``num_warmup_iters`` times. Small
+tensors (a position, a length) are copied whole before the build and put back
+(``core/effects.py``); a module's buffers are ``StateSnapshot``'s. Copying a large tensor whole
+would double the memory of a KV cache sized to fill the device, so :class:`Rewind` instead saves,
+just before each op that writes into one of them, only what that op is about to overwrite:
+
+- ``index_copy_(dim, index, src)``: the rows at ``index``;
+- ``index_put_(indices, values)`` (``t[idx] = v``): the elements at ``indices``;
+- any other write: the written tensor as the op was given it, usually a view of a few rows
+  (``t[:, pos].copy_(v)``), the whole tensor only where the op writes the whole tensor.
+
+:meth:`Rewind.undo` writes them back, last write first, so the tensors end as they were before
+the build, at the cost of a few rows per write.
+
+What it cannot see, as ``core/writes.py``: a write inside a ``torch.compile``d region (the mode
+leaves compiled code alone), a raw kernel launched outside an aten op, and a change of a tensor's
+shape in place (``resize_``, ``set_``), which no copy undoes. Nothing is saved for a CUDA tensor
+while the stream is capturing: a capture records work, it runs none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Sequence
+
+import torch
+
+from torchreplay._compat import LightDispatchMode, written_tensors
+
+__all__ = ["Rewind"]
+
+_aten = torch.ops.aten
+# In-place ops that change a tensor's shape or storage, not its values: a copy cannot undo them.
+_METADATA = frozenset({
+    "resize_", "resize_as_", "set_", "as_strided_", "t_", "transpose_", "unsqueeze_", "squeeze_",
+    "swapdims_", "swapaxes_", "detach_", "requires_grad_",
+})
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class Rewind(LightDispatchMode):
+    """Inside it, record what each op is about to overwrite in ``tensors``' memory.
+
+    Args:
+        tensors: the tensors to watch (their whole storages).
+
+    Attributes:
+        saved_bytes: what the records hold, in bytes.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        # by storage: a view of one (a row, a slice) has its storage, at the same address
+        self._storages = {t.untyped_storage().data_ptr() for t in tensors if t.device.type != "meta"}
+        self._log: list[tuple[torch.Tensor, Callable[[], Any]]] = []  # (written, write back)
+        self._regions: set[tuple[Any, ...]] = set()  # those saved whole (_save)
+        self.saved_bytes = 0
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # compiled regions run their compiled code (core/writes.py says why)
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        for t in written_tensors(func, args, kwargs):
+            if self._watched(t) and not (t.is_cuda and _capturing()):
+                undo = self._save(func, t, args, kwargs)
+                if undo is not None:
+                    self._log.append((t, undo))
+        return func(*args, **kwargs)
+
+    def _watched(self, t: torch.Tensor) -> bool:
+        return t.device.type != "meta" and t.untyped_storage().data_ptr() in self._storages
+
+    def _save(
+        self, func: Any, t: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Callable[[], Any] | None:
+        """Copy what ``func`` is about to overwrite in ``t``; return what writes it back."""
+        name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else ""
+        if name in _METADATA:
+            return None
+        # (inside __torch_dispatch__ this mode is off: these ops are not seen by it)
+        # The indices are copied too: a position counter used as the index is often advanced
+        # in place right after the write.
+        if name == "index_copy_" and args and args[0] is t:
+            dim, index = args[1], args[2].clone()
+            rows = t.index_select(dim, index)
+            self.saved_bytes += rows.nbytes
+            return lambda: t.index_copy_(dim, index, rows)
+        if name in ("index_put_", "_index_put_impl_") and args and args[0] is t:
+            indices = [i.clone() if isinstance(i, torch.Tensor) else i for i in args[1]]
+            values = _aten.index.Tensor(t, indices)
+            self.saved_bytes += values.nbytes
+            return lambda: _aten.index_put_.default(t, indices, values)
+        # Any other write: the tensor as the op writes it. Once per region: what a tensor ends
+        # as after undo() is what the earliest record of each element held, so a later record
+        # of the very same region (the next warm-up zeroing a whole cache again) adds nothing.
+        region = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if region in self._regions:
+            return None
+        self._regions.add(region)
+        before = t.clone()
+        self.saved_bytes += before.nbytes
+        return lambda: t.copy_(before)
+
+    def undo(self) -> None:
+        """Write back what was saved, last write first; forget it."""
+        log, self._log = self._log, []
+        self._regions.clear()
+        self.saved_bytes = 0
+        with torch.no_grad():
+            for t, put_back in reversed(log):
+                # (an inference tensor only under inference_mode, which may write it; turning
+                # inference_mode off would turn autograd back on, so it is never left)
+                with torch.inference_mode() if t.is_inference() else contextlib.nullcontext():
+                    put_back()
