@@ -15,8 +15,13 @@ Meant for a CUDA machine with torch preinstalled and no network: it installs not
 With ``$OUT`` set, writes ``$OUT/gpu_test.log`` (everything printed) and ``$OUT/bench.json`` (all
 rows, in the format of ``--json``). Exits 1 if a test failed or errored, or pytest could not run.
 
-Usage: ``python scripts/gpu_test.py [--rows mlp,llama] [--no-compile] [--skip-tests] [--skip-bench]``
-(``--rows compile`` stands for every ``compile-*`` row)
+Usage: ``python scripts/gpu_test.py [--tests core,compile,distributed] [--rows mlp,llama]
+[--no-compile] [--skip-tests] [--skip-bench]`` (``--rows compile`` stands for every ``compile-*``
+row). The whole of ``tests/gpu`` takes longer than one 10-minute device call: ``--tests`` runs
+one group of it (``core``: every file but the two below, a few minutes; ``compile``: the
+``test_compile*`` files, several minutes of Inductor; ``distributed``: ``test_distributed.py``,
+which spawns processes and compiles, the slowest), or test files by path. A run cut off by
+``--timeout`` still reports what it saw, from pytest's progress line.
 """
 
 from __future__ import annotations
@@ -96,8 +101,32 @@ def run_streamed(cmd: list[str], emit: Callable[[str], None], env: dict[str, str
     return rc, "\n".join(lines)
 
 
+#: ``--tests`` groups: each fits one device call (see the module docstring).
+TEST_GROUPS = {
+    "compile": lambda name: name.startswith("test_compile"),
+    "distributed": lambda name: name == "test_distributed.py",
+}
+TEST_GROUPS["core"] = lambda name: not any(g(name) for k, g in TEST_GROUPS.items() if k != "core")
+
+
+def test_paths(tests: str | None) -> list[str]:
+    """The pytest paths of ``--tests``: ``tests/gpu`` for none or ``all``, each group's files in
+    name order, or the paths given."""
+    if not tests or tests == "all":
+        return ["tests/gpu"]
+    files = sorted(p.name for p in (ROOT / "tests" / "gpu").glob("test_*.py"))
+    out: list[str] = []
+    for part in tests.split(","):
+        if part in TEST_GROUPS:
+            out += [f"tests/gpu/{f}" for f in files if TEST_GROUPS[part](f)]
+        else:
+            out.append(part)
+    return out
+
+
 def pytest_counts(output: str) -> dict[str, int]:
-    """Read ``N passed, M failed, K skipped, E errors`` from pytest's last summary line."""
+    """Read ``N passed, M failed, K skipped, E errors`` from pytest's last summary line; without
+    one (the run was cut off), count the marks of its ``-q`` progress lines."""
     counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
     summary = [line for line in output.splitlines() if re.search(r"\d+ (passed|failed|skipped|errors?)\b", line)
                and re.search(r"\bin [\d.]+s", line)]
@@ -105,6 +134,12 @@ def pytest_counts(output: str) -> dict[str, int]:
         for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)\b", summary[-1]):
             key = "errors" if word.startswith("error") else word
             counts[key] = counts.get(key, 0) + int(n)
+        return counts
+    for line in output.splitlines():
+        marks = re.fullmatch(r"([.sFExX]+)(\s+\[\s*\d+%\])?", line.strip())
+        if marks:
+            for mark, key in ((".", "passed"), ("s", "skipped"), ("F", "failed"), ("E", "errors")):
+                counts[key] += marks.group(1).count(mark)
     return counts
 
 
@@ -123,6 +158,8 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--no-compile", action="store_true",
                         help="skip torch.compile: its methods in every row, and the compile-* rows")
+    parser.add_argument("--tests", help="comma-separated groups of tests/gpu (core, compile, "
+                        "distributed) or test paths (default: all of tests/gpu)")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--timeout", type=float, default=540, help="seconds per subprocess")
@@ -142,8 +179,9 @@ def main() -> int:
     counts: dict[str, int] | None = None
     pytest_rc = 0
     if not args.skip_tests:
-        emit("\n== tests/gpu")
-        pytest_rc, output = run_streamed([sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rA"],
+        paths = test_paths(args.tests)
+        emit("\n== " + " ".join(paths))
+        pytest_rc, output = run_streamed([sys.executable, "-m", "pytest", *paths, "-q", "-rA"],
                                          emit, env, args.timeout)
         counts = pytest_counts(output)
 
