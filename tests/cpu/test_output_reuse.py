@@ -329,3 +329,24 @@ def test_an_inference_tensor_anyone_can_reach_or_tell_apart_is_held(hold: str) -
             _hold(t, hold, keep)
         del t
     assert not _unheld_inference(handed, layouts, live, handles, uses), hold
+
+
+def test_an_output_that_is_an_argument_is_the_callers_tensor() -> None:
+    """``return x, mask`` or ``x.add_(1); return x``: eagerly the output is the caller's own
+    tensor. Under checked it is handed out as that tensor (not the graph's static copy, which the
+    next call overwrites); under clone and static, as before."""
+    from torchreplay.core.outputs import Outputs
+
+    static_x, static_mask, y = torch.randn(4, 3), torch.ones(4, 3), torch.randn(4, 3)
+    inputs = [static_x, None, static_mask]  # argument leaves: a tensor, a flag, a tensor
+    out = Outputs({"y": y, "mask": static_mask, "x": (static_x,)}, "checked", "g", lambda t: False,
+                  inputs=inputs)
+    assert sorted(out.passed) == [(1, 2), (2, 0)]  # leaves: y, mask, x
+    x, mask = torch.randn(4, 3), torch.ones(4, 3)
+    got = out.emit([x, True, mask])
+    assert got["x"][0] is x and got["mask"] is mask and got["y"] is y
+    out.make_clones()  # called from a second thread: the caller's tensor is still its own
+    assert out.emit([x, True, mask])["x"][0] is x
+    for policy in ("clone", "static"):
+        other = Outputs((static_x,), policy, "g", lambda t: False, inputs=inputs)
+        assert other.passed == [] and other.emit([x, True, mask])[0] is static_x

@@ -165,6 +165,41 @@ def test_passing_the_static_buffers_skips_the_copy() -> None:
     assert torch.equal(g(*g.static_args), torch.arange(5.0, device=DEV) * 3)
 
 
+def test_an_output_that_is_an_argument_is_the_callers_tensor() -> None:
+    """``return h, mask`` (a layer passing its mask on) and ``x.add_(1); return x``: eagerly the
+    output is the caller's own tensor, valid after later calls and seeing the caller's later
+    writes. It was the graph's static copy, which the next call overwrote (reading a kept one
+    raised StaleOutputError)."""
+    lin = nn.Linear(16, 16).to(DEV)
+
+    def layer(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return lin(x) * mask, mask
+
+    g = tr.graph(layer, torch.randn(4, 16, device=DEV), torch.rand(4, 16, device=DEV))
+    kept = []
+    with torch.no_grad():
+        for _ in range(6):
+            x, mask = torch.randn(4, 16, device=DEV), (torch.rand(4, 16, device=DEV) > 0.5).float()
+            h, m = g(x, mask)
+            assert m is mask
+            torch.testing.assert_close(h, lin(x) * mask)
+            kept.append((mask.clone(), m))
+    for want, m in kept:  # every call's, after all later calls
+        assert torch.equal(m, want)
+
+    def bump(x: torch.Tensor) -> torch.Tensor:
+        x.add_(1)
+        return x
+
+    g2 = tr.graph(bump, torch.randn(8, device=DEV))
+    for _ in range(4):
+        w = torch.randn(8, device=DEV)
+        want = w + 1
+        y = g2(w)
+        assert y is w
+        torch.testing.assert_close(w, want)
+
+
 def test_output_fed_back_as_input_matches_eager() -> None:
     lin = nn.Linear(32, 32).to(DEV)
 

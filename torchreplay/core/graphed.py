@@ -116,7 +116,8 @@ class Graphed:
         refuse_static_written_outputs(self._inputs, captured.out, config.outputs, self.name)
         self._writes = bool(self._inputs.written)
         self._outputs = Outputs(
-            captured.out, config.outputs, self.name, owned_by(self.pool, self._inputs), reuse=True
+            captured.out, config.outputs, self.name, owned_by(self.pool, self._inputs), reuse=True,
+            inputs=[s.static for s in self._inputs.slots],  # an argument returned: the caller's
         )
         self.stats.captures = 1
         self.stats.capture_seconds = captured.seconds
@@ -201,7 +202,7 @@ class Graphed:
         if self._writes:  # eager semantics: the callable's writes reach the caller's tensors
             self._inputs.copy_back(leaves)
         self.stats.replays += 1
-        return self._outputs.emit()
+        return self._outputs.emit(leaves)
 
     def invalidate_outputs(self) -> None:
         """Mark the outputs handed out so far as stale (another graph may overwrite them)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -56,6 +56,11 @@ class Outputs:
         watch: leaves whose handed tensors :meth:`held` looks at (a forward graph's saved
             activations); we keep the last call's, which holds no autograd graph (they are
             saved by the backward node, not outputs of it).
+        inputs: under ``checked``, the static input tensors by argument leaf (None for a
+            non-tensor): an output that is one of them itself (``return x, mask``, ``x.add_(1);
+            return x``) is handed out as the caller's tensor of that argument, as eagerly
+            (:meth:`emit`'s ``inputs``), never as the graph's memory that the next call
+            overwrites.
     """
 
     def __init__(
@@ -67,8 +72,13 @@ class Outputs:
         *,
         reuse: bool = False,
         watch: frozenset[int] = frozenset(),
+        inputs: Sequence[Any] = (),
     ) -> None:
         leaves, spec = _compat.tree_flatten(out)
+        at = {id(t): j for j, t in enumerate(inputs) if isinstance(t, _Tensor)} if policy == "checked" else {}
+        #: (output leaf, argument leaf) of the outputs that are an argument itself
+        self.passed = [(i, at[id(t)]) for i, t in enumerate(leaves) if id(t) in at]
+        passed = {i for i, _ in self.passed}
         self.name = name
         self.static = leaves
         self.spec = spec
@@ -76,7 +86,7 @@ class Outputs:
             policy = "clone"  # this torch cannot mark storages stale: fresh tensors are safe
         self.policy = policy
         self.owned_idx = [
-            i for i, t in enumerate(leaves) if isinstance(t, _Tensor) and owned(t)
+            i for i, t in enumerate(leaves) if isinstance(t, _Tensor) and owned(t) and i not in passed
         ]
         self.is_leaf = _compat.is_leaf_treespec(spec)
         self._rebuild = _compat.unflattener(spec)
@@ -212,8 +222,9 @@ class Outputs:
         self.groups = []
         self._checked = False
 
-    def emit(self) -> Any:
-        """Return this replay's outputs, in the captured structure, under the policy."""
+    def emit(self, inputs: Sequence[Any] = ()) -> Any:
+        """Return this replay's outputs, in the captured structure, under the policy;
+        ``inputs``: the call's argument leaves (the caller's tensors), for :attr:`passed`."""
         leaves = self.static
         if self._checked:
             handed = self._handed
@@ -247,6 +258,10 @@ class Outputs:
             else:
                 for i in self.owned_idx:
                     leaves[i] = leaves[i].clone()
+        if self.passed and inputs:  # an argument returned: the caller's own tensor, as eagerly
+            leaves = list(leaves)
+            for i, j in self.passed:
+                leaves[i] = inputs[j]
         if self.watch and self.policy != "clone":  # clones are the caller's own memory
             self._watched = [leaves[i] for i in self.watch]
         if self.is_leaf:
