@@ -47,13 +47,7 @@ from torchreplay.breaks.auto import AutoBreak, find_on_copies
 from torchreplay.breaks.policy import eager_by_policy
 from torchreplay.breaks.steps import BreakStep, returns_nothing
 from torchreplay.breaks.plan import (
-    Break,
-    BreakCall,
-    Recorder,
-    check_reached,
-    intercept,
-    outside_breaks,
-    resolve_breaks,
+    Break, BreakCall, Recorder, check_reached, intercept, outside_breaks, resolve_breaks,
 )
 from torchreplay.pieces.entries import Entry, PieceGraph
 from torchreplay.pieces.program import Input, Piece, Program, Split

@@ -249,9 +249,7 @@ class BucketedGraph:
         outs: dict[int, Any] = {}
         finding = snapshot.finding() if snapshot is not None else contextlib.nullcontext()
         with on_side_stream(self._stream, self.device), torch.no_grad(), finding:
-            for s in (big, small):
-                if s is None:
-                    continue
+            for s in (big,) if small is None else (big, small):
                 a, k = self._args_at(s)
                 try:
                     with self._effects.build_call():  # its writes into Python state: put back

@@ -43,7 +43,6 @@ from torchreplay import _compat
 from torchreplay.config import RANKS, GraphConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, owning_module
 from torchreplay.core.capture import StateSnapshot, warn_mode_changed
-from torchreplay.core.effects import StateReads
 from torchreplay.core import modes
 from torchreplay.core.modes import HOOKS, TRAIN_MODE, GradFlags, Hooks, warn_hooks_changed
 from torchreplay.core.io import Inputs
@@ -57,12 +56,7 @@ from torchreplay.stats import TrainingStats
 from torchreplay.training.pair import InputGrads, Member, Order, Pair, capturing, next_sequence_nr
 from torchreplay.training.state import StateKeeper
 from torchreplay.training.verify import (
-    Tolerance,
-    buffers_swapped,
-    check_close,
-    check_tree,
-    detached,
-    named_buffers,
+    Tolerance, buffers_swapped, check_close, check_tree, detached, named_buffers,
 )
 
 __all__ = ["GraphedCallable", "TrainingStats"]
@@ -147,7 +141,7 @@ class GraphedCallable:
         self._grad_pos: list[int] = []  # per _grad_inputs entry: its position among apply inputs
         self._keeper: StateKeeper | None = None
         self._placed: Placed | None = None  # at _adopt
-        self._reads: StateReads | None = None  # at _adopt: tensors in Python state it reads
+        self._reads: Any = None  # at _adopt: tensors in Python state it reads (StateReads)
         self._called: list[torch.nn.Module] | None = None  # a function's modules, found at warm-up
         self._callers = Callers()
         self._discovering_done = False
@@ -284,7 +278,7 @@ class GraphedCallable:
         self._has_backward = pair.bwd_replay is not None
         self._static_grad_outputs = pair.static_grad_outputs
         self._static_grad_inputs = pair.static_grad_inputs
-        self._reads = pair.reads
+        self._reads = pair.reads  # tensors in Python state the forward reads (core/effects.py)
         self._inputs.set_written(pair.written)
         self._writes = bool(self._inputs.written)
         self.stats.written_inputs = self._inputs.written_paths()
@@ -325,8 +319,7 @@ class GraphedCallable:
         moved = placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
         ) and placed.moved()
-        # a tensor in Python state it reads replaced since capture (core/effects.py)
-        stale = self._reads.replaced(self.name) if self._reads is not None else None
+        stale = self._reads.replaced(self.name) if self._reads is not None else None  # replaced
         if self._ranks is not None:  # collectives inside: every rank replays, or all raise
             self._ranks(0, EAGER if why is not None or moved or stale else GRAPH)
         if moved:
