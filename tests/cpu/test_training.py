@@ -1027,6 +1027,36 @@ def test_emulated_graph_step_n_steps_equal_n_eager_steps(emulated_step) -> None:
     assert step.stats.replays == 6
 
 
+def test_emulated_graph_step_puts_back_what_warm_up_wrote_into_a_large_history(emulated_step) -> None:
+    """A loss history kept as a plain tensor over 1 MiB, written at a position counter: the
+    build's calls wrote their losses into it and advanced the counter; both are put back
+    (core/rewind.py, core/effects.py), and the steps after equal eager's."""
+    model, opt = _make_training()
+    ref_model, ref_opt = _make_training()
+
+    def stepper(m, o, hist, pos):
+        def train_step(x, y):
+            o.zero_grad(set_to_none=True)
+            loss = ((m(x) - y) ** 2).mean()
+            loss.backward()
+            o.step()
+            hist.index_copy_(0, pos, loss.detach().view(1))
+            pos.add_(1)
+            return loss
+        return train_step
+
+    hist, pos = torch.zeros(400_000), torch.zeros(1, dtype=torch.long)
+    ref_hist, ref_pos = hist.clone(), pos.clone()
+    step = tr.graph_step(stepper(model, opt, hist, pos), torch.randn(5, 6), torch.randn(5, 3), optimizers=opt)
+    assert int(hist.count_nonzero()) == 0 and int(pos) == 0
+    ref_step = stepper(ref_model, ref_opt, ref_hist, ref_pos)
+    for _ in range(4):
+        x, y = torch.randn(5, 6), torch.randn(5, 3)
+        torch.testing.assert_close(step(x, y), ref_step(x, y))
+    torch.testing.assert_close(hist, ref_hist)
+    assert int(pos) == int(ref_pos) == 4
+
+
 def test_emulated_graph_step_frozen_hyperparameter_raises(emulated_step) -> None:
     model, opt = _make_training()
 

@@ -379,3 +379,35 @@ def test_a_tensor_the_step_reads_from_python_state_replaced_between_steps_raises
     weights["loss"] = torch.rand(64, device=DEV)
     with pytest.raises(tr.ReplayInputError, match=r"closure weights\['loss'\] is tensor\(64,\)|weights\['loss'\]"):
         step(*data[0])
+
+
+def test_what_the_build_wrote_into_a_large_loss_history_is_put_back() -> None:
+    """A loss history over 1 MiB kept as a plain tensor, written at a position counter: the
+    warm-ups wrote their losses into it and advanced the counter; both are put back, and the
+    steps after write where eager writes."""
+    model = build_mlp(MLPConfig(depth=3, width=64), DEV)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = adamw(model, 1e-3, fused=True), adamw(ref, 1e-3, fused=True)
+
+    def stepper(m, o, hist, pos):
+        def train_step(x, y):
+            o.zero_grad(set_to_none=True)
+            loss = ((m(x) - y) ** 2).mean()
+            loss.backward()
+            o.step()
+            hist.index_copy_(0, pos, loss.detach().view(1))
+            pos.add_(1)
+            return loss
+        return train_step
+
+    hist, pos = torch.zeros(400_000, device=DEV), torch.zeros(1, dtype=torch.long, device=DEV)
+    ref_hist, ref_pos = hist.clone(), pos.clone()
+    data = batches(6, (8, 64), (8, 64))
+    step = tr.graph_step(stepper(model, opt, hist, pos), *data[0], optimizers=opt)
+    assert int(hist.count_nonzero()) == 0 and int(pos) == 0
+    ref_step = stepper(ref, ref_opt, ref_hist, ref_pos)
+    for x, y in data:
+        torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
+        assert_same_state(model, ref)
+    torch.testing.assert_close(hist, ref_hist, **TOL)
+    assert int(pos) == int(ref_pos) == len(data)
