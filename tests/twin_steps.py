@@ -31,3 +31,20 @@ def twin_steps(device: str) -> tuple[nn.Module, nn.Module, Callable[..., Any], C
         return step
 
     return model, ref, make(model), make(ref)
+
+
+def history_step(model: nn.Module, opt: torch.optim.Optimizer, hist: torch.Tensor,
+                 pos: torch.Tensor) -> Callable[..., Any]:
+    """A training step that also writes its loss into ``hist`` at the position counter ``pos``
+    and advances it in place (Python state the build's warm-ups write: core/rewind.py)."""
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        hist.index_copy_(0, pos, loss.detach().view(1))
+        pos.add_(1)
+        return loss
+
+    return train_step

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import torchreplay as tr
+from twin_steps import history_step
 from torchreplay import _compat
 from torchreplay.core.modes import GradFlags
 from torchreplay.training import callables as training
@@ -1034,22 +1035,11 @@ def test_emulated_graph_step_puts_back_what_warm_up_wrote_into_a_large_history(e
     model, opt = _make_training()
     ref_model, ref_opt = _make_training()
 
-    def stepper(m, o, hist, pos):
-        def train_step(x, y):
-            o.zero_grad(set_to_none=True)
-            loss = ((m(x) - y) ** 2).mean()
-            loss.backward()
-            o.step()
-            hist.index_copy_(0, pos, loss.detach().view(1))
-            pos.add_(1)
-            return loss
-        return train_step
-
     hist, pos = torch.zeros(400_000), torch.zeros(1, dtype=torch.long)
     ref_hist, ref_pos = hist.clone(), pos.clone()
-    step = tr.graph_step(stepper(model, opt, hist, pos), torch.randn(5, 6), torch.randn(5, 3), optimizers=opt)
+    step = tr.graph_step(history_step(model, opt, hist, pos), torch.randn(5, 6), torch.randn(5, 3), optimizers=opt)
     assert int(hist.count_nonzero()) == 0 and int(pos) == 0
-    ref_step = stepper(ref_model, ref_opt, ref_hist, ref_pos)
+    ref_step = history_step(ref_model, ref_opt, ref_hist, ref_pos)
     for _ in range(4):
         x, y = torch.randn(5, 6), torch.randn(5, 3)
         torch.testing.assert_close(step(x, y), ref_step(x, y))

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import torchreplay as tr
 from torchreplay.models import CNNConfig, MLPConfig, build_cnn, build_mlp
+from twin_steps import history_step
 
 pytestmark = [
     pytest.mark.gpu,
@@ -389,23 +390,12 @@ def test_what_the_build_wrote_into_a_large_loss_history_is_put_back() -> None:
     ref = copy.deepcopy(model)
     opt, ref_opt = adamw(model, 1e-3, fused=True), adamw(ref, 1e-3, fused=True)
 
-    def stepper(m, o, hist, pos):
-        def train_step(x, y):
-            o.zero_grad(set_to_none=True)
-            loss = ((m(x) - y) ** 2).mean()
-            loss.backward()
-            o.step()
-            hist.index_copy_(0, pos, loss.detach().view(1))
-            pos.add_(1)
-            return loss
-        return train_step
-
     hist, pos = torch.zeros(400_000, device=DEV), torch.zeros(1, dtype=torch.long, device=DEV)
     ref_hist, ref_pos = hist.clone(), pos.clone()
     data = batches(6, (8, 64), (8, 64))
-    step = tr.graph_step(stepper(model, opt, hist, pos), *data[0], optimizers=opt)
+    step = tr.graph_step(history_step(model, opt, hist, pos), *data[0], optimizers=opt)
     assert int(hist.count_nonzero()) == 0 and int(pos) == 0
-    ref_step = stepper(ref, ref_opt, ref_hist, ref_pos)
+    ref_step = history_step(ref, ref_opt, ref_hist, ref_pos)
     for x, y in data:
         torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
         assert_same_state(model, ref)
