@@ -10,6 +10,7 @@ test_training.py. The GPU tests (tests/gpu/test_effects.py) compare the graphs w
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import re
@@ -206,7 +207,12 @@ def test_torch_reparametrizations_and_in_place_state_are_silent(caplog) -> None:
     assert not [r for r in caplog.records if r.name == LOG]
 
 
-def test_a_position_counter_advanced_in_place_is_put_back_after_the_build() -> None:
+@pytest.mark.parametrize("made", ["normal", "inference_mode"])
+def test_a_position_counter_advanced_in_place_is_put_back_after_the_build(made: str) -> None:
+    # An inference tensor (a cache made and graphed under torch.inference_mode) has no version
+    # counter: reading it raised at the build.
+    mode = torch.inference_mode() if made == "inference_mode" else contextlib.nullcontext()
+
     class Positions:  # transformers' StaticLayer: `cumulative_length.add_(n)` at each call
         def __init__(self) -> None:
             self.length = torch.zeros((), dtype=torch.long)
@@ -217,10 +223,12 @@ def test_a_position_counter_advanced_in_place_is_put_back_after_the_build() -> N
             self.length.add_(1)
             return self.kv
 
-    cache = Positions()
-    err, _ = capture_like(lambda k, c: c.update(k).sum(0), torch.randn(1, 4), cache)
+    with mode:
+        cache = Positions()
+        err, _ = capture_like(lambda k, c: c.update(k).sum(0), torch.randn(1, 4), cache)
     assert err is None
     assert int(cache.length) == 0  # as the caller left it: the first replay writes row 0
+    assert cache.length.is_inference() == (made == "inference_mode")
 
 
 def test_without_warm_ups_a_replaced_tensor_counts_as_read() -> None:

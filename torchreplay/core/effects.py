@@ -122,7 +122,7 @@ class PyState:
         self._state: list[tuple[Node, Any, torch.Tensor]] | None = None if reads else []
         self._reads: StateReads | None = None
         self._warned = False
-        self._saved: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        self._saved: list[tuple[torch.Tensor, int | None, torch.Tensor]] = []
         self._rewind: Rewind | None = None  # what the build writes into the large ones
 
     def take(self) -> dict[str, Node]:
@@ -147,7 +147,7 @@ class PyState:
             self._rewind.undo()
         with torch.no_grad():
             for t, version, saved in self._saved:
-                if t._version != version:
+                if version is None or t._version != version:  # (None: an inference tensor)
                     # (inference_mode(False) would turn autograd back on: only entered for an
                     # inference tensor, which only the mode may write)
                     with torch.inference_mode() if t.is_inference() else contextlib.nullcontext():

@@ -313,12 +313,13 @@ def plain_tensors(nodes: dict[str, Node]) -> list[torch.Tensor]:
     return list(out.values())
 
 
-def small_tensors(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+def small_tensors(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int | None, torch.Tensor]]:
     """Those of ``tensors`` of at most :data:`_SMALL_BYTES` (a position, a length, a step
-    count), each with its version and a copy."""
+    count), each with its version (None for an inference tensor, which has no counter) and a
+    copy."""
     with torch.no_grad():
         return [
-            (t, t._version, t.detach().clone())
+            (t, None if t.is_inference() else t._version, t.detach().clone())
             for t in tensors if t.untyped_storage().nbytes() <= _SMALL_BYTES
         ]
 
