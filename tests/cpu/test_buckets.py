@@ -361,6 +361,26 @@ class _EagerGraph:
             self.fn(*self.args, **self.kwargs)
 
 
+@contextlib.contextmanager
+def _runs_nothing() -> Any:
+    """Around the emulated capture, which runs the call for real: the modules' buffers are put
+    back after it, as a real capture, which records work and runs none, leaves them."""
+    saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def first(module: torch.nn.Module, args: Any) -> None:
+        for b in module.buffers(recurse=False):
+            saved.setdefault(id(b), (b, b.detach().clone()))
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(first)
+    try:
+        yield
+    finally:
+        handle.remove()
+        with torch.no_grad():
+            for b, copy in saved.values():
+                b.copy_(copy)
+
+
 def install_cpu_graphs(setattr_: Any) -> list[int]:
     """Make tr.graph(sizes=...) run on the CPU through ``setattr_`` (monkeypatch's, or plain
     ``setattr`` in a spawned rank); returns the sizes captured, in order."""
@@ -370,7 +390,8 @@ def install_cpu_graphs(setattr_: Any) -> list[int]:
                      snapshot=None, watch=(), collectives=True, effects=None):
         watcher = WriteWatch(watch)
         python = effects if effects is not None else NO_EFFECTS  # as capture() runs it
-        with torch.no_grad():
+        running = snapshot.running() if snapshot is not None else contextlib.nullcontext()
+        with torch.no_grad(), running:
             n = config.num_warmup_iters if warmup else 0
             if warmup:
                 python.start()
@@ -378,7 +399,7 @@ def install_cpu_graphs(setattr_: Any) -> list[int]:
                 with python.warmup(last=i == n - 1):
                     fn(*args, **kwargs)
             python.before_capture()
-            with watcher, python.captured():
+            with watcher, python.captured(), _runs_nothing():
                 out = fn(*args, **kwargs)
             err = python.verdict()
             if err is not None:

@@ -1,5 +1,5 @@
 """A plain function that runs modules is watched as its modules (core/args.py ``called_module``,
-core/capture.py ``StateSnapshot.finding``), on the CPU: which modules are found and how they
+core/snapshot.py ``StateSnapshot.running``), on the CPU: which modules are found and how they
 are grouped, and ``tr.graph(fn, sizes=...)`` end to end with test_buckets' eager stand-in for
 CUDA graphs (train/eval switches, hooks, buffers put back, row mixing refused)."""
 
@@ -14,7 +14,7 @@ import torch.nn as nn
 import test_buckets
 import torchreplay as tr
 from torchreplay.core.args import ModuleGroup, called_module, roots_of
-from torchreplay.core.capture import StateSnapshot
+from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.errors import UnsupportedError
 
 CPU = torch.device("cpu")
@@ -41,7 +41,7 @@ def test_the_modules_a_function_runs_are_found_in_order_and_their_buffers_put_ba
     torch.manual_seed(0)
     body, head, unused = Counted(), nn.Linear(6, 2), nn.Linear(6, 6)
     snap = StateSnapshot(None, CPU, find=True)
-    with snap.finding():
+    with snap.running():
         head(body(torch.randn(3, 6)))
         body(torch.randn(3, 6))
     assert snap.called == [body, body.lin, head]  # each once, in the order first called
@@ -55,11 +55,11 @@ def test_the_modules_a_function_runs_are_found_in_order_and_their_buffers_put_ba
 def test_without_find_or_save_the_snapshot_records_nothing_and_restores_nothing() -> None:
     m = Counted()
     plain = StateSnapshot(None, CPU)
-    with plain.finding():
+    with plain.running():
         m(torch.randn(2, 6))
     assert plain.called is None
     unsaved = StateSnapshot(None, CPU, find=True, save=False)
-    with unsaved.finding():
+    with unsaved.running():
         m(torch.randn(2, 6))
     unsaved.restore()
     assert unsaved.called == [m, m.lin] and m.calls.item() == 2
@@ -143,7 +143,7 @@ def test_modules_another_thread_runs_meanwhile_are_not_recorded() -> None:
 
     mine, theirs = nn.Linear(6, 6), nn.Linear(6, 6)
     snap = StateSnapshot(None, CPU, find=True)
-    with snap.finding():
+    with snap.running():
         worker = threading.Thread(target=lambda: theirs(torch.randn(2, 6)))
         worker.start()
         worker.join()

@@ -5,6 +5,7 @@ by saving only what each write overwrites. Small tensors are copied whole (test_
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -14,7 +15,9 @@ import test_buckets
 import torchreplay as tr
 from test_effects import capture_like
 from torchreplay.core.rewind import Rewind
+from torchreplay.core.snapshot import StateSnapshot
 
+CPU = torch.device("cpu")
 ROWS = 1024  # keys of (2, 4, ROWS, 64) float32: 2 MiB, over the 1 MiB copied whole
 
 
@@ -132,3 +135,88 @@ def test_a_large_accumulator_on_a_module_is_put_back() -> None:
     err, _ = capture_like(m, torch.randn(4, 8), modules=[m])
     assert err is None
     assert int(m.total.count_nonzero()) == 0  # as the caller left it: no call was made
+
+
+# -- a module's large buffers (gpt-fast's KV caches are registered buffers) --------------------
+
+
+class BufferCache(nn.Module):
+    """gpt-fast's layout: the KV cache a registered buffer (2 MiB), written with ``index_put_``
+    at the positions each call is given, next to a small buffer (copied whole)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.register_buffer("keys", torch.zeros(8 * ROWS, 64))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.keys[pos] = self.lin(x[:1])  # the first row's (a real one)
+        self.calls.add_(1)
+        return x * self.keys[:16].sum()
+
+
+def _prompted() -> BufferCache:
+    m = BufferCache()
+    with torch.no_grad():
+        m.keys[:6] = torch.randn(6, 64)  # a prompt at rows 0..5
+    return m
+
+
+def test_a_snapshot_records_what_a_large_buffer_loses_instead_of_copying_it() -> None:
+    m = _prompted()
+    before = m.keys.clone()
+    snap = StateSnapshot(m, CPU)
+    assert snap.saved_bytes < m.keys.nbytes // 100  # not a copy of the cache: the small ones
+    with torch.no_grad(), snap.running():
+        for _ in range(3):
+            m(torch.randn(2, 64), torch.tensor([0]))
+    assert not torch.equal(m.keys, before) and int(m.calls) == 3
+    assert snap.saved_bytes < m.keys.nbytes // 100  # three rows of the cache
+    snap.restore()
+    assert torch.equal(m.keys, before) and int(m.calls) == 0
+
+
+@pytest.mark.parametrize("form", ["module", "function"])
+def test_tr_graph_of_a_module_with_a_large_cache_buffer_equals_eager(monkeypatch, form) -> None:
+    test_buckets.install_cpu_graphs(monkeypatch.setattr)
+    m = _prompted()
+    ref = copy.deepcopy(m)
+    fn = m if form == "module" else (lambda x, pos: m(x, pos))  # a function: m found as it runs
+    g = tr.graph(fn, torch.randn(1, 64), torch.tensor([0]), sizes=[1, 2, 4], dim={"x": 0, "pos": None})
+    assert torch.equal(m.keys, ref.keys) and int(m.calls) == 0
+    with torch.no_grad():
+        for p, n in zip(range(6, 12), (1, 3, 2, 4, 1, 2)):
+            x, pos = torch.randn(n, 64), torch.tensor([p])
+            torch.testing.assert_close(g(x, pos), ref(x, pos))
+            assert torch.equal(m.keys, ref.keys) and torch.equal(m.calls, ref.calls)
+
+
+class Unseen(BufferCache):
+    """Writes its cache where no dispatch mode sees it, as compiled code or a raw kernel does."""
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        with torch.utils._python_dispatch._disable_current_modes():
+            self.keys[pos] = x[:1]
+        return x * self.keys[:16].sum()
+
+
+def test_a_write_the_recording_missed_is_named_and_a_compiled_modules_buffers_are_copied(caplog) -> None:
+    m = Unseen()
+    snap = StateSnapshot(m, CPU)
+    with torch.no_grad(), snap.running():
+        m(torch.randn(2, 64), torch.tensor([0]))
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        snap.restore()
+    assert "Unseen.keys" in caplog.text and "torch.compile the whole module" in caplog.text
+    assert m.keys[0].abs().sum() > 0  # left as written: the warning says so
+    # A compiled module: no mode sees its writes, so its large buffers are copied whole.
+    m = Unseen()
+    compiled = torch.compile(m, backend="eager")
+    snap = StateSnapshot(compiled, CPU)
+    assert snap.saved_bytes >= m.keys.nbytes
+    with torch.no_grad(), snap.running():
+        compiled(torch.randn(2, 64), torch.tensor([0]))
+    assert m.keys[0].abs().sum() > 0
+    snap.restore()
+    assert int(m.keys.count_nonzero()) == 0

@@ -499,3 +499,51 @@ def test_a_build_leaves_a_large_cache_in_an_argument_as_the_caller_left_it(front
             torch.testing.assert_close(g(x, pos, cache), m(x, pos, ref), rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(cache.keys, ref.keys, rtol=1e-4, atol=1e-4)
     assert g.stats.fallbacks == 0
+
+
+class BufferDecoder(nn.Module):
+    """gpt-fast's layout: a 256 MiB KV cache registered as a buffer, written with ``index_put_``
+    at the position each call is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.brk = nn.Linear(256, 256), nn.Linear(256, 256)
+        self.register_buffer("keys", torch.zeros(4, 65536, 256))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.keys[:, pos] = self.q(x[:4]).unsqueeze(1)  # x: [B, 256], B >= 4
+        att = (self.brk(x) @ self.keys[0, :32].T).softmax(-1)  # [B, 32]
+        return att @ self.keys[1, :32]
+
+
+@pytest.mark.parametrize("front", ["graph", "function", "sizes", "breaks", "compiled"])
+def test_a_build_puts_a_large_cache_buffer_back_without_copying_it(front) -> None:
+    """A module's buffers were copied whole before the warm-ups: a KV cache registered as a
+    buffer took twice its memory for the build. Over 1 MiB, only what the build's calls
+    overwrite is kept now (a torch.compile'd module's buffers are still copied whole: no
+    dispatch mode sees its writes)."""
+    torch.manual_seed(0)
+    m = BufferDecoder().to(DEV).eval()
+    with torch.no_grad():
+        m.keys[:, :6] = torch.randn(4, 6, 256, device=DEV)  # a prompt at rows 0..5
+    ref = copy.deepcopy(m)
+    fn = {"function": lambda x, pos: m(x, pos), "compiled": torch.compile(m)}.get(front, m)
+    kw = {"sizes": [4, 8], "dim": {"x": 0, "pos": None}} if front == "sizes" else {}
+    if front == "breaks":
+        kw["breaks"] = [m.brk]
+    x0, pos0 = torch.randn(4, 256, device=DEV), torch.tensor([0], device=DEV)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    g = tr.graph(fn, x0, pos0, **kw)
+    peak = torch.cuda.max_memory_allocated() - base
+    if front != "compiled":
+        assert peak < m.keys.nbytes // 4, (peak, m.keys.nbytes)  # a copy would be 256 MiB
+    torch.testing.assert_close(m.keys, ref.keys, rtol=0, atol=0)
+    with torch.no_grad():
+        for p in range(6, 6 + CALLS):
+            x = torch.randn(4 if front != "sizes" else 4 + p % 5, 256, device=DEV)
+            pos = torch.tensor([p], device=DEV)
+            torch.testing.assert_close(g(x, pos), ref(x, pos), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(m.keys, ref.keys, rtol=1e-4, atol=1e-4)
+    assert g.stats.fallbacks == 0

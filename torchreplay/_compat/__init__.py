@@ -196,6 +196,13 @@ def compiled_target(obj: Any) -> Any:
     return target
 
 
+def compiled_module(module: torch.nn.Module) -> bool:
+    """Does calling ``module`` run code ``torch.compile`` compiled: it is what ``torch.compile``
+    returned for a module, or was compiled in place (``Module.compile()`` sets the private
+    ``_compiled_call_impl``)?"""
+    return compiled_target(module) is not None or getattr(module, "_compiled_call_impl", None) is not None
+
+
 def storage_key(t: torch.Tensor) -> int:
     """A number equal for tensors on one storage (views of each other), fake tensors too (whose
     data pointers are all 0): the storage object's C++ address, ``UntypedStorage._cdata``

@@ -21,7 +21,8 @@ import torch.nn as nn
 from torchreplay import _compat
 from torchreplay.check import NO_CUDA_OP, check_call
 from torchreplay.core.args import CallArgs, owning_module
-from torchreplay.core.capture import StateSnapshot, on_side_stream, side_stream
+from torchreplay.core.capture import on_side_stream, side_stream
+from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.errors import CaptureError
 
 __all__ = ["AutoBreak", "find_breaks", "find_on_copies", "suggestion", "suggest"]
@@ -131,7 +132,7 @@ def find_on_copies(fn: Callable[..., Any], call: CallArgs, device: torch.device)
     module = owning_module(fn)
     snapshot = StateSnapshot(module, device, find=module is None)  # a function's: as they run
     try:
-        with on_side_stream(side_stream(device), device), torch.no_grad(), snapshot.finding():
+        with on_side_stream(side_stream(device), device), torch.no_grad(), snapshot.running():
             return find_breaks(fn, a, k)
     finally:
         snapshot.restore()

@@ -34,7 +34,8 @@ import torch
 from torchreplay import _compat
 from torchreplay.config import RANKS, BucketConfig, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
-from torchreplay.core.capture import Segments, StateSnapshot, capture, on_side_stream, side_stream
+from torchreplay.core.capture import Segments, capture, on_side_stream, side_stream
+from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.effects import PyState
 from torchreplay.core.modes import GRAD, EagerCalls, tracked_leaf
 from torchreplay.core.padding import flat_call
@@ -203,7 +204,7 @@ class BreakableGraph:
         args, kwargs = call.unflatten(leaves)
         try:
             with on_side_stream(side_stream(device), device), torch.no_grad(), self._python.build_call():
-                with watch, intercept(self.fn, self._breaks, recorder, reached), snapshot.finding():
+                with watch, intercept(self.fn, self._breaks, recorder, reached), snapshot.running():
                     out = self.fn(*args, **kwargs)
         except Exception as exc:
             raise CaptureError(

@@ -17,7 +17,6 @@ import gc
 import logging
 import os
 import sys
-import threading
 import time
 import traceback
 import warnings
@@ -31,11 +30,10 @@ from torchreplay.config import GraphConfig
 from torchreplay.core.args import fn_name
 from torchreplay.core.effects import NO_EFFECTS, NoEffects, PyState
 from torchreplay.core.pool import Pool, expect_capture
+from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.writes import WriteWatch
 from torchreplay.distributed.collectives import Collective, CollectiveLog
 from torchreplay.errors import CaptureError
-
-_module_pre_hook = torch.nn.modules.module.register_module_forward_pre_hook
 
 __all__ = [
     "Captured",
@@ -44,7 +42,6 @@ __all__ = [
     "capture",
     "side_stream",
     "on_side_stream",
-    "StateSnapshot",
     "user_frame",
     "warn_mode_changed",
     "progress",
@@ -129,90 +126,6 @@ def user_frame(tb: Any) -> tuple[str, int, str] | None:
             continue
         found = (frame.filename, frame.lineno or 0, (frame.line or "").strip())
     return found
-
-
-class StateSnapshot:
-    """Module buffers (and optionally parameters) and RNG state, saved to be put back.
-
-    Warm-up runs the callable for real; a KV-cache write or a BatchNorm statistics update would
-    otherwise happen ``num_warmup_iters`` extra times just because a graph was built.
-
-    For a plain function (``module`` None, ``find``), which modules it runs is learned while it
-    runs: inside :meth:`finding`, torch's global forward pre-hook records each module the first
-    time it is called (:attr:`called`, in order) and saves its buffers then, before its first
-    forward wrote them (not while a stream captures: nothing runs for real there). ``save``
-    False: only the finding (the caller does not restore; :meth:`restore` does nothing).
-    """
-
-    def __init__(
-        self,
-        module: torch.nn.Module | None,
-        device: torch.device,
-        params: bool = False,
-        *,
-        find: bool = False,
-        save: bool = True,
-    ) -> None:
-        self._params = params
-        self._save = save
-        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-        #: with ``find``: the modules the callable ran inside :meth:`finding`, each once, in order
-        self.called: list[torch.nn.Module] | None = [] if find else None
-        self._seen: set[int] = set()
-        if module is not None and save:
-            self._keep(module, recurse=True)
-        self._device = device
-        self._cpu_rng = torch.get_rng_state()
-        self._cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-    def _keep(self, module: torch.nn.Module, recurse: bool) -> None:
-        tensors = [b for b in module.buffers(recurse=recurse) if b is not None]
-        if self._params:
-            tensors += list(module.parameters(recurse=recurse))
-        with torch.no_grad():
-            self._saved += [(t, t.detach().clone()) for t in tensors]
-
-    @contextlib.contextmanager
-    def finding(self) -> Iterator[None]:
-        """With ``find``: within the block, record (and save) each module the callable runs."""
-        if self.called is None:
-            yield
-            return
-        called, seen, cuda = self.called, self._seen, self._device.type == "cuda"
-        thread = threading.get_ident()  # the hook is global: another thread's modules are not ours
-
-        def first_call(module: torch.nn.Module, args: Any) -> None:
-            if id(module) in seen or threading.get_ident() != thread:
-                return
-            seen.add(id(module))
-            called.append(module)
-            if self._save and not (cuda and torch.cuda.is_current_stream_capturing()):
-                self._keep(module, recurse=False)  # each submodule reports itself
-
-        with warnings.catch_warnings():
-            # torch warns that a global hook fires once more for a compiled module's wrapper:
-            # ours only records it, once
-            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
-            handle = _module_pre_hook(first_call)
-            try:
-                yield
-            finally:
-                handle.remove()
-
-    def restore(self) -> None:
-        """Put every saved tensor and the RNG state back. An inference tensor (a buffer made
-        under ``torch.inference_mode``) only under ``inference_mode``: outside it, nothing can
-        have written it, and a copy into it would raise."""
-        if not self._save:
-            return
-        inference = torch.is_inference_mode_enabled()
-        with torch.no_grad():
-            for t, saved in self._saved:
-                if inference or not t.is_inference():
-                    t.copy_(saved)
-        torch.set_rng_state(self._cpu_rng)
-        if self._cuda_rng is not None:
-            torch.cuda.set_rng_state(self._cuda_rng, self._device)
 
 
 @dataclass
@@ -350,7 +263,8 @@ def capture(
             and was synchronized before (a later size of a piecewise runtime, which syncs once
             after its sizes): the host captures while the GPU runs the warm-up.
         snapshot: restored after a failure (the caller restores it after success); warm-up and
-            capture run inside its :meth:`~StateSnapshot.finding` (a plain function's modules).
+            capture run inside its :meth:`~torchreplay.core.snapshot.StateSnapshot.running` (what
+            they write into large buffers, a plain function's modules).
         watch: tensors (the static inputs) whose in-place writes by the captured call are
             recorded in ``Captured.written`` (:class:`~torchreplay.core.writes.WriteWatch`).
         reset: called before each warm-up call and before the capture: puts back what the
@@ -377,9 +291,9 @@ def capture(
     start = time.perf_counter()
     grad_ctx = torch.enable_grad if grad else torch.no_grad
     # (training passes its own StateKeeper, which finds what it needs by itself)
-    finding = snapshot.finding() if isinstance(snapshot, StateSnapshot) else contextlib.nullcontext()
+    running = snapshot.running() if isinstance(snapshot, StateSnapshot) else contextlib.nullcontext()
     python = effects if effects is not None else NO_EFFECTS
-    with on_side_stream(stream, device), grad_ctx(), finding:
+    with on_side_stream(stream, device), grad_ctx(), running:
         if warmup:
             python.start()
             for i in range(config.num_warmup_iters):

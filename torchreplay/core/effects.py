@@ -145,6 +145,7 @@ class PyState:
         wrote into a cache at the sample's position)."""
         if self._rewind is not None:
             self._rewind.undo()
+            self._rewind.warn_unseen()
         with torch.no_grad():
             for t, version, saved in self._saved:
                 if version is None or t._version != version:  # (None: an inference tensor)

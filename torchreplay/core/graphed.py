@@ -11,7 +11,8 @@ import torch
 from torchreplay import _compat
 from torchreplay.config import RANKS, SAFE, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
-from torchreplay.core.capture import StateSnapshot, capture, side_stream
+from torchreplay.core.capture import capture, side_stream
+from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.effects import PyState
 from torchreplay.core.io import Inputs
 from torchreplay.core.modes import (

@@ -20,13 +20,17 @@ the build, at the cost of a few rows per write.
 
 What it cannot see, as ``core/writes.py``: a write inside a ``torch.compile``d region (the mode
 leaves compiled code alone), a raw kernel launched outside an aten op, and a change of a tensor's
-shape in place (``resize_``, ``set_``), which no copy undoes. Nothing is saved for a CUDA tensor
-while the stream is capturing: a capture records work, it runs none.
+shape in place (``resize_``, ``set_``), which no copy undoes. Such a write still advances the
+tensor's version counter (compiled code advances it for the inputs it mutates): when a watched
+tensor's counter moved by more than the writes the mode saw, :attr:`Rewind.unseen` names it, for
+the caller's warning. Nothing is saved for a CUDA tensor while the stream is capturing: a capture
+records work, it runs none.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Callable, Sequence
 
 import torch
@@ -34,6 +38,8 @@ import torch
 from torchreplay._compat import LightDispatchMode, written_tensors
 
 __all__ = ["Rewind"]
+
+log = logging.getLogger(__name__)
 
 _aten = torch.ops.aten
 # In-place ops that change a tensor's shape or storage, not its values: a copy cannot undo them.
@@ -57,13 +63,52 @@ class Rewind(LightDispatchMode):
         saved_bytes: what the records hold, in bytes.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor] = (), names: Sequence[str] = ()) -> None:
         super().__init__()
         # by storage: a view of one (a row, a slice) has its storage, at the same address
-        self._storages = {t.untyped_storage().data_ptr() for t in tensors if t.device.type != "meta"}
+        self._storages: set[int] = set()
         self._log: list[tuple[torch.Tensor, Callable[[], Any]]] = []  # (written, write back)
         self._regions: set[tuple[Any, ...]] = set()  # those saved whole (_save)
+        self._paused = False  # undo() inside the mode: its writes are no build's
+        # The check that every write was seen: each watched tensor's version counter when the
+        # mode was entered (or the tensor watched), against the writes seen to its storage.
+        self._versions: list[tuple[torch.Tensor, str, int]] = []
+        self._seen: dict[int, int] = {}
         self.saved_bytes = 0
+        #: the names of watched tensors written where the mode could not see (a compiled
+        #: region, a raw kernel): undo() cannot put those writes back
+        self.unseen: list[str] = []
+        self._warned = False
+        self.watch(tensors, names)
+
+    def watch(self, tensors: Sequence[torch.Tensor], names: Sequence[str] = ()) -> None:
+        """Watch ``tensors`` too (``names``: for :attr:`unseen`; default their shapes)."""
+        for i, t in enumerate(tensors):
+            if t.device.type == "meta":
+                continue
+            self._storages.add(t.untyped_storage().data_ptr())
+            if not t.is_inference():  # (an inference tensor has no version counter)
+                name = names[i] if i < len(names) else f"a tensor{tuple(t.shape)}"
+                self._versions.append((t, name, t._version))
+
+    def __enter__(self) -> Rewind:
+        self._versions = [(t, name, t._version) for t, name, _ in self._versions]
+        self._seen = {}
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for t, name, version in self._versions:
+                if t._version - version > self._seen.get(t.untyped_storage().data_ptr(), 0):
+                    if name not in self.unseen:
+                        self.unseen.append(name)
+
+    @property
+    def watching(self) -> bool:
+        """Does it watch any tensor?"""
+        return bool(self._storages)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -73,15 +118,17 @@ class Rewind(LightDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        for t in written_tensors(func, args, kwargs):
-            if self._watched(t) and not (t.is_cuda and _capturing()):
-                undo = self._save(func, t, args, kwargs)
-                if undo is not None:
-                    self._log.append((t, undo))
+        if self._storages:
+            for t in written_tensors(func, args, kwargs):
+                ptr = t.untyped_storage().data_ptr() if t.device.type != "meta" else None
+                if ptr not in self._storages:
+                    continue
+                self._seen[ptr] = self._seen.get(ptr, 0) + 1  # (each bumps its version once)
+                if not self._paused and not (t.is_cuda and _capturing()):
+                    undo = self._save(func, t, args, kwargs)
+                    if undo is not None:
+                        self._log.append((t, undo))
         return func(*args, **kwargs)
-
-    def _watched(self, t: torch.Tensor) -> bool:
-        return t.device.type != "meta" and t.untyped_storage().data_ptr() in self._storages
 
     def _save(
         self, func: Any, t: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -114,14 +161,30 @@ class Rewind(LightDispatchMode):
         self.saved_bytes += before.nbytes
         return lambda: t.copy_(before)
 
+    def warn_unseen(self) -> None:
+        """Log, once, the tensors :meth:`undo` could not put back (:attr:`unseen`)."""
+        if self.unseen and not self._warned:
+            self._warned = True
+            log.warning(
+                "torchreplay: the calls that built the graph wrote %s where torchreplay could "
+                "not record it (inside a torch.compile'd function, or a kernel launched outside "
+                "a torch op), so it is left as they left it. torch.compile the whole module "
+                "instead (a compiled module's buffers are copied whole), or build the graph "
+                "before the tensor holds what you need", ", ".join(self.unseen),
+            )
+
     def undo(self) -> None:
         """Write back what was saved, last write first; forget it."""
         log, self._log = self._log, []
         self._regions.clear()
         self.saved_bytes = 0
-        with torch.no_grad():
-            for t, put_back in reversed(log):
-                # (an inference tensor only under inference_mode, which may write it; turning
-                # inference_mode off would turn autograd back on, so it is never left)
-                with torch.inference_mode() if t.is_inference() else contextlib.nullcontext():
-                    put_back()
+        self._paused = True
+        try:
+            with torch.no_grad():
+                for t, put_back in reversed(log):
+                    # (an inference tensor only under inference_mode, which may write it; turning
+                    # inference_mode off would turn autograd back on, so it is never left)
+                    with torch.inference_mode() if t.is_inference() else contextlib.nullcontext():
+                        put_back()
+        finally:
+            self._paused = False

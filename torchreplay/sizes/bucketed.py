@@ -27,7 +27,8 @@ import torch
 from torchreplay import _compat
 from torchreplay.config import RANKS, SAFE, BucketConfig, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
-from torchreplay.core.capture import StateSnapshot, capture, on_side_stream, progress, side_stream
+from torchreplay.core.capture import capture, on_side_stream, progress, side_stream
+from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.effects import PyState
 from torchreplay.core.io import Inputs, same_constant, warn_widening, widens, write_back
 from torchreplay.core.modes import CAPTURE, GRAD, EagerCalls, tracked_leaf
@@ -247,7 +248,7 @@ class BucketedGraph:
         else:
             small = None  # only size 1: every call has exactly one row, nothing is sliced
         outs: dict[int, Any] = {}
-        finding = snapshot.finding() if snapshot is not None else contextlib.nullcontext()
+        finding = snapshot.running() if snapshot is not None else contextlib.nullcontext()
         with on_side_stream(self._stream, self.device), torch.no_grad(), finding:
             for s in (big,) if small is None else (big, small):
                 a, k = self._args_at(s)

@@ -42,7 +42,8 @@ import torch
 from torchreplay import _compat
 from torchreplay.config import RANKS, GraphConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, owning_module
-from torchreplay.core.capture import StateSnapshot, warn_mode_changed
+from torchreplay.core.capture import warn_mode_changed
+from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core import modes
 from torchreplay.core.modes import HOOKS, TRAIN_MODE, GradFlags, Hooks, warn_hooks_changed
 from torchreplay.core.io import Inputs
@@ -166,7 +167,7 @@ class GraphedCallable:
         find = self._module is None and self._called is None and not now_capturing
         finder = StateSnapshot(None, self.device, find=True, save=False) if find else None
         with keeper.discovering() if discover else contextlib.nullcontext():  # type: ignore[union-attr]
-            with finder.finding() if finder is not None else contextlib.nullcontext():
+            with finder.running() if finder is not None else contextlib.nullcontext():
                 out = self._run_fn(*args, **kwargs)
         self._called = finder.called if finder is not None else self._called
         self._discovering_done = self._discovering_done or discover

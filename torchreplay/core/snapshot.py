@@ -1,0 +1,154 @@
+"""What a build's real calls change in a module's buffers and the RNG state, put back after.
+
+Building a graph runs the callable for real: the warm-ups, the probe of ``sizes=``, a breakable
+graph's sample call and its breaks. A KV-cache write or a BatchNorm statistics update would
+otherwise happen ``num_warmup_iters`` extra times just because a graph was built.
+:class:`StateSnapshot` puts the module's buffers and the RNG state back.
+
+Buffers of up to 1 MiB (statistics, positions, masks) are copied whole. Larger ones (a KV cache
+registered as a buffer, as gpt-fast's models do, sized to fill the device) are not: copying
+them would double their memory for the build, and a cache that fills the device would not fit
+twice. :class:`~torchreplay.core.rewind.Rewind` records, just before each write of the build's
+calls into one, only what that write overwrites (the rows of an ``index_copy_``, the elements of
+an ``index_put_``) and writes it back. What a ``torch.compile``d module writes, no dispatch mode
+sees: a compiled module's buffers are copied whole, as they were before. A write the recording
+missed anyway (a compiled function inside a module, a kernel launched outside an aten op) shows
+in the buffer's version counter, and a warning names the buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from typing import Any, Iterator
+
+import torch
+
+from torchreplay import _compat
+from torchreplay.core.pystate import large_tensors
+from torchreplay.core.rewind import Rewind
+
+__all__ = ["StateSnapshot"]
+
+_module_pre_hook = torch.nn.modules.module.register_module_forward_pre_hook
+
+
+class StateSnapshot:
+    """Module buffers (and optionally parameters) and RNG state, saved to be put back.
+
+    The calls the build makes for real run inside :meth:`running`: what they write into large
+    buffers is recorded there. For a plain function (``module`` None, ``find``), which modules
+    it runs is learned there too: torch's global forward pre-hook records each module the first
+    time it is called (:attr:`called`, in order) and keeps its buffers then, before its first
+    forward wrote them (not while a stream captures: nothing runs for real there). A compiled
+    module found so is kept whole, submodules included: their hooks do not run inside compiled
+    code. ``save`` False: only the finding (:meth:`restore` does nothing).
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module | None,
+        device: torch.device,
+        params: bool = False,
+        *,
+        find: bool = False,
+        save: bool = True,
+    ) -> None:
+        self._params = params
+        self._save = save
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its copy)
+        self._rewind = Rewind() if save else None  # the large buffers' writes
+        self._kept: set[int] = set()  # the modules whose buffers are kept, by id
+        #: with ``find``: the modules the callable ran inside :meth:`running`, each once, in order
+        self.called: list[torch.nn.Module] | None = [] if find else None
+        self._seen: set[int] = set()
+        if module is not None and save:
+            self._keep(module, recurse=True)
+        self._device = device
+        self._cpu_rng = torch.get_rng_state()
+        self._cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    @property
+    def saved_bytes(self) -> int:
+        """What the snapshot holds now: the copies of the small buffers, the large ones'
+        records."""
+        copies = sum(c.nbytes for _, c in self._saved)
+        return copies + (self._rewind.saved_bytes if self._rewind is not None else 0)
+
+    def _keep(self, module: torch.nn.Module, recurse: bool) -> None:
+        if id(module) in self._kept:
+            return
+        compiled = _compat.compiled_module(module)
+        modules = list(module.modules()) if recurse or compiled else [module]
+        compiled = compiled or any(_compat.compiled_module(m) for m in modules)
+        named: list[tuple[str, torch.Tensor]] = []
+        for m in modules:
+            if id(m) in self._kept:
+                continue
+            self._kept.add(id(m))
+            named += [(f"{type(m).__name__}.{n}", b) for n, b in m.named_buffers(recurse=False) if b is not None]
+            if self._params:
+                named += [(f"{type(m).__name__}.{n}", p) for n, p in m.named_parameters(recurse=False)]
+        large = [] if compiled else large_tensors([t for _, t in named])  # (compiled: unseen writes)
+        big = {id(t) for t in large}
+        with torch.no_grad():
+            self._saved += [(t, t.detach().clone()) for _, t in named if id(t) not in big]
+        if large:
+            assert self._rewind is not None
+            self._rewind.watch(large, [n for n, t in named if id(t) in big])
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Around the calls the build makes for real: record what they write into the large
+        buffers kept, and with ``find``, each module the callable runs (its buffers kept)."""
+        rewind = self._rewind
+        record = rewind is not None and (rewind.watching or self.called is not None)
+        with rewind if record else contextlib.nullcontext():  # type: ignore[attr-defined]
+            if self.called is None:
+                yield
+                return
+            with self._finding():
+                yield
+
+    @contextlib.contextmanager
+    def _finding(self) -> Iterator[None]:
+        called, seen, cuda = self.called, self._seen, self._device.type == "cuda"
+        assert called is not None
+        thread = threading.get_ident()  # the hook is global: another thread's modules are not ours
+
+        def first_call(module: torch.nn.Module, args: Any) -> None:
+            if id(module) in seen or threading.get_ident() != thread:
+                return
+            seen.add(id(module))
+            called.append(module)
+            if self._save and not (cuda and torch.cuda.is_current_stream_capturing()):
+                self._keep(module, recurse=False)  # each submodule reports itself
+
+        with warnings.catch_warnings():
+            # torch warns that a global hook fires once more for a compiled module's wrapper:
+            # ours only records it, once
+            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+            handle = _module_pre_hook(first_call)
+            try:
+                yield
+            finally:
+                handle.remove()
+
+    def restore(self) -> None:
+        """Put every saved tensor and the RNG state back. An inference tensor (a buffer made
+        under ``torch.inference_mode``) only under ``inference_mode``: outside it, nothing can
+        have written it, and a copy into it would raise."""
+        if not self._save:
+            return
+        assert self._rewind is not None
+        self._rewind.undo()
+        self._rewind.warn_unseen()
+        inference = torch.is_inference_mode_enabled()
+        with torch.no_grad():
+            for t, saved in self._saved:
+                if inference or not t.is_inference():
+                    t.copy_(saved)
+        torch.set_rng_state(self._cpu_rng)
+        if self._cuda_rng is not None:
+            torch.cuda.set_rng_state(self._cuda_rng, self._device)
