@@ -350,3 +350,26 @@ def test_an_output_that_is_an_argument_is_the_callers_tensor() -> None:
     for policy in ("clone", "static"):
         other = Outputs((static_x,), policy, "g", lambda t: False, inputs=inputs)
         assert other.passed == [] and other.emit([x, True, mask])[0] is static_x
+
+
+def test_an_output_that_is_a_view_of_an_argument_is_that_view_of_the_callers_tensor() -> None:
+    """Eagerly ``x[:, 1:]`` is a view of the caller's tensor (it sees the caller's later writes,
+    stays valid after later calls); it was a view of the graph's static copy."""
+    from torchreplay.core.outputs import Outputs
+
+    static_x = torch.randn(4, 6)
+    outs = (static_x[:, 1:], static_x.view(24), static_x.t(), static_x.view(torch.int32), torch.randn(4, 6)[0])
+    out = Outputs(outs, "checked", "g", lambda t: t.untyped_storage().data_ptr() == static_x.data_ptr(),
+                  inputs=[static_x])
+    assert [v[0] for v in out.views] == [0, 1, 2]  # not a reinterpreting view, not another tensor
+    for _ in range(3):
+        x = torch.randn(4, 6)
+        got = out.emit([x])
+        assert got[0]._base is x and torch.equal(got[0], x[:, 1:])
+        assert torch.equal(got[1], x.view(24)) and torch.equal(got[2], x.t())
+        x.add_(1)  # the caller's later write: eagerly the view sees it
+        assert torch.equal(got[0], x[:, 1:]) and got[4] is outs[4]
+    # A caller's tensor laid out otherwise (a transposed one): not a view of it (the graph's)
+    x = torch.randn(6, 4).t()
+    got = out.emit([x])
+    assert got[0].untyped_storage().data_ptr() != x.untyped_storage().data_ptr()

@@ -200,6 +200,31 @@ def test_an_output_that_is_an_argument_is_the_callers_tensor() -> None:
         torch.testing.assert_close(w, want)
 
 
+def test_an_output_that_is_a_view_of_an_argument_is_that_view_of_the_callers_tensor() -> None:
+    """``ids[:, -1:]``, ``x.view(-1)``: eagerly a view of the caller's tensor, which sees the
+    caller's later writes and stays valid after later calls. It was a view of the graph's
+    static copy (stale after the next call, blind to the caller's writes)."""
+    lin = nn.Linear(16, 16).to(DEV)
+
+    def f(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return lin(x), ids[:, -1:], x.view(-1)
+
+    g = tr.graph(f, torch.randn(4, 16, device=DEV), torch.randint(0, 100, (4, 8), device=DEV))
+    kept = []
+    with torch.no_grad():
+        for _ in range(6):
+            x, ids = torch.randn(4, 16, device=DEV), torch.randint(0, 100, (4, 8), device=DEV)
+            h, last, flat = g(x, ids)
+            assert last._base is ids and flat._base is x
+            torch.testing.assert_close(h, lin(x))
+            assert torch.equal(last, ids[:, -1:])
+            x.add_(1)  # the caller's write after the call: the view sees it, as eagerly
+            assert torch.equal(flat, x.view(-1))
+            kept.append((ids[:, -1:].clone(), last))
+    for want, got in kept:  # every call's, after all later calls
+        assert torch.equal(got, want)
+
+
 def test_output_fed_back_as_input_matches_eager() -> None:
     lin = nn.Linear(32, 32).to(DEV)
 

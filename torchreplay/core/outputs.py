@@ -60,7 +60,9 @@ class Outputs:
             non-tensor): an output that is one of them itself (``return x, mask``, ``x.add_(1);
             return x``) is handed out as the caller's tensor of that argument, as eagerly
             (:meth:`emit`'s ``inputs``), never as the graph's memory that the next call
-            overwrites.
+            overwrites. One that is a view of one (``x[:, -1]``, ``x.view(-1)``) is the same
+            view of the caller's tensor, where that tensor is laid out as the static one (else
+            a view of the graph's copy, as before: checked, stale after the next call).
     """
 
     def __init__(
@@ -79,6 +81,9 @@ class Outputs:
         #: (output leaf, argument leaf) of the outputs that are an argument itself
         self.passed = [(i, at[id(t)]) for i, t in enumerate(leaves) if id(t) in at]
         passed = {i for i, _ in self.passed}
+        #: (output leaf, argument leaf, the static's dtype and strides, the view's size, stride
+        #: and offset from the static's) of the outputs that are a view of an argument
+        self.views = _views_of(leaves, inputs, passed) if at else []
         self.name = name
         self.static = leaves
         self.spec = spec
@@ -258,10 +263,14 @@ class Outputs:
             else:
                 for i in self.owned_idx:
                     leaves[i] = leaves[i].clone()
-        if self.passed and inputs:  # an argument returned: the caller's own tensor, as eagerly
+        if (self.passed or self.views) and inputs:  # an argument returned: the caller's own tensor
             leaves = list(leaves)
             for i, j in self.passed:
                 leaves[i] = inputs[j]
+            for i, j, dtype, strides, size, stride, delta in self.views:  # ... or a view of it
+                x = inputs[j]
+                if x.dtype is dtype and x.stride() == strides:
+                    leaves[i] = x.as_strided(size, stride, x.storage_offset() + delta)
         if self.watch and self.policy != "clone":  # clones are the caller's own memory
             self._watched = [leaves[i] for i in self.watch]
         if self.is_leaf:
@@ -301,6 +310,33 @@ class Outputs:
                 del storage
                 _HELD_STORAGE_REFS[0] = _loop_refcount(live)
         return handed
+
+
+def _views_of(leaves: Sequence[Any], inputs: Sequence[Any], skip: set[int]) -> list[tuple[Any, ...]]:
+    """:attr:`Outputs.views`: the output leaves (but ``skip``) that are views of an input."""
+    by_storage = {_storage_key(t): j for j, t in enumerate(inputs) if isinstance(t, _Tensor)}
+    out = []
+    for i, t in enumerate(leaves):
+        j = by_storage.get(_storage_key(t)) if isinstance(t, _Tensor) and i not in skip else None
+        if j is not None and t.dtype is inputs[j].dtype and _within(t, inputs[j]):
+            x = inputs[j]
+            out.append((i, j, x.dtype, x.stride(), tuple(t.shape), t.stride(), t.storage_offset() - x.storage_offset()))
+    return out
+
+
+def _within(view: torch.Tensor, x: torch.Tensor) -> bool:
+    """Does ``view`` read only elements of ``x`` (so that it can be made over another tensor
+    laid out as ``x``)? Every element at an offset of ``x``'s (in its span, for a dense ``x``)."""
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        lo = hi = t.storage_offset()
+        for n, st in zip(t.shape, t.stride()):
+            if n == 0:
+                return lo, lo - 1  # empty
+            lo, hi = (lo + (n - 1) * st, hi) if st < 0 else (lo, hi + (n - 1) * st)
+        return lo, hi
+
+    (vlo, vhi), (xlo, xhi) = span(view), span(x)
+    return x.is_contiguous() and xlo <= vlo and vhi <= xhi
 
 
 def _unheld(
