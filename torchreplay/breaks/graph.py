@@ -410,7 +410,7 @@ class _Runtime(PiecewiseRuntime):
     def _capture_batch(self, todo: list[tuple[int | None, tuple[Any, ...]]], args: tuple[Any, ...]) -> list[Entry]:
         assert self.device is not None
         module = self._front._module
-        self._snapshot = StateSnapshot(module, self.device)
+        self._snapshot = StateSnapshot(module, self.device, whole=True)  # segments replay unseen
         state = [*module.parameters(), *module.buffers()] if module is not None else []
         state += [a for a in args if isinstance(a, _Tensor)]
         self._state_ptrs = {t.untyped_storage().data_ptr() for t in state}
