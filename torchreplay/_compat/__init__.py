@@ -187,22 +187,6 @@ def storage_handle(storage: torch.UntypedStorage) -> int:
     return storage._cdata
 
 
-def compiled_target(obj: Any) -> Any:
-    """What ``torch.compile`` compiled, for what it returned (``OptimizedModule._orig_mod``, a
-    function's ``_torchdynamo_orig_callable``: private names); ``None`` for anything else."""
-    target = getattr(obj, "_orig_mod", None)
-    if target is None:
-        target = getattr(obj, "_torchdynamo_orig_callable", None)
-    return target
-
-
-def compiled_module(module: torch.nn.Module) -> bool:
-    """Does calling ``module`` run code ``torch.compile`` compiled: it is what ``torch.compile``
-    returned for a module, or was compiled in place (``Module.compile()`` sets the private
-    ``_compiled_call_impl``)?"""
-    return compiled_target(module) is not None or getattr(module, "_compiled_call_impl", None) is not None
-
-
 def storage_key(t: torch.Tensor) -> int:
     """A number equal for tensors on one storage (views of each other), fake tensors too (whose
     data pointers are all 0): the storage object's C++ address, ``UntypedStorage._cdata``
@@ -580,12 +564,13 @@ from torchreplay._compat.distributed import (  # noqa: E402  (the torch.distribu
 )
 
 __all__ += ["default_store", "dist_ready", "group_named", "group_of_arg", "group_ranks"]
-from torchreplay._compat.ops import (  # noqa: E402  (a custom op's kernel and schema)
-    argument_kinds, custom_op_kernel, eval_frame_callback, modes_active, plain_value, without_dynamo_guard,
+from torchreplay._compat.ops import (  # noqa: E402  (a custom op's kernel and schema, what compile made)
+    argument_kinds, compiled_module, compiled_target, custom_op_kernel, eval_frame_callback, modes_active, plain_value,
+    without_dynamo_guard,
 )
 
-__all__ += ["argument_kinds", "custom_op_kernel", "eval_frame_callback", "modes_active", "plain_value",
-            "without_dynamo_guard"]
+__all__ += ["argument_kinds", "compiled_module", "compiled_target", "custom_op_kernel", "eval_frame_callback",
+            "modes_active", "plain_value", "without_dynamo_guard"]
 from torchreplay._compat.streams import current_stream  # noqa: E402
 from torchreplay._compat.mempool import PrivateAllocations, private_allocations  # noqa: E402  (a private pool)
 from torchreplay._compat.hooks import (  # noqa: E402

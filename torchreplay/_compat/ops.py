@@ -9,7 +9,7 @@ import torch
 
 __all__ = [
     "custom_op_kernel", "argument_kinds", "plain_value", "modes_active", "without_dynamo_guard",
-    "eval_frame_callback",
+    "eval_frame_callback", "compiled_target", "compiled_module",
 ]
 
 # Python types the dispatcher hands a custom op's kernel unchanged, per schema type: an argument
@@ -135,3 +135,17 @@ eval_frame_callback: Callable[[], Any] = getattr(
     getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None),
     "get_eval_frame_callback", _no_eval_frame_getter,
 )
+
+
+def compiled_target(obj: Any) -> Any:
+    """What ``torch.compile`` compiled, for what it returned (``OptimizedModule._orig_mod``, a
+    function's ``_torchdynamo_orig_callable``: private names); ``None`` for anything else."""
+    target = getattr(obj, "_orig_mod", None)
+    if target is None:
+        target = getattr(obj, "_torchdynamo_orig_callable", None)
+    return target
+
+
+def compiled_module(module: torch.nn.Module) -> bool:
+    """Is ``module`` what torch.compile returned, or compiled in place (``_compiled_call_impl``)?"""
+    return compiled_target(module) is not None or getattr(module, "_compiled_call_impl", None) is not None
