@@ -20,7 +20,7 @@ import contextlib
 import functools
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -240,18 +240,15 @@ class BucketedGraph:
     def _probe(self, snapshot: StateSnapshot | None) -> OutputPlan:
         """Call ``fn`` eagerly at the largest size and one other, and learn how outputs slice."""
         big = self._max
-        small: int | None
-        if len(self.sizes) > 1:
-            small = self.sizes[-2]
-        elif big > 1:
-            small = big // 2
-        else:
-            small = None  # only size 1: every call has exactly one row, nothing is sliced
+        # the next size down; only size 1: every call has exactly one row, nothing is sliced
+        small = self.sizes[-2] if len(self.sizes) > 1 else big // 2 if big > 1 else None
         outs: dict[int, Any] = {}
+        args: dict[int, Sequence[Any]] = {}  # the argument leaves (an output may be one)
         finding = snapshot.running() if snapshot is not None else contextlib.nullcontext()
         with on_side_stream(self._stream, self.device), torch.no_grad(), finding:
             for s in (big,) if small is None else (big, small):
                 a, k = self._args_at(s)
+                args[s] = self._inputs.flatten(a, k)
                 try:
                     with self._effects.build_call():  # its writes into Python state: put back
                         out = self.fn(*a, **k)
@@ -274,7 +271,8 @@ class BucketedGraph:
         def is_external(t: torch.Tensor) -> bool:
             return t.untyped_storage().data_ptr() in state_ptrs
 
-        return plan_outputs(outs[big], big, outs.get(small) if small else None, small, is_external)
+        return plan_outputs(outs[big], big, outs.get(small) if small else None, small, is_external,
+                            args[big], args.get(small, ()) if small else ())
 
     def _capture_size(
         self, s: int, *, warmup: bool, snapshot: StateSnapshot | None, watch: bool = False
@@ -429,7 +427,7 @@ class BucketedGraph:
         stats.real_rows += n
         stats.padded_rows += route.pad
         self._last = outputs
-        return outputs.emit()
+        return outputs.emit(leaves)
 
     def _widen(self, i: int, slot: Any, leaf: torch.Tensor, leaves: Any, n: int) -> torch.Tensor:
         """Accept a lossless widening cast: return where the argument is copied; refuse every
@@ -553,14 +551,13 @@ class BucketedGraph:
                 leaves.append(narrow_leading(entry.externals[i], leaf.dims, n))
             elif leaf.kind == "size":
                 leaves.append(n)
-            else:
-                leaves.append(leaf.value)
-        outputs = Outputs(
-            _compat.tree_unflatten(leaves, plan.spec),
-            self.config.outputs,
-            self.name,
-            lambda t: id(t) in owned_ids,
-            reuse=True,
+            else:  # an argument: its buffer, which Outputs hands out as the caller's tensor
+                leaves.append(dsts[leaf.value] if leaf.kind == "argument" else leaf.value)
+        statics = {t.untyped_storage().data_ptr() for t in dsts if t is not None}
+        outputs = Outputs(  # a view of an argument's buffer is checked, or a view of the caller's
+            _compat.tree_unflatten(leaves, plan.spec), self.config.outputs, self.name,
+            lambda t: id(t) in owned_ids or t.untyped_storage().data_ptr() in statics,
+            reuse=True, inputs=dsts,
         )
         clean_after = s if self._writes_inputs else n
         return _Route(n, s, _compat.direct_replay(entry.graph), dsts, shapes, outputs, clean_after)

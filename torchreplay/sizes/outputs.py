@@ -8,7 +8,7 @@ Pure arithmetic on tensors' shapes, so the CPU tests check it exactly.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 
@@ -32,9 +32,11 @@ class OutputLeaf:
         updated in place); returned as it is, sliced along ``dims``.
         ``"constant"``: a non-tensor value, returned as it is.
         ``"size"``: a Python int equal to the size; returned as the call's size.
+        ``"argument"``: an argument itself (``return h, mask``; ``value``: its leaf index);
+        under ``checked`` returned as the caller's tensor, as eagerly.
     """
 
-    kind: Literal["owned", "external", "constant", "size"]
+    kind: Literal["owned", "external", "constant", "size", "argument"]
     path: str
     dims: tuple[int, ...] = ()
     shape: tuple[int, ...] = ()
@@ -71,7 +73,7 @@ class OutputPlan:
         if spec != self.spec:
             return f"the output structure {spec} differs from {self.spec} at size {self.size}"
         for leaf, plan in zip(leaves, self.leaves):
-            if plan.kind in ("owned", "external"):
+            if plan.kind in ("owned", "external", "argument"):
                 if not isinstance(leaf, _Tensor):
                     return f"{plan.path} is {type(leaf).__name__}, not a tensor as at size {self.size}"
                 if tuple(leaf.shape) != plan.shape_at(n) or leaf.dtype != plan.dtype:
@@ -88,6 +90,8 @@ def plan_outputs(
     small_out: Any,
     small: int | None,
     is_external: Callable[[torch.Tensor], bool],
+    big_args: Sequence[Any] = (),
+    small_args: Sequence[Any] = (),
 ) -> OutputPlan:
     """Learn how outputs are sliced from the callable's outputs at two sizes.
 
@@ -99,6 +103,8 @@ def plan_outputs(
         small_out, small: the output at another size ``small < big``; ``small=None`` when only
             one size exists and it is 1 (nothing is ever sliced then).
         is_external: True for a tensor whose memory is the module's state or a static argument.
+        big_args, small_args: the argument leaves of the two calls: an output that is the same
+            argument in both is of kind ``"argument"``.
 
     Raises:
         UnsupportedError: the outputs at the two sizes differ in structure, in a non-tensor value
@@ -137,6 +143,10 @@ def plan_outputs(
                         "to it, so it cannot be sliced back; return outputs whose size-dependent "
                         "dimensions equal the size (e.g. [B, ...], not flattened to [B * T])"
                     )
+            j = next((j for j, x in enumerate(big_args) if x is a), None)
+            if j is not None and (small_args[j] if small is not None else a) is b:
+                leaves.append(OutputLeaf("argument", path, dims, tuple(a.shape), a.dtype, value=j))
+                continue
             external = is_external(a)
             if small is not None and is_external(b) != external:
                 raise UnsupportedError(
