@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -311,3 +313,27 @@ def test_eager_calls_name_the_reason_and_warn_once_each(caplog) -> None:
     assert len(said) == 2
     assert "autocast(bfloat16)" in said[0] and "no autocast" in said[0]
     assert "args[0] 'x'" in said[1] and "torch.no_grad()" in said[1] and "make_graphed_callables" in said[1]
+
+
+def test_a_large_argument_passed_again_as_the_same_tensor_is_named_once(caplog) -> None:
+    """A KV cache passed as an argument at every step is copied into the graph's buffer (and back
+    out when written) at every call, where eager copies nothing: one warning says so and how to
+    pass the graph's buffer instead. New tensors each call (a batch) and the buffer itself are
+    no reason."""
+    def step(x, kv):
+        return x
+
+    cache = torch.zeros(64, 1024, 256)  # 64 MiB
+    inputs = Inputs(step, (torch.randn(4), cache), {}, CPU)
+    inputs.set_written([1])
+    assert inputs.large == [1]
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        for kv in (torch.zeros_like(cache), torch.zeros_like(cache), inputs.static_args[1],
+                   inputs.static_args[1]):
+            inputs.note_same_large([torch.randn(4), kv], "step")
+        assert not caplog.records
+        for _ in range(3):
+            inputs.note_same_large([torch.randn(4), cache], "step")
+    (record,) = caplog.records
+    assert "args[1]" in record.getMessage() and "128 MiB of copies a call" in record.getMessage()
+    assert "g.static_args" in record.getMessage() and inputs.large == []

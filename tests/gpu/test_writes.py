@@ -10,6 +10,7 @@ caller's tensors after every call.
 from __future__ import annotations
 
 import gc
+import logging
 
 import pytest
 import torch
@@ -251,3 +252,28 @@ def test_an_optimizer_step_captured_alone_equals_eager(kind: str) -> None:
         ref_opt.step()
         for p, r in zip(params, ref):
             torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+
+
+def test_a_cache_argument_passed_at_every_call_is_named_and_its_buffer_serves_instead(caplog) -> None:
+    """A 64 MiB KV cache passed as an argument at every step: each call copies it into the
+    graph's buffer and back out. One warning names it and the way around; following it (the
+    graph's buffer used as the cache) gives eager's results with nothing copied."""
+    def step(x: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        kv.index_copy_(0, pos, x[:1].expand(1, 64, 1024))
+        return x * kv[:8].sum()
+
+    cache = torch.zeros(256, 64, 1024, device="cuda")
+    ref = cache.clone()
+    g = tr.graph(step, torch.randn(4, 1, device="cuda"), cache, torch.tensor([0], device="cuda"))
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        for p in range(4):
+            x, pos = torch.randn(4, 1, device="cuda"), torch.tensor([p], device="cuda")
+            torch.testing.assert_close(g(x, cache, pos), step(x, ref, pos))
+            torch.testing.assert_close(cache, ref)
+    assert len([r for r in caplog.records if "args[1]" in r.getMessage() and "every call" in r.getMessage()]) == 1
+    buf = g.static_args[1]
+    buf.copy_(cache)
+    for p in range(4, 8):
+        x, pos = torch.randn(4, 1, device="cuda"), torch.tensor([p], device="cuda")
+        torch.testing.assert_close(g(x, buf, pos), step(x, ref, pos))
+    torch.testing.assert_close(buf, ref)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import logging
+import weakref
 
 import torch
 
@@ -37,6 +38,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
+# An argument this large passed again as the same tensor (a KV cache): its copies are named once.
+_LARGE_BYTES = 64 << 20
 _foreach_copy = _compat.foreach_copy_
 _copy_untracked = _compat.foreach_copy_untracked
 _grad_enabled = torch.is_grad_enabled
@@ -229,6 +232,11 @@ class Inputs:
             if len(self._tensor_checks) == 1 and not self._constant_checks
             else None
         )
+        #: The tensor slots of at least 64 MiB (:meth:`note_same_large`; emptied once it told)
+        self.large = [
+            i for i, s in enumerate(self.slots) if s.static is not None and s.static.nbytes >= _LARGE_BYTES
+        ]
+        self._last_large: dict[int, weakref.ref[torch.Tensor]] = {}
 
     # -- replay path -------------------------------------------------------------------------
 
@@ -351,6 +359,34 @@ class Inputs:
     def written_paths(self) -> list[str]:
         """The names of the arguments the graph writes (``["args[1] 'cache'"]``)."""
         return [self.slots[i].path for i in self.written]
+
+    def note_same_large(self, leaves: Sequence[Any], name: str) -> None:
+        """A large argument (:attr:`large`) passed as the same
+        tensor as at the last call, not as its static buffer (a KV cache passed at every step):
+        each call copies it in, and back out if the graph writes it, where eager copies nothing.
+        Say so, once per graph, with the way around it."""
+        for i in self.large:
+            leaf, slot = leaves[i], self.slots[i]
+            if leaf is slot.static or not isinstance(leaf, _Tensor):
+                continue
+            last = self._last_large.get(i)
+            if last is None or last() is not leaf:
+                self._last_large[i] = weakref.ref(leaf)
+                continue
+            self.large, self._last_large = [], {}
+            static = slot.static
+            assert static is not None
+            back = i in self.written
+            log.warning(
+                "torchreplay: '%s' gets the same %s (%s MiB) at every call, and each call copies "
+                "it into the graph's input buffer%s: %s MiB of copies a call that eager does not "
+                "make. Use the graph's buffer as that tensor instead: it is at the same place in "
+                "g.static_args / g.static_kwargs; copy your values into it once and pass it at "
+                "every call: the graph reads%s it where it is, and nothing is copied",
+                name, slot.path, static.nbytes >> 20, " and back out (the graph writes it)" if back else "",
+                (static.nbytes >> 20) * (2 if back else 1), " and writes" if back else "",
+            )
+            return
 
     def copy_back(self, leaves: Sequence[Any]) -> None:
         """After a replay: copy every written static buffer into the caller's tensor, as an

@@ -144,6 +144,7 @@ class BucketedGraph:
         self.static_args = self._inputs.static_args
         self.static_kwargs = self._inputs.static_kwargs
         self._slots = self._inputs.slots
+        self._inputs.large = [i for i in self._inputs.large if self._plan.dims[i] is None]  # (fixed)
         plan = self._plan
         self._varying = [(self._slots[i].static, plan.dims[i], plan.fills[i]) for i in plan.varying]
         self._lead = self._plan.lead
@@ -421,6 +422,8 @@ class BucketedGraph:
         route.replay()
         if self._writes:  # eager semantics: the real rows the callable wrote reach the caller
             self._copy_back(leaves, route)
+        if self._inputs.large:  # a KV cache copied in (and out) at every call: say so, once
+            self._inputs.note_same_large(leaves, self.name)
         stats = self.stats
         stats.replays += 1
         stats.size_hits[route.size] += 1
