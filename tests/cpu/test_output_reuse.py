@@ -373,3 +373,17 @@ def test_an_output_that_is_a_view_of_an_argument_is_that_view_of_the_callers_ten
     x = torch.randn(6, 4).t()
     got = out.emit([x])
     assert got[0].untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+def test_one_output_that_is_a_view_of_an_argument() -> None:
+    """``return x.view(-1)``: the output alone, not in a tuple (emit's shortest path; on the
+    CPU the policy falls back to clone, so the checked path is tests/gpu/test_graph.py's)."""
+    from torchreplay.core.outputs import Outputs
+
+    static_x = torch.randn(4, 6)
+    out = Outputs(static_x.view(-1), "checked", "g",
+                  lambda t: t.untyped_storage().data_ptr() == static_x.data_ptr(), inputs=[static_x])
+    for _ in range(3):
+        x = torch.randn(4, 6)
+        y = out.emit([x])
+        assert y._base is x and torch.equal(y, x.view(-1))

@@ -94,6 +94,7 @@ class Outputs:
             i for i, t in enumerate(leaves) if isinstance(t, _Tensor) and owned(t) and i not in passed
         ]
         self.is_leaf = _compat.is_leaf_treespec(spec)
+        self._one_handed = self.is_leaf and not self.views  # emit returns the one handed tensor
         self._rebuild = _compat.unflattener(spec)
         # Checked policy: one alias storage per distinct owned storage, shared by the outputs
         # that view it (so y and y.view(-1) stay aliases of each other, as in eager).
@@ -250,7 +251,7 @@ class Outputs:
                 self._kept = False
                 if self.on_live is not None:
                     self.on_live()
-            if self.is_leaf:
+            if self._one_handed:
                 return handed[0]
             leaves = list(leaves)
             for i, t in zip(self.grouped_idx, handed):
