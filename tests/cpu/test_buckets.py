@@ -19,6 +19,7 @@ from torchreplay.core.args import CallArgs
 from torchreplay.core.capture import Captured
 from torchreplay.core.effects import NO_EFFECTS
 from torchreplay.core.writes import WriteWatch
+from torchreplay.core import graphed
 from torchreplay.sizes import bucketed as buckets
 from torchreplay.sizes.outputs import plan_outputs
 from torchreplay.sizes.plan import (
@@ -351,14 +352,20 @@ def test_decide_lazy_captures_until_the_cap() -> None:
 class _EagerGraph:
     """Stands in for a captured graph: replay re-runs the captured call on the same buffers."""
 
-    def __init__(self, fn, args, kwargs) -> None:
+    def __init__(self, fn, args, kwargs, out=None) -> None:
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.replays = 0
+        # the capture's output tensors, which a real replay writes in place
+        self.outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
     def replay(self) -> None:
         self.replays += 1
         with torch.no_grad():
-            self.fn(*self.args, **self.kwargs)
+            new = self.fn(*self.args, **self.kwargs)
+            new = [t for t in torch.utils._pytree.tree_leaves(new) if isinstance(t, torch.Tensor)]
+            for old, t in zip(self.outs, new):
+                if old is not t:
+                    old.copy_(t)
 
 
 @contextlib.contextmanager
@@ -382,12 +389,13 @@ def _runs_nothing() -> Any:
 
 
 def install_cpu_graphs(setattr_: Any) -> list[int]:
-    """Make tr.graph(sizes=...) run on the CPU through ``setattr_`` (monkeypatch's, or plain
-    ``setattr`` in a spawned rank); returns the sizes captured, in order."""
+    """Make tr.graph(sizes=...) and tr.graph of one shape run on the CPU through ``setattr_``
+    (monkeypatch's, or plain ``setattr`` in a spawned rank); returns the sizes captured, in
+    order. (On a CPU build, checked outputs fall back to clones.)"""
     order: list[int] = []
 
     def fake_capture(fn, args, kwargs, *, device, stream, pool, config, grad=False, warmup=True,
-                     snapshot=None, watch=(), collectives=True, effects=None):
+                     snapshot=None, watch=(), collectives=True, effects=None, reset=None):
         watcher = WriteWatch(watch)
         python = effects if effects is not None else NO_EFFECTS  # as capture() runs it
         running = snapshot.running() if snapshot is not None else contextlib.nullcontext()
@@ -396,8 +404,12 @@ def install_cpu_graphs(setattr_: Any) -> list[int]:
             if warmup:
                 python.start()
             for i in range(n):
+                if reset is not None:
+                    reset()
                 with python.warmup(last=i == n - 1):
                     fn(*args, **kwargs)
+            if reset is not None:
+                reset()
             python.before_capture()
             with watcher, python.captured(), _runs_nothing():
                 out = fn(*args, **kwargs)
@@ -409,18 +421,19 @@ def install_cpu_graphs(setattr_: Any) -> list[int]:
         leaves = [t for t in torch.utils._pytree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor)]
         order.append(max((t.shape[0] for t in leaves if t.dim()), default=0))
-        return Captured(_EagerGraph(fn, args, kwargs), out, 0.0, tuple(watcher.written))
+        return Captured(_EagerGraph(fn, args, kwargs, out), out, 0.0, tuple(watcher.written))
 
-    setattr_(buckets, "capture", fake_capture)
-    setattr_(buckets, "infer_device", lambda fn, call, device=None: torch.device("cpu"))
-    setattr_(buckets, "side_stream", lambda device: None)
+    for module in (buckets, graphed):  # (tr.graph of one shape too)
+        setattr_(module, "capture", fake_capture)
+        setattr_(module, "infer_device", lambda fn, call, device=None: torch.device("cpu"))
+        setattr_(module, "side_stream", lambda device: None)
     setattr_(buckets, "on_side_stream", lambda s, d: contextlib.nullcontext())
     return order
 
 
 @pytest.fixture
 def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Make tr.graph(sizes=...) run on the CPU; returns the sizes captured, in order."""
+    """Make tr.graph (sizes= or one shape) run on the CPU; returns the sizes captured, in order."""
     return install_cpu_graphs(monkeypatch.setattr)
 
 

@@ -337,3 +337,32 @@ def test_a_large_argument_passed_again_as_the_same_tensor_is_named_once(caplog) 
     (record,) = caplog.records
     assert "args[1]" in record.getMessage() and "128 MiB of copies a call" in record.getMessage()
     assert "g.static_args" in record.getMessage() and inputs.large == []
+
+
+def test_a_cache_argument_of_a_one_shape_graph_is_named_and_its_buffer_serves_instead(monkeypatch, caplog) -> None:
+    """tests/gpu/test_writes.py's test, through the emulated capture (test_buckets)."""
+    import test_buckets
+    import torchreplay as tr
+
+    test_buckets.install_cpu_graphs(monkeypatch.setattr)
+
+    def step(x, kv, pos):
+        kv.index_copy_(0, pos, x[:1].expand(1, 64, 1024))
+        return x * kv[:8].sum()
+
+    cache = torch.zeros(256, 64, 1024)  # 64 MiB
+    ref = cache.clone()
+    g = tr.graph(step, torch.randn(4, 1), cache, torch.tensor([0]))
+    assert torch.equal(cache, ref)
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        for p in range(3):
+            x, pos = torch.randn(4, 1), torch.tensor([p])
+            torch.testing.assert_close(g(x, cache, pos), step(x, ref, pos))
+            assert torch.equal(cache, ref)
+    assert len([r for r in caplog.records if "args[1]" in r.getMessage() and "every call" in r.getMessage()]) == 1
+    buf = g.static_args[1]
+    buf.copy_(cache)
+    for p in range(3, 6):
+        x, pos = torch.randn(4, 1), torch.tensor([p])
+        torch.testing.assert_close(g(x, buf, pos), step(x, ref, pos))
+    assert torch.equal(buf, ref)

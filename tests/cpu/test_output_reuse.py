@@ -387,3 +387,22 @@ def test_one_output_that_is_a_view_of_an_argument() -> None:
         x = torch.randn(4, 6)
         y = out.emit([x])
         assert y._base is x and torch.equal(y, x.view(-1))
+
+
+def test_tr_graph_hands_out_arguments_and_their_views_as_the_callers(monkeypatch) -> None:
+    """Through the emulated capture (test_buckets): the one-shape graph passes the call's own
+    tensors to emit, so an argument returned is the caller's and a view of one is its view."""
+    import test_buckets
+    import torchreplay as tr
+
+    test_buckets.install_cpu_graphs(monkeypatch.setattr)
+    lin = torch.nn.Linear(4, 4)
+    g = tr.graph(lambda x, m: (lin(x) * m, m, x.view(-1), m[:2]), torch.randn(2, 4), torch.randn(4))
+    with torch.no_grad():
+        for _ in range(3):
+            x, m = torch.randn(2, 4), torch.randn(4)
+            y, mo, flat, head = g(x, m)
+            torch.testing.assert_close(y, lin(x) * m)
+            assert mo is m and flat._base is x and head._base is m
+            x.add_(1)
+            assert torch.equal(flat, x.view(-1))

@@ -177,16 +177,18 @@ def test_a_snapshot_records_what_a_large_buffer_loses_instead_of_copying_it() ->
     assert torch.equal(m.keys, before) and int(m.calls) == 0
 
 
+@pytest.mark.parametrize("shapes", ["one", "sizes"])
 @pytest.mark.parametrize("form", ["module", "function"])
-def test_tr_graph_of_a_module_with_a_large_cache_buffer_equals_eager(monkeypatch, form) -> None:
+def test_tr_graph_of_a_module_with_a_large_cache_buffer_equals_eager(monkeypatch, form, shapes) -> None:
     test_buckets.install_cpu_graphs(monkeypatch.setattr)
     m = _prompted()
     ref = copy.deepcopy(m)
     fn = m if form == "module" else (lambda x, pos: m(x, pos))  # a function: m found as it runs
-    g = tr.graph(fn, torch.randn(1, 64), torch.tensor([0]), sizes=[1, 2, 4], dim={"x": 0, "pos": None})
+    kw = {"sizes": [1, 2, 4], "dim": {"x": 0, "pos": None}} if shapes == "sizes" else {}
+    g = tr.graph(fn, torch.randn(1 if kw else 3, 64), torch.tensor([0]), **kw)
     assert torch.equal(m.keys, ref.keys) and int(m.calls) == 0
     with torch.no_grad():
-        for p, n in zip(range(6, 12), (1, 3, 2, 4, 1, 2)):
+        for p, n in zip(range(6, 12), (1, 3, 2, 4, 1, 2) if kw else [3] * 6):
             x, pos = torch.randn(n, 64), torch.tensor([p])
             torch.testing.assert_close(g(x, pos), ref(x, pos))
             assert torch.equal(m.keys, ref.keys) and torch.equal(m.calls, ref.calls)
