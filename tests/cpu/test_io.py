@@ -366,3 +366,17 @@ def test_a_cache_argument_of_a_one_shape_graph_is_named_and_its_buffer_serves_in
         x, pos = torch.randn(4, 1), torch.tensor([p])
         torch.testing.assert_close(g(x, buf, pos), step(x, ref, pos))
     assert torch.equal(buf, ref)
+
+
+def test_an_argument_too_large_to_copy_names_itself_and_where_a_cache_belongs(monkeypatch) -> None:
+    """A KV cache sized to fill the device, passed as a tensor argument: its static copy runs
+    out of memory. The error names the argument and the layouts read in place."""
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB")
+
+    def step(kv):
+        return kv
+
+    monkeypatch.setattr(torch, "empty_like", oom)  # (the test's torch, not the library's)
+    with pytest.raises(CaptureError, match=r"args\[0\].*\(0 MiB, shape \(4, 4\).*registered buffer.*cache object"):
+        Inputs(step, (torch.randn(4, 4),), {}, CPU)

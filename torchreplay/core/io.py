@@ -173,9 +173,19 @@ class _Slot:
             # caller still owns. A normal tensor under torch.inference_mode too, so that calls in
             # either mode can copy into it.
             with _compat.normal_tensors():
-                self.static: torch.Tensor | None = torch.empty_like(
-                    leaf, memory_format=torch.preserve_format
-                ).copy_(leaf.detach())
+                try:
+                    self.static: torch.Tensor | None = torch.empty_like(
+                        leaf, memory_format=torch.preserve_format
+                    ).copy_(leaf.detach())
+                except torch.OutOfMemoryError as exc:
+                    raise CaptureError(
+                        f"{path} ({leaf.nbytes >> 20} MiB, {describe_tensor(leaf)}) does not fit "
+                        "twice: a tensor argument is copied into a buffer of the graph's own, "
+                        "and there is no memory for the copy. A tensor the graph should read and "
+                        "write where it is (a KV cache) belongs in the model as a registered "
+                        "buffer, or in an object passed as the argument (a cache object): both "
+                        "are read in place, not copied"
+                    ) from exc
             self.value = None
             self.shape = leaf.shape
             self.dtype = leaf.dtype
