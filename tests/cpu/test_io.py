@@ -316,10 +316,9 @@ def test_eager_calls_name_the_reason_and_warn_once_each(caplog) -> None:
 
 
 def test_a_large_argument_passed_again_as_the_same_tensor_is_named_once(caplog) -> None:
-    """A KV cache passed as an argument at every step is copied into the graph's buffer (and back
-    out when written) at every call, where eager copies nothing: one warning says so and how to
-    pass the graph's buffer instead. New tensors each call (a batch) and the buffer itself are
-    no reason."""
+    """A KV cache passed as an argument at every step is copied into the graph's buffer and back
+    out at every call, where eager copies nothing: one warning says so and how to pass the
+    graph's buffer instead. New tensors each call (a batch) and the buffer itself are no reason."""
     def step(x, kv):
         return x
 
@@ -327,6 +326,9 @@ def test_a_large_argument_passed_again_as_the_same_tensor_is_named_once(caplog) 
     inputs = Inputs(step, (torch.randn(4), cache), {}, CPU)
     inputs.set_written([1])
     assert inputs.large == [1]
+    read_only = Inputs(step, (torch.randn(4), cache), {}, CPU)
+    read_only.set_written([])
+    assert read_only.large == []  # read, not written: copied in only, and no reason to warn
     with caplog.at_level(logging.WARNING, logger="torchreplay"):
         for kv in (torch.zeros_like(cache), torch.zeros_like(cache), inputs.static_args[1],
                    inputs.static_args[1]):

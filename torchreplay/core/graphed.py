@@ -202,8 +202,8 @@ class Graphed:
         self._replay()
         if self._writes:  # eager semantics: the callable's writes reach the caller's tensors
             self._inputs.copy_back(leaves)
-        if self._inputs.large:  # a KV cache copied in (and out) at every call: say so, once
-            self._inputs.note_same_large(leaves, self.name)
+            if self._inputs.large:  # a KV cache copied in and out at every call: say so, once
+                self._inputs.note_same_large(leaves, self.name)
         self.stats.replays += 1
         return self._outputs.emit(leaves)
 

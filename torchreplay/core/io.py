@@ -242,7 +242,8 @@ class Inputs:
             if len(self._tensor_checks) == 1 and not self._constant_checks
             else None
         )
-        #: The tensor slots of at least 64 MiB (:meth:`note_same_large`; emptied once it told)
+        #: The tensor slots of at least 64 MiB, once known the written ones (:meth:`note_same_large`;
+        #: emptied once it told)
         self.large = [
             i for i, s in enumerate(self.slots) if s.static is not None and s.static.nbytes >= _LARGE_BYTES
         ]
@@ -364,6 +365,7 @@ class Inputs:
         (what :func:`~torchreplay.core.capture.capture` reports for ``watch=tensor buffers``)."""
         index = [i for i, s in enumerate(self.slots) if s.static is not None]
         self.written = tuple(index[k] for k in written)
+        self.large = [i for i in self.large if i in self.written]  # (note_same_large's)
         self._write_backs = [(i, self.slots[i].static) for i in self.written]  # type: ignore[misc]
 
     def written_paths(self) -> list[str]:
@@ -371,10 +373,11 @@ class Inputs:
         return [self.slots[i].path for i in self.written]
 
     def note_same_large(self, leaves: Sequence[Any], name: str) -> None:
-        """A large argument (:attr:`large`) passed as the same
-        tensor as at the last call, not as its static buffer (a KV cache passed at every step):
-        each call copies it in, and back out if the graph writes it, where eager copies nothing.
-        Say so, once per graph, with the way around it."""
+        """A large argument (:attr:`large`) the graph writes, passed as the same tensor as at
+        the last call, not as its static buffer (a KV cache passed at every step): each call
+        copies it in and back out, where eager copies nothing. Say so, once per graph, with the
+        way around it. (Called after a replay that wrote its inputs: the replay path of a graph
+        that writes none pays nothing.)"""
         for i in self.large:
             leaf, slot = leaves[i], self.slots[i]
             if leaf is slot.static or not isinstance(leaf, _Tensor):
@@ -386,15 +389,14 @@ class Inputs:
             self.large, self._last_large = [], {}
             static = slot.static
             assert static is not None
-            back = i in self.written
             log.warning(
                 "torchreplay: '%s' gets the same %s (%s MiB) at every call, and each call copies "
-                "it into the graph's input buffer%s: %s MiB of copies a call that eager does not "
-                "make. Use the graph's buffer as that tensor instead: it is at the same place in "
-                "g.static_args / g.static_kwargs; copy your values into it once and pass it at "
-                "every call: the graph reads%s it where it is, and nothing is copied",
-                name, slot.path, static.nbytes >> 20, " and back out (the graph writes it)" if back else "",
-                (static.nbytes >> 20) * (2 if back else 1), " and writes" if back else "",
+                "it into the graph's input buffer and back out (the graph writes it): %s MiB of "
+                "copies a call that eager does not make. Use the graph's buffer as that tensor "
+                "instead: it is at the same place in g.static_args / g.static_kwargs; copy your "
+                "values into it once and pass it at every call: the graph reads and writes it "
+                "where it is, and nothing is copied",
+                name, slot.path, static.nbytes >> 20, 2 * (static.nbytes >> 20),
             )
             return
 

@@ -422,8 +422,8 @@ class BucketedGraph:
         route.replay()
         if self._writes:  # eager semantics: the real rows the callable wrote reach the caller
             self._copy_back(leaves, route)
-        if self._inputs.large:  # a KV cache copied in (and out) at every call: say so, once
-            self._inputs.note_same_large(leaves, self.name)
+            if self._inputs.large:  # a KV cache copied in and out at every call: say so, once
+                self._inputs.note_same_large(leaves, self.name)
         stats = self.stats
         stats.replays += 1
         stats.size_hits[route.size] += 1
