@@ -369,10 +369,14 @@ class _EagerGraph:
 
 
 @contextlib.contextmanager
-def _runs_nothing() -> Any:
-    """Around the emulated capture, which runs the call for real: the modules' buffers are put
-    back after it, as a real capture, which records work and runs none, leaves them."""
-    saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+def _runs_nothing(args: Any, kwargs: Any) -> Any:
+    """Around the emulated capture, which runs the call for real: the modules' buffers and the
+    arguments' tensors are put back after it, as a real capture, which records work and runs
+    none, leaves them."""
+    saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
+        id(t): (t, t.detach().clone())
+        for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+    }
 
     def first(module: torch.nn.Module, args: Any) -> None:
         for b in module.buffers(recurse=False):
@@ -411,7 +415,7 @@ def install_cpu_graphs(setattr_: Any) -> list[int]:
             if reset is not None:
                 reset()
             python.before_capture()
-            with watcher, python.captured(), _runs_nothing():
+            with _runs_nothing(args, kwargs), watcher, python.captured():  # (its put-back unwatched)
                 out = fn(*args, **kwargs)
             err = python.verdict()
             if err is not None:

@@ -338,7 +338,8 @@ def test_a_large_argument_passed_again_as_the_same_tensor_is_named_once(caplog) 
             inputs.note_same_large([torch.randn(4), cache], "step")
     (record,) = caplog.records
     assert "args[1]" in record.getMessage() and "128 MiB of copies a call" in record.getMessage()
-    assert "g.static_args" in record.getMessage() and inputs.large == []
+    assert "mark_static_address" in record.getMessage() and "g.static_args" in record.getMessage()
+    assert inputs.large == []
 
 
 def test_a_cache_argument_of_a_one_shape_graph_is_named_and_its_buffer_serves_instead(monkeypatch, caplog) -> None:
@@ -382,3 +383,37 @@ def test_an_argument_too_large_to_copy_names_itself_and_where_a_cache_belongs(mo
     monkeypatch.setattr(torch, "empty_like", oom)  # (the test's torch, not the library's)
     with pytest.raises(CaptureError, match=r"args\[0\].*\(0 MiB, shape \(4, 4\).*registered buffer.*cache object"):
         Inputs(step, (torch.randn(4, 4),), {}, CPU)
+
+
+@pytest.mark.parametrize("shapes", ["one", "sizes"])
+def test_a_cache_marked_with_mark_static_address_is_read_and_written_where_it_is(monkeypatch, shapes, caplog) -> None:
+    """torch._dynamo.mark_static_address(cache), as for torch.compile's graphs: the graph
+    adopts the caller's tensor as its buffer (no copy at capture or at calls; what the build
+    wrote into it is put back), and a call with another tensor raises instead of copying into
+    the caller's first one."""
+    import test_buckets
+    import torch._dynamo
+    import torchreplay as tr
+
+    test_buckets.install_cpu_graphs(monkeypatch.setattr)
+
+    def step(x, kv, pos):
+        kv.index_copy_(0, pos, x[:1].expand(1, 64, 1024))
+        return x * kv[:8].sum()
+
+    cache = torch.zeros(256, 64, 1024)
+    cache[:6] = torch.randn(6, 64, 1024)  # a prompt at rows 0..5
+    torch._dynamo.mark_static_address(cache)
+    ref = cache.clone()
+    kw = {"sizes": [2, 4], "dim": {"x": 0, "kv": None, "pos": None}} if shapes == "sizes" else {}
+    g = tr.graph(step, torch.randn(4, 1), cache, torch.tensor([0]), **kw)
+    assert g.static_args[1] is cache and torch.equal(cache, ref)  # adopted; the build put back
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        for p in range(6, 10):
+            x, pos = torch.randn(3 if kw else 4, 1), torch.tensor([p])
+            torch.testing.assert_close(g(x, cache, pos), step(x, ref, pos))
+            assert torch.equal(cache, ref)
+    assert not caplog.records  # nothing copied: nothing to warn about
+    with pytest.raises(ReplayInputError, match=r"args\[1\].*mark_static_address.*every call must pass it"):
+        g(torch.randn(4, 1), ref.clone(), torch.tensor([10]))
+    assert torch.equal(cache, ref)

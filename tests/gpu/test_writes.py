@@ -277,3 +277,38 @@ def test_a_cache_argument_passed_at_every_call_is_named_and_its_buffer_serves_in
         x, pos = torch.randn(4, 1, device="cuda"), torch.tensor([p], device="cuda")
         torch.testing.assert_close(g(x, buf, pos), step(x, ref, pos))
     torch.testing.assert_close(buf, ref)
+
+
+@pytest.mark.parametrize("shapes", ["one", "sizes"])
+def test_a_cache_marked_with_mark_static_address_is_read_and_written_where_it_is(shapes, caplog) -> None:
+    """torch._dynamo.mark_static_address(cache), as for torch.compile's graphs: the graph adopts
+    the caller's 64 MiB cache as its buffer. No copy at capture (the build's peak stays far under
+    the cache's size) or at calls; what the build wrote into it is put back; replays equal eager;
+    a call with another tensor raises instead of copying into the caller's first one."""
+    import torch._dynamo
+
+    def step(x: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        kv.index_copy_(0, pos, x[:1].expand(1, 64, 1024))
+        return x * kv[:8].sum()
+
+    cache = torch.zeros(256, 64, 1024, device="cuda")
+    cache[:6] = torch.randn(6, 64, 1024, device="cuda")  # a prompt at rows 0..5
+    torch._dynamo.mark_static_address(cache)
+    ref = cache.clone()
+    kw = {"sizes": [2, 4], "dim": {"x": 0, "kv": None, "pos": None}} if shapes == "sizes" else {}
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    g = tr.graph(step, torch.randn(4, 1, device="cuda"), cache, torch.tensor([0], device="cuda"), **kw)
+    assert torch.cuda.max_memory_allocated() - base < cache.nbytes // 4
+    assert g.static_args[1] is cache
+    torch.testing.assert_close(cache, ref, rtol=0, atol=0)
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        for p in range(6, 6 + 8):
+            x, pos = torch.randn(3 if kw else 4, 1, device="cuda"), torch.tensor([p], device="cuda")
+            torch.testing.assert_close(g(x, cache, pos), step(x, ref, pos))
+            torch.testing.assert_close(cache, ref)
+    assert not [r for r in caplog.records if "every call" in r.getMessage()]
+    with pytest.raises(tr.ReplayInputError, match=r"args\[1\].*mark_static_address"):
+        g(torch.randn(4, 1, device="cuda"), ref.clone(), torch.tensor([20], device="cuda"))
+    torch.testing.assert_close(cache, ref)

@@ -566,11 +566,11 @@ from torchreplay._compat.distributed import (  # noqa: E402  (the torch.distribu
 __all__ += ["default_store", "dist_ready", "group_named", "group_of_arg", "group_ranks"]
 from torchreplay._compat.ops import (  # noqa: E402  (a custom op's kernel and schema, what compile made)
     argument_kinds, compiled_module, compiled_target, custom_op_kernel, eval_frame_callback, modes_active, plain_value,
-    without_dynamo_guard,
+    static_address, without_dynamo_guard,
 )
 
 __all__ += ["argument_kinds", "compiled_module", "compiled_target", "custom_op_kernel", "eval_frame_callback",
-            "modes_active", "plain_value", "without_dynamo_guard"]
+            "modes_active", "plain_value", "static_address", "without_dynamo_guard"]
 from torchreplay._compat.streams import current_stream  # noqa: E402
 from torchreplay._compat.mempool import PrivateAllocations, private_allocations  # noqa: E402  (a private pool)
 from torchreplay._compat.hooks import (  # noqa: E402

@@ -9,7 +9,7 @@ import torch
 
 __all__ = [
     "custom_op_kernel", "argument_kinds", "plain_value", "modes_active", "without_dynamo_guard",
-    "eval_frame_callback", "compiled_target", "compiled_module",
+    "eval_frame_callback", "compiled_target", "compiled_module", "static_address",
 ]
 
 # Python types the dispatcher hands a custom op's kernel unchanged, per schema type: an argument
@@ -149,3 +149,9 @@ def compiled_target(obj: Any) -> Any:
 def compiled_module(module: torch.nn.Module) -> bool:
     """Is ``module`` what torch.compile returned, or compiled in place (``_compiled_call_impl``)?"""
     return compiled_target(module) is not None or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def static_address(t: Any) -> bool:
+    """Did the caller mark ``t`` with ``torch._dynamo.mark_static_address`` (its address is
+    constant across calls; the private attribute that function sets)?"""
+    return getattr(t, "_dynamo_static_input_type", None) is not None

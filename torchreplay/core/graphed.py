@@ -75,7 +75,7 @@ class Graphed:
         self.pool = pool if pool is not None else Pool(device)
         self.stats = GraphStats(self.pool.reserved_bytes)
 
-        self._inputs = Inputs(call, device)
+        self._inputs = Inputs(call, device, adopt=True)
         self._inputs.eager_if_tracked = True  # copy_in: None for a call autograd must record
         self.static_args = self._inputs.static_args
         self.static_kwargs = self._inputs.static_kwargs
@@ -88,19 +88,20 @@ class Graphed:
         )
         runs = snapshot.called if find and snapshot is not None else [self._module]  # filled in place
         python = PyState(self.name, fn, self.static_args, self.static_kwargs, lambda: runs or [], reads=True)
-        captured = capture(
-            fn,
-            self.static_args,
-            self.static_kwargs,
-            device=device,
-            stream=self._stream,
-            pool=self.pool,
-            config=config,
-            snapshot=snapshot,
-            watch=[s.static for s in self._inputs.tensor_slots],
-            reset=_reset_written(self._inputs, call.leaves),
-            effects=python,  # the Python state it changes: core/effects.py
-        )
+        with self._inputs.rewinding():  # (what the build writes into the caller's adopted tensors)
+            captured = capture(
+                fn,
+                self.static_args,
+                self.static_kwargs,
+                device=device,
+                stream=self._stream,
+                pool=self.pool,
+                config=config,
+                snapshot=snapshot,
+                watch=[s.static for s in self._inputs.tensor_slots],
+                reset=_reset_written(self._inputs, call.leaves),
+                effects=python,  # the Python state it changes: core/effects.py
+            )
         if snapshot is not None:
             snapshot.restore()
             if find:
@@ -281,7 +282,7 @@ def resolve_pool(pool: Pool | tuple[int, int] | Any | None) -> Pool | None:
 def _reset_written(inputs: Inputs, leaves: Sequence[Any]) -> Callable[[], None]:
     """Put back the static buffers the last warm-up call wrote (their version counter moved),
     from the caller's sample tensors, so that every warm-up starts from the sample's state."""
-    pairs = [(s.static, leaf) for s, leaf in zip(inputs.slots, leaves) if s.static is not None]
+    pairs = [(s.static, leaf) for s, leaf in zip(inputs.slots, leaves) if s.static is not None and not s.adopted]
     versions = [static._version for static, _ in pairs]
 
     def reset() -> None:

@@ -14,15 +14,16 @@ with one warning per argument: the graph computes in the captured dtype, as torc
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
+import contextlib
 import logging
 import weakref
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from torchreplay import _compat
 from torchreplay.core.args import CallArgs
+from torchreplay.core.rewind import Rewind
 from torchreplay.errors import CaptureError, ReplayInputError
 
 __all__ = [
@@ -154,10 +155,12 @@ def conversion_fix(leaf: torch.Tensor, slot: _Slot) -> str:
 class _Slot:
     """One flattened input leaf: a tensor with its static buffer, or a constant."""
 
-    __slots__ = ("path", "static", "value", "shape", "dtype", "device")
+    __slots__ = ("path", "static", "value", "shape", "dtype", "device", "adopted")
 
-    def __init__(self, path: str, leaf: Any, device: torch.device) -> None:
+    def __init__(self, path: str, leaf: Any, device: torch.device, adopt: bool = False) -> None:
         self.path = path
+        #: the caller's tensor itself is the buffer (marked with mark_static_address; adopt)
+        self.adopted = adopt and _compat.static_address(leaf)
         if isinstance(leaf, _Tensor):
             if leaf.device != device:
                 raise CaptureError(
@@ -170,22 +173,13 @@ class _Slot:
                     "(e.g. .to_dense())"
                 )
             # Our own buffer, not the caller's sample: replays must not write into a tensor the
-            # caller still owns. A normal tensor under torch.inference_mode too, so that calls in
-            # either mode can copy into it.
-            with _compat.normal_tensors():
-                try:
-                    self.static: torch.Tensor | None = torch.empty_like(
-                        leaf, memory_format=torch.preserve_format
-                    ).copy_(leaf.detach())
-                except torch.OutOfMemoryError as exc:
-                    raise CaptureError(
-                        f"{path} ({leaf.nbytes >> 20} MiB, {describe_tensor(leaf)}) does not fit "
-                        "twice: a tensor argument is copied into a buffer of the graph's own, "
-                        "and there is no memory for the copy. A tensor the graph should read and "
-                        "write where it is (a KV cache) belongs in the model as a registered "
-                        "buffer, or in an object passed as the argument (a cache object): both "
-                        "are read in place, not copied"
-                    ) from exc
+            # caller still owns. Unless the caller marked it as one whose address stays the same
+            # at every call (torch._dynamo.mark_static_address, as for torch.compile's graphs):
+            # then it is the buffer, read and written where it is, and every call must pass it.
+            if self.adopted:
+                self.static: torch.Tensor | None = leaf
+            else:
+                self._copy(leaf, path)
             self.value = None
             self.shape = leaf.shape
             self.dtype = leaf.dtype
@@ -194,6 +188,22 @@ class _Slot:
             self.static = None
             self.value = leaf
             self.shape = self.dtype = self.device = None
+
+    def _copy(self, leaf: torch.Tensor, path: str) -> None:
+        """Make :attr:`static` a copy of the caller's sample (a normal tensor under
+        torch.inference_mode too, so that calls in either mode can copy into it)."""
+        with _compat.normal_tensors():
+            try:
+                self.static = torch.empty_like(leaf, memory_format=torch.preserve_format).copy_(leaf.detach())
+            except torch.OutOfMemoryError as exc:
+                raise CaptureError(
+                    f"{path} ({leaf.nbytes >> 20} MiB, {describe_tensor(leaf)}) does not fit "
+                    "twice: a tensor argument is copied into a buffer of the graph's own, and "
+                    "there is no memory for the copy. Mark a tensor the graph should read and "
+                    "write where it is (a KV cache) with torch._dynamo.mark_static_address, or "
+                    "keep it in the model as a registered buffer or in an object passed as the "
+                    "argument (a cache object): those are read in place, not copied"
+                ) from exc
 
 
 class Inputs:
@@ -205,10 +215,11 @@ class Inputs:
         device: the graph's CUDA device.
     """
 
-    def __init__(self, call: CallArgs, device: torch.device) -> None:
-        # Not the CallArgs itself: it holds the caller's sample tensors, which must not be kept.
+    def __init__(self, call: CallArgs, device: torch.device, adopt: bool = False) -> None:
+        # Not the CallArgs itself: it holds the caller's sample tensors, which must not be kept
+        # (but those it adopts: marked with mark_static_address, they are the buffers).
         self.spec = call.spec
-        self.slots = [_Slot(path, leaf, device) for path, leaf in zip(call.paths, call.leaves)]
+        self.slots = [_Slot(path, leaf, device, adopt) for path, leaf in zip(call.paths, call.leaves)]
         self.device = device
         self.nargs = call.nargs
         self.kw_keys = call.kw_keys
@@ -227,8 +238,10 @@ class Inputs:
         self._tensor_checks = [
             (i, s.static, s.shape, s.dtype, _device_index(s.device), s)
             for i, s in enumerate(self.slots)
-            if s.static is not None
+            if s.static is not None and not s.adopted
         ]
+        #: the caller's tensors that are their own buffers: each call must pass the same one
+        self.adopted = [(i, s.static, s) for i, s in enumerate(self.slots) if s.adopted]
         self._constant_checks = [
             (i, s.value, s) for i, s in enumerate(self.slots) if s.static is None
         ]
@@ -239,13 +252,14 @@ class Inputs:
         self._widened: set[tuple[int, torch.dtype]] = set()
         self._one = (
             self._tensor_checks[0]
-            if len(self._tensor_checks) == 1 and not self._constant_checks
+            if len(self._tensor_checks) == 1 and not self._constant_checks and not self.adopted
             else None
         )
         #: The tensor slots of at least 64 MiB, once known the written ones (:meth:`note_same_large`;
         #: emptied once it told)
         self.large = [
-            i for i, s in enumerate(self.slots) if s.static is not None and s.static.nbytes >= _LARGE_BYTES
+            i for i, s in enumerate(self.slots)
+            if s.static is not None and not s.adopted and s.static.nbytes >= _LARGE_BYTES
         ]
         self._last_large: dict[int, weakref.ref[torch.Tensor]] = {}
 
@@ -308,6 +322,9 @@ class Inputs:
             leaf = leaves[i]
             if leaf is not value and not same_constant(leaf, value):
                 raise self.constant_error(slot, leaf)
+        for i, static, slot in self.adopted:
+            if leaves[i] is not static:
+                raise self.adopted_error(slot, leaves[i])
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         widened: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -392,10 +409,10 @@ class Inputs:
             log.warning(
                 "torchreplay: '%s' gets the same %s (%s MiB) at every call, and each call copies "
                 "it into the graph's input buffer and back out (the graph writes it): %s MiB of "
-                "copies a call that eager does not make. Use the graph's buffer as that tensor "
-                "instead: it is at the same place in g.static_args / g.static_kwargs; copy your "
-                "values into it once and pass it at every call: the graph reads and writes it "
-                "where it is, and nothing is copied",
+                "copies a call that eager does not make. Mark it with "
+                "torch._dynamo.mark_static_address before graphing: the graph then reads and "
+                "writes your tensor where it is, and nothing is copied (or use the graph's buffer, "
+                "at the same place in g.static_args / g.static_kwargs, as that tensor)",
                 name, slot.path, static.nbytes >> 20, 2 * (static.nbytes >> 20),
             )
             return
@@ -461,6 +478,31 @@ class Inputs:
             f"{slot.path}: {seen}, but the graph was captured with {captured}; {fix} "
             "(a graph never broadcasts or converts its inputs)"
         )
+
+    def adopted_error(self, slot: _Slot, leaf: Any) -> ReplayInputError:
+        """Build the error for a call that passes another tensor where an adopted one was."""
+        seen = describe_tensor(leaf) if isinstance(leaf, _Tensor) else type(leaf).__name__
+        return ReplayInputError(
+            f"{slot.path}: another tensor ({seen}) than the one the graph was captured with, "
+            "which was marked with torch._dynamo.mark_static_address: the graph reads and "
+            "writes that very tensor where it is, so every call must pass it. Pass it, or "
+            "graph a tensor that is not marked (the graph then copies it in at every call)"
+        )
+
+    @contextlib.contextmanager
+    def rewinding(self) -> Iterator[None]:
+        """Around the build's real calls: what they write into the adopted tensors (the
+        caller's own) is put back after, as core/rewind.py does for Python state."""
+        if not self.adopted:
+            yield
+            return
+        rewind = Rewind([t for _, t, _ in self.adopted], [s.path for _, _, s in self.adopted])
+        try:
+            with rewind:
+                yield
+        finally:
+            rewind.undo()
+            rewind.warn_unseen()
 
     def constant_error(self, slot: _Slot, leaf: Any) -> ReplayInputError:
         """Build the error for a non-tensor argument that differs from the captured constant."""

@@ -139,7 +139,7 @@ class BucketedGraph:
                 pad_sample(leaf, d, self._max, f) if d is not None else leaf
                 for leaf, d, f in zip(call.leaves, self._plan.dims, self._plan.fills)
             ]
-        self._inputs = Inputs(call.with_leaves(padded), device)
+        self._inputs = Inputs(call.with_leaves(padded), device, adopt=True)  # (fixed ones: marked)
         del call, padded  # they hold the caller's sample tensors
         self.static_args = self._inputs.static_args
         self.static_kwargs = self._inputs.static_kwargs
@@ -164,7 +164,8 @@ class BucketedGraph:
         # core/effects.py; from before the probe, whose changes count too
         self._effects = PyState(self.name, fn, *self._args_at(self._max), lambda: runs or [], reads=True)
         self._effects.start()
-        self._out_plan = self._probe(snapshot)
+        with self._inputs.rewinding():  # (what the build writes into the caller's adopted tensors)
+            self._out_plan = self._probe(snapshot)
         if find and snapshot is not None:  # the probe ran it: refuse what padding would mix
             self._module = module = called_module(snapshot.called or ())
             self._training = module.training if module is not None else False
@@ -178,22 +179,17 @@ class BucketedGraph:
         with _compat.normal_tensors():  # captures copy into them, under inference_mode or not
             self._outs = {i: torch.empty(planned[i].shape, dtype=planned[i].dtype, device=device)
                           for i in self._out_plan.owned}
-        self.buffer_bytes = sum(s.static.nbytes for s in self._inputs.tensor_slots) + sum(
-            t.nbytes for t in self._outs.values()
-        )
+        self.buffer_bytes = sum(s.static.nbytes for s in self._inputs.tensor_slots if not s.adopted) + sum(
+            t.nbytes for t in self._outs.values())
         probe_seconds = time.perf_counter() - start
         self._graph_list: list[Any] = []  # every size's graph, for the release on drop
-        first = self._capture_size(self._max, warmup=True, snapshot=snapshot, watch=True)
+        with self._inputs.rewinding():
+            first = self._capture_size(self._max, warmup=True, snapshot=snapshot, watch=True)
         collectives, collective_log = self._first_collectives
         self.collectives = collectives
         self._ranks = agreement(
-            ranks,
-            collectives,
-            collective_log,
-            name=self.name,
+            ranks, collectives, collective_log, name=self.name, sizes=True, device=self.device,
             parts=[options.sizes, options.capture, options.max_graphs, options.fallback],
-            sizes=True,
-            device=self.device,
         )
         del collective_log
         self._inputs.set_written(first.written)
@@ -388,6 +384,8 @@ class BucketedGraph:
                 if leaf is not value and not same_constant(leaf, value):
                     raise self._inputs.constant_error(slot, leaf)
             elif leaf is not dst:
+                if slot.adopted:
+                    raise self._inputs.adopted_error(slot, leaf)
                 if (
                     type(leaf) is not _Tensor and not isinstance(leaf, _Tensor)
                 ) or leaf.shape != shape or (
