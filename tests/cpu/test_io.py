@@ -417,3 +417,20 @@ def test_a_cache_marked_with_mark_static_address_is_read_and_written_where_it_is
     with pytest.raises(ReplayInputError, match=r"args\[1\].*mark_static_address.*every call must pass it"):
         g(torch.randn(4, 1), ref.clone(), torch.tensor([10]))
     assert torch.equal(cache, ref)
+
+
+def test_an_adopted_argument_that_requires_grad_makes_the_call_eager() -> None:
+    """An adopted tensor is never copied, so the copy-in's test for a tensor autograd must
+    record (the call then runs eagerly) looks at it too."""
+    import torch._dynamo
+
+    def step(x, w):
+        return x * w
+
+    w = torch.randn(4, requires_grad=True)
+    torch._dynamo.mark_static_address(w)
+    inputs = _Inputs(CallArgs(step, (torch.randn(4), w), {}), CPU, adopt=True)
+    inputs.eager_if_tracked = True
+    assert inputs.adopted and inputs.copy_in((torch.randn(4), w), {}) is None
+    with torch.no_grad():
+        assert inputs.copy_in((torch.randn(4), w), {}) is not None

@@ -322,13 +322,14 @@ class Inputs:
             leaf = leaves[i]
             if leaf is not value and not same_constant(leaf, value):
                 raise self.constant_error(slot, leaf)
+        tracked = False
         for i, static, slot in self.adopted:
             if leaves[i] is not static:
                 raise self.adopted_error(slot, leaves[i])
+            tracked = tracked or static.requires_grad  # (autograd would record it: eagerly)
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         widened: list[tuple[torch.Tensor, torch.Tensor]] = []
-        tracked = False
         for i, static, shape, dtype, device, slot in self._tensor_checks:
             leaf = leaves[i]
             if leaf is not static:
