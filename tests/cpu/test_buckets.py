@@ -753,27 +753,3 @@ def test_an_output_that_is_an_argument_is_the_callers_tensor(cpu_graphs) -> None
         kept.append((mask.clone(), m, head))
     for want, m, head in kept:  # every call's, after all later calls
         assert torch.equal(m, want) and torch.equal(head, want[:2])
-
-
-def test_a_cache_argument_passed_at_every_call_is_named_and_its_buffer_serves_instead(cpu_graphs, caplog) -> None:
-    """The warning's advice, followed: the graph's buffer used as the cache gives eager's
-    results with nothing copied (the caller's tensor is the buffer)."""
-    def step(x: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        kv.index_copy_(0, pos, x[:1].expand(1, 64, 1024))
-        return x * kv[:8].sum()
-
-    cache = torch.zeros(256, 64, 1024)  # 64 MiB
-    ref = cache.clone()
-    g = tr.graph(step, torch.randn(4, 1), cache, torch.tensor([0]), sizes=[2, 4],
-                 dim={"x": 0, "kv": None, "pos": None})
-    with caplog.at_level(logging.WARNING, logger="torchreplay"):
-        for p in range(3):
-            x, pos = torch.randn(3, 1), torch.tensor([p])
-            torch.testing.assert_close(g(x, cache, pos), step(x, ref, pos))
-    assert [r.getMessage().count("args[1]") for r in caplog.records if "every call" in r.getMessage()] == [1]
-    buf = g.static_args[1]
-    buf.copy_(cache)
-    for p in range(3, 6):
-        x, pos = torch.randn(2, 1), torch.tensor([p])
-        torch.testing.assert_close(g(x, buf, pos), step(x, ref, pos))
-    assert torch.equal(buf, ref)

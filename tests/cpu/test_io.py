@@ -342,8 +342,11 @@ def test_a_large_argument_passed_again_as_the_same_tensor_is_named_once(caplog) 
     assert inputs.large == []
 
 
-def test_a_cache_argument_of_a_one_shape_graph_is_named_and_its_buffer_serves_instead(monkeypatch, caplog) -> None:
-    """tests/gpu/test_writes.py's test, through the emulated capture (test_buckets)."""
+@pytest.mark.parametrize("shapes", ["one", "sizes"])
+def test_a_cache_argument_passed_at_every_call_is_named_and_its_buffer_serves_instead(monkeypatch, caplog, shapes) -> None:
+    """tests/gpu/test_writes.py's test, through the emulated capture (test_buckets); the
+    warning's second way followed: the graph's buffer used as the cache gives eager's results
+    with nothing copied (the caller's tensor is the buffer)."""
     import test_buckets
     import torchreplay as tr
 
@@ -355,18 +358,19 @@ def test_a_cache_argument_of_a_one_shape_graph_is_named_and_its_buffer_serves_in
 
     cache = torch.zeros(256, 64, 1024)  # 64 MiB
     ref = cache.clone()
-    g = tr.graph(step, torch.randn(4, 1), cache, torch.tensor([0]))
+    kw = {"sizes": [2, 4], "dim": {"x": 0, "kv": None, "pos": None}} if shapes == "sizes" else {}
+    g = tr.graph(step, torch.randn(4, 1), cache, torch.tensor([0]), **kw)
     assert torch.equal(cache, ref)
     with caplog.at_level(logging.WARNING, logger="torchreplay"):
         for p in range(3):
-            x, pos = torch.randn(4, 1), torch.tensor([p])
+            x, pos = torch.randn(3 if kw else 4, 1), torch.tensor([p])
             torch.testing.assert_close(g(x, cache, pos), step(x, ref, pos))
             assert torch.equal(cache, ref)
     assert len([r for r in caplog.records if "args[1]" in r.getMessage() and "every call" in r.getMessage()]) == 1
     buf = g.static_args[1]
     buf.copy_(cache)
     for p in range(3, 6):
-        x, pos = torch.randn(4, 1), torch.tensor([p])
+        x, pos = torch.randn(2 if kw else 4, 1), torch.tensor([p])
         torch.testing.assert_close(g(x, buf, pos), step(x, ref, pos))
     assert torch.equal(buf, ref)
 
