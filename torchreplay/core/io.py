@@ -28,6 +28,7 @@ from torchreplay.errors import CaptureError, ReplayInputError
 
 __all__ = [
     "Inputs",
+    "byte_span",
     "describe_tensor",
     "same_constant",
     "conversion_fix",
@@ -120,7 +121,7 @@ def write_back(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> No
             _compat.foreach_copy_(dsts, srcs)
 
 
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
     """``[first, last + 1)`` byte addresses of the elements ``t`` covers (two views of one
     storage that cover disjoint ranges do not overlap)."""
     start = t.data_ptr()
@@ -440,7 +441,7 @@ class Inputs:
         for i, static, _, _, _, _ in self._tensor_checks:
             leaf = leaves[i]
             if isinstance(leaf, _Tensor) and leaf is not static:
-                spans[i] = _byte_span(leaf)
+                spans[i] = byte_span(leaf)
         for i in self.written:
             if i not in spans:
                 continue

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from torchreplay import _compat
+from torchreplay.core.io import byte_span
 
 __all__ = ["Outputs"]
 
@@ -326,18 +327,10 @@ def _views_of(leaves: Sequence[Any], inputs: Sequence[Any], skip: set[int]) -> l
 
 
 def _within(view: torch.Tensor, x: torch.Tensor) -> bool:
-    """Does ``view`` read only elements of ``x`` (so that it can be made over another tensor
-    laid out as ``x``)? Every element at an offset of ``x``'s (in its span, for a dense ``x``)."""
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        lo = hi = t.storage_offset()
-        for n, st in zip(t.shape, t.stride()):
-            if n == 0:
-                return lo, lo - 1  # empty
-            lo, hi = (lo + (n - 1) * st, hi) if st < 0 else (lo, hi + (n - 1) * st)
-        return lo, hi
-
-    (vlo, vhi), (xlo, xhi) = span(view), span(x)
-    return x.is_contiguous() and xlo <= vlo and vhi <= xhi
+    """Does ``view`` read only elements of the dense ``x`` (so that it can be made over another
+    tensor laid out as ``x``)?"""
+    (lo, hi), (xlo, xhi) = byte_span(view), byte_span(x)
+    return x.is_contiguous() and xlo <= lo and hi <= xhi
 
 
 def _unheld(
