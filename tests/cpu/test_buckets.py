@@ -722,17 +722,18 @@ def test_run_padded_runs_at_the_agreed_rows_and_gives_back_the_calls_own() -> No
         x, n, scale = leaves
         seen.append((x.clone(), n))
         x.add_(1)  # an in-place write
-        return [x * scale, n, torch.ones(3)]
+        return [x * scale, n, torch.ones(3), x]
 
     x = torch.arange(6.0).reshape(3, 2)
     out = run_padded(call, [x, 3, 2.0], 3, 5, dims=[0, None, None], fills=[-1, None, None],
-                     out_dims=[(0,), "size", (0,)], sizes=[False, True, False])
+                     out_dims=[(0,), "size", (0,), (0,)], sizes=[False, True, False])
     padded, n = seen[0]
     assert n == 5 and padded.shape == (5, 2) and (padded[3:] == -1).all()
     torch.testing.assert_close(x, torch.arange(6.0).reshape(3, 2) + 1)  # the write came back
     torch.testing.assert_close(out[0], x * 2)
     assert out[1] == 3
     assert out[2].shape == (3,)  # 3 is not the padded size: left as it is
+    assert out[3] is x  # the argument returned: the caller's tensor, not the padded copy's rows
 
 
 def test_an_output_that_is_an_argument_is_the_callers_tensor(cpu_graphs) -> None:

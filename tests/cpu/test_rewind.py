@@ -222,3 +222,47 @@ def test_a_write_the_recording_missed_is_named_and_a_compiled_modules_buffers_ar
     assert m.keys[0].abs().sum() > 0
     snap.restore()
     assert int(m.keys.count_nonzero()) == 0
+
+
+def test_writes_seen_while_capturing_are_saved_just_before_the_segment_replays(monkeypatch) -> None:
+    """A breakable graph's capture replays each segment for real before the break after it: a
+    write seen while capturing ran nothing yet, so it is saved by ``before_replay()``, just
+    before that replay; the rows of an index write whose index the caller gave, the whole
+    tensor for one whose index the segment computed. Emulated on the CPU: the captured ops'
+    effect is taken back before the "replay" runs them again."""
+    from torchreplay.core import rewind as rewind_mod
+
+    capturing = [False]
+    monkeypatch.setattr(rewind_mod, "_capturing", lambda: capturing[0])
+    monkeypatch.setattr(rewind_mod, "_recorded", lambda t: True)
+    k, acc, pos = torch.randn(4, ROWS, 64), torch.randn(300_000), torch.tensor([7])
+    orig_k, orig_acc = k.clone(), acc.clone()
+
+    segments = [
+        lambda: k.index_copy_(1, pos, torch.randn(4, 1, 64)),  # the caller's position: its rows
+        lambda: acc[:10].add_(1),  # an accumulator's view
+        lambda: k.__setitem__((slice(None), pos + 1), 2.0),  # an index it computed
+    ]
+    most = [k.nbytes // 100, 10 * 4, None]  # what before_replay() saves for each
+    rewind = Rewind([k, acc])
+    for segment, bound in zip(segments, most):
+        before_k, before_acc, saved = k.clone(), acc.clone(), rewind.saved_bytes
+        capturing[0] = True
+        with rewind:
+            segment()  # "captured": recorded, nothing saved
+        capturing[0] = False
+        assert rewind.saved_bytes == saved
+        k.copy_(before_k), acc.copy_(before_acc)  # (a capture runs nothing)
+        with rewind:
+            rewind.before_replay()
+        saved = rewind.saved_bytes - saved
+        assert (0 < saved <= bound) if bound is not None else saved >= k.nbytes, (saved, bound)
+        segment()  # the replay (no op of a graph's replay passes through the mode)
+    assert not torch.equal(k, orig_k) and not torch.equal(acc, orig_acc)
+    rewind.undo()
+    assert torch.equal(k, orig_k) and torch.equal(acc, orig_acc)
+    capturing[0] = True
+    with rewind:  # captured, never replayed in the build: nothing to save or put back
+        segments[0]()
+    rewind.undo()
+    assert rewind.saved_bytes == 0

@@ -223,11 +223,13 @@ def test_an_output_that_is_a_view_of_an_argument_is_that_view_of_the_callers_ten
             kept.append((ids[:, -1:].clone(), last))
     for want, got in kept:  # every call's, after all later calls
         assert torch.equal(got, want)
-    flat = tr.graph(lambda x: x.view(-1), torch.randn(4, 16, device=DEV))  # the one output
+    # The one output: a view of the argument the call wrote (a view alone records no CUDA work).
+    flat = tr.graph(lambda x: x.mul_(2).view(-1), torch.randn(4, 16, device=DEV))
     for _ in range(3):
         x = torch.randn(4, 16, device=DEV)
+        want = (x * 2).view(-1)
         y = flat(x)
-        assert y._base is x and torch.equal(y, x.view(-1))
+        assert y._base is x and torch.equal(y, want) and torch.equal(x.view(-1), want)
 
 
 def test_output_fed_back_as_input_matches_eager() -> None:

@@ -172,6 +172,13 @@ class PyState:
         recorded, and put back with the small ones (:meth:`put_back_tensors`)."""
         return self._rewind if self._rewind is not None else contextlib.nullcontext()
 
+    def before_replay(self) -> None:
+        """Just before a breakable graph's capture replays a segment for real: save what its
+        writes into the state's large tensors overwrite (core/rewind.py), for
+        :meth:`put_back_tensors`."""
+        if self._rewind is not None:
+            self._rewind.before_replay()
+
     def before_capture(self) -> None:
         """Before a capture begins (the stream not capturing yet): after the build (a lazy
         size, no warm-ups) the small tensors are copied here, as :meth:`start` does at the

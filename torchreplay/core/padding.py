@@ -66,7 +66,8 @@ def run_padded(
 
     What the call wrote into a padded tensor reaches the caller's tensor (its ``n`` rows), as
     in eager. Returns ``call``'s flat outputs, each cut back to ``n`` along its ``out_dims``
-    (``"size"``: an int output that is the call's size, given back as ``n``).
+    (``"size"``: an int output that is the call's size, given back as ``n``); a padded argument
+    returned is the caller's tensor (a view of one: of the padded copy, its ``n`` rows).
     """
     padded = list(leaves)
     versions: list[tuple[int, int]] = []
@@ -80,9 +81,12 @@ def run_padded(
         out = list(call(padded))
     changed = [i for i, v in versions if padded[i]._version != v]
     write_back([leaves[i] for i in changed], [padded[i].narrow(dims[i], 0, n) for i in changed])
+    grown = {id(padded[i]): i for i, _ in versions}
     for k, dims_k in enumerate(out_dims[:len(out)]):
         value = out[k]
-        if dims_k == "size":
+        if id(value) in grown:  # an argument returned: the caller's tensor, as eagerly
+            out[k] = leaves[grown[id(value)]]
+        elif dims_k == "size":
             out[k] = n
         elif isinstance(value, torch.Tensor):
             for d in dims_k:

@@ -23,8 +23,15 @@ leaves compiled code alone), a raw kernel launched outside an aten op, and a cha
 shape in place (``resize_``, ``set_``), which no copy undoes. Such a write still advances the
 tensor's version counter (compiled code advances it for the inputs it mutates): when a watched
 tensor's counter moved by more than the writes the mode saw, :attr:`Rewind.unseen` names it, for
-the caller's warning. Nothing is saved for a CUDA tensor while the stream is capturing: a capture
-records work, it runs none.
+the caller's warning.
+
+Nothing is saved for a CUDA tensor while the stream is capturing: a capture records work, it
+runs none. A breakable graph's capture, though, replays each segment for real before the break
+after it (the break reads real values): a write seen while capturing is kept pending, and
+:meth:`Rewind.before_replay`, called just before that replay, saves what it will overwrite. The
+rows of an ``index_copy_``/``index_put_`` are read then, when the segment computed none of the
+indices (a position the caller passed); otherwise the tensor is saved as the op was given it,
+the whole tensor for an index write.
 """
 
 from __future__ import annotations
@@ -53,6 +60,40 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def _recorded(t: torch.Tensor) -> bool:
+    """Does a write into ``t`` made while capturing only record work (a CUDA tensor), not run?"""
+    return t.is_cuda
+
+
+def _name(func: Any) -> str:
+    return func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else ""
+
+
+def _ptr(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage (None: a meta tensor, a tensor without a storage)."""
+    if t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # (sparse, nested)
+        return None
+
+
+def _tensors(*trees: Any) -> list[torch.Tensor]:
+    """The tensors in ``trees`` (arguments, an op's output), lists and tuples looked into."""
+    found: list[torch.Tensor] = []
+    todo = list(trees)
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+    return found
+
+
 class Rewind(LightDispatchMode):
     """Inside it, record what each op is about to overwrite in ``tensors``' memory.
 
@@ -70,6 +111,11 @@ class Rewind(LightDispatchMode):
         self._log: list[tuple[torch.Tensor, Callable[[], Any]]] = []  # (written, write back)
         self._regions: set[tuple[Any, ...]] = set()  # those saved whole (_save)
         self._paused = False  # undo() inside the mode: its writes are no build's
+        # Writes seen while capturing, saved by before_replay(): (op or None, written tensor,
+        # the op's arguments up to its indices). _made: the storages the ops captured since the
+        # last replay wrote or allocated.
+        self._pending: list[tuple[Any, torch.Tensor, tuple[Any, ...]]] = []
+        self._made: set[int] = set()
         # The check that every write was seen: each watched tensor's version counter when the
         # mode was entered (or the tensor watched), against the writes seen to its storage.
         self._versions: list[tuple[torch.Tensor, str, int]] = []
@@ -118,23 +164,68 @@ class Rewind(LightDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if self._storages:
-            for t in written_tensors(func, args, kwargs):
-                ptr = t.untyped_storage().data_ptr() if t.device.type != "meta" else None
-                if ptr not in self._storages:
-                    continue
-                self._seen[ptr] = self._seen.get(ptr, 0) + 1  # (each bumps its version once)
-                if not self._paused and not (t.is_cuda and _capturing()):
-                    undo = self._save(func, t, args, kwargs)
+        if not self._storages:
+            return func(*args, **kwargs)
+        capturing = _capturing()
+        written = written_tensors(func, args, kwargs)
+        for t in written:
+            ptr = t.untyped_storage().data_ptr() if t.device.type != "meta" else None
+            if ptr not in self._storages:
+                continue
+            self._seen[ptr] = self._seen.get(ptr, 0) + 1  # (each bumps its version once)
+            if self._paused:
+                continue
+            if capturing and _recorded(t):
+                self._defer(func, t, args)
+            else:
+                undo = self._save(func, t, args, kwargs)
+                if undo is not None:
+                    self._log.append((t, undo))
+        out = func(*args, **kwargs)
+        if capturing:
+            # (a view's storage is its base's: only new memory and in-place writes count)
+            given = {_ptr(a) for a in _tensors(args, kwargs)}
+            self._made |= {_ptr(t) for t in written}
+            self._made |= {_ptr(o) for o in _tensors(out)} - given
+        return out
+
+    def _defer(self, func: Any, t: torch.Tensor, args: tuple[Any, ...]) -> None:
+        """A write seen while capturing: keep what :meth:`_save` will need (not the values
+        written: a reference would keep their memory from the rest of the capture). The rows
+        of an index write only where the captured ops made or wrote none of its indices (their
+        values are known only after the replay, when the rows are overwritten)."""
+        name = _name(func)
+        if name == "index_copy_" and len(args) > 2 and args[0] is t:
+            kept = args[:3]
+        elif name in ("index_put_", "_index_put_impl_") and len(args) > 1 and args[0] is t:
+            kept = args[:2]
+        else:
+            kept = ()
+        if any(_ptr(i) in self._made for i in _tensors(kept[1:])):
+            kept = ()
+        self._pending.append((func if kept else None, t, kept))
+
+    def before_replay(self) -> None:
+        """Just before a captured segment is replayed for real (a breakable graph's capture):
+        save what the writes captured since the last call will overwrite."""
+        pending, self._pending = self._pending, []
+        self._made = set()
+        self._paused = True  # (its own ops, as undo()'s, are no build's writes)
+        try:
+            with torch.no_grad():
+                for func, t, args in pending:
+                    undo = self._save(func, t, args, {})
                     if undo is not None:
                         self._log.append((t, undo))
-        return func(*args, **kwargs)
+        finally:
+            self._paused = False
 
     def _save(
         self, func: Any, t: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Callable[[], Any] | None:
-        """Copy what ``func`` is about to overwrite in ``t``; return what writes it back."""
-        name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else ""
+        """Copy what ``func`` is about to overwrite in ``t``; return what writes it back
+        (``func`` None: ``t`` as given, whatever the op)."""
+        name = _name(func)
         if name in _METADATA:
             return None
         # (inside __torch_dispatch__ this mode is off: these ops are not seen by it)
@@ -176,6 +267,7 @@ class Rewind(LightDispatchMode):
     def undo(self) -> None:
         """Write back what was saved, last write first; forget it."""
         log, self._log = self._log, []
+        self._pending, self._made = [], set()  # (captured, never replayed during the build)
         self._regions.clear()
         self.saved_bytes = 0
         self._paused = True
