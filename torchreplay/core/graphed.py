@@ -20,6 +20,7 @@ from torchreplay.core.modes import (
 )
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import CHANGES, GONE, Placed
+from torchreplay.core.rewind import Rewind
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.core.threads import Callers, get_ident, outputs_to_clones
 from torchreplay.distributed import EAGER, GRAPH, agreement
@@ -88,7 +89,7 @@ class Graphed:
         )
         runs = snapshot.called if find and snapshot is not None else [self._module]  # filled in place
         python = PyState(self.name, fn, self.static_args, self.static_kwargs, lambda: runs or [], reads=True)
-        with self._inputs.rewinding():  # (what the build writes into the caller's adopted tensors)
+        with self._inputs.rewinding() as adopted:  # (what the build writes into adopted tensors)
             captured = capture(
                 fn,
                 self.static_args,
@@ -99,7 +100,7 @@ class Graphed:
                 config=config,
                 snapshot=snapshot,
                 watch=[s.static for s in self._inputs.tensor_slots],
-                reset=_reset_written(self._inputs, call.leaves),
+                reset=_reset_written(self._inputs, call.leaves, adopted),
                 effects=python,  # the Python state it changes: core/effects.py
             )
         if snapshot is not None:
@@ -279,13 +280,16 @@ def resolve_pool(pool: Pool | tuple[int, int] | Any | None) -> Pool | None:
     )
 
 
-def _reset_written(inputs: Inputs, leaves: Sequence[Any]) -> Callable[[], None]:
+def _reset_written(inputs: Inputs, leaves: Sequence[Any], adopted: Rewind | None) -> Callable[[], None]:
     """Put back the static buffers the last warm-up call wrote (their version counter moved),
-    from the caller's sample tensors, so that every warm-up starts from the sample's state."""
+    from the caller's sample tensors, and what it wrote into the adopted ones (the caller's
+    own, ``adopted`` recording), so that every warm-up starts from the sample's state."""
     pairs = [(s.static, leaf) for s, leaf in zip(inputs.slots, leaves) if s.static is not None and not s.adopted]
     versions = [static._version for static, _ in pairs]
 
     def reset() -> None:
+        if adopted is not None:
+            adopted.undo()
         with torch.no_grad():
             for (static, leaf), version in zip(pairs, versions):
                 if static._version != version:

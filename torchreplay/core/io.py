@@ -492,16 +492,17 @@ class Inputs:
         )
 
     @contextlib.contextmanager
-    def rewinding(self) -> Iterator[None]:
+    def rewinding(self) -> Iterator[Rewind | None]:
         """Around the build's real calls: what they write into the adopted tensors (the
-        caller's own) is put back after, as core/rewind.py does for Python state."""
+        caller's own) is put back after, as core/rewind.py does for Python state. Yields the
+        :class:`Rewind` (None: nothing adopted), whose ``undo()`` puts them back sooner."""
         if not self.adopted:
-            yield
+            yield None
             return
         rewind = Rewind([t for _, t, _ in self.adopted], [s.path for _, _, s in self.adopted])
         try:
             with rewind:
-                yield
+                yield rewind
         finally:
             rewind.undo()
             rewind.warn_unseen()
