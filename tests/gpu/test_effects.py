@@ -565,9 +565,8 @@ class BufferDecoder(nn.Module):
 def test_a_build_puts_a_large_cache_buffer_back_without_copying_it(front) -> None:
     """A module's buffers were copied whole before the warm-ups: a KV cache registered as a
     buffer took twice its memory for the build. Over 1 MiB, only what the build's calls
-    overwrite is kept now (a breakable graph's capture, which replays each segment for real,
-    saves it just before that replay). Still copied whole: a torch.compile'd module's (no
-    dispatch mode sees its writes)."""
+    overwrite is kept now. Still copied whole: a torch.compile'd module's (no dispatch mode
+    sees its writes) and a breakable graph's (its capture replays the segments for real)."""
     torch.manual_seed(0)
     m = BufferDecoder().to(DEV).eval()
     with torch.no_grad():
@@ -583,7 +582,7 @@ def test_a_build_puts_a_large_cache_buffer_back_without_copying_it(front) -> Non
     base = torch.cuda.memory_allocated()
     g = tr.graph(fn, x0, pos0, **kw)
     peak = torch.cuda.max_memory_allocated() - base
-    if front != "compiled":  # (copied whole: writes no mode sees)
+    if front not in ("compiled", "breaks"):  # (copied whole: writes no mode sees)
         assert peak < m.keys.nbytes // 4, (peak, m.keys.nbytes)  # a copy would be 256 MiB
     torch.testing.assert_close(m.keys, ref.keys, rtol=0, atol=0)
     with torch.no_grad():

@@ -410,7 +410,10 @@ class _Runtime(PiecewiseRuntime):
     def _capture_batch(self, todo: list[tuple[int | None, tuple[Any, ...]]], args: tuple[Any, ...]) -> list[Entry]:
         assert self.device is not None
         module = self._front._module
-        self._snapshot = StateSnapshot(module, self.device)
+        # (large buffers copied whole: a capture replays each segment for real, and saving
+        # what each replay overwrites cost a dispatch mode over every op of every size's
+        # capture: twice the 32-size build of the built-in Llama, for no memory saved)
+        self._snapshot = StateSnapshot(module, self.device, whole=True)
         state = [*module.parameters(), *module.buffers()] if module is not None else []
         state += [a for a in args if isinstance(a, _Tensor)]
         self._state_ptrs = {t.untyped_storage().data_ptr() for t in state}
@@ -436,10 +439,7 @@ class _Runtime(PiecewiseRuntime):
         graph = segments.cut()
         self._flush()
         if graph is not None:
-            # what it will write into large tensors of the module and of Python state, saved
-            if self._snapshot is not None:
-                self._snapshot.before_replay()
-            self._front._python.before_replay()
+            self._front._python.before_replay()  # (what it will write into large Python state)
             graph.replay()
         try:
             with self._front._python.eager_part(f"break {rec.brk.name} at {rec.where}"):

@@ -183,10 +183,15 @@ class Rewind(LightDispatchMode):
                     self._log.append((t, undo))
         out = func(*args, **kwargs)
         if capturing:
-            # (a view's storage is its base's: only new memory and in-place writes count)
-            given = {_ptr(a) for a in _tensors(args, kwargs)}
-            self._made |= {_ptr(t) for t in written}
-            self._made |= {_ptr(o) for o in _tensors(out)} - given
+            made = self._made
+            for t in written:
+                made.add(_ptr(t))
+            # new memory only: a view's storage is its base's
+            if type(out) is torch.Tensor:
+                if not out._is_view():
+                    made.add(_ptr(out))
+            elif isinstance(out, (tuple, list)):
+                made.update(_ptr(o) for o in _tensors(out) if not o._is_view())
         return out
 
     def _defer(self, func: Any, t: torch.Tensor, args: tuple[Any, ...]) -> None:

@@ -10,10 +10,10 @@ registered as a buffer, as gpt-fast's models do, sized to fill the device) are n
 them would double their memory for the build, and a cache that fills the device would not fit
 twice. :class:`~torchreplay.core.rewind.Rewind` records, just before each write of the build's
 calls into one, only what that write overwrites (the rows of an ``index_copy_``, the elements of
-an ``index_put_``) and writes it back. A breakable graph's capture replays each segment for
-real before the break after it: :meth:`StateSnapshot.before_replay` saves what the replay will
-overwrite. What a ``torch.compile``d module writes, no dispatch mode sees: a compiled module's
-buffers are copied whole, as they were before. A write the recording missed anyway (a compiled function inside a module, a kernel launched outside an aten op) shows
+an ``index_put_``) and writes it back. What a ``torch.compile``d module writes, no dispatch mode
+sees: a compiled module's buffers are copied whole, as they were before, and so are those of a
+breakable graph's capture, which replays its segments for real. A write the recording
+missed anyway (a compiled function inside a module, a kernel launched outside an aten op) shows
 in the buffer's version counter, and a warning names the buffer.
 """
 
@@ -44,7 +44,9 @@ class StateSnapshot:
     time it is called (:attr:`called`, in order) and keeps its buffers then, before its first
     forward wrote them (not while a stream captures: nothing runs for real there). A compiled
     module found so is kept whole, submodules included: their hooks do not run inside compiled
-    code. ``save`` False: only the finding (:meth:`restore` does nothing).
+    code. ``save`` False: only the finding (:meth:`restore` does nothing). ``whole``: large
+    buffers are copied whole too, for a build whose calls write them where no mode sees (a
+    breakable graph's capture replays its segments for real).
     """
 
     def __init__(
@@ -55,8 +57,10 @@ class StateSnapshot:
         *,
         find: bool = False,
         save: bool = True,
+        whole: bool = False,
     ) -> None:
         self._params = params
+        self._whole = whole
         self._save = save
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its copy)
         self._rewind = Rewind() if save else None  # the large buffers' writes
@@ -91,7 +95,8 @@ class StateSnapshot:
             named += [(f"{type(m).__name__}.{n}", b) for n, b in m.named_buffers(recurse=False) if b is not None]
             if self._params:
                 named += [(f"{type(m).__name__}.{n}", p) for n, p in m.named_parameters(recurse=False)]
-        large = [] if compiled else large_tensors([t for _, t in named])  # (compiled: no mode sees)
+        # (compiled, or whole: writes no mode sees)
+        large = [] if compiled or self._whole else large_tensors([t for _, t in named])
         big = {id(t) for t in large}
         with torch.no_grad():
             self._saved += [(t, t.detach().clone()) for _, t in named if id(t) not in big]
@@ -111,12 +116,6 @@ class StateSnapshot:
                 return
             with self._finding():
                 yield
-
-    def before_replay(self) -> None:
-        """Just before a breakable graph's capture replays a segment for real: save what its
-        writes into the large buffers will overwrite (core/rewind.py)."""
-        if self._rewind is not None:
-            self._rewind.before_replay()
 
     @contextlib.contextmanager
     def _finding(self) -> Iterator[None]:
