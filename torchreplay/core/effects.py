@@ -176,8 +176,16 @@ class PyState:
         """Just before a breakable graph's capture replays a segment for real: save what its
         writes into the state's large tensors overwrite (core/rewind.py), for
         :meth:`put_back_tensors`."""
-        if self._rewind is not None:
+        if self._rewind is None:
+            return
+        watch = self._watch
+        if watch is not None:  # (its copies of what a replay overwrites are no reads)
+            watch.paused += 1
+        try:
             self._rewind.before_replay()
+        finally:
+            if watch is not None:
+                watch.paused -= 1
 
     def before_capture(self) -> None:
         """Before a capture begins (the stream not capturing yet): after the build (a lazy
