@@ -312,3 +312,31 @@ def test_a_cache_marked_with_mark_static_address_is_read_and_written_where_it_is
     with pytest.raises(tr.ReplayInputError, match=r"args\[1\].*mark_static_address"):
         g(torch.randn(4, 1, device="cuda"), ref.clone(), torch.tensor([20], device="cuda"))
     torch.testing.assert_close(cache, ref)
+
+
+def test_every_warm_up_starts_from_the_callers_adopted_position() -> None:
+    """An adopted position (mark_static_address) advanced in place by each call: every warm-up
+    and the capture start where the caller left it, as with a copied argument. The warm-ups ran
+    on from each other's writes: a cache near its end was written past it."""
+    import torch._dynamo
+
+    starts: list[torch.Tensor] = []
+
+    def step(x: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if not torch.cuda.is_current_stream_capturing():  # (the warm-ups: where each began)
+            starts.append(pos.clone())
+        kv.index_copy_(0, pos, x[None])
+        pos.add_(1)
+        return x * kv.sum()
+
+    kv, pos = torch.randn(16, 32, device=DEV), torch.tensor([3], device=DEV)
+    for t in (kv, pos):
+        torch._dynamo.mark_static_address(t)
+    ref_kv, ref_pos = kv.clone(), pos.clone()
+    g = tr.graph(step, torch.randn(32, device=DEV), kv, pos)
+    assert len(starts) >= 2 and all(int(s) == 3 for s in starts), [int(s) for s in starts]
+    assert torch.equal(kv, ref_kv) and torch.equal(pos, ref_pos)  # the build's writes put back
+    for _ in range(CALLS):
+        x = torch.randn(32, device=DEV)
+        torch.testing.assert_close(g(x, kv, pos), step(x, ref_kv, ref_pos))
+        assert torch.equal(kv, ref_kv) and torch.equal(pos, ref_pos)
