@@ -423,7 +423,8 @@ def test_a_cache_marked_with_mark_static_address_is_read_and_written_where_it_is
     assert torch.equal(cache, ref)
 
 
-def test_every_warm_up_starts_from_the_callers_adopted_tensors(monkeypatch) -> None:
+@pytest.mark.parametrize("shapes", ["one", "sizes"])
+def test_every_warm_up_starts_from_the_callers_adopted_tensors(monkeypatch, shapes) -> None:
     """An adopted position advanced in place by each call: every warm-up (and the capture)
     starts where the caller left it, as a copied argument's static buffer does. The warm-ups
     ran on from each other's writes, and the third wrote past the cache's end."""
@@ -434,19 +435,20 @@ def test_every_warm_up_starts_from_the_callers_adopted_tensors(monkeypatch) -> N
     test_buckets.install_cpu_graphs(monkeypatch.setattr)
 
     def step(x, kv, pos):
-        kv.index_copy_(0, pos, x[None])
+        kv.index_copy_(0, pos, x[:1])
         pos.add_(1)
         return x * kv.sum()
 
     kv, pos = torch.zeros(5, 8), torch.tensor([3])
     for t in (kv, pos):
         torch._dynamo.mark_static_address(t)
-    g = tr.graph(step, torch.randn(8), kv, pos)
+    kw = {"sizes": [2, 4], "dim": {"x": 0, "kv": None, "pos": None}} if shapes == "sizes" else {}
+    g = tr.graph(step, torch.randn(4, 8), kv, pos, **kw)
     assert g.static_args[1] is kv and g.static_args[2] is pos
     assert int(pos) == 3 and not kv.any()  # the build's writes put back
     ref_kv, ref_pos = kv.clone(), pos.clone()
     for _ in range(2):
-        x = torch.randn(8)
+        x = torch.randn(3 if kw else 4, 8)
         torch.testing.assert_close(g(x, kv, pos), step(x, ref_kv, ref_pos))
         assert torch.equal(kv, ref_kv) and torch.equal(pos, ref_pos)
 

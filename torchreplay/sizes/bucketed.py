@@ -183,8 +183,9 @@ class BucketedGraph:
             t.nbytes for t in self._outs.values())
         probe_seconds = time.perf_counter() - start
         self._graph_list: list[Any] = []  # every size's graph, for the release on drop
-        with self._inputs.rewinding():
-            first = self._capture_size(self._max, warmup=True, snapshot=snapshot, watch=True)
+        with self._inputs.rewinding() as adopted:  # (each warm-up starts from the caller's)
+            reset = adopted.undo if adopted is not None else None
+            first = self._capture_size(self._max, warmup=True, snapshot=snapshot, watch=True, reset=reset)
         collectives, collective_log = self._first_collectives
         self.collectives = collectives
         self._ranks = agreement(
@@ -271,10 +272,10 @@ class BucketedGraph:
         return plan_outputs(outs[big], big, outs.get(small) if small else None, small, is_external,
                             args[big], args.get(small, ()) if small else ())
 
-    def _capture_size(
-        self, s: int, *, warmup: bool, snapshot: StateSnapshot | None, watch: bool = False
-    ) -> _SizeGraph:
-        """Capture the graph of size ``s``; its outputs are copied into the shared buffers."""
+    def _capture_size(self, s: int, *, warmup: bool, snapshot: StateSnapshot | None, watch: bool = False,
+                      reset: Callable[[], None] | None = None) -> _SizeGraph:
+        """Capture the graph of size ``s``; its outputs are copied into the shared buffers
+        (``reset``: before each warm-up and the capture, see core/capture.py)."""
         plan = self._out_plan
         fn = self.fn
         copies = [
@@ -310,6 +311,7 @@ class BucketedGraph:
             watch=[slot.static for slot in self._inputs.tensor_slots] if watch else (),
             collectives=watch,  # the first capture's are what the ranks agree on
             effects=self._effects,
+            reset=reset,
         )
         if watch:  # the first capture: what the ranks agree on
             self._first_collectives = (captured.collectives, captured.collective_log)
