@@ -314,7 +314,8 @@ def test_a_cache_marked_with_mark_static_address_is_read_and_written_where_it_is
     torch.testing.assert_close(cache, ref)
 
 
-def test_every_warm_up_starts_from_the_callers_adopted_position() -> None:
+@pytest.mark.parametrize("shapes", ["one", "sizes"])
+def test_every_warm_up_starts_from_the_callers_adopted_position(shapes) -> None:
     """An adopted position (mark_static_address) advanced in place by each call: every warm-up
     and the capture start where the caller left it, as with a copied argument. The warm-ups ran
     on from each other's writes: a cache near its end was written past it."""
@@ -325,7 +326,7 @@ def test_every_warm_up_starts_from_the_callers_adopted_position() -> None:
     def step(x: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         if not torch.cuda.is_current_stream_capturing():  # (the warm-ups: where each began)
             starts.append(pos.clone())
-        kv.index_copy_(0, pos, x[None])
+        kv.index_copy_(0, pos, x[:1])
         pos.add_(1)
         return x * kv.sum()
 
@@ -333,10 +334,11 @@ def test_every_warm_up_starts_from_the_callers_adopted_position() -> None:
     for t in (kv, pos):
         torch._dynamo.mark_static_address(t)
     ref_kv, ref_pos = kv.clone(), pos.clone()
-    g = tr.graph(step, torch.randn(32, device=DEV), kv, pos)
+    kw = {"sizes": [2, 4], "dim": {"x": 0, "kv": None, "pos": None}} if shapes == "sizes" else {}
+    g = tr.graph(step, torch.randn(4, 32, device=DEV), kv, pos, **kw)
     assert len(starts) >= 2 and all(int(s) == 3 for s in starts), [int(s) for s in starts]
     assert torch.equal(kv, ref_kv) and torch.equal(pos, ref_pos)  # the build's writes put back
     for _ in range(CALLS):
-        x = torch.randn(32, device=DEV)
+        x = torch.randn(3 if kw else 4, 32, device=DEV)
         torch.testing.assert_close(g(x, kv, pos), step(x, ref_kv, ref_pos))
         assert torch.equal(kv, ref_kv) and torch.equal(pos, ref_pos)
