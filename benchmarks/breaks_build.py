@@ -1,0 +1,17 @@
+"""The 32-size breakable build of the built-in Llama, timed three times after a first build, and its peak memory. Usage: python benchmarks/breaks_build.py LABEL (the label is printed; compare code versions by PYTHONPATH)."""
+import sys, time, torch
+from torchreplay.bench.breaks import _capture_sizes, _inputs
+from torchreplay.models import build_llama
+import torchreplay
+model = build_llama(device="cuda")
+with torch.no_grad():
+    model(*_inputs(model, 1)); torch.cuda.synchronize()
+    first, _ = _capture_sizes(model)
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
+        s, n = _capture_sizes(model)
+        times.append(s)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+cache = sum(b.nbytes for n_, b in model.named_buffers() if "cache" in n_) / 2**20
+print(f"{sys.argv[1]}: first {first:.3f} s, again {['%.3f' % t for t in times]} s, captures {n}, peak over base {peak:.0f} MiB, caches {cache:.0f} MiB, from {torchreplay.__file__}")
