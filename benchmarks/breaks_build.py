@@ -1,4 +1,8 @@
-"""The 32-size breakable build of the built-in Llama, timed three times after a first build, and its peak memory. Usage: python benchmarks/breaks_build.py LABEL (the label is printed; compare code versions by PYTHONPATH)."""
+"""The 32-size breakable build of the built-in Llama (``tr.graph(breaks=, sizes=1..32)``),
+timed three times after a first build, and its peak memory over the base.
+
+Usage: ``python benchmarks/breaks_build.py LABEL``; compare two versions of the library by
+running it with each on PYTHONPATH, alternately."""
 import sys, time, torch
 from torchreplay.bench.breaks import _capture_sizes, _inputs
 from torchreplay.models import build_llama
