@@ -470,8 +470,11 @@ def test_out_of_memory_during_capture_is_undone() -> None:
 
 
 def test_empty_graph_is_a_capture_error() -> None:
-    with pytest.raises(tr.CaptureError, match="empty graph"):
+    with pytest.raises(tr.CaptureError, match="empty graph.*ran on the CPU"):
         tr.graph(lambda x: torch.ones(3) + 1, torch.randn(3, device=DEV))
+    # nothing to launch at all: the message says so, not "move it to the GPU"
+    with pytest.raises(tr.CaptureError, match="empty graph.*returns its arguments or views"):
+        tr.graph(lambda x: (x.view(-1), x[1:]), torch.randn(3, 4, device=DEV))
 
 
 def test_warmup_exception_is_a_capture_error_naming_the_line() -> None:

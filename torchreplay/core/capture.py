@@ -344,11 +344,7 @@ def capture(
         # Only the graph can tell an empty capture: an optimizer step alone has no tensor
         # argument and returns None, yet records real work on the device.
         if all(segments.empty):
-            err = CaptureError(
-                f"capturing '{fn_name(fn)}' recorded no CUDA work (an empty graph): it ran on "
-                "the CPU or on another device; move the module and its tensor arguments to "
-                f"{device} before graphing"
-            )
+            err = CaptureError(_empty_message(fn, args, kwargs, out, device))
             out = None
             _undo(segments, device, pool, snapshot, err, python)
             raise err
@@ -417,6 +413,26 @@ def _warmup_error(fn: Callable[..., Any], i: int, exc: Exception) -> CaptureErro
     return CaptureError(
         f"warm-up call {i + 1} of '{fn_name(fn)}' raised {type(exc).__name__}: "
         f"{_first_line(exc)}{at}; it fails eagerly too: fix the call before graphing it"
+    )
+
+
+def _empty_message(fn: Callable[..., Any], args: Any, kwargs: Any, out: Any, device: torch.device) -> str:
+    """Why a capture recorded nothing: the work ran elsewhere, or there was none (the callable
+    returns its arguments or views of them: eagerly too it launches nothing)."""
+    given = {
+        t.untyped_storage().data_ptr() for t in _compat.tree_flatten((args, kwargs))[0]
+        if isinstance(t, torch.Tensor) and t.device == device
+    }
+    outs = [t for t in _compat.tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    if given and outs and all(t.untyped_storage().data_ptr() in given for t in outs):
+        return (
+            f"capturing '{fn_name(fn)}' recorded no CUDA work (an empty graph): it returns its "
+            f"arguments or views of them, which launches no kernel on {device}, eagerly too. "
+            "Call it as it is: there is nothing for a graph to replay"
+        )
+    return (
+        f"capturing '{fn_name(fn)}' recorded no CUDA work (an empty graph): it ran on the CPU or "
+        f"on another device; move the module and its tensor arguments to {device} before graphing"
     )
 
 
