@@ -57,7 +57,8 @@ _METADATA = frozenset({
 
 
 def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Is the current CUDA stream capturing? (Asked only where a CUDA tensor is watched.)"""
+    return torch.cuda.is_current_stream_capturing()
 
 
 def _recorded(t: torch.Tensor) -> bool:
@@ -116,6 +117,7 @@ class Rewind(LightDispatchMode):
         # last replay wrote or allocated.
         self._pending: list[tuple[Any, torch.Tensor, tuple[Any, ...]]] = []
         self._made: set[int] = set()
+        self._device = False  # does it watch a tensor whose writes a capture only records?
         # The check that every write was seen: each watched tensor's version counter when the
         # mode was entered (or the tensor watched), against the writes seen to its storage.
         self._versions: list[tuple[torch.Tensor, str, int]] = []
@@ -133,6 +135,7 @@ class Rewind(LightDispatchMode):
             if t.device.type == "meta":
                 continue
             self._storages.add(t.untyped_storage().data_ptr())
+            self._device = self._device or _recorded(t)
             if not t.is_inference():  # (an inference tensor has no version counter)
                 name = names[i] if i < len(names) else f"a tensor{tuple(t.shape)}"
                 self._versions.append((t, name, t._version))
@@ -166,7 +169,7 @@ class Rewind(LightDispatchMode):
         kwargs = kwargs or {}
         if not self._storages:
             return func(*args, **kwargs)
-        capturing = _capturing()
+        capturing = self._device and _capturing()  # (once per op: no is_available())
         written = written_tensors(func, args, kwargs)
         for t in written:
             ptr = t.untyped_storage().data_ptr() if t.device.type != "meta" else None
