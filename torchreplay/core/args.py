@@ -45,6 +45,8 @@ def owning_module(fn: Callable[..., Any]) -> torch.nn.Module | None:
 
 def roots_of(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
     """The modules that are not a submodule of another one in ``modules``, in their order."""
+    if len(modules) < 2:
+        return list(modules)
     inner: set[int] = set()
     for m in modules:
         for sub in m.modules():
