@@ -460,3 +460,25 @@ def test_tr_graph_with_sizes_raises_when_a_cache_tensor_is_replaced(monkeypatch)
     m.freqs = torch.randn(4)
     with pytest.raises(tr.ReplayInputError, match=r"Rope\.freqs is tensor\(4,\).*graph again"):
         g(x)
+
+
+def test_the_walk_meets_every_module_once_in_named_modules_order() -> None:
+    """The walk's own loop over ``_modules`` (core/pystate.py ``_submodules``) gives the paths
+    and order of ``named_modules``; a module shared by two parents is walked once, at its first
+    path, and a module already walked is skipped with what is below it."""
+    from torchreplay.core.pystate import _submodules
+
+    shared = nn.Linear(2, 2)
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(2, 2), shared), nn.ModuleDict({"a": shared, "b": nn.ReLU()}), shared,
+    )
+    model.add_module("none", None)
+    done: set[int] = set()
+    walked = []
+    for path, m in _submodules(model, done):
+        done.add(id(m))
+        walked.append((path, m))
+    want = list(model.named_modules())  # (torch's, duplicates removed: first path kept)
+    assert [p for p, _ in walked] == [p for p, _ in want]
+    assert all(a is b for (_, a), (_, b) in zip(walked, want))
+    assert list(_submodules(model[0], done)) == []  # walked already: it and what is below it
