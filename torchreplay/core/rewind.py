@@ -203,6 +203,8 @@ class Rewind(LightDispatchMode):
         of an index write only where the captured ops made or wrote none of its indices (their
         values are known only after the replay, when the rows are overwritten)."""
         name = _name(func)
+        if name in _METADATA:
+            return  # (as _save: no copy undoes it)
         if name == "index_copy_" and len(args) > 2 and args[0] is t:
             kept = args[:3]
         elif name in ("index_put_", "_index_put_impl_") and len(args) > 1 and args[0] is t:
