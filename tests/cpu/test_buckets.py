@@ -739,18 +739,21 @@ def test_run_padded_runs_at_the_agreed_rows_and_gives_back_the_calls_own() -> No
 def test_an_output_that_is_an_argument_is_the_callers_tensor(cpu_graphs) -> None:
     """``return y, mask, x`` with sizes=: eagerly the caller's own tensors. A mask of fixed shape
     came back as the graph's static buffer, which the next call's copy-in overwrote with no
-    error; a varying argument as a copy in the output buffers. A view of the fixed one is a
-    view of the caller's (``mask[:2]``)."""
+    error; a varying argument as a copy in the output buffers. A view of either is a view of
+    the caller's (``mask[:2]``, ``x[:, -1:]``; the varying one's was a copy too)."""
     def f(x: torch.Tensor, mask: torch.Tensor) -> Any:
-        return x * mask.sum(), mask, x, mask[:2]
+        return x * mask.sum(), mask, x, mask[:2], x[:, -1:]
 
     g = tr.graph(f, torch.randn(4, 3), torch.randn(3), sizes=[2, 4], dim={"x": 0, "mask": None})
     kept = []
     for n in (2, 3, 1, 4, 2):
         x, mask = torch.randn(n, 3), torch.randn(3)
-        y, m, xo, head = g(x, mask)
+        y, m, xo, head, last = g(x, mask)
         assert m is mask and xo is x and head._base is mask
+        assert last._base is x and torch.equal(last, x[:, -1:])  # a view of the varying one too
         torch.testing.assert_close(y, x * mask.sum())
-        kept.append((mask.clone(), m, head))
-    for want, m, head in kept:  # every call's, after all later calls
-        assert torch.equal(m, want) and torch.equal(head, want[:2])
+        x.mul_(2)  # the caller's write after the call: its view sees it, as eagerly
+        assert torch.equal(last, x[:, -1:])
+        kept.append((mask.clone(), m, head, x[:, -1:].clone(), last))
+    for want, m, head, want_last, last in kept:  # every call's, after all later calls
+        assert torch.equal(m, want) and torch.equal(head, want[:2]) and torch.equal(last, want_last)

@@ -377,13 +377,14 @@ def test_llama_decodes_32_steps_like_eager_through_padded_graphs(dtype: torch.dt
 
 
 def test_an_output_that_is_an_argument_is_the_callers_tensor() -> None:
-    """``return h, mask, x, mask[:2]`` with sizes=: eagerly the caller's own tensors (views of
-    them). The fixed-shape mask came back as the graph's static buffer, which the next call's
-    copy-in overwrote without an error; ``x`` as a copy in the shared output buffers."""
+    """``return h, mask, x, mask[:2], x[:, -1:]`` with sizes=: eagerly the caller's own tensors
+    (views of them). The fixed-shape mask came back as the graph's static buffer, which the next
+    call's copy-in overwrote without an error; ``x`` and its view as copies in the shared output
+    buffers."""
     lin = nn.Linear(16, 16).cuda()
 
     def layer(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return lin(x) * mask, mask, x, mask[:2]
+        return lin(x) * mask, mask, x, mask[:2], x[:, -1:]
 
     g = tr.graph(layer, torch.randn(8, 16, device="cuda"), torch.rand(16, device="cuda"),
                  sizes=[2, 4, 8], dim={"x": 0, "mask": None})
@@ -391,9 +392,11 @@ def test_an_output_that_is_an_argument_is_the_callers_tensor() -> None:
     with torch.no_grad():
         for n in (3, 8, 1, 5, 2, 7):
             x, mask = torch.randn(n, 16, device="cuda"), torch.rand(16, device="cuda")
-            h, m, xo, head = g(x, mask)
-            assert m is mask and xo is x and head._base is mask
+            h, m, xo, head, last = g(x, mask)
+            assert m is mask and xo is x and head._base is mask and last._base is x
             torch.testing.assert_close(h, lin(x) * mask)
-            kept.append((mask.clone(), m, head))
-    for want, m, head in kept:  # every call's, after all later calls
-        assert torch.equal(m, want) and torch.equal(head, want[:2])
+            x.mul_(2)  # the caller's write after the call: the view of x sees it, as eagerly
+            assert torch.equal(last, x[:, -1:])
+            kept.append((mask.clone(), m, head, x[:, -1:].clone(), last))
+    for want, m, head, want_last, last in kept:  # every call's, after all later calls
+        assert torch.equal(m, want) and torch.equal(head, want[:2]) and torch.equal(last, want_last)

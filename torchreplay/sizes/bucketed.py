@@ -259,11 +259,10 @@ class BucketedGraph:
                 del out, a, k
 
         # what an output may alias without being new: module state (a plain function's modules,
-        # found just now) and the static arguments
+        # found just now) and the arguments' buffers (a view of one: the caller's, see Outputs)
         modules = snapshot.called if snapshot is not None and snapshot.called else [self._module]
         state = [t for m in modules if m is not None for t in (*m.parameters(), *m.buffers())]
-        state += [self._slots[i].static for i, d in enumerate(self._plan.dims)
-                  if d is None and self._slots[i].static is not None]
+        state += [slot.static for slot in self._slots if slot.static is not None]
         state_ptrs = {t.untyped_storage().data_ptr() for t in state}
 
         def is_external(t: torch.Tensor) -> bool:
