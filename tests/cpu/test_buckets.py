@@ -757,3 +757,14 @@ def test_an_output_that_is_an_argument_is_the_callers_tensor(cpu_graphs) -> None
         kept.append((mask.clone(), m, head, x[:, -1:].clone(), last))
     for want, m, head, want_last, last in kept:  # every call's, after all later calls
         assert torch.equal(m, want) and torch.equal(head, want[:2]) and torch.equal(last, want_last)
+
+
+def test_an_output_that_views_an_arguments_last_rows_is_refused(cpu_graphs) -> None:
+    """``x[-1:]`` with sizes=: the view starts at a row that moves with the size, so a call
+    padded to a larger size returned the padding row, silently. The build refuses it, naming the
+    output, the argument and both places; a view that stays put (``x[:, -1:]``) is fine."""
+    with pytest.raises(UnsupportedError, match=r"output\[1\] is a view of args\[0\] 'x' that starts at element 9 at size 4 but 3 at size 2"):
+        tr.graph(lambda x: (x * 2, x[-1:]), torch.randn(4, 3), sizes=[2, 4])
+    g = tr.graph(lambda x: (x * 2, x[:, -1:]), torch.randn(4, 3), sizes=[2, 4])
+    x = torch.randn(3, 3)
+    assert torch.equal(g(x)[1], x[:, -1:])

@@ -269,7 +269,7 @@ class BucketedGraph:
             return t.untyped_storage().data_ptr() in state_ptrs
 
         return plan_outputs(outs[big], big, outs.get(small) if small else None, small, is_external,
-                            args[big], args.get(small, ()) if small else ())
+                            args[big], args.get(small, ()) if small else (), [s.path for s in self._slots])
 
     def _capture_size(self, s: int, *, warmup: bool, snapshot: StateSnapshot | None, watch: bool = False,
                       reset: Callable[[], None] | None = None) -> _SizeGraph:

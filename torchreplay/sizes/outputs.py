@@ -28,8 +28,9 @@ class OutputLeaf:
     ``kind``:
         ``"owned"``: a tensor the call computes; each graph copies it into the shared output
         buffer (``shape`` at the largest size), and calls get its leading slice.
-        ``"external"``: a tensor of the module's state or a static argument's buffer (a KV cache
-        updated in place); returned as it is, sliced along ``dims``.
+        ``"external"``: a tensor of the module's state or a view of an argument's buffer (a KV
+        cache updated in place, ``x[:, -1:]``); returned as it is, sliced along ``dims`` (a view
+        of an argument: as that view of the caller's tensor, by :class:`Outputs`).
         ``"constant"``: a non-tensor value, returned as it is.
         ``"size"``: a Python int equal to the size; returned as the call's size.
         ``"argument"``: an argument itself (``return h, mask``; ``value``: its leaf index);
@@ -92,6 +93,7 @@ def plan_outputs(
     is_external: Callable[[torch.Tensor], bool],
     big_args: Sequence[Any] = (),
     small_args: Sequence[Any] = (),
+    arg_paths: Sequence[str] = (),
 ) -> OutputPlan:
     """Learn how outputs are sliced from the callable's outputs at two sizes.
 
@@ -104,11 +106,12 @@ def plan_outputs(
             one size exists and it is 1 (nothing is ever sliced then).
         is_external: True for a tensor whose memory is the module's state or a static argument.
         big_args, small_args: the argument leaves of the two calls: an output that is the same
-            argument in both is of kind ``"argument"``.
+            argument in both is of kind ``"argument"``; ``arg_paths``: their names.
 
     Raises:
         UnsupportedError: the outputs at the two sizes differ in structure, in a non-tensor value
-            (other than the size itself), or in a dimension that does not equal the size.
+            (other than the size itself), or in a dimension that does not equal the size; or an
+            output is a view of an argument at a place that moves with the size (its last rows).
     """
     flat, spec = _compat.tree_flatten_with_path(big_out)
     paths = ["output" + _compat.keystr(p) for p, _ in flat]
@@ -147,6 +150,8 @@ def plan_outputs(
             if j is not None and (small_args[j] if small is not None else a) is b:
                 leaves.append(OutputLeaf("argument", path, dims, tuple(a.shape), a.dtype, value=j))
                 continue
+            if small is not None:
+                _refuse_moving_view(path, a, b, big, small, big_args, small_args, arg_paths)
             external = is_external(a)
             if small is not None and is_external(b) != external:
                 raise UnsupportedError(
@@ -178,3 +183,27 @@ def _describe(x: Any) -> str:
     if isinstance(x, _Tensor):
         return f"a {x.dim()}-dim {str(x.dtype).removeprefix('torch.')} tensor"
     return type(x).__name__
+
+
+def _refuse_moving_view(
+    path: str, a: _Tensor, b: _Tensor, big: int, small: int,
+    big_args: Sequence[Any], small_args: Sequence[Any], arg_paths: Sequence[str],
+) -> None:
+    """Raise for an output that views an argument where the view starts at a place that moves
+    with the size (``x[-1:]``, the last row): a padded call would hand back padding rows. Other
+    outputs that read such rows are computed, so nothing here can see them (README: padding is
+    correct only when rows are independent)."""
+    ptr = a.untyped_storage().data_ptr()
+    for j, (x, y) in enumerate(zip(big_args, small_args)):
+        if not (isinstance(x, _Tensor) and isinstance(y, _Tensor)) or x.untyped_storage().data_ptr() != ptr:
+            continue
+        at_big, at_small = a.storage_offset() - x.storage_offset(), b.storage_offset() - y.storage_offset()
+        if at_big != at_small:
+            name = arg_paths[j] if j < len(arg_paths) else f"argument {j}"
+            raise UnsupportedError(
+                f"{path} is a view of {name} that starts at element {at_big} at size {big} but "
+                f"{at_small} at size {small}: it moves with the size (the last rows, x[-1:]), so a "
+                "call padded to a larger size would return padding rows. Return rows whose place "
+                "does not depend on the size (x[:, -1:] is fine along a varying dim 0), or pick "
+                "the rows with the real count passed as a tensor"
+            )
