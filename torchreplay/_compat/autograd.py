@@ -9,7 +9,7 @@ import torch
 
 __all__ = [
     "foreach_copy_untracked", "set_sequence_nr", "sequence_nr", "restore_unversioned", "in_backward",
-    "is_accumulate_grad", "normal_tensors", "versions_of",
+    "is_accumulate_grad", "is_view", "normal_tensors", "versions_of",
 ]
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
@@ -107,3 +107,11 @@ def normal_tensors() -> Any:
     tensor outside InferenceMode", and their version counters tell which of them a capture
     wrote. Copying an inference tensor into a normal one is allowed in either mode."""
     return torch.inference_mode(False)
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """Is ``t`` a view of another tensor (sharing its storage)? ``Tensor._is_view`` is private
+    but has been there since torch 1.x, as has ``_base`` (not None for a view), which a torch
+    without it falls back to."""
+    check = getattr(t, "_is_view", None)
+    return check() if check is not None else getattr(t, "_base", None) is not None

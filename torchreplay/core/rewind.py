@@ -42,7 +42,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from torchreplay._compat import LightDispatchMode, written_tensors
+from torchreplay._compat import LightDispatchMode, is_view, written_tensors
 
 __all__ = ["Rewind"]
 
@@ -191,10 +191,10 @@ class Rewind(LightDispatchMode):
                 made.add(_ptr(t))
             # new memory only: a view's storage is its base's
             if type(out) is torch.Tensor:
-                if not out._is_view():
+                if not is_view(out):
                     made.add(_ptr(out))
             elif isinstance(out, (tuple, list)):
-                made.update(_ptr(o) for o in _tensors(out) if not o._is_view())
+                made.update(_ptr(o) for o in _tensors(out) if not is_view(o))
         return out
 
     def _defer(self, func: Any, t: torch.Tensor, args: tuple[Any, ...]) -> None:
