@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import torchreplay as tr
 from torchreplay.core.args import CallArgs
-from torchreplay.core.capture import Captured
+from torchreplay.core.capture import Captured, from_the_start
 from torchreplay.core.effects import NO_EFFECTS
 from torchreplay.core.writes import WriteWatch
 from torchreplay.core import graphed
@@ -410,8 +410,11 @@ def install_cpu_graphs(setattr_: Any) -> list[int]:
             for i in range(n):
                 if reset is not None:
                     reset()
+                from_the_start(snapshot, python)
                 with python.warmup(last=i == n - 1):
                     fn(*args, **kwargs)
+            if n:
+                from_the_start(snapshot, python)
             if reset is not None:
                 reset()
             python.before_capture()

@@ -482,3 +482,36 @@ def test_the_walk_meets_every_module_once_in_named_modules_order() -> None:
     assert [p for p, _ in walked] == [p for p, _ in want]
     assert all(a is b for (_, a), (_, b) in zip(walked, want))
     assert list(_submodules(model[0], done)) == []  # walked already: it and what is below it
+
+
+class _Appending(nn.Module):
+    """A cache with room for two calls of four rows, written where a position kept as Python
+    state says; each call advances the position (as transformers' ``StaticCache`` does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(8, 4))
+        self.pos = torch.zeros((), dtype=torch.long)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache.index_copy_(0, self.pos + torch.arange(x.shape[0]), x)
+        self.pos.add_(x.shape[0])
+        return self.cache.sum(0) * x
+
+
+@pytest.mark.parametrize("front", ["graph", "sizes"])
+def test_every_warm_up_starts_from_the_callers_state(front, monkeypatch) -> None:
+    """The warm-ups ran on from each other's writes into the module's buffers and Python state:
+    the third warm-up wrote past the end of a cache that eager could call twice more (on a GPU,
+    a device-side assert that ends the process). Each warm-up, and the capture, now starts from
+    the caller's state."""
+    test_buckets.install_cpu_graphs(monkeypatch.setattr)
+    m = _Appending()
+    ref = _Appending()
+    kw = {"sizes": [2, 4]} if front == "sizes" else {}
+    g = tr.graph(m, torch.randn(4, 4), **kw)
+    assert int(m.pos) == 0 and not m.cache.any()  # the build's writes put back
+    for _ in range(2):
+        x = torch.randn(4, 4)
+        torch.testing.assert_close(g(x), ref(x))
+        assert torch.equal(m.cache, ref.cache) and int(m.pos) == int(ref.pos)

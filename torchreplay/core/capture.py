@@ -37,6 +37,7 @@ from torchreplay.errors import CaptureError
 
 __all__ = [
     "Captured",
+    "from_the_start",
     "Segments",
     "capture_stream",
     "capture",
@@ -300,11 +301,14 @@ def capture(
                 try:
                     if reset is not None:
                         reset()
+                    from_the_start(snapshot, python)  # (after the probe of sizes=, an earlier warm-up)
                     with python.warmup(last=i == config.num_warmup_iters - 1):
                         fn(*args, **kwargs)
                 except Exception as exc:
                     _undo(None, device, pool, snapshot, exc, python)
                     raise _warmup_error(fn, i, exc) from exc
+            if config.num_warmup_iters:
+                from_the_start(snapshot, python)  # (a breakable capture runs its calls for real)
             if sync:
                 stream.synchronize()  # surface asynchronous warm-up errors before capture begins
 
@@ -414,6 +418,17 @@ def _warmup_error(fn: Callable[..., Any], i: int, exc: Exception) -> CaptureErro
         f"warm-up call {i + 1} of '{fn_name(fn)}' raised {type(exc).__name__}: "
         f"{_first_line(exc)}{at}; it fails eagerly too: fix the call before graphing it"
     )
+
+
+def from_the_start(snapshot: Any, python: PyState | NoEffects) -> None:
+    """Before a warm-up after the first, and before the capture: put back what the build's
+    calls so far wrote into the module's buffers and the tensors of Python state (not the RNG:
+    warm-ups draw on), so that each starts from the caller's state, as the caller's first call
+    would. A position each call advances (``self.pos.add_(n)``, a cache's length) ran on across
+    the warm-ups, and a cache with room for two calls was written past its end by the third."""
+    if isinstance(snapshot, StateSnapshot):
+        snapshot.restore(rng=False)
+    python.put_back_tensors()
 
 
 def _empty_message(fn: Callable[..., Any], args: Any, kwargs: Any, out: Any, device: torch.device) -> str:

@@ -141,10 +141,12 @@ class StateSnapshot:
             finally:
                 handle.remove()
 
-    def restore(self) -> None:
-        """Put every saved tensor and the RNG state back. An inference tensor (a buffer made
-        under ``torch.inference_mode``) only under ``inference_mode``: outside it, nothing can
-        have written it, and a copy into it would raise."""
+    def restore(self, rng: bool = True) -> None:
+        """Put every saved tensor and (``rng``) the RNG state back. An inference tensor (a
+        buffer made under ``torch.inference_mode``) only under ``inference_mode``: outside it,
+        nothing can have written it, and a copy into it would raise. Every copy is written back,
+        changed or not: a graph replayed inside a build call (a breakable capture's segments, a
+        graph the callable calls) writes without moving version counters."""
         if not self._save:
             return
         assert self._rewind is not None
@@ -155,6 +157,8 @@ class StateSnapshot:
             for t, saved in self._saved:
                 if inference or not t.is_inference():
                     t.copy_(saved)
+        if not rng:
+            return
         torch.set_rng_state(self._cpu_rng)
         if self._cuda_rng is not None:
             torch.cuda.set_rng_state(self._cuda_rng, self._device)
