@@ -410,7 +410,8 @@ def install_cpu_graphs(setattr_: Any) -> list[int]:
             for i in range(n):
                 if reset is not None:
                     reset()
-                from_the_start(snapshot, python)
+                if i:
+                    from_the_start(snapshot, python)
                 with python.warmup(last=i == n - 1):
                     fn(*args, **kwargs)
             if n:

@@ -213,6 +213,7 @@ class BreakableGraph:
             ) from exc
         finally:
             snapshot.restore()
+            self._python.put_back_tensors()  # (the warm-ups start from the caller's state)
         if snapshot.called is not None:  # a plain function: the modules it ran
             self._module = called_module(snapshot.called)
             self._runs = list(snapshot.called)
@@ -410,9 +411,8 @@ class _Runtime(PiecewiseRuntime):
     def _capture_batch(self, todo: list[tuple[int | None, tuple[Any, ...]]], args: tuple[Any, ...]) -> list[Entry]:
         assert self.device is not None
         module = self._front._module
-        # (large buffers copied whole: a capture replays each segment for real, and saving
-        # what each replay overwrites cost a dispatch mode over every op of every size's
-        # capture: twice the 32-size build of the built-in Llama, for no memory saved)
+        # (copied whole: saving what each segment's replay overwrites put a dispatch mode over
+        # every op of every capture, twice the Llama's 32-size build, for no memory saved)
         self._snapshot = StateSnapshot(module, self.device, whole=True)
         state = [*module.parameters(), *module.buffers()] if module is not None else []
         state += [a for a in args if isinstance(a, _Tensor)]

@@ -301,7 +301,8 @@ def capture(
                 try:
                     if reset is not None:
                         reset()
-                    from_the_start(snapshot, python)  # (after the probe of sizes=, an earlier warm-up)
+                    if i:  # (the first starts from it: nothing ran before, or put it back)
+                        from_the_start(snapshot, python)
                     with python.warmup(last=i == config.num_warmup_iters - 1):
                         fn(*args, **kwargs)
                 except Exception as exc:
@@ -421,7 +422,8 @@ def _warmup_error(fn: Callable[..., Any], i: int, exc: Exception) -> CaptureErro
 
 
 def from_the_start(snapshot: Any, python: PyState | NoEffects) -> None:
-    """Before a warm-up after the first, and before the capture: put back what the build's
+    """Before a warm-up after the first, before the capture, and after the probe of ``sizes=``
+    (a breakable graph's sample call puts back its own): put back what the build's
     calls so far wrote into the module's buffers and the tensors of Python state (not the RNG:
     warm-ups draw on), so that each starts from the caller's state, as the caller's first call
     would. A position each call advances (``self.pos.add_(n)``, a cache's length) ran on across

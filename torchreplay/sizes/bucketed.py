@@ -27,7 +27,7 @@ import torch
 from torchreplay import _compat
 from torchreplay.config import RANKS, SAFE, BucketConfig, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
-from torchreplay.core.capture import capture, on_side_stream, progress, side_stream
+from torchreplay.core.capture import capture, from_the_start, on_side_stream, progress, side_stream
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.effects import PyState
 from torchreplay.core.io import Inputs, same_constant, warn_widening, widens, write_back
@@ -257,6 +257,7 @@ class BucketedGraph:
                     raise probe_error(self.name, self._plan, s, exc) from exc
                 outs[s] = out
                 del out, a, k
+            from_the_start(snapshot, self._effects)  # (the warm-ups start from the caller's state)
 
         # what an output may alias without being new: module state (a plain function's modules,
         # found just now) and the arguments' buffers (a view of one: the caller's, see Outputs)
