@@ -96,6 +96,7 @@ class Outputs:
         ]
         self.is_leaf = _compat.is_leaf_treespec(spec)
         self._one_handed = self.is_leaf and not self.views  # emit returns the one handed tensor
+        self._to_callers = bool(self.passed or self.views)  # (one test per call in emit)
         self._rebuild = _compat.unflattener(spec)
         # Checked policy: one alias storage per distinct owned storage, shared by the outputs
         # that view it (so y and y.view(-1) stay aliases of each other, as in eager).
@@ -265,7 +266,7 @@ class Outputs:
             else:
                 for i in self.owned_idx:
                     leaves[i] = leaves[i].clone()
-        if (self.passed or self.views) and inputs:  # an argument returned: the caller's own tensor
+        if self._to_callers and inputs:  # an argument returned: the caller's own tensor
             leaves = list(leaves)
             for i, j in self.passed:
                 leaves[i] = inputs[j]
