@@ -21,6 +21,7 @@ from torchreplay.core.effects import NO_EFFECTS
 from torchreplay.core.writes import WriteWatch
 from torchreplay.core import graphed
 from torchreplay.sizes import bucketed as buckets
+from torchreplay.sizes import probe as probing
 from torchreplay.sizes.outputs import plan_outputs
 from torchreplay.sizes.plan import (
     decide,
@@ -435,7 +436,7 @@ def install_cpu_graphs(setattr_: Any) -> list[int]:
         setattr_(module, "capture", fake_capture)
         setattr_(module, "infer_device", lambda fn, call, device=None: torch.device("cpu"))
         setattr_(module, "side_stream", lambda device: None)
-    setattr_(buckets, "on_side_stream", lambda s, d: contextlib.nullcontext())
+    setattr_(probing, "on_side_stream", lambda s, d: contextlib.nullcontext())
     return order
 
 

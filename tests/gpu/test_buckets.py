@@ -400,3 +400,53 @@ def test_an_output_that_is_an_argument_is_the_callers_tensor() -> None:
             kept.append((mask.clone(), m, head, x[:, -1:].clone(), last))
     for want, m, head, want_last, last in kept:  # every call's, after all later calls
         assert torch.equal(m, want) and torch.equal(head, want[:2]) and torch.equal(last, want_last)
+
+
+def _padding_reports(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "padding changes" in r.getMessage()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padding_that_changes_the_real_rows_is_reported_and_independent_rows_are_not(
+    dtype: torch.dtype, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The probe compares a call padded to the largest size with the same rows unpadded, on the
+    GPU's own kernels (another M, another GEMM kernel): quiet for the built-in Llama's decode
+    step and for HF BERT with its padded positions masked, reported for a mean over the rows and
+    for BERT with its padded positions attended."""
+    transformers = pytest.importorskip("transformers")
+    caplog.set_level(logging.WARNING, logger="torchreplay")
+    llama = build_llama(SMALL, DEV, dtype, seed=0)
+    ids = torch.randint(0, SMALL.vocab_size, (3, 1), device=DEV)
+    tr.graph(llama, ids, torch.full((3,), 4, device=DEV), sizes=[1, 2, 4, 8], capture="lazy")
+    assert _padding_reports(caplog) == []
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=4,
+                                  num_attention_heads=4, intermediate_size=256,
+                                  max_position_embeddings=64)
+    bert = transformers.BertModel(cfg, add_pooling_layer=False).to(DEV, dtype).eval()
+
+    def encode(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return bert(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    ids = torch.randint(1, 1000, (2, 11), device=DEV)
+    mask = torch.ones(2, 11, dtype=torch.long, device=DEV)
+    g = tr.graph(encode, ids, mask, sizes=[16, 32], dim=1)  # the mask's padding: 0, masked
+    assert _padding_reports(caplog) == []
+    with torch.no_grad():
+        for n in (11, 5, 23):
+            ids = torch.randint(1, 1000, (2, n), device=DEV)
+            mask = torch.ones(2, n, dtype=torch.long, device=DEV)
+            tol = {} if dtype == torch.float32 else {"rtol": 5e-2, "atol": 5e-2}
+            torch.testing.assert_close(g(ids, mask).float(), encode(ids, mask).float(), **tol)
+    tr.graph(encode, ids, mask, sizes=[16, 32], dim=1, fill_value={1: 1}, capture="lazy")
+    (report,) = _padding_reports(caplog)  # the padding attended: every real row changes
+    assert "padded to 32" in report and "args[1] 'mask': 1" in report
+
+    caplog.clear()
+    lin = nn.Linear(64, 64).to(DEV, dtype)
+    tr.graph(lambda x: lin(x - x.mean(0)), torch.randn(5, 64, device=DEV, dtype=dtype),
+             sizes=[1, 2, 4, 8], capture="lazy")
+    (report,) = _padding_reports(caplog)
+    assert "of a call of 5 rows" in report and "padded to 8" in report

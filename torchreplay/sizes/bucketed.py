@@ -16,7 +16,6 @@ The planning (which size a call goes to, what is sliced back, ...) is in :mod:`.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
@@ -27,7 +26,7 @@ import torch
 from torchreplay import _compat
 from torchreplay.config import RANKS, SAFE, BucketConfig, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
-from torchreplay.core.capture import capture, from_the_start, on_side_stream, progress, side_stream
+from torchreplay.core.capture import capture, progress, side_stream
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.effects import PyState
 from torchreplay.core.io import Inputs, same_constant, warn_widening, widens, write_back
@@ -39,8 +38,8 @@ from torchreplay.core.threads import Callers, follow_stream, get_ident, outputs_
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
-from torchreplay.sizes.guards import check_call, input_error, probe_error, refuse_row_mixing
-from torchreplay.sizes.outputs import OutputPlan, plan_outputs
+from torchreplay.sizes.guards import check_call, input_error, refuse_row_mixing
+from torchreplay.sizes.probe import args_at, probe
 from torchreplay.sizes.plan import (
     DimSpec, FillSpec, InputPlan, decide, format_sizes, narrow_leading, plan_inputs, target_size,
 )
@@ -83,7 +82,8 @@ class BucketedGraph:
         module state). Batch statistics (BatchNorm in training mode), reductions over the batch
         (``x.sum(0)``, a softmax across rows) and anything that reads "the other rows" see the
         padding rows and give different results. A BatchNorm in training mode is refused at
-        construction; the rest cannot be detected.
+        construction; a difference beyond rounding between the real rows of a padded call and
+        the same call unpadded is logged as a warning at construction (:mod:`.probe`).
 
     .. warning::
         All sizes share one set of output buffers: with ``outputs="checked"``, any call (of any
@@ -164,8 +164,11 @@ class BucketedGraph:
         # core/effects.py; from before the probe, whose changes count too
         self._effects = PyState(self.name, fn, *self._args_at(self._max), lambda: runs or [], reads=True)
         self._effects.start()
-        with self._inputs.rewinding():  # (what the build writes into the caller's adopted tensors)
-            self._out_plan = self._probe(snapshot)
+        with self._inputs.rewinding() as adopted:  # (what the build writes into the caller's)
+            probed = probe(self.name, fn, self._inputs, self._plan, self.sizes, effects=self._effects,
+                           snapshot=snapshot, adopted=adopted, module=self._module,
+                           stream=self._stream, device=device)
+        self._out_plan = probed.plan
         if find and snapshot is not None:  # the probe ran it: refuse what padding would mix
             self._module = module = called_module(snapshot.called or ())
             self._training = module.training if module is not None else False
@@ -175,6 +178,8 @@ class BucketedGraph:
                 snapshot.restore()
                 self._effects.undo()
                 raise
+        if probed.padding is not None:
+            log.warning("torchreplay: %s", probed.padding)
         planned = self._out_plan.leaves
         with _compat.normal_tensors():  # captures copy into them, under inference_mode or not
             self._outs = {i: torch.empty(planned[i].shape, dtype=planned[i].dtype, device=device)
@@ -227,50 +232,7 @@ class BucketedGraph:
 
     def _args_at(self, s: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The static arguments with every varying buffer narrowed to its leading ``s`` rows."""
-        leaves = [
-            slot.static if slot.static is not None else slot.value for slot in self._slots
-        ]
-        if s != self._max:
-            for i in self._plan.varying:
-                leaves[i] = leaves[i].narrow(self._plan.dims[i], 0, s)
-        return _compat.tree_unflatten(leaves, self._inputs.spec)
-
-    def _probe(self, snapshot: StateSnapshot | None) -> OutputPlan:
-        """Call ``fn`` eagerly at the largest size and one other, and learn how outputs slice."""
-        big = self._max
-        # the next size down; only size 1: every call has exactly one row, nothing is sliced
-        small = self.sizes[-2] if len(self.sizes) > 1 else big // 2 if big > 1 else None
-        outs: dict[int, Any] = {}
-        args: dict[int, Sequence[Any]] = {}  # the argument leaves (an output may be one)
-        finding = snapshot.running() if snapshot is not None else contextlib.nullcontext()
-        with on_side_stream(self._stream, self.device), torch.no_grad(), finding:
-            for s in (big,) if small is None else (big, small):
-                a, k = self._args_at(s)
-                args[s] = self._inputs.flatten(a, k)
-                try:
-                    with self._effects.build_call():  # its writes into Python state: put back
-                        out = self.fn(*a, **k)
-                except Exception as exc:
-                    if snapshot is not None:
-                        snapshot.restore()
-                    self._effects.undo()
-                    raise probe_error(self.name, self._plan, s, exc) from exc
-                outs[s] = out
-                del out, a, k
-            from_the_start(snapshot, self._effects)  # (the warm-ups start from the caller's state)
-
-        # what an output may alias without being new: module state (a plain function's modules,
-        # found just now) and the arguments' buffers (a view of one: the caller's, see Outputs)
-        modules = snapshot.called if snapshot is not None and snapshot.called else [self._module]
-        state = [t for m in modules if m is not None for t in (*m.parameters(), *m.buffers())]
-        state += [slot.static for slot in self._slots if slot.static is not None]
-        state_ptrs = {t.untyped_storage().data_ptr() for t in state}
-
-        def is_external(t: torch.Tensor) -> bool:
-            return t.untyped_storage().data_ptr() in state_ptrs
-
-        return plan_outputs(outs[big], big, outs.get(small) if small else None, small, is_external,
-                            args[big], args.get(small, ()) if small else (), [s.path for s in self._slots])
+        return args_at(self._inputs, self._plan, self._max, s)
 
     def _capture_size(self, s: int, *, warmup: bool, snapshot: StateSnapshot | None, watch: bool = False,
                       reset: Callable[[], None] | None = None) -> _SizeGraph:

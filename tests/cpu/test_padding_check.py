@@ -1,0 +1,173 @@
+"""tr.graph(sizes=) reports at construction a callable whose padded calls would differ from eager
+(a reduction across the rows), and stays quiet for one whose rows are independent, one that
+masks its padding, and one it cannot compare like with like (sizes/probe.py). On the CPU, with the
+eager stand-in for graphs of tests/cpu/test_buckets.py."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchreplay as tr
+from torchreplay.sizes import probe as probing
+from torchreplay.sizes.probe import padding_difference
+
+import test_buckets
+
+SIZES = [4, 8, 16]
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    return test_buckets.install_cpu_graphs(monkeypatch.setattr)
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.WARNING and "padding changes" in r.getMessage()]
+
+
+def _centre(x: torch.Tensor) -> torch.Tensor:
+    return x - x.mean(0)  # every row reads the others: padding rows pull the mean to 0
+
+
+@pytest.mark.parametrize("rows", [3, 8, 16, 20], ids=["sample below", "sample a size", "sample the largest", "sample above"])
+def test_a_reduction_across_the_rows_is_reported_with_the_output_rows_and_fix(
+    cpu_graphs: list[int], caplog: pytest.LogCaptureFixture, rows: int,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="torchreplay")
+    g = tr.graph(_centre, torch.randn(rows, 5) + 3.0, sizes=SIZES)
+    (message,) = _warnings(caplog)
+    real = rows if rows < 16 else 8  # at or above the largest: the next size's rows, padded
+    assert f"output of a call of {real} rows" in message
+    assert "padded to 16" in message and "relative difference" in message
+    assert "fill_value=" in message and "list every size" in message
+    assert "'_centre'" in message
+    x = torch.randn(16, 5)
+    assert torch.allclose(g(x), _centre(x), atol=1e-5)  # an exact size is not padded
+
+
+def test_an_output_reduced_over_the_rows_is_reported(cpu_graphs: list[int],
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    def fn(x):
+        y = x * 2
+        return y, y.mean()  # the mean sees the padding rows: not varying, compared whole
+
+    tr.graph(fn, torch.randn(3, 4) + 1.0, sizes=SIZES)
+    (message,) = _warnings(caplog)
+    assert "output[1]" in message
+
+
+def test_row_independent_callables_are_not_reported(cpu_graphs: list[int],
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(5, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3)).eval()
+    tr.graph(mlp, torch.randn(3, 5), sizes=SIZES)
+    tr.graph(lambda x: x.sum(0), torch.randn(3, 5), sizes=SIZES)  # a sum over zero rows: correct
+    tr.graph(lambda x: x.softmax(-1), torch.randn(16, 5), sizes=SIZES)  # across columns
+    assert _warnings(caplog) == []
+
+
+def test_a_callable_that_masks_its_padding_is_not_reported(cpu_graphs: list[int],
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    def pooled(x, mask):  # a masked mean over the rows: the padding rows' mask is the fill, 0
+        w = mask[:, None]
+        return (x * w).sum(0) / w.sum(0), x * 3
+
+    x, mask = torch.randn(5, 4), torch.ones(5)
+    g = tr.graph(pooled, x, mask, sizes=SIZES)
+    assert _warnings(caplog) == []
+    for n in (5, 3, 11):
+        x, mask = torch.randn(n, 4), torch.ones(n)
+        assert torch.allclose(g(x, mask)[0], pooled(x, mask)[0], atol=1e-5)
+    caplog.clear()
+    tr.graph(lambda x, mask: x.mean(0), x, mask, sizes=SIZES)  # the mask unused: reported
+    assert len(_warnings(caplog)) == 1
+
+
+def test_each_probe_call_starts_from_the_callers_state(cpu_graphs: list[int],
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    class Counting(nn.Module):
+        """Row-independent, but each call advances a position the output depends on."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("pos", torch.zeros(()))
+
+        def forward(self, x):
+            out = x + self.pos
+            self.pos.add_(1.0)
+            return out
+
+    m = Counting()
+    g = tr.graph(m, torch.randn(3, 4), sizes=SIZES)
+    assert _warnings(caplog) == []  # the unpadded call saw the same position as the padded one
+    assert m.pos.item() == 0.0
+    x = torch.randn(5, 4)
+    assert torch.equal(g(x), x) and m.pos.item() == 1.0
+
+
+def test_calls_it_cannot_compare_are_skipped_with_a_debug_line(cpu_graphs: list[int],
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="torchreplay")
+    tr.graph(lambda x: _centre(x) + torch.rand_like(x), torch.randn(3, 4), sizes=SIZES)
+    assert _warnings(caplog) == []
+    assert any("padding not checked: it draws random numbers" in r.getMessage() for r in caplog.records)
+
+    def writes(x):
+        x.mul_(2.0)
+        return _centre(x)
+
+    caplog.clear()
+    tr.graph(writes, torch.randn(3, 4), sizes=SIZES)
+    assert _warnings(caplog) == []
+    assert any("padding not checked: it writes an argument" in r.getMessage() for r in caplog.records)
+
+
+def test_the_check_adds_one_eager_call_at_most(cpu_graphs: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, int | None]] = []  # (size, real rows padded to it) of each probe call
+    real_args_at = probing.args_at
+
+    def recording(inputs, plan, big, s, rows=None):
+        calls.append((s, rows))
+        return real_args_at(inputs, plan, big, s, rows)
+
+    monkeypatch.setattr(probing, "args_at", recording)
+
+    def probed(rows: int) -> list[tuple[int, int | None]]:
+        calls.clear()
+        tr.graph(lambda x: x * 2, torch.randn(rows, 2), sizes=SIZES)
+        return list(calls)
+
+    assert probed(3) == [(16, None), (8, None), (3, None)]  # the sample unpadded
+    assert probed(8) == [(16, None), (8, None)]  # the sample is the next size: its probe is unpadded
+    assert probed(16) == [(16, None), (8, None), (16, 8)]  # the next size's rows padded to the largest
+
+
+def test_padding_difference() -> None:
+    a = torch.randn(6, 3)
+    assert padding_difference(a, a.clone()) == 0.0
+    b = a.clone()
+    b[0, 0] += 1.0
+    assert padding_difference(b, a) == pytest.approx(1.0 / a.norm().item(), rel=1e-5)
+    assert padding_difference(torch.ones(3), torch.zeros(3)) == math.inf
+    nan = a.clone()
+    nan[1, 1] = float("nan")
+    assert padding_difference(nan, a) == math.inf
+    assert padding_difference(a, nan) == math.inf
+    assert padding_difference(nan, nan.clone()) == 0.0  # the same non-finite places: compared past them
+    half = a.to(torch.bfloat16)
+    assert padding_difference(half, half.clone()) == 0.0
+
+
+def test_padding_difference_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = torch.randn(10, 7), torch.randn(10, 7)
+    whole = padding_difference(a, b)
+    monkeypatch.setattr(probing, "_CHUNK", 4)
+    assert padding_difference(a, b) == pytest.approx(whole, rel=1e-6)
+    b[9, 6] = float("inf")
+    assert padding_difference(a, b) == math.inf

@@ -1,0 +1,252 @@
+"""The eager calls a many-size graph makes before it captures: how its outputs slice, and whether
+padding changes the real rows.
+
+- Two calls, at the largest size and the next one down, learn which output dimensions equal the
+  size (:func:`~torchreplay.sizes.outputs.plan_outputs`).
+- One more call (none when the sample's rows are the next size down) gives the same real rows
+  once padded to the largest size and once unpadded. A callable whose rows are independent
+  returns the same real rows both times, up to the rounding of kernels picked per shape; a
+  reduction or a normalisation across the rows (``x - x.mean(0)``, attention over padded
+  positions left unmasked) does not. A difference beyond the tolerance of the output's dtype is
+  reported once, at construction, naming the output, the rows and the fix: padding would hand the
+  caller results that differ from eager.
+
+Each call starts from the caller's state (module buffers, Python state and adopted arguments put
+back in between), so a callable that advances a position at every call compares like with like.
+The padding check is skipped, with a debug line, when it cannot compare like with like: a call
+that draws random numbers (dropout in training mode) or writes an argument the graph copies in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+
+from torchreplay import _compat
+from torchreplay.core.capture import from_the_start, on_side_stream
+from torchreplay.core.effects import PyState
+from torchreplay.core.io import Inputs
+from torchreplay.core.padding import pad_sample
+from torchreplay.core.rewind import Rewind
+from torchreplay.sizes.guards import probe_error
+from torchreplay.sizes.outputs import OutputPlan, plan_outputs
+from torchreplay.sizes.plan import InputPlan
+
+__all__ = ["Probed", "args_at", "padding_difference", "padding_message", "probe"]
+
+log = logging.getLogger(__name__)
+
+_Tensor = torch.Tensor
+
+# How far (normwise, relative) the real rows of a padded call may be from the same rows unpadded.
+# Sizes run different kernels (cuBLAS picks its algorithm by shape, TF32 convolutions), so rows
+# agree only up to rounding, which grows with depth in half precision; what padding breaks (a
+# mean over 7 rows taken over 8) is off by far more. Loose on purpose: a report must be real.
+_TOLERANCE = {torch.float64: 1e-2, torch.float32: 1e-2, torch.float16: 3e-2, torch.bfloat16: 1e-1}
+_DEFAULT_TOLERANCE = 1e-1  # the 8-bit float types
+_CHUNK = 1 << 22  # elements compared at a time (a large output is not copied whole to float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Probed:
+    """What the probe learned: the output plan, and why padding changes the real rows (None:
+    it does not, or it could not be checked)."""
+
+    plan: OutputPlan
+    padding: str | None
+
+
+def args_at(inputs: Inputs, plan: InputPlan, big: int, s: int, rows: int | None = None) -> tuple[Any, Any]:
+    """The static arguments with every varying buffer narrowed to its leading ``s`` rows; with
+    ``rows``, fresh tensors instead: the buffer's leading ``rows`` rows, padded to ``s`` with
+    the fill value."""
+    leaves = [slot.static if slot.static is not None else slot.value for slot in inputs.slots]
+    for i in plan.varying:
+        d = plan.dims[i]
+        if rows is not None:
+            leaves[i] = pad_sample(leaves[i].narrow(d, 0, rows), d, s, plan.fills[i])
+        elif s != big:
+            leaves[i] = leaves[i].narrow(d, 0, s)
+    return _compat.tree_unflatten(leaves, inputs.spec)
+
+
+def probe(
+    name: str,
+    fn: Callable[..., Any],
+    inputs: Inputs,
+    plan: InputPlan,
+    sizes: Sequence[int],
+    *,
+    effects: PyState,
+    snapshot: Any,
+    adopted: Rewind | None,
+    module: torch.nn.Module | None,
+    stream: Any,
+    device: torch.device,
+) -> Probed:
+    """Call ``fn`` eagerly at the largest size and the next one down (and once more to compare a
+    padded call with an unpadded one); learn how outputs slice and whether padding changes them.
+
+    ``snapshot``: the module's :class:`~torchreplay.core.snapshot.StateSnapshot` (or None);
+    ``adopted``: the record of what the calls write into adopted arguments; ``module``: the
+    module called (a plain function's modules come from the snapshot)."""
+    big = sizes[-1]
+    # the next size down; only size 1: every call has exactly one row, nothing is sliced
+    small = sizes[-2] if len(sizes) > 1 else big // 2 if big > 1 else None
+    # the real rows the padding check compares: the sample's, or the next size's when the
+    # sample fills the largest size (then its unpadded call is the probe at that size)
+    real = None if small is None else plan.size if plan.size < big else small
+    outs: dict[Any, Any] = {}
+    args: dict[int, Sequence[Any]] = {}  # the argument leaves (an output may be one)
+    finding = snapshot.running() if snapshot is not None else contextlib.nullcontext()
+    copied = [slot.static for slot in inputs.tensor_slots if not slot.adopted]
+    with on_side_stream(stream, device), torch.no_grad(), finding:
+        rng, versions = _rng_state(device), _versions(copied)
+
+        def call(key: Any, s: int, a: Any, k: Any) -> Any:
+            if outs:  # each call from the caller's state
+                from_the_start(snapshot, effects)
+                if adopted is not None:
+                    adopted.undo()
+            try:
+                with effects.build_call():  # its writes into Python state: put back
+                    outs[key] = fn(*a, **k)
+            except Exception as exc:
+                if snapshot is not None:
+                    snapshot.restore()
+                effects.undo()
+                raise probe_error(name, plan, s, exc) from exc
+
+        for s in (big,) if small is None else (big, small):
+            a, k = args_at(inputs, plan, big, s)
+            args[s] = inputs.flatten(a, k)
+            call(s, s, a, k)
+        skip = None
+        if real is not None:
+            if not _same(rng, _rng_state(device)):
+                skip = "it draws random numbers"
+            elif versions is None or versions != _versions(copied):
+                skip = "it writes an argument"
+            else:
+                try:
+                    if plan.size >= big:  # the next size's rows padded to the largest
+                        call("padded", big, *args_at(inputs, plan, big, big, rows=real))
+                    elif real != small:  # the sample's rows unpadded
+                        call("unpadded", real, *args_at(inputs, plan, big, real))
+                except Exception as exc:  # (only this check's own call: the probe's raise)
+                    skip = f"its call at {real} rows raised {type(exc).__name__}"
+        from_the_start(snapshot, effects)  # (the warm-ups start from the caller's state)
+
+    # what an output may alias without being new: module state (a plain function's modules,
+    # found just now) and the arguments' buffers (a view of one: the caller's, see Outputs)
+    modules = snapshot.called if snapshot is not None and snapshot.called else [module]
+    state = [t for m in modules if m is not None for t in (*m.parameters(), *m.buffers())]
+    state += [slot.static for slot in inputs.slots if slot.static is not None]
+    state_ptrs = {t.untyped_storage().data_ptr() for t in state}
+
+    def is_external(t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in state_ptrs
+
+    out_plan = plan_outputs(outs[big], big, outs.get(small) if small else None, small, is_external,
+                            args[big], args.get(small, ()) if small else (), [s.path for s in inputs.slots])
+    padding = None
+    if real is not None and skip is None:
+        padded = outs.get("padded", outs[big])
+        unpadded = outs.get("unpadded", outs.get(small))
+        padding = padding_message(name, out_plan, padded, unpadded, real, big, plan)
+    elif skip is not None:
+        log.debug("torchreplay: '%s': padding not checked: %s", name, skip)
+    return Probed(out_plan, padding)
+
+
+def padding_message(
+    name: str, out_plan: OutputPlan, padded: Any, unpadded: Any, rows: int, size: int, plan: InputPlan,
+) -> str | None:
+    """Why padding changes the real rows: the first output whose ``rows`` real rows in a call
+    padded to ``size`` differ from the same call unpadded beyond its dtype's tolerance; None if
+    none does. Compared: the floating-point tensors the call computes (not module state, not its
+    arguments)."""
+    pads, unpads = _compat.tree_flatten(padded)[0], _compat.tree_flatten(unpadded)[0]
+    for leaf, a, b in zip(out_plan.leaves, pads, unpads):
+        if leaf.kind != "owned" or not (isinstance(a, _Tensor) and isinstance(b, _Tensor)):
+            continue
+        if not a.is_floating_point() or a is b:
+            continue
+        for d in leaf.dims:
+            a = a.narrow(d, 0, rows)
+        if a.shape != b.shape:
+            continue
+        tolerance = _TOLERANCE.get(a.dtype, _DEFAULT_TOLERANCE)
+        difference = padding_difference(a, b)
+        log.debug("torchreplay: '%s': padding check: %s of %d rows padded to %d: relative "
+                  "difference %.3g (tolerance %g)", name, leaf.path, rows, size, difference, tolerance)
+        if difference <= tolerance:
+            continue
+        by = "non-finite values where the unpadded call has none" if math.isinf(difference) else (
+            f"a relative difference of {difference:.3g} (normwise; the tolerance of "
+            f"{str(a.dtype).removeprefix('torch.')} is {tolerance:g})"
+        )
+        fills = ", ".join(f"{plan.paths[i]}: {plan.fills[i]!r}" for i in plan.varying)
+        return (
+            f"'{name}' with sizes=: padding changes what the call returns. {leaf.path} of a "
+            f"call of {rows} rows ({plan.where()}) padded to {size} with the fill value differs "
+            f"from the same call unpadded by {by}. Padding is correct only when each row's result "
+            "depends on that row alone: no reduction or normalisation across the rows, no "
+            "attention over padded positions left unmasked. Calls of a size not in sizes= are "
+            f"padded and may differ from eager this way. Fix: mask the padding rows (their value is the "
+            f"fill value: {fills}; fill_value= sets it), or list every size you call with in "
+            "sizes= (an exact size is not padded)"
+        )
+    return None
+
+
+def padding_difference(padded: _Tensor, unpadded: _Tensor) -> float:
+    """``|padded - unpadded| / |unpadded|`` (2-norms, in float32 chunks); ``inf`` where one has
+    a non-finite value the other has not, or ``unpadded`` is all zeros and ``padded`` not."""
+    a, b = padded.reshape(-1), unpadded.reshape(-1)
+    num = den = 0.0
+    for i in range(0, b.numel(), _CHUNK):
+        x, y = a[i:i + _CHUNK].float(), b[i:i + _CHUNK].float()
+        finite = torch.isfinite(y)
+        if not bool(finite.all()):
+            same = (
+                torch.equal(torch.isfinite(x), finite)
+                and torch.equal(torch.isnan(x), torch.isnan(y))
+                and torch.equal(x[torch.isinf(y)], y[torch.isinf(y)])
+            )
+            if not same:
+                return math.inf
+            x, y = x[finite], y[finite]
+        elif not bool(torch.isfinite(x).all()):
+            return math.inf
+        num += float(torch.sum(torch.square(x - y), dtype=torch.float64))
+        den += float(torch.sum(torch.square(y), dtype=torch.float64))
+    if num == 0.0:
+        return 0.0
+    return math.inf if den == 0.0 else math.sqrt(num / den)
+
+
+def _rng_state(device: torch.device) -> list[_Tensor]:
+    """The generators a call may draw from: the CPU's and the device's."""
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def _same(a: list[_Tensor], b: list[_Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _versions(tensors: list[_Tensor]) -> list[int] | None:
+    """The version counters of the buffers the graph copies arguments into (None: one has none,
+    an inference tensor, so writes to it cannot be seen)."""
+    try:
+        return [t._version for t in tensors]
+    except RuntimeError:
+        return None
