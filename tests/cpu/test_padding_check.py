@@ -15,6 +15,9 @@ import torch.nn as nn
 import torchreplay as tr
 from torchreplay.sizes import probe as probing
 from torchreplay.sizes.probe import padding_difference
+from torchreplay.breaks.sized import check_padding, output_dims, padding_sample
+from torchreplay.core.args import CallArgs
+from torchreplay.sizes.plan import plan_inputs
 
 import test_buckets
 
@@ -171,3 +174,31 @@ def test_padding_difference_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert padding_difference(a, b) == pytest.approx(whole, rel=1e-6)
     b[9, 6] = float("inf")
     assert padding_difference(a, b) == math.inf
+
+
+def test_a_breakable_graphs_check_compares_its_padded_captures_real_rows(caplog: pytest.LogCaptureFixture) -> None:
+    def fn(x, lengths):
+        return x, x * 2
+
+    x = torch.randn(3, 4)
+    plan = plan_inputs(CallArgs(fn, (x, torch.tensor([1, 2, 3])), {}), 0, 0)
+    out = (x.clone(), x * 2)
+    assert padding_sample("fn", out, plan, None, False) is None  # no sizes
+    assert padding_sample("fn", out, plan, [2, 3], False) is None  # the sample fills the largest
+    assert padding_sample("fn", out, plan, [4, 8], True) is None  # random numbers
+    unpadded = padding_sample("fn", out, plan, [4, 8], False)
+    assert [p for p, _ in unpadded.outputs] == ["output[0]", "output[1]"]
+    padded = [torch.cat([x, torch.zeros(5, 4)]), torch.cat([x * 2, torch.ones(5, 4)])]
+    check_padding("fn", unpadded, padded, 8, state_ptrs=set())
+    assert _warnings(caplog) == []  # the padding rows differ, the real rows do not
+    padded[1][0, 0] += 10.0
+    check_padding("fn", unpadded, padded, 8, state_ptrs={padded[1].untyped_storage().data_ptr()})
+    assert _warnings(caplog) == []  # module state or an argument: not compared
+    check_padding("fn", unpadded, padded, 8, state_ptrs=set())
+    (message,) = _warnings(caplog)
+    assert "output[1] of a call of 3 rows" in message and "a break gets the padded rows" in message
+
+
+def test_output_dims_of_a_breakable_graph() -> None:
+    seen = [(3, [(3, 5), (7,), None]), (8, [(8, 5), (7,), None]), (4, [(4, 5), (7,), None])]
+    assert output_dims(seen, 3) == (0, None, None)

@@ -6,6 +6,7 @@ in one pool."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -470,3 +471,42 @@ def test_auto_breaks_at_the_item_and_explain_lists_it() -> None:
     text = tr.explain(g)
     assert "break 0: clip" in text and "auto: Tensor.item (host-sync) at" in text
     assert "test_breaks.py:" in text
+
+
+def centre(x: torch.Tensor) -> torch.Tensor:
+    return x - x.mean(0)  # every row reads the others: the padding rows too
+
+
+class Centred(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(H, H), nn.Linear(H, H)
+
+    def forward(self, x):
+        return self.b(centre(self.a(x)))
+
+
+def test_padding_a_break_reads_is_reported_and_breaks_that_read_their_rows_are_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first capture runs the sample padded to the largest size for real: its real rows
+    against the sample call's (sizes/probe.py, breaks/sized.py)."""
+    caplog.set_level(logging.WARNING, logger="torchreplay")
+
+    def reports() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "padding changes" in r.getMessage()]
+
+    model = net()
+    x = torch.randn(5, T, H, device=DEV)
+    tr.graph(model, x, lengths_for(5), breaks=[Attention], sizes=[4, 8, 16], capture="lazy")
+    assert reports() == []  # each row attends to its own keys, over its own length
+
+    torch.manual_seed(0)
+    m = Centred().to(DEV).eval()
+    g = tr.graph(m, torch.randn(3, H, device=DEV), breaks=[centre], sizes=[4, 8])
+    (report,) = reports()
+    assert "of a call of 3 rows" in report and "padded to 8" in report
+    assert "a break gets the padded rows" in report
+    with torch.no_grad():  # exact sizes are not padded: eager-equal
+        x = torch.randn(8, H, device=DEV)
+        torch.testing.assert_close(g(x), m(x), **CLOSE)

@@ -45,16 +45,18 @@ from torchreplay.core.writes import WriteWatch
 from torchreplay.distributed import agreement
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
 from torchreplay.breaks.auto import AutoBreak, find_on_copies
+from torchreplay.breaks.sized import check_padding, output_dims, padding_sample
 from torchreplay.breaks.policy import eager_by_policy
 from torchreplay.breaks.steps import BreakStep, returns_nothing
 from torchreplay.breaks.plan import (
-    Break, BreakCall, Recorder, check_reached, intercept, outside_breaks, resolve_breaks,
+    Break, BreakCall, Recorder, check_reached, intercept, outside_breaks, resolve_breaks, same_path,
 )
 from torchreplay.pieces.entries import Entry, PieceGraph
 from torchreplay.pieces.program import Input, Piece, Program, Split
 from torchreplay.pieces.ranks import agree_size, run_eagerly_at
 from torchreplay.pieces.runtime import PiecewiseRuntime
 from torchreplay.sizes.plan import plan_inputs
+from torchreplay.sizes.probe import rng_state, same_rng
 
 __all__ = ["BreakableGraph"]
 
@@ -138,6 +140,8 @@ class BreakableGraph:
             self._unflatten = call.unflatten
             dims = plan_inputs(call, dim, fill_value) if sizes is not None else None
             self.breaks, out, written = self._plan(call)
+            # the sample call's outputs, unpadded, until the first capture (padded) checks them
+            self._unpadded = padding_sample(self.name, out, dims, sizes, self._drew)
             out_leaves, self._out_spec = _compat.tree_flatten(out)
             self._out_single = len(out_leaves) == 1 and self._out_spec == _LEAF
             self._rebuild = _compat.unflattener(self._out_spec)
@@ -202,10 +206,12 @@ class BreakableGraph:
         snapshot = StateSnapshot(self._module, device, find=self._module is None)
         watch = WriteWatch([leaves[i] for i in tensors])
         args, kwargs = call.unflatten(leaves)
+        rng = rng_state(device)
         try:
             with on_side_stream(side_stream(device), device), torch.no_grad(), self._python.build_call():
                 with watch, intercept(self.fn, self._breaks, recorder, reached), snapshot.running():
                     out = self.fn(*args, **kwargs)
+            self._drew = not same_rng(rng, rng_state(device))  # (its outputs are not comparable)
         except Exception as exc:
             raise CaptureError(
                 f"the sample call of '{self.name}' raised {type(exc).__name__}: {exc}; it fails "
@@ -323,23 +329,6 @@ class BreakableGraph:
     def run_eagerly(self, leaves: Sequence[Any]) -> _Eager:
         args, kwargs = self._unflatten(leaves)
         return _Eager(self.fn(*args, **kwargs))
-
-    def same_path(self, calls: list[BreakCall], out: Any, size: int | None) -> None:
-        """Raise when a capture's run took another path than the plan's (other breaks, other
-        argument rules, another output structure): its segments would not fit the program."""
-        at = f"at size {size}" if size is not None else "at capture"
-        plan = [(c.brk, tuple((r.kind, r.leaf) for r in c.rules), len(c.outputs)) for c in self.breaks]
-        got = [(c.brk, tuple((r.kind, r.leaf) for r in c.rules), len(c.outputs)) for c in calls]
-        if got != plan:
-            first = next((k for k, (a, b) in enumerate(zip(plan, got)) if a != b), min(len(plan), len(got)))
-            raise CaptureError(
-                f"'{self.name}' {at} took another path than the sample call: its break calls "
-                f"differ from call {first} on ({len(got)} calls, {len(plan)} in the sample). A "
-                "breakable graph needs the same breaks, with arguments of the same kinds, at "
-                "every size; branch on sizes inside a break, not around it"
-            )
-        if _compat.tree_flatten(out)[1] != self._out_spec:
-            raise CaptureError(f"'{self.name}' {at} returned another output structure than the sample call")
 
     def explain(self) -> str:
         """What was graphed and what runs eagerly: each break call with the model's line, why it
@@ -503,9 +492,15 @@ class _Runtime(PiecewiseRuntime):
             return intercept(front.fn, front._breaks, recorder, reached)
 
         call_args, call_kwargs = front._unflatten(leaves)
+        fn = front.fn
+        if front._unpadded is not None and size is not None:  # (the first size: it pads)
+            def fn(*a: Any, **k: Any) -> Any:  # (the warm-ups run outside the segments)
+                out = front.fn(*a, **k)
+                return self._check_padding(size, out) if self._segments is not None else out
+            fn.__qualname__ = fn.__name__ = front.name
         try:
             captured = capture(
-                front.fn, call_args, call_kwargs, device=self.device, stream=self._stream,
+                fn, call_args, call_kwargs, device=self.device, stream=self._stream,
                 pool=self.pool, config=self.config, warmup=not self._warm, snapshot=snapshot,
                 reset=reset, segmented=segmented,
                 diagnose_fn=outside_breaks(front.fn, front._breaks),
@@ -519,7 +514,7 @@ class _Runtime(PiecewiseRuntime):
         if front.collectives is None:
             front.collectives, front._collective_log = captured.collectives, captured.collective_log
         reset()  # the captured run ran the breaks (and replayed the segments) for real
-        front.same_path(recorder.calls, captured.out, size)
+        same_path(front.name, front.breaks, recorder.calls, front._out_spec, captured.out, size)
         segs = captured.graphs
         self._graphs.extend(g for g in segs if g is not None)
         self.stats.captures += sum(g is not None for g in segs)
@@ -545,6 +540,22 @@ class _Runtime(PiecewiseRuntime):
         self._seal(entry, pool_outs)
         self._entries[key] = entry
         return entry
+
+    def _check_padding(self, size: int, out: Any) -> Any:
+        """At the end of the first capture's run (the sample padded to ``size``): end and replay
+        the last segment (the others ran for real) and compare the real rows of its outputs
+        with the sample call's (breaks/sized.py). Returns ``out``."""
+        front, segments = self._front, self._segments
+        assert segments is not None
+        unpadded, front._unpadded = front._unpadded, None
+        last = segments.cut()
+        self._flush()  # (the last break's outputs, which the last segment reads)
+        if last is not None:
+            front._python.before_replay()  # (what it will write into large Python state)
+            last.replay()
+        with front._python.eager_part("the padding check"):
+            check_padding(front.name, unpadded, _compat.tree_flatten(out)[0], size, self._state_ptrs)
+        return out
 
     def _sources(self, outs: list[Any], leaves: list[Any]) -> tuple[list[tuple[str, Any]], list[_Tensor]]:
         """Where each output leaf of a replay comes from (see Entry.sources)."""
@@ -577,24 +588,10 @@ class _Runtime(PiecewiseRuntime):
         return sources, pool_outs
 
     def _learn_output_dims(self) -> None:
-        """With sizes: which dimension of each output has the call's rows (sliced back to
-        them): the first dimension equal to the size at every captured size and in the
-        sample call."""
-        if self.sizes is None:
-            return
-        front = self._front
-        seen = [(front._sample_rows, front._sample_out)]
-        for entry in self._entries.values():
-            last = entry.graphs[-1]
-            if last is not None:
-                seen.append((entry.size, [tuple(t.shape) if isinstance(t, _Tensor) else None for t in last.out]))
-        dims: list[int | None] = []
-        for j in range(len(front._sample_out)):
-            shapes = [(n, s[j]) for n, s in seen]
-            if any(s is None for _, s in shapes):
-                dims.append(None)
-                continue
-            rank = len(shapes[0][1])  # type: ignore[arg-type]
-            found = [d for d in range(rank) if all(len(s) == rank and s[d] == n for n, s in shapes)]  # type: ignore[arg-type]
-            dims.append(found[0] if found else None)
-        self.program.output_dims = tuple(dims)
+        """With sizes: which dimension of each output has the call's rows (sliced back to them)."""
+        if self.sizes is not None:
+            front = self._front
+            seen = [(front._sample_rows, front._sample_out)] + [
+                (e.size, [tuple(t.shape) if isinstance(t, _Tensor) else None for t in e.graphs[-1].out])
+                for e in self._entries.values() if e.graphs[-1] is not None]
+            self.program.output_dims = output_dims(seen, len(front._sample_out))

@@ -40,7 +40,7 @@ from torchreplay.errors import CaptureError
 
 __all__ = [
     "Break", "ArgRule", "BreakCall", "Recorder", "resolve_breaks", "intercept", "plan_breaks",
-    "check_reached", "outside_breaks",
+    "check_reached", "outside_breaks", "same_path",
 ]
 
 BreakKind = Literal["module", "class", "function", "op"]
@@ -449,3 +449,24 @@ def _user_line() -> str:
             return f"{f}:{frame.f_lineno}"
         frame = frame.f_back  # type: ignore[assignment]
     return ""
+
+
+def same_path(
+    name: str, plan: Sequence[BreakCall], calls: Sequence[BreakCall], out_spec: Any, out: Any,
+    size: int | None,
+) -> None:
+    """Raise when a capture's run took another path than the plan's (other breaks, other
+    argument rules, another output structure): its segments would not fit the program."""
+    at = f"at size {size}" if size is not None else "at capture"
+    want = [(c.brk, tuple((r.kind, r.leaf) for r in c.rules), len(c.outputs)) for c in plan]
+    got = [(c.brk, tuple((r.kind, r.leaf) for r in c.rules), len(c.outputs)) for c in calls]
+    if got != want:
+        first = next((k for k, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+        raise CaptureError(
+            f"'{name}' {at} took another path than the sample call: its break calls "
+            f"differ from call {first} on ({len(got)} calls, {len(want)} in the sample). A "
+            "breakable graph needs the same breaks, with arguments of the same kinds, at "
+            "every size; branch on sizes inside a break, not around it"
+        )
+    if _compat.tree_flatten(out)[1] != out_spec:
+        raise CaptureError(f"'{name}' {at} returned another output structure than the sample call")

@@ -37,7 +37,10 @@ from torchreplay.sizes.guards import probe_error
 from torchreplay.sizes.outputs import OutputPlan, plan_outputs
 from torchreplay.sizes.plan import InputPlan
 
-__all__ = ["Probed", "args_at", "padding_difference", "padding_message", "probe"]
+__all__ = [
+    "Probed", "args_at", "first_difference", "padding_difference", "padding_message", "probe",
+    "rng_state", "same_rng",
+]
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +112,7 @@ def probe(
     finding = snapshot.running() if snapshot is not None else contextlib.nullcontext()
     copied = [slot.static for slot in inputs.tensor_slots if not slot.adopted]
     with on_side_stream(stream, device), torch.no_grad(), finding:
-        rng, versions = _rng_state(device), _versions(copied)
+        rng, versions = rng_state(device), _versions(copied)
 
         def call(key: Any, s: int, a: Any, k: Any) -> Any:
             if outs:  # each call from the caller's state
@@ -131,7 +134,7 @@ def probe(
             call(s, s, a, k)
         skip = None
         if real is not None:
-            if not _same(rng, _rng_state(device)):
+            if not same_rng(rng, rng_state(device)):
                 skip = "it draws random numbers"
             elif versions is None or versions != _versions(copied):
                 skip = "it writes an argument"
@@ -175,19 +178,30 @@ def padding_message(
     none does. Compared: the floating-point tensors the call computes (not module state, not its
     arguments)."""
     pads, unpads = _compat.tree_flatten(padded)[0], _compat.tree_flatten(unpadded)[0]
+    pairs = []
     for leaf, a, b in zip(out_plan.leaves, pads, unpads):
         if leaf.kind != "owned" or not (isinstance(a, _Tensor) and isinstance(b, _Tensor)):
             continue
-        if not a.is_floating_point() or a is b:
-            continue
         for d in leaf.dims:
             a = a.narrow(d, 0, rows)
-        if a.shape != b.shape:
+        pairs.append((leaf.path, a, b))
+    return first_difference(name, pairs, rows, size, plan)
+
+
+def first_difference(
+    name: str, pairs: Sequence[tuple[str, _Tensor, _Tensor]], rows: int, size: int, plan: InputPlan,
+    hint: str = "",
+) -> str | None:
+    """The report for the first ``(path, padded real rows, unpadded)`` pair of floating-point
+    tensors that differ beyond the dtype's tolerance (``hint``: the end of its fix); None if
+    none does."""
+    for path, a, b in pairs:
+        if not a.is_floating_point() or a is b or a.shape != b.shape or a.dtype != b.dtype:
             continue
         tolerance = _TOLERANCE.get(a.dtype, _DEFAULT_TOLERANCE)
         difference = padding_difference(a, b)
         log.debug("torchreplay: '%s': padding check: %s of %d rows padded to %d: relative "
-                  "difference %.3g (tolerance %g)", name, leaf.path, rows, size, difference, tolerance)
+                  "difference %.3g (tolerance %g)", name, path, rows, size, difference, tolerance)
         if difference <= tolerance:
             continue
         by = "non-finite values where the unpadded call has none" if math.isinf(difference) else (
@@ -196,14 +210,14 @@ def padding_message(
         )
         fills = ", ".join(f"{plan.paths[i]}: {plan.fills[i]!r}" for i in plan.varying)
         return (
-            f"'{name}' with sizes=: padding changes what the call returns. {leaf.path} of a "
+            f"'{name}' with sizes=: padding changes what the call returns. {path} of a "
             f"call of {rows} rows ({plan.where()}) padded to {size} with the fill value differs "
             f"from the same call unpadded by {by}. Padding is correct only when each row's result "
             "depends on that row alone: no reduction or normalisation across the rows, no "
             "attention over padded positions left unmasked. Calls of a size not in sizes= are "
             f"padded and may differ from eager this way. Fix: mask the padding rows (their value is the "
             f"fill value: {fills}; fill_value= sets it), or list every size you call with in "
-            "sizes= (an exact size is not padded)"
+            f"sizes= (an exact size is not padded){hint}"
         )
     return None
 
@@ -234,7 +248,7 @@ def padding_difference(padded: _Tensor, unpadded: _Tensor) -> float:
     return math.inf if den == 0.0 else math.sqrt(num / den)
 
 
-def _rng_state(device: torch.device) -> list[_Tensor]:
+def rng_state(device: torch.device) -> list[_Tensor]:
     """The generators a call may draw from: the CPU's and the device's."""
     states = [torch.get_rng_state()]
     if device.type == "cuda":
@@ -242,7 +256,7 @@ def _rng_state(device: torch.device) -> list[_Tensor]:
     return states
 
 
-def _same(a: list[_Tensor], b: list[_Tensor]) -> bool:
+def same_rng(a: list[_Tensor], b: list[_Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 

@@ -1,0 +1,89 @@
+"""What ``sizes=`` adds to a breakable graph: which output dimension holds the rows, and the
+padding check of :mod:`torchreplay.sizes.probe`.
+
+The sample call the plan runs (:meth:`~torchreplay.breaks.graph.BreakableGraph._plan`) is the
+unpadded call; the first capture, of the sample padded to the largest size, runs the model for
+real (each segment replayed before its break, the last one replayed for the check): its outputs'
+real rows are the padded call's. A break gets the padded rows, so one that reads past the real
+count (attention over the padded positions) changes them, and so does anything a segment
+reduces across the rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Sequence
+
+import torch
+
+from torchreplay import _compat
+from torchreplay.sizes.plan import InputPlan
+from torchreplay.sizes.probe import first_difference
+
+__all__ = ["Unpadded", "output_dims", "padding_sample", "check_padding"]
+
+log = logging.getLogger(__name__)
+
+_Tensor = torch.Tensor
+
+_HINT = (
+    "; a break gets the padded rows: pass it the real count (an int, or lengths on the CPU) "
+    "and have it read only those"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unpadded:
+    """The sample call's output leaves (``(path, tensor or None)``) and the input plan."""
+
+    plan: InputPlan
+    outputs: list[tuple[str, _Tensor | None]]
+
+
+def padding_sample(
+    name: str, out: Any, plan: InputPlan | None, sizes: Sequence[int] | None, drew: bool,
+) -> Unpadded | None:
+    """The sample call's outputs, kept until the first capture; None when no capture pads the
+    sample (or it draws random numbers, so a padded run cannot match it)."""
+    if plan is None or sizes is None:
+        return None
+    if drew or plan.size >= max(sizes):
+        why = "it draws random numbers" if drew else "the sample fills the largest size"
+        log.debug("torchreplay: '%s': padding not checked: %s", name, why)
+        return None
+    return Unpadded(plan, [("output" + _compat.keystr(p), v if isinstance(v, _Tensor) else None)
+                           for p, v in _compat.tree_flatten_with_path(out)[0]])
+
+
+def check_padding(name: str, unpadded: Unpadded, outs: Sequence[Any], size: int, state_ptrs: set[int]) -> None:
+    """Log a warning when the sample's real rows of the padded capture's outputs ``outs`` (at
+    ``size``) differ from the sample call's beyond rounding. Outputs in ``state_ptrs`` (module
+    state, an argument) are not what the call computed: not compared."""
+    rows, pairs = unpadded.plan.size, []
+    for (path, b), a in zip(unpadded.outputs, outs):
+        if b is None or not isinstance(a, _Tensor) or a.untyped_storage().data_ptr() in state_ptrs:
+            continue
+        for d in range(min(a.dim(), b.dim())):
+            if a.shape[d] == size and b.shape[d] == rows:
+                a = a.narrow(d, 0, rows)
+        pairs.append((path, a, b))
+    message = first_difference(name, pairs, rows, size, unpadded.plan, hint=_HINT)
+    if message is not None:
+        log.warning("torchreplay: %s", message)
+
+
+def output_dims(seen: Sequence[tuple[int, Sequence[Any]]], n_out: int) -> tuple[int | None, ...]:
+    """Which dimension of each output has the call's rows (sliced back to them): the first
+    dimension equal to the size in every ``(size, output shapes)`` seen, the sample call's and
+    each captured size's; None for an output without one (or not a tensor)."""
+    dims: list[int | None] = []
+    for j in range(n_out):
+        shapes = [(n, s[j]) for n, s in seen]
+        if any(s is None for _, s in shapes):
+            dims.append(None)
+            continue
+        rank = len(shapes[0][1])
+        found = [d for d in range(rank) if all(len(s) == rank and s[d] == n for n, s in shapes)]
+        dims.append(found[0] if found else None)
+    return tuple(dims)
