@@ -14,7 +14,8 @@ import torch.nn as nn
 
 import torchreplay as tr
 from torchreplay.sizes import probe as probing
-from torchreplay.sizes.probe import padding_difference
+from torchreplay.core import padcheck
+from torchreplay.core.padcheck import padding_difference
 from torchreplay.breaks.sized import check_padding, output_dims, padding_sample
 from torchreplay.core.args import CallArgs
 from torchreplay.sizes.plan import plan_inputs
@@ -170,7 +171,7 @@ def test_padding_difference() -> None:
 def test_padding_difference_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = torch.randn(10, 7), torch.randn(10, 7)
     whole = padding_difference(a, b)
-    monkeypatch.setattr(probing, "_CHUNK", 4)
+    monkeypatch.setattr(padcheck, "_CHUNK", 4)
     assert padding_difference(a, b) == pytest.approx(whole, rel=1e-6)
     b[9, 6] = float("inf")
     assert padding_difference(a, b) == math.inf

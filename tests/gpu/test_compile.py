@@ -966,3 +966,49 @@ def test_weights_swapped_in_between_runs_of_calls_keep_being_graphed() -> None:
     (rt,) = c.backend.runtimes
     assert rt.stats.fallbacks == 0, rt.fallback_reasons
     assert rt.stats.captures >= 5 and rt.stats.replays >= 5 * 3, rt
+
+
+class _Counting(nn.Module):
+    """Row-independent; each call adds 1 to a buffer its output reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.lin(x) + self.calls
+
+
+def test_padding_that_changes_the_real_rows_is_reported_at_the_first_call(caplog) -> None:
+    """The first call checks its rows unpadded (compiled, no graphs) against the same rows
+    padded to the largest size (pieces/padding.py), and puts back what both runs wrote."""
+    caplog.set_level(logging.WARNING, logger="torchreplay")
+
+    def reports() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "padding changes" in r.getMessage()]
+
+    torch.manual_seed(0)
+    model, ref = _Counting().to(DEV), _Counting().to(DEV)
+    ref.load_state_dict(model.state_dict())
+    c = tr.compile(model, sizes=[1, 2, 4, 8])
+    with torch.no_grad():
+        for b in (3, 5, 3, 8):
+            x = torch.randn(b, 32, device=DEV)
+            _close(c(x), ref(x), f"{b} rows")
+            assert model.calls.item() == ref.calls.item()  # the check's runs were put back
+    assert reports() == []
+
+    lin = nn.Linear(32, 32).to(DEV)
+
+    def centred(x):
+        return lin(x - x.mean(0))  # every row reads the others: the padding rows too
+
+    c = tr.compile(centred, sizes=[1, 2, 4, 8])
+    with torch.no_grad():
+        x = torch.randn(3, 32, device=DEV)
+        first = c(x).clone()
+        torch.testing.assert_close(c(x), first)  # the check left nothing behind
+    (report,) = reports()
+    assert "of a call of 3 rows" in report and "padded to 8" in report

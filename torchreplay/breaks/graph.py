@@ -38,6 +38,7 @@ from torchreplay.core.capture import Segments, capture, on_side_stream, side_str
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.effects import PyState
 from torchreplay.core.modes import GRAD, EagerCalls, tracked_leaf
+from torchreplay.core.padcheck import rng_state, same_rng
 from torchreplay.core.padding import flat_call
 from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import Pool, release_with
@@ -56,7 +57,6 @@ from torchreplay.pieces.program import Input, Piece, Program, Split
 from torchreplay.pieces.ranks import agree_size, run_eagerly_at
 from torchreplay.pieces.runtime import PiecewiseRuntime
 from torchreplay.sizes.plan import plan_inputs
-from torchreplay.sizes.probe import rng_state, same_rng
 
 __all__ = ["BreakableGraph"]
 
@@ -370,6 +370,8 @@ class BreakableGraph:
 
 class _Runtime(PiecewiseRuntime):
     """The piecewise runtime, captured the breakable way: one run of the model per size."""
+
+    padding_check = False  # (checked at the first capture, without a call of its own)
 
     def __init__(self, front: BreakableGraph, program: Program, **kwargs: Any) -> None:
         super().__init__(program, **kwargs)

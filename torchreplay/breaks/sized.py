@@ -19,7 +19,8 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.sizes.plan import InputPlan
-from torchreplay.sizes.probe import first_difference
+from torchreplay.core.padcheck import first_difference
+from torchreplay.sizes.probe import describe
 
 __all__ = ["Unpadded", "output_dims", "padding_sample", "check_padding"]
 
@@ -68,7 +69,7 @@ def check_padding(name: str, unpadded: Unpadded, outs: Sequence[Any], size: int,
             if a.shape[d] == size and b.shape[d] == rows:
                 a = a.narrow(d, 0, rows)
         pairs.append((path, a, b))
-    message = first_difference(name, pairs, rows, size, unpadded.plan, hint=_HINT)
+    message = first_difference(name, pairs, rows, size, *describe(unpadded.plan), hint=_HINT)
     if message is not None:
         log.warning("torchreplay: %s", message)
 

@@ -114,7 +114,9 @@ def compile(
         a :class:`Compiled` to call like ``model``.
 
     .. warning::
-        Padding is correct only when rows are independent (see ``tr.graph(sizes=)``).
+        Padding is correct only when rows are independent (see ``tr.graph(sizes=)``); the
+        first call compares its rows padded and unpadded and logs a warning when they differ
+        beyond rounding.
     """
     config = CompileConfig(
         sizes=tuple(sizes) if sizes is not None else None,

@@ -41,6 +41,7 @@ from torchreplay.pieces.entries import (
 )
 from torchreplay.pieces.handoff import DEMOTED, MISSES, MOVED, graph_reads, handed_slots
 from torchreplay.pieces.instances import MOVING, Instances, drop_entries, outputs_held, ptrs_of
+from torchreplay.pieces.padding import check_first_call
 from torchreplay.pieces.program import Program, run_in_order
 from torchreplay.pieces.saved import BLOCKED, SavedActivations, guarded, saved_refs
 from torchreplay.stats import GraphStats
@@ -71,6 +72,9 @@ class PiecewiseRuntime:
         pool: a pool shared with other runtimes on the same device (the graphs of one compiled
             model, between Dynamo's graph breaks); default: a pool of its own.
     """
+
+    #: at the first call's capture, whether padding changes the real rows (:mod:`.padding`)
+    padding_check = True
 
     def __init__(
         self,
@@ -375,12 +379,15 @@ class PiecewiseRuntime:
             # The warm-ups of later sizes were not waited for one by one (the GPU ran them while
             # the host captured): an asynchronous error surfaces here, still in the first call.
             self._stream.synchronize()
+            self._ranges = self.pool.segment_ranges() if self.pool is not None else []
+            self._clean.clear()  # staging and warm-ups wrote the buffers
+            if self.padding_check and self.sizes is not None:  # (the first call's capture)
+                self.padding_check = False
+                check_first_call(self, args, lambda: _compat.restore_unversioned(saved, versions))
         finally:
             _compat.restore_unversioned(saved, versions)
             torch.set_rng_state(cpu_rng)
             torch.cuda.set_rng_state(cuda_rng, self.device)
-        self._ranges = self.pool.segment_ranges() if self.pool is not None else []
-        self._clean.clear()  # staging and warm-ups wrote the buffers
         log.info(
             "torchreplay: '%s' captured %d size(s) %s in %.2f s (%d graphs, %d eager steps)",
             self.name, len(todo), [s for s, _ in todo], time.perf_counter() - start,

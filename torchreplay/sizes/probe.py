@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -31,32 +30,18 @@ from torchreplay import _compat
 from torchreplay.core.capture import from_the_start, on_side_stream
 from torchreplay.core.effects import PyState
 from torchreplay.core.io import Inputs
+from torchreplay.core.padcheck import first_difference, rng_state, same_rng
 from torchreplay.core.padding import pad_sample
 from torchreplay.core.rewind import Rewind
 from torchreplay.sizes.guards import probe_error
 from torchreplay.sizes.outputs import OutputPlan, plan_outputs
 from torchreplay.sizes.plan import InputPlan
 
-__all__ = [
-    "Probed", "args_at", "first_difference", "padding_difference", "padding_message", "probe",
-    "rng_state", "same_rng",
-]
+__all__ = ["Probed", "args_at", "describe", "padding_message", "probe"]
 
 log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
-
-# How far (normwise, relative) the real rows of a padded call may be from the same rows unpadded.
-# Sizes run different kernels (cuBLAS picks its algorithm by shape, cuDNN by batch, TF32
-# convolutions in fp32), so rows agree only up to rounding: measured on an H200 (RESULTS.md,
-# session 44), at most about half an epsilon of the type that computes (ResNet-50: 1.6e-4 in fp32
-# with TF32 convolutions, 4.2e-4 in fp16, 3.6e-3 in bf16; Llama, BERT and GPT-2 far less). Four
-# epsilons of it: a mean over 5 rows taken over 8 is off by 0.5, BERT attending 44 padded
-# positions by 0.04.
-_TOLERANCE = {torch.float64: 1e-3, torch.float32: 1e-3, torch.float16: 4e-3, torch.bfloat16: 3e-2}
-_DEFAULT_TOLERANCE = 1e-1  # the 8-bit float types
-_CHUNK = 1 << 22  # elements compared at a time (a large output is not copied whole to float32)
-
 
 @dataclasses.dataclass(frozen=True)
 class Probed:
@@ -185,79 +170,13 @@ def padding_message(
         for d in leaf.dims:
             a = a.narrow(d, 0, rows)
         pairs.append((leaf.path, a, b))
-    return first_difference(name, pairs, rows, size, plan)
+    return first_difference(name, pairs, rows, size, *describe(plan))
 
 
-def first_difference(
-    name: str, pairs: Sequence[tuple[str, _Tensor, _Tensor]], rows: int, size: int, plan: InputPlan,
-    hint: str = "",
-) -> str | None:
-    """The report for the first ``(path, padded real rows, unpadded)`` pair of floating-point
-    tensors that differ beyond the dtype's tolerance (``hint``: the end of its fix); None if
-    none does."""
-    for path, a, b in pairs:
-        if not a.is_floating_point() or a is b or a.shape != b.shape or a.dtype != b.dtype:
-            continue
-        tolerance = _TOLERANCE.get(a.dtype, _DEFAULT_TOLERANCE)
-        difference = padding_difference(a, b)
-        log.debug("torchreplay: '%s': padding check: %s of %d rows padded to %d: relative "
-                  "difference %.3g (tolerance %g)", name, path, rows, size, difference, tolerance)
-        if difference <= tolerance:
-            continue
-        by = "non-finite values where the unpadded call has none" if math.isinf(difference) else (
-            f"a relative difference of {difference:.3g} (normwise; the tolerance of "
-            f"{str(a.dtype).removeprefix('torch.')} is {tolerance:g})"
-        )
-        fills = ", ".join(f"{plan.paths[i]}: {plan.fills[i]!r}" for i in plan.varying)
-        return (
-            f"'{name}' with sizes=: padding changes what the call returns. {path} of a "
-            f"call of {rows} rows ({plan.where()}) padded to {size} with the fill value differs "
-            f"from the same call unpadded by {by}. Padding is correct only when each row's result "
-            "depends on that row alone: no reduction or normalisation across the rows, no "
-            "attention over padded positions left unmasked. Calls of a size not in sizes= are "
-            f"padded and may differ from eager this way. Fix: mask the padding rows (their value is the "
-            f"fill value: {fills}; fill_value= sets it), or list every size you call with in "
-            f"sizes= (an exact size is not padded){hint}"
-        )
-    return None
-
-
-def padding_difference(padded: _Tensor, unpadded: _Tensor) -> float:
-    """``|padded - unpadded| / |unpadded|`` (2-norms, in float32 chunks); ``inf`` where one has
-    a non-finite value the other has not, or ``unpadded`` is all zeros and ``padded`` not."""
-    a, b = padded.reshape(-1), unpadded.reshape(-1)
-    num = den = 0.0
-    for i in range(0, b.numel(), _CHUNK):
-        x, y = a[i:i + _CHUNK].float(), b[i:i + _CHUNK].float()
-        finite = torch.isfinite(y)
-        if not bool(finite.all()):
-            same = (
-                torch.equal(torch.isfinite(x), finite)
-                and torch.equal(torch.isnan(x), torch.isnan(y))
-                and torch.equal(x[torch.isinf(y)], y[torch.isinf(y)])
-            )
-            if not same:
-                return math.inf
-            x, y = x[finite], y[finite]
-        elif not bool(torch.isfinite(x).all()):
-            return math.inf
-        num += float(torch.sum(torch.square(x - y), dtype=torch.float64))
-        den += float(torch.sum(torch.square(y), dtype=torch.float64))
-    if num == 0.0:
-        return 0.0
-    return math.inf if den == 0.0 else math.sqrt(num / den)
-
-
-def rng_state(device: torch.device) -> list[_Tensor]:
-    """The generators a call may draw from: the CPU's and the device's."""
-    states = [torch.get_rng_state()]
-    if device.type == "cuda":
-        states.append(torch.cuda.get_rng_state(device))
-    return states
-
-
-def same_rng(a: list[_Tensor], b: list[_Tensor]) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
+def describe(plan: InputPlan) -> tuple[str, str]:
+    """Where a call's rows are read, and the fill value of each varying argument, for
+    :func:`first_difference`."""
+    return plan.where(), ", ".join(f"{plan.paths[i]}: {plan.fills[i]!r}" for i in plan.varying)
 
 
 def _versions(tensors: list[_Tensor]) -> list[int] | None:

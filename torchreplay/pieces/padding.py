@@ -1,0 +1,69 @@
+"""The padding check (core/padcheck.py) at the first call of a piecewise runtime with ``sizes=``
+(the ``torch.compile`` backend; a breakable graph checks at its first capture instead).
+
+The first call captures every size. Still inside that capture's put-back (module buffers, values
+read in place, the RNG), the call's rows run once without graphs, unpadded, and once through the
+largest size's graphs, padded, each from the module state the call found; the real rows of their
+outputs are compared. What both runs wrote is put back with the capture's writes, so the call
+then runs as if the check had not been made.
+Not checked (a debug line says why): a call whose rows fill the largest size, one that needs
+gradients, one that writes an argument (the unpadded run writes the caller's own tensors; a
+module buffer it writes is put back), one
+that draws random numbers, and one with ``torch.distributed`` set up (a run one rank made and
+another skipped would hang a collective).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from torchreplay import _compat
+from torchreplay.core.padcheck import first_difference, rng_state, same_rng
+
+__all__ = ["check_first_call"]
+
+log = logging.getLogger(__name__)
+
+_Tensor = torch.Tensor
+
+
+def check_first_call(runtime: Any, args: tuple[Any, ...], reset: Callable[[], None]) -> None:
+    """Compare the first call's rows unpadded with the same rows padded to the largest size
+    (``runtime``: a :class:`~torchreplay.pieces.runtime.PiecewiseRuntime` inside its first
+    capture; ``reset``: puts back the module state the capture found, before each run); log a
+    warning naming the output when padding changes them."""
+    n, sizes, inputs = runtime.rows(args), runtime.sizes, runtime.program.inputs
+    if n is None or not sizes or n >= sizes[-1]:
+        return
+    why = (
+        "the call needs gradients" if torch.is_grad_enabled() or runtime.saved is not None
+        else "it writes an argument" if any(x.written and x.kind == "tensor" for x in inputs)
+        else "torch.distributed is set up" if _compat.dist_ready() else None
+    )
+    if why is None:
+        reset()
+        rng = rng_state(runtime.device)
+        unpadded = runtime._run_ungraphed(args)
+        why = "it draws random numbers" if not same_rng(rng, rng_state(runtime.device)) else None
+    if why is not None:
+        log.debug("torchreplay: '%s': padding not checked: %s", runtime.name, why)
+        return
+    route = runtime._route(args, sizes[-1])
+    if route is None:
+        return
+    stats = runtime.stats  # (the check's replay is no call of the caller's: not counted)
+    counts = stats.replays, dict(stats.size_hits), stats.real_rows, stats.padded_rows
+    reset()
+    padded = runtime._replay(route, args)
+    stats.replays, stats.size_hits, stats.real_rows, stats.padded_rows = counts
+    pairs = [(f"output {j}", a, b) for j, (a, b) in enumerate(zip(padded, unpadded))
+             if isinstance(a, _Tensor) and isinstance(b, _Tensor)]
+    lead = inputs[runtime._sized[0]]
+    where = f"{lead.name} along dim {lead.dim}"
+    fills = ", ".join(f"{x.name}: {x.fill!r}" for x in inputs if x.kind == "tensor" and x.dim is not None)
+    message = first_difference(runtime.name, pairs, n, sizes[-1], where, fills)
+    if message is not None:
+        log.warning("torchreplay: %s", message)
