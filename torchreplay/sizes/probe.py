@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
 
+
 @dataclasses.dataclass(frozen=True)
 class Probed:
     """What the probe learned: the output plan, and why padding changes the real rows (None:
@@ -129,7 +130,7 @@ def probe(
                         call("padded", big, *args_at(inputs, plan, big, big, rows=real))
                     elif real != small:  # the sample's rows unpadded
                         call("unpadded", real, *args_at(inputs, plan, big, real))
-                except Exception as exc:  # (only this check's own call: the probe's raise)
+                except Exception as exc:  # (a call only the check makes: no error of the build)
                     skip = f"its call at {real} rows raised {type(exc).__name__}"
         from_the_start(snapshot, effects)  # (the warm-ups start from the caller's state)
 
