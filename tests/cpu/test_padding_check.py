@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import torchreplay as tr
@@ -203,3 +205,27 @@ def test_a_breakable_graphs_check_compares_its_padded_captures_real_rows(caplog:
 def test_output_dims_of_a_breakable_graph() -> None:
     seen = [(3, [(3, 5), (7,), None]), (8, [(8, 5), (7,), None]), (4, [(4, 5), (7,), None])]
     assert output_dims(seen, 3) == (0, None, None)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is absent")
+def test_under_torch_distributed_the_check_makes_no_call_of_its_own(
+    cpu_graphs: list[int], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ranks' samples may differ in rows: an extra call made on one rank and not another
+    would hang a collective inside it."""
+    from ranks import free_port
+
+    caplog.set_level(logging.DEBUG, logger="torchreplay")
+    calls: list[tuple[int, int | None]] = []
+    real_args_at = probing.args_at
+    monkeypatch.setattr(probing, "args_at", lambda inputs, plan, big, s, rows=None: (
+        calls.append((s, rows)), real_args_at(inputs, plan, big, s, rows))[1])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        tr.graph(_centre, torch.randn(3, 5) + 3.0, sizes=SIZES)
+    finally:
+        dist.destroy_process_group()
+    assert calls == [(16, None), (8, None)]  # the two probe calls every rank makes
+    assert _warnings(caplog) == []
+    assert any("padding not checked: torch.distributed is set up" in r.getMessage() for r in caplog.records)

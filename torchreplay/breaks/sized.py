@@ -19,7 +19,7 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.sizes.plan import InputPlan
-from torchreplay.core.padcheck import first_difference
+from torchreplay.core.padcheck import DISTRIBUTED, distributed, first_difference
 from torchreplay.sizes.probe import describe
 
 __all__ = ["Unpadded", "output_dims", "padding_sample", "check_padding"]
@@ -46,11 +46,14 @@ def padding_sample(
     name: str, out: Any, plan: InputPlan | None, sizes: Sequence[int] | None, drew: bool,
 ) -> Unpadded | None:
     """The sample call's outputs, kept until the first capture; None when no capture pads the
-    sample (or it draws random numbers, so a padded run cannot match it)."""
+    sample, when it draws random numbers (a padded run cannot match it), and under
+    torch.distributed (the ranks' samples may differ: the last segment's replay for the check,
+    made on one rank and not another, would hang a collective inside it)."""
     if plan is None or sizes is None:
         return None
-    if drew or plan.size >= max(sizes):
-        why = "it draws random numbers" if drew else "the sample fills the largest size"
+    if drew or plan.size >= max(sizes) or distributed():
+        why = ("it draws random numbers" if drew else DISTRIBUTED if distributed()
+               else "the sample fills the largest size")
         log.debug("torchreplay: '%s': padding not checked: %s", name, why)
         return None
     return Unpadded(plan, [("output" + _compat.keystr(p), v if isinstance(v, _Tensor) else None)

@@ -16,7 +16,9 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["first_difference", "padding_difference", "rng_state", "same_rng"]
+from torchreplay import _compat
+
+__all__ = ["first_difference", "padding_difference", "rng_state", "same_rng", "DISTRIBUTED", "distributed"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,15 @@ _Tensor = torch.Tensor
 _TOLERANCE = {torch.float64: 1e-3, torch.float32: 1e-3, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 _DEFAULT_TOLERANCE = 1e-1  # the 8-bit float types
 _CHUNK = 1 << 22  # elements compared at a time (a large output is not copied whole to float32)
+
+#: why the check is skipped under torch.distributed: the ranks' calls may differ (their rows), and
+#: a run that one rank makes and another does not would hang a collective inside it
+DISTRIBUTED = "torch.distributed is set up"
+
+
+def distributed() -> bool:
+    """Whether a default process group exists: the check is skipped (:data:`DISTRIBUTED`)."""
+    return _compat.dist_ready()
 
 
 def first_difference(

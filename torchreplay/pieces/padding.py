@@ -20,8 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from torchreplay import _compat
-from torchreplay.core.padcheck import first_difference, rng_state, same_rng
+from torchreplay.core.padcheck import DISTRIBUTED, distributed, first_difference, rng_state, same_rng
 
 __all__ = ["check_first_call"]
 
@@ -41,7 +40,7 @@ def check_first_call(runtime: Any, args: tuple[Any, ...], reset: Callable[[], No
     why = (
         "the call needs gradients" if torch.is_grad_enabled() or runtime.saved is not None
         else "it writes an argument" if any(x.written and x.kind == "tensor" for x in inputs)
-        else "torch.distributed is set up" if _compat.dist_ready() else None
+        else DISTRIBUTED if distributed() else None
     )
     if why is None:
         reset()

@@ -14,7 +14,9 @@ padding changes the real rows.
 Each call starts from the caller's state (module buffers, Python state and adopted arguments put
 back in between), so a callable that advances a position at every call compares like with like.
 The padding check is skipped, with a debug line, when it cannot compare like with like: a call
-that draws random numbers (dropout in training mode) or writes an argument the graph copies in.
+that draws random numbers (dropout in training mode) or writes an argument the graph copies in;
+and under torch.distributed, where the ranks' samples may differ in rows, so one rank would make
+the extra call and another not (a collective inside would hang).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from torchreplay import _compat
 from torchreplay.core.capture import from_the_start, on_side_stream
 from torchreplay.core.effects import PyState
 from torchreplay.core.io import Inputs
-from torchreplay.core.padcheck import first_difference, rng_state, same_rng
+from torchreplay.core.padcheck import DISTRIBUTED, distributed, first_difference, rng_state, same_rng
 from torchreplay.core.padding import pad_sample
 from torchreplay.core.rewind import Rewind
 from torchreplay.sizes.guards import probe_error
@@ -120,7 +122,9 @@ def probe(
             call(s, s, a, k)
         skip = None
         if real is not None:
-            if not same_rng(rng, rng_state(device)):
+            if distributed():
+                skip = DISTRIBUTED
+            elif not same_rng(rng, rng_state(device)):
                 skip = "it draws random numbers"
             elif versions is None or versions != _versions(copied):
                 skip = "it writes an argument"
