@@ -24,6 +24,9 @@ class GraphStats:
         real_rows / padded_rows: rows the callers asked for, and rows added as padding.
         written_inputs: the arguments the callable writes in place (``["args[1] 'cache'"]``),
             copied back into the caller's tensors after each replay.
+        padding_check: with ``sizes=``, whether padding changes what a call returns, checked
+            once at the build or the first call (``"rows independent: ..."``, ``"CHANGES the
+            result: ..."`` with a warning, ``"not checked: <why>"``); ``""`` without padding.
     """
 
     __slots__ = (
@@ -35,6 +38,7 @@ class GraphStats:
         "real_rows",
         "padded_rows",
         "written_inputs",
+        "padding_check",
         "_pool_bytes",
     )
 
@@ -47,6 +51,7 @@ class GraphStats:
         self.real_rows = 0
         self.padded_rows = 0
         self.written_inputs: list[str] = []
+        self.padding_check = ""
         self._pool_bytes = pool_bytes
 
     @property
@@ -73,6 +78,7 @@ class GraphStats:
             "pad_waste": round(self.pad_waste, 4),
             "pool_bytes": self.pool_bytes,
             "written_inputs": list(self.written_inputs),
+            "padding_check": self.padding_check,
         }
 
     def explain(self) -> str:
@@ -88,6 +94,8 @@ class GraphStats:
         if self.size_hits:
             hits = ", ".join(f"{k}:{v}" for k, v in sorted(self.size_hits.items()))
             lines.append(f"size hits {{{hits}}}; padding {self.pad_waste:.1%} of rows")
+        if self.padding_check:
+            lines.append(f"padding check: {self.padding_check}")
         return "; ".join(lines)
 
     def __repr__(self) -> str:

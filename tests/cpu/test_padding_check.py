@@ -53,6 +53,8 @@ def test_a_reduction_across_the_rows_is_reported_with_the_output_rows_and_fix(
     assert "padded to 16" in message and "relative difference" in message
     assert "fill_value=" in message and "list every size" in message
     assert "'_centre'" in message
+    assert g.stats.padding_check.startswith(f"CHANGES the result: output of {real} rows padded to 16")
+    assert "padding check: CHANGES" in g.stats.explain()
     x = torch.randn(16, 5)
     assert torch.allclose(g(x), _centre(x), atol=1e-5)  # an exact size is not padded
 
@@ -72,10 +74,16 @@ def test_row_independent_callables_are_not_reported(cpu_graphs: list[int],
                                                     caplog: pytest.LogCaptureFixture) -> None:
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(5, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3)).eval()
-    tr.graph(mlp, torch.randn(3, 5), sizes=SIZES)
-    tr.graph(lambda x: x.sum(0), torch.randn(3, 5), sizes=SIZES)  # a sum over zero rows: correct
-    tr.graph(lambda x: x.softmax(-1), torch.randn(16, 5), sizes=SIZES)  # across columns
+    graphs = [
+        tr.graph(mlp, torch.randn(3, 5), sizes=SIZES),
+        tr.graph(lambda x: x.sum(0), torch.randn(3, 5), sizes=SIZES),  # a sum over zero rows: correct
+        tr.graph(lambda x: x.softmax(-1), torch.randn(16, 5), sizes=SIZES),  # across columns
+    ]
     assert _warnings(caplog) == []
+    for g, rows in zip(graphs, (3, 3, 8)):
+        assert g.stats.padding_check.startswith(f"rows independent: {rows} rows padded to 16, largest difference")
+    assert tr.graph(lambda x: x * 2, torch.randn(1, 2), sizes=[1]).stats.padding_check == (
+        "not checked: no call is padded (one row at every size)")
 
 
 def test_a_callable_that_masks_its_padding_is_not_reported(cpu_graphs: list[int],
@@ -120,7 +128,8 @@ def test_each_probe_call_starts_from_the_callers_state(cpu_graphs: list[int],
 def test_calls_it_cannot_compare_are_skipped_with_a_debug_line(cpu_graphs: list[int],
                                                                caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="torchreplay")
-    tr.graph(lambda x: _centre(x) + torch.rand_like(x), torch.randn(3, 4), sizes=SIZES)
+    g = tr.graph(lambda x: _centre(x) + torch.rand_like(x), torch.randn(3, 4), sizes=SIZES)
+    assert g.stats.padding_check == "not checked: it draws random numbers"
     assert _warnings(caplog) == []
     assert any("padding not checked: it draws random numbers" in r.getMessage() for r in caplog.records)
 
@@ -187,12 +196,14 @@ def test_a_breakable_graphs_check_compares_its_padded_captures_real_rows(caplog:
     plan = plan_inputs(CallArgs(fn, (x, torch.tensor([1, 2, 3])), {}), 0, 0)
     out = (x.clone(), x * 2)
     assert padding_sample("fn", out, plan, None, False) is None  # no sizes
-    assert padding_sample("fn", out, plan, [2, 3], False) is None  # the sample fills the largest
-    assert padding_sample("fn", out, plan, [4, 8], True) is None  # random numbers
+    filled = padding_sample("fn", out, plan, [2, 3], False)
+    assert filled.summary == "not checked: the sample fills the largest size"
+    assert padding_sample("fn", out, plan, [4, 8], True).summary == "not checked: it draws random numbers"
     unpadded = padding_sample("fn", out, plan, [4, 8], False)
     assert [p for p, _ in unpadded.outputs] == ["output[0]", "output[1]"]
     padded = [torch.cat([x, torch.zeros(5, 4)]), torch.cat([x * 2, torch.ones(5, 4)])]
-    check_padding("fn", unpadded, padded, 8, state_ptrs=set())
+    summary = check_padding("fn", unpadded, padded, 8, state_ptrs=set())
+    assert summary == "rows independent: 3 rows padded to 8, largest difference 0 (output[0]; tolerance 0.001)"
     assert _warnings(caplog) == []  # the padding rows differ, the real rows do not
     padded[1][0, 0] += 10.0
     check_padding("fn", unpadded, padded, 8, state_ptrs={padded[1].untyped_storage().data_ptr()})

@@ -498,8 +498,10 @@ def test_padding_a_break_reads_is_reported_and_breaks_that_read_their_rows_are_n
 
     model = net()
     x = torch.randn(5, T, H, device=DEV)
-    tr.graph(model, x, lengths_for(5), breaks=[Attention], sizes=[4, 8, 16], capture="lazy")
+    g = tr.graph(model, x, lengths_for(5), breaks=[Attention], sizes=[4, 8, 16], capture="lazy")
     assert reports() == []  # each row attends to its own keys, over its own length
+    assert g.stats.padding_check.startswith("rows independent: 5 rows padded to 16"), tr.explain(g)
+    assert "padding check: rows independent" in tr.explain(g)
 
     torch.manual_seed(0)
     m = Centred().to(DEV).eval()
@@ -507,6 +509,7 @@ def test_padding_a_break_reads_is_reported_and_breaks_that_read_their_rows_are_n
     (report,) = reports()
     assert "of a call of 3 rows" in report and "padded to 8" in report
     assert "a break gets the padded rows" in report
+    assert g.stats.padding_check.startswith("CHANGES the result: output of 3 rows padded to 8")
     with torch.no_grad():  # exact sizes are not padded: eager-equal
         x = torch.randn(8, H, device=DEV)
         torch.testing.assert_close(g(x), m(x), **CLOSE)

@@ -418,8 +418,9 @@ def test_padding_that_changes_the_real_rows_is_reported_and_independent_rows_are
     caplog.set_level(logging.WARNING, logger="torchreplay")
     llama = build_llama(SMALL, DEV, dtype, seed=0)
     ids = torch.randint(0, SMALL.vocab_size, (3, 1), device=DEV)
-    tr.graph(llama, ids, torch.full((3,), 4, device=DEV), sizes=[1, 2, 4, 8], capture="lazy")
+    g = tr.graph(llama, ids, torch.full((3,), 4, device=DEV), sizes=[1, 2, 4, 8], capture="lazy")
     assert _padding_reports(caplog) == []
+    assert g.stats.padding_check.startswith("rows independent: 3 rows padded to 8"), g.stats.padding_check
 
     torch.manual_seed(0)
     cfg = transformers.BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=4,
@@ -434,6 +435,7 @@ def test_padding_that_changes_the_real_rows_is_reported_and_independent_rows_are
     mask = torch.ones(2, 11, dtype=torch.long, device=DEV)
     g = tr.graph(encode, ids, mask, sizes=[16, 32], dim=1)  # the mask's padding: 0, masked
     assert _padding_reports(caplog) == []
+    assert g.stats.padding_check.startswith("rows independent: 11 rows padded to 32"), g.stats.padding_check
     with torch.no_grad():
         for n in (11, 5, 23):
             ids = torch.randint(1, 1000, (2, n), device=DEV)
@@ -443,7 +445,8 @@ def test_padding_that_changes_the_real_rows_is_reported_and_independent_rows_are
     if dtype == torch.float32:  # (in bf16 the change, 0.04, is near its rounding: not asserted)
         ids = torch.randint(1, 1000, (2, 11), device=DEV)
         mask = torch.ones(2, 11, dtype=torch.long, device=DEV)
-        tr.graph(encode, ids, mask, sizes=[16, 32], dim=1, fill_value={1: 1}, capture="lazy")
+        h = tr.graph(encode, ids, mask, sizes=[16, 32], dim=1, fill_value={1: 1}, capture="lazy")
+        assert h.stats.padding_check.startswith("CHANGES the result: output of 11 rows padded to 32")
         (report,) = _padding_reports(caplog)  # the padding attended: every real row changes
         assert "of a call of 11 rows" in report and "padded to 32" in report
         assert "args[1] 'mask': 1" in report

@@ -999,6 +999,8 @@ def test_padding_that_changes_the_real_rows_is_reported_at_the_first_call(caplog
             _close(c(x), ref(x), f"{b} rows")
             assert model.calls.item() == ref.calls.item()  # the check's runs were put back
     assert reports() == []
+    (rt,) = _runtimes(c)
+    assert rt.stats.padding_check.startswith("rows independent: 3 rows padded to 8"), tr.explain(c)
 
     lin = nn.Linear(32, 32).to(DEV)
 
@@ -1012,3 +1014,5 @@ def test_padding_that_changes_the_real_rows_is_reported_at_the_first_call(caplog
         torch.testing.assert_close(c(x), first)  # the check left nothing behind
     (report,) = reports()
     assert "of a call of 3 rows" in report and "padded to 8" in report
+    (rt,) = _runtimes(c)
+    assert rt.stats.padding_check.startswith("CHANGES the result: output 0 of 3 rows padded to 8")

@@ -38,7 +38,7 @@ from torchreplay.core.capture import Segments, capture, on_side_stream, side_str
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.effects import PyState
 from torchreplay.core.modes import GRAD, EagerCalls, tracked_leaf
-from torchreplay.core.padcheck import rng_state, same_rng
+from torchreplay.core.padcheck import Checked, rng_state, same_rng
 from torchreplay.core.padding import flat_call
 from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import Pool, release_with
@@ -161,6 +161,8 @@ class BreakableGraph:
                 max_graphs=1 if sizes is None else 8,
             )
             self.stats = self.runtime.stats
+            if isinstance(self._unpadded, Checked):  # (not checked: no capture pads the sample)
+                self.stats.padding_check, self._unpadded = self._unpadded.summary, None  # type: ignore[union-attr]
             self.runtime.prepare(tuple(call.leaves))
             # after capture: hooks a warm-up removed (a lazy module's) are not counted as changed
             self._training = self._module.training if self._module is not None else False
@@ -545,8 +547,7 @@ class _Runtime(PiecewiseRuntime):
 
     def _check_padding(self, size: int, out: Any) -> Any:
         """At the end of the first capture's run (the sample padded to ``size``): end and replay
-        the last segment (the others ran for real) and compare the real rows of its outputs
-        with the sample call's (breaks/sized.py). Returns ``out``."""
+        the last segment, and check the real rows of ``out`` (breaks/sized.py); returns it."""
         front, segments = self._front, self._segments
         assert segments is not None
         unpadded, front._unpadded = front._unpadded, None
@@ -556,7 +557,8 @@ class _Runtime(PiecewiseRuntime):
             front._python.before_replay()  # (what it will write into large Python state)
             last.replay()
         with front._python.eager_part("the padding check"):
-            check_padding(front.name, unpadded, _compat.tree_flatten(out)[0], size, self._state_ptrs)
+            self.stats.padding_check = check_padding(
+            front.name, unpadded, _compat.tree_flatten(out)[0], size, self._state_ptrs)
         return out
 
     def _sources(self, outs: list[Any], leaves: list[Any]) -> tuple[list[tuple[str, Any]], list[_Tensor]]:

@@ -19,7 +19,7 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.sizes.plan import InputPlan
-from torchreplay.core.padcheck import DISTRIBUTED, distributed, first_difference
+from torchreplay.core.padcheck import DISTRIBUTED, Checked, distributed, first_difference, not_checked
 from torchreplay.sizes.probe import describe
 
 __all__ = ["Unpadded", "output_dims", "padding_sample", "check_padding"]
@@ -44,9 +44,9 @@ class Unpadded:
 
 def padding_sample(
     name: str, out: Any, plan: InputPlan | None, sizes: Sequence[int] | None, drew: bool,
-) -> Unpadded | None:
-    """The sample call's outputs, kept until the first capture; None when no capture pads the
-    sample, when it draws random numbers (a padded run cannot match it), and under
+) -> Unpadded | Checked | None:
+    """The sample call's outputs, kept until the first capture; None without sizes; the
+    outcome ("not checked") when no capture pads the sample, when it draws random numbers (a padded run cannot match it), and under
     torch.distributed (the ranks' samples may differ: the last segment's replay for the check,
     made on one rank and not another, would hang a collective inside it)."""
     if plan is None or sizes is None:
@@ -55,13 +55,13 @@ def padding_sample(
         why = ("it draws random numbers" if drew else DISTRIBUTED if distributed()
                else "the sample fills the largest size")
         log.debug("torchreplay: '%s': padding not checked: %s", name, why)
-        return None
+        return not_checked(why)
     return Unpadded(plan, [("output" + _compat.keystr(p), v if isinstance(v, _Tensor) else None)
                            for p, v in _compat.tree_flatten_with_path(out)[0]])
 
 
-def check_padding(name: str, unpadded: Unpadded, outs: Sequence[Any], size: int, state_ptrs: set[int]) -> None:
-    """Log a warning when the sample's real rows of the padded capture's outputs ``outs`` (at
+def check_padding(name: str, unpadded: Unpadded, outs: Sequence[Any], size: int, state_ptrs: set[int]) -> str:
+    """The check's summary (``stats.padding_check``); log a warning when the sample's real rows of the padded capture's outputs ``outs`` (at
     ``size``) differ from the sample call's beyond rounding. Outputs in ``state_ptrs`` (module
     state, an argument) are not what the call computed: not compared."""
     rows, pairs = unpadded.plan.size, []
@@ -72,9 +72,10 @@ def check_padding(name: str, unpadded: Unpadded, outs: Sequence[Any], size: int,
             if a.shape[d] == size and b.shape[d] == rows:
                 a = a.narrow(d, 0, rows)
         pairs.append((path, a, b))
-    message = first_difference(name, pairs, rows, size, *describe(unpadded.plan), hint=_HINT)
-    if message is not None:
-        log.warning("torchreplay: %s", message)
+    checked = first_difference(name, pairs, rows, size, *describe(unpadded.plan), hint=_HINT)
+    if checked.report is not None:
+        log.warning("torchreplay: %s", checked.report)
+    return checked.summary
 
 
 def output_dims(seen: Sequence[tuple[int, Sequence[Any]]], n_out: int) -> tuple[int | None, ...]:

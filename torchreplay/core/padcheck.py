@@ -10,6 +10,7 @@ report: the output, the rows, the difference, the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Sequence
@@ -18,7 +19,10 @@ import torch
 
 from torchreplay import _compat
 
-__all__ = ["first_difference", "padding_difference", "rng_state", "same_rng", "DISTRIBUTED", "distributed"]
+__all__ = [
+    "Checked", "DISTRIBUTED", "distributed", "first_difference", "not_checked", "padding_difference",
+    "rng_state", "same_rng",
+]
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +49,28 @@ def distributed() -> bool:
     return _compat.dist_ready()
 
 
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """The check's outcome: ``report``, the warning when padding changes the result (None when
+    it does not); ``summary``, one line for ``stats.padding_check`` and ``tr.explain``."""
+
+    report: str | None
+    summary: str
+
+
+def not_checked(why: str) -> Checked:
+    """The outcome of a check that was skipped, and why."""
+    return Checked(None, f"not checked: {why}")
+
+
 def first_difference(
     name: str, pairs: Sequence[tuple[str, _Tensor, _Tensor]], rows: int, size: int, where: str,
     fills: str, hint: str = "",
-) -> str | None:
-    """The report for the first ``(path, padded real rows, unpadded)`` pair of floating-point
-    tensors that differ beyond the dtype's tolerance; None if none does. ``where``: where a
-    call's rows are read; ``fills``: each varying argument's fill value (:func:`describe`);
-    ``hint``: the end of the fix."""
+) -> Checked:
+    """Compare each ``(path, padded real rows, unpadded)`` pair of floating-point tensors; the
+    report names the first that differs beyond its dtype's tolerance. ``where``: where a call's
+    rows are read; ``fills``: each varying argument's fill value; ``hint``: the end of the fix."""
+    worst = None  # (difference / tolerance, path, difference, tolerance) of the largest
     for path, a, b in pairs:
         if not a.is_floating_point() or a is b or a.shape != b.shape or a.dtype != b.dtype:
             continue
@@ -60,13 +78,15 @@ def first_difference(
         difference = padding_difference(a, b)
         log.debug("torchreplay: '%s': padding check: %s of %d rows padded to %d: relative "
                   "difference %.3g (tolerance %g)", name, path, rows, size, difference, tolerance)
+        if worst is None or difference / tolerance > worst[0]:
+            worst = (difference / tolerance, path, difference, tolerance)
         if difference <= tolerance:
             continue
         by = "non-finite values where the unpadded call has none" if math.isinf(difference) else (
             f"a relative difference of {difference:.3g} (normwise; the tolerance of "
             f"{str(a.dtype).removeprefix('torch.')} is {tolerance:g})"
         )
-        return (
+        return Checked(
             f"'{name}' with sizes=: padding changes what the call returns. {path} of a "
             f"call of {rows} rows ({where}) padded to {size} with the fill value differs "
             f"from the same call unpadded by {by}. Padding is correct only when each row's result "
@@ -74,9 +94,15 @@ def first_difference(
             "attention over padded positions left unmasked. Calls of a size not in sizes= are "
             f"padded and may differ from eager this way. Fix: mask the padding rows (their value is the "
             f"fill value: {fills}; fill_value= sets it), or list every size you call with in "
-            f"sizes= (an exact size is not padded){hint}"
+            f"sizes= (an exact size is not padded){hint}",
+            f"CHANGES the result: {path} of {rows} rows padded to {size} differs by "
+            f"{difference:.3g} (tolerance {tolerance:g})",
         )
-    return None
+    if worst is None:
+        return not_checked("no floating-point output the call computes")
+    _, path, difference, tolerance = worst
+    return Checked(None, f"rows independent: {rows} rows padded to {size}, largest difference "
+                         f"{difference:.3g} ({path}; tolerance {tolerance:g})")
 
 
 def padding_difference(padded: _Tensor, unpadded: _Tensor) -> float:

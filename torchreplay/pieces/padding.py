@@ -20,7 +20,9 @@ from typing import Any, Callable
 
 import torch
 
-from torchreplay.core.padcheck import DISTRIBUTED, distributed, first_difference, rng_state, same_rng
+from torchreplay.core.padcheck import (
+    DISTRIBUTED, distributed, first_difference, not_checked, rng_state, same_rng,
+)
 
 __all__ = ["check_first_call"]
 
@@ -34,11 +36,12 @@ def check_first_call(runtime: Any, args: tuple[Any, ...], reset: Callable[[], No
     (``runtime``: a :class:`~torchreplay.pieces.runtime.PiecewiseRuntime` inside its first
     capture; ``reset``: puts back the module state the capture found, before each run); log a
     warning naming the output when padding changes them."""
-    n, sizes, inputs = runtime.rows(args), runtime.sizes, runtime.program.inputs
-    if n is None or not sizes or n >= sizes[-1]:
+    n, sizes, inputs, stats = runtime.rows(args), runtime.sizes, runtime.program.inputs, runtime.stats
+    if n is None or not sizes:
         return
     why = (
-        "the call needs gradients" if torch.is_grad_enabled() or runtime.saved is not None
+        "the first call fills the largest size" if n >= sizes[-1]
+        else "the call needs gradients" if torch.is_grad_enabled() or runtime.saved is not None
         else "it writes an argument" if any(x.written and x.kind == "tensor" for x in inputs)
         else DISTRIBUTED if distributed() else None
     )
@@ -49,11 +52,12 @@ def check_first_call(runtime: Any, args: tuple[Any, ...], reset: Callable[[], No
         why = "it draws random numbers" if not same_rng(rng, rng_state(runtime.device)) else None
     if why is not None:
         log.debug("torchreplay: '%s': padding not checked: %s", runtime.name, why)
+        stats.padding_check = not_checked(why).summary
         return
     route = runtime._route(args, sizes[-1])
     if route is None:
         return
-    stats = runtime.stats  # (the check's replay is no call of the caller's: not counted)
+    # (the check's replay is no call of the caller's: not counted)
     counts = stats.replays, dict(stats.size_hits), stats.real_rows, stats.padded_rows
     reset()
     padded = runtime._replay(route, args)
@@ -63,6 +67,7 @@ def check_first_call(runtime: Any, args: tuple[Any, ...], reset: Callable[[], No
     lead = inputs[runtime._sized[0]]
     where = f"{lead.name} along dim {lead.dim}"
     fills = ", ".join(f"{x.name}: {x.fill!r}" for x in inputs if x.kind == "tensor" and x.dim is not None)
-    message = first_difference(runtime.name, pairs, n, sizes[-1], where, fills)
-    if message is not None:
-        log.warning("torchreplay: %s", message)
+    checked = first_difference(runtime.name, pairs, n, sizes[-1], where, fills)
+    stats.padding_check = checked.summary
+    if checked.report is not None:
+        log.warning("torchreplay: %s", checked.report)

@@ -178,8 +178,9 @@ class BucketedGraph:
                 snapshot.restore()
                 self._effects.undo()
                 raise
-        if probed.padding is not None:
-            log.warning("torchreplay: %s", probed.padding)
+        self.stats.padding_check = probed.padding.summary
+        if probed.padding.report is not None:
+            log.warning("torchreplay: %s", probed.padding.report)
         planned = self._out_plan.leaves
         with _compat.normal_tensors():  # captures copy into them, under inference_mode or not
             self._outs = {i: torch.empty(planned[i].shape, dtype=planned[i].dtype, device=device)

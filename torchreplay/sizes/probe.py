@@ -32,7 +32,9 @@ from torchreplay import _compat
 from torchreplay.core.capture import from_the_start, on_side_stream
 from torchreplay.core.effects import PyState
 from torchreplay.core.io import Inputs
-from torchreplay.core.padcheck import DISTRIBUTED, distributed, first_difference, rng_state, same_rng
+from torchreplay.core.padcheck import (
+    DISTRIBUTED, Checked, distributed, first_difference, not_checked, rng_state, same_rng,
+)
 from torchreplay.core.padding import pad_sample
 from torchreplay.core.rewind import Rewind
 from torchreplay.sizes.guards import probe_error
@@ -48,11 +50,10 @@ _Tensor = torch.Tensor
 
 @dataclasses.dataclass(frozen=True)
 class Probed:
-    """What the probe learned: the output plan, and why padding changes the real rows (None:
-    it does not, or it could not be checked)."""
+    """What the probe learned: the output plan, and whether padding changes the real rows."""
 
     plan: OutputPlan
-    padding: str | None
+    padding: Checked
 
 
 def args_at(inputs: Inputs, plan: InputPlan, big: int, s: int, rows: int | None = None) -> tuple[Any, Any]:
@@ -150,22 +151,22 @@ def probe(
 
     out_plan = plan_outputs(outs[big], big, outs.get(small) if small else None, small, is_external,
                             args[big], args.get(small, ()) if small else (), [s.path for s in inputs.slots])
-    padding = None
-    if real is not None and skip is None:
-        padded = outs.get("padded", outs[big])
-        unpadded = outs.get("unpadded", outs.get(small))
-        padding = padding_message(name, out_plan, padded, unpadded, real, big, plan)
-    elif skip is not None:
+    if real is None:
+        return Probed(out_plan, not_checked("no call is padded (one row at every size)"))
+    if skip is not None:
         log.debug("torchreplay: '%s': padding not checked: %s", name, skip)
-    return Probed(out_plan, padding)
+        return Probed(out_plan, not_checked(skip))
+    padded = outs.get("padded", outs[big])
+    unpadded = outs.get("unpadded", outs.get(small))
+    return Probed(out_plan, padding_message(name, out_plan, padded, unpadded, real, big, plan))
 
 
 def padding_message(
     name: str, out_plan: OutputPlan, padded: Any, unpadded: Any, rows: int, size: int, plan: InputPlan,
-) -> str | None:
-    """Why padding changes the real rows: the first output whose ``rows`` real rows in a call
-    padded to ``size`` differ from the same call unpadded beyond its dtype's tolerance; None if
-    none does. Compared: the floating-point tensors the call computes (not module state, not its
+) -> Checked:
+    """Whether padding changes the real rows: the report names the first output whose ``rows``
+    real rows in a call padded to ``size`` differ from the same call unpadded beyond its dtype's
+    tolerance. Compared: the floating-point tensors the call computes (not module state, not its
     arguments)."""
     pads, unpads = _compat.tree_flatten(padded)[0], _compat.tree_flatten(unpadded)[0]
     pairs = []
