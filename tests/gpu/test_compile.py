@@ -1002,6 +1002,14 @@ def test_padding_that_changes_the_real_rows_is_reported_at_the_first_call(caplog
     (rt,) = _runtimes(c)
     assert rt.stats.padding_check.startswith("rows independent: 3 rows padded to 8"), tr.explain(c)
 
+    frozen = _Counting().to(DEV).requires_grad_(False)  # served with autograd on: checked too
+    c = tr.compile(frozen, sizes=[1, 2, 4, 8])
+    x = torch.randn(3, 32, device=DEV)
+    _close(c(x), frozen.lin(x) + 1.0)
+    assert frozen.calls.item() == 1.0
+    checks = [(r.name, r.sizes, r.stats.padding_check) for r in _runtimes(c)]
+    assert any(p.startswith("rows independent: 3 rows padded to 8") for _, _, p in checks), checks
+
     lin = nn.Linear(32, 32).to(DEV)
 
     def centred(x):

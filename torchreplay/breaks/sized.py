@@ -18,8 +18,8 @@ from typing import Any, Sequence
 import torch
 
 from torchreplay import _compat
-from torchreplay.sizes.plan import InputPlan
 from torchreplay.core.padcheck import DISTRIBUTED, Checked, distributed, first_difference, not_checked
+from torchreplay.sizes.plan import InputPlan
 from torchreplay.sizes.probe import describe
 
 __all__ = ["Unpadded", "output_dims", "padding_sample", "check_padding"]
@@ -46,9 +46,10 @@ def padding_sample(
     name: str, out: Any, plan: InputPlan | None, sizes: Sequence[int] | None, drew: bool,
 ) -> Unpadded | Checked | None:
     """The sample call's outputs, kept until the first capture; None without sizes; the
-    outcome ("not checked") when no capture pads the sample, when it draws random numbers (a padded run cannot match it), and under
-    torch.distributed (the ranks' samples may differ: the last segment's replay for the check,
-    made on one rank and not another, would hang a collective inside it)."""
+    outcome ("not checked") when no capture pads the sample, when it draws random numbers (a
+    padded run cannot match it), and under torch.distributed (the ranks' samples may differ:
+    the last segment's replay for the check, made on one rank and not another, would hang a
+    collective inside it)."""
     if plan is None or sizes is None:
         return None
     if drew or plan.size >= max(sizes) or distributed():

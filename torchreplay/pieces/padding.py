@@ -7,7 +7,7 @@ largest size's graphs, padded, each from the module state the call found; the re
 outputs are compared. What both runs wrote is put back with the capture's writes, so the call
 then runs as if the check had not been made.
 Not checked (a debug line says why): a call whose rows fill the largest size, one that needs
-gradients, one that writes an argument (the unpadded run writes the caller's own tensors; a
+gradients (a training graph, an argument that requires grad), one that writes an argument (the unpadded run writes the caller's own tensors; a
 module buffer it writes is put back), one
 that draws random numbers, and one with ``torch.distributed`` set up (a run one rank made and
 another skipped would hang a collective).
@@ -41,14 +41,16 @@ def check_first_call(runtime: Any, args: tuple[Any, ...], reset: Callable[[], No
         return
     why = (
         "the first call fills the largest size" if n >= sizes[-1]
-        else "the call needs gradients" if torch.is_grad_enabled() or runtime.saved is not None
+        else "the call needs gradients" if runtime.saved is not None or torch.is_grad_enabled() and any(
+            x.kind == "tensor" and a.requires_grad for x, a in zip(inputs, args))
         else "it writes an argument" if any(x.written and x.kind == "tensor" for x in inputs)
         else DISTRIBUTED if distributed() else None
     )
     if why is None:
         reset()
         rng = rng_state(runtime.device)
-        unpadded = runtime._run_ungraphed(args)
+        with torch.no_grad():
+            unpadded = runtime._run_ungraphed(args)
         why = "it draws random numbers" if not same_rng(rng, rng_state(runtime.device)) else None
     if why is not None:
         log.debug("torchreplay: '%s': padding not checked: %s", runtime.name, why)
@@ -60,7 +62,8 @@ def check_first_call(runtime: Any, args: tuple[Any, ...], reset: Callable[[], No
     # (the check's replay is no call of the caller's: not counted)
     counts = stats.replays, dict(stats.size_hits), stats.real_rows, stats.padded_rows
     reset()
-    padded = runtime._replay(route, args)
+    with torch.no_grad():
+        padded = runtime._replay(route, args)
     stats.replays, stats.size_hits, stats.real_rows, stats.padded_rows = counts
     pairs = [(f"output {j}", a, b) for j, (a, b) in enumerate(zip(padded, unpadded))
              if isinstance(a, _Tensor) and isinstance(b, _Tensor)]
