@@ -169,7 +169,8 @@ def test_padding_difference() -> None:
     b = a.clone()
     b[0, 0] += 1.0
     assert padding_difference(b, a) == pytest.approx(1.0 / a.norm().item(), rel=1e-5)
-    assert padding_difference(torch.ones(3), torch.zeros(3)) == math.inf
+    assert padding_difference(torch.ones(3), torch.zeros(3)) == 1.0  # all zeros: the RMS instead
+    assert padding_difference(torch.full((4,), 1e-7), torch.zeros(4)) == pytest.approx(1e-7)
     nan = a.clone()
     nan[1, 1] = float("nan")
     assert padding_difference(nan, a) == math.inf
