@@ -120,9 +120,15 @@ def test_each_probe_call_starts_from_the_callers_state(cpu_graphs: list[int],
     m = Counting()
     g = tr.graph(m, torch.randn(3, 4), sizes=SIZES)
     assert _warnings(caplog) == []  # the unpadded call saw the same position as the padded one
+    assert g.stats.padding_check.startswith("rows independent")
     assert m.pos.item() == 0.0
     x = torch.randn(5, 4)
     assert torch.equal(g(x), x) and m.pos.item() == 1.0
+    # Without the state put back (restore_state=False) the calls would compare unlike states:
+    # not checked, and not reported.
+    g = tr.graph(Counting(), torch.randn(3, 4), sizes=SIZES, config=tr.config.GraphConfig(restore_state=False))
+    assert _warnings(caplog) == []
+    assert g.stats.padding_check == "not checked: it writes an argument or a buffer (restore_state=False)"
 
 
 def test_calls_it_cannot_compare_are_skipped_with_a_debug_line(cpu_graphs: list[int],

@@ -14,7 +14,8 @@ padding changes the real rows.
 Each call starts from the caller's state (module buffers, Python state and adopted arguments put
 back in between), so a callable that advances a position at every call compares like with like.
 The padding check is skipped, with a debug line, when it cannot compare like with like: a call
-that draws random numbers (dropout in training mode) or writes an argument the graph copies in;
+that draws random numbers (dropout in training mode) or writes an argument the graph copies in
+(or, with ``restore_state=False``, a module buffer, which nothing puts back);
 and under torch.distributed, where the ranks' samples may differ in rows, so one rank would make
 the extra call and another not (a collective inside would hang).
 """
@@ -100,6 +101,8 @@ def probe(
     args: dict[int, Sequence[Any]] = {}  # the argument leaves (an output may be one)
     finding = snapshot.running() if snapshot is not None else contextlib.nullcontext()
     copied = [slot.static for slot in inputs.tensor_slots if not slot.adopted]
+    if snapshot is None and module is not None:  # (restore_state=False: its buffers stay written)
+        copied += list(module.buffers())
     with on_side_stream(stream, device), torch.no_grad(), finding:
         rng, versions = rng_state(device), _versions(copied)
 
@@ -128,7 +131,7 @@ def probe(
             elif not same_rng(rng, rng_state(device)):
                 skip = "it draws random numbers"
             elif versions is None or versions != _versions(copied):
-                skip = "it writes an argument"
+                skip = "it writes an argument" + (" or a buffer (restore_state=False)" if snapshot is None else "")
             else:
                 try:
                     if plan.size >= big:  # the next size's rows padded to the largest
