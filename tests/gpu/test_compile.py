@@ -1024,3 +1024,11 @@ def test_padding_that_changes_the_real_rows_is_reported_at_the_first_call(caplog
     assert "of a call of 3 rows" in report and "padded to 8" in report
     (rt,) = _runtimes(c)
     assert rt.stats.padding_check.startswith("CHANGES the result: output 0 of 3 rows padded to 8")
+
+    caplog.clear()  # a first call at the largest size (a warm-up at the largest batch): its
+    c = tr.compile(centred, sizes=[1, 2, 4, 8])  # leading rows, as many as the next size
+    with torch.no_grad():
+        x = torch.randn(8, 32, device=DEV)
+        _close(c(x), centred(x))  # an exact size: not padded, eager-equal
+    (report,) = reports()
+    assert "of a call of 4 rows" in report and "padded to 8" in report

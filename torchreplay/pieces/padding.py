@@ -5,12 +5,13 @@ The first call captures every size. Still inside that capture's put-back (module
 read in place, the RNG), the call's rows run once without graphs, unpadded, and once through the
 largest size's graphs, padded, each from the module state the call found; the real rows of their
 outputs are compared. What both runs wrote is put back with the capture's writes, so the call
-then runs as if the check had not been made.
-Not checked (a debug line says why): a call whose rows fill the largest size, one that needs
-gradients (a training graph, an argument that requires grad), one that writes an argument (the unpadded run writes the caller's own tensors; a
-module buffer it writes is put back), one
-that draws random numbers, and one with ``torch.distributed`` set up (a run one rank made and
-another skipped would hang a collective).
+then runs as if the check had not been made. A first call whose rows fill the largest size (a
+warm-up at the largest batch) is checked on its leading rows, as many as the next size down.
+
+Not checked (a debug line says why): a call that needs gradients (a training graph, an argument
+that requires grad), one that writes an argument (the unpadded run writes the caller's own
+tensors; a module buffer it writes is put back), one that draws random numbers, and one with
+``torch.distributed`` set up (a run one rank made and another skipped would hang a collective).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def check_first_call(runtime: Any, args: tuple[Any, ...], reset: Callable[[], No
     n, sizes, inputs, stats = runtime.rows(args), runtime.sizes, runtime.program.inputs, runtime.stats
     if n is None or not sizes:
         return
+    if n >= sizes[-1] and len(sizes) > 1:  # (a warm-up at the largest batch: its first rows)
+        n, args = sizes[-2], _leading(runtime, args, sizes[-2])
     why = (
         "the first call fills the largest size" if n >= sizes[-1]
         else "the call needs gradients" if runtime.saved is not None or torch.is_grad_enabled() and any(
@@ -49,9 +52,12 @@ def check_first_call(runtime: Any, args: tuple[Any, ...], reset: Callable[[], No
     if why is None:
         reset()
         rng = rng_state(runtime.device)
-        with torch.no_grad():
-            unpadded = runtime._run_ungraphed(args)
-        why = "it draws random numbers" if not same_rng(rng, rng_state(runtime.device)) else None
+        try:
+            with torch.no_grad():
+                unpadded = runtime._run_ungraphed(args)
+            why = "it draws random numbers" if not same_rng(rng, rng_state(runtime.device)) else None
+        except Exception as exc:  # (a run only the check makes: no error of the call)
+            why = f"its run at {n} rows raised {type(exc).__name__}"
     if why is not None:
         log.debug("torchreplay: '%s': padding not checked: %s", runtime.name, why)
         stats.padding_check = not_checked(why).summary
@@ -74,3 +80,14 @@ def check_first_call(runtime: Any, args: tuple[Any, ...], reset: Callable[[], No
     stats.padding_check = checked.summary
     if checked.report is not None:
         log.warning("torchreplay: %s", checked.report)
+
+
+def _leading(runtime: Any, args: tuple[Any, ...], m: int) -> tuple[Any, ...]:
+    """``args`` cut to their leading ``m`` rows: views of the varying tensors, and ``m`` for the
+    size itself."""
+    inputs, out = runtime.program.inputs, list(args)
+    for i in runtime._sized:
+        out[i] = args[i].narrow(inputs[i].dim, 0, m)
+    for i in runtime._size_ints:
+        out[i] = m
+    return tuple(out)
