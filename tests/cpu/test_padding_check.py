@@ -247,3 +247,88 @@ def test_under_torch_distributed_the_check_makes_no_call_of_its_own(
     assert calls == [(16, None), (8, None)]  # the two probe calls every rank makes
     assert _warnings(caplog) == []
     assert any("padding not checked: torch.distributed is set up" in r.getMessage() for r in caplog.records)
+
+
+class _FakeRuntime:
+    """What pieces/padding.py reads of a PiecewiseRuntime, over a plain function of one varying
+    tensor and its size: "replaying" size ``s`` runs it on the rows padded with zeros to ``s``,
+    and hands back the real rows."""
+
+    def __init__(self, fn, sizes, *, written=False, grad=False):
+        from torchreplay.pieces.program import Input
+        from torchreplay.stats import GraphStats
+
+        self.fn, self.sizes, self.name, self.saved = fn, sizes, "graph 0", None
+        self.device = torch.device("cpu")
+        self.stats = GraphStats()
+        self.program = type("P", (), {})()
+        self.program.inputs = [Input("x", "tensor", dim=0, written=written, fill=0), Input("n", "int", is_size=True)]
+        self._sized, self._size_ints = [0], [1]
+        self.runs: list[tuple[str, int, int]] = []
+
+    def rows(self, args):
+        return args[0].shape[0]
+
+    def _run_ungraphed(self, args):
+        x, n = args
+        assert n == x.shape[0]  # the size int follows the rows
+        self.runs.append(("ungraphed", x.shape[0], n))
+        return (self.fn(x),)
+
+    def _route(self, args, size):
+        return size
+
+    def _replay(self, size, args):
+        x, _ = args
+        self.stats.replays += 1
+        padded = torch.cat([x, torch.zeros(size - x.shape[0], *x.shape[1:])])
+        self.runs.append(("replay", x.shape[0], size))
+        return (self.fn(padded)[: x.shape[0]],)
+
+
+@pytest.mark.parametrize("rows", [3, 8], ids=["padded first call", "first call at the largest"])
+def test_the_compile_backends_first_call_check(caplog: pytest.LogCaptureFixture, rows: int) -> None:
+    from torchreplay.pieces.padding import check_first_call
+
+    resets: list[int] = []
+    rt = _FakeRuntime(lambda x: x - x.mean(0), [2, 4, 8])
+    x = torch.randn(rows, 3) + 2.0
+    check_first_call(rt, (x, rows), lambda: resets.append(1))
+    real = rows if rows < 8 else 4  # the leading rows, as many as the next size down
+    assert rt.runs == [("ungraphed", real, real), ("replay", real, 8)]
+    assert len(resets) == 2  # each run from the state the call found
+    assert rt.stats.replays == 0  # the check's replay is no call of the caller's
+    assert rt.stats.padding_check.startswith(f"CHANGES the result: output 0 of {real} rows padded to 8")
+    (message,) = _warnings(caplog)
+    assert "(x along dim 0)" in message and "x: 0" in message
+
+    rt = _FakeRuntime(lambda x: x * 2, [2, 4, 8])
+    check_first_call(rt, (x, rows), lambda: None)
+    assert rt.stats.padding_check.startswith(f"rows independent: {real} rows padded to 8")
+
+
+def test_the_compile_backends_first_call_check_skips() -> None:
+    from torchreplay.pieces.padding import check_first_call
+
+    x = torch.randn(3, 2)
+    rt = _FakeRuntime(lambda x: x, [4, 8], written=True)
+    check_first_call(rt, (x, 3), lambda: None)
+    assert rt.stats.padding_check == "not checked: it writes an argument" and rt.runs == []
+    rt = _FakeRuntime(lambda x: x + torch.rand_like(x), [4, 8])
+    check_first_call(rt, (x, 3), lambda: None)
+    assert rt.stats.padding_check == "not checked: it draws random numbers"
+    assert [r[0] for r in rt.runs] == ["ungraphed"]
+    rt = _FakeRuntime(lambda x: x, [4, 8])
+    with torch.enable_grad():
+        check_first_call(rt, (x.requires_grad_(), 3), lambda: None)
+    assert rt.stats.padding_check == "not checked: the call needs gradients"
+
+    def raises(x):
+        raise RuntimeError("only at 4 rows")
+
+    rt = _FakeRuntime(raises, [4, 8])
+    check_first_call(rt, (torch.randn(8, 2), 8), lambda: None)
+    assert rt.stats.padding_check == "not checked: its run at 4 rows raised RuntimeError"
+    rt = _FakeRuntime(lambda x: x, [8])  # one size: a first call of 8 rows has nothing to compare
+    check_first_call(rt, (torch.randn(8, 2), 8), lambda: None)
+    assert rt.stats.padding_check == "not checked: the first call fills the largest size"
