@@ -558,7 +558,7 @@ class _Runtime(PiecewiseRuntime):
             last.replay()
         with front._python.eager_part("the padding check"):
             self.stats.padding_check = check_padding(
-            front.name, unpadded, _compat.tree_flatten(out)[0], size, self._state_ptrs)
+                front.name, unpadded, _compat.tree_flatten(out)[0], size, self._state_ptrs)
         return out
 
     def _sources(self, outs: list[Any], leaves: list[Any]) -> tuple[list[tuple[str, Any]], list[_Tensor]]:
