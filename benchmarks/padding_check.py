@@ -5,7 +5,9 @@ largest size and the same call unpadded, as the build's probe measures it, again
 of the output's dtype, and whether the build reported it. Models whose rows are independent
 (what kernel choice per shape leaves: rounding) should sit far below the tolerance; models that
 read the padding (a mean over the rows, HF BERT with its padded positions left unmasked) far above.
-Only the largest size is captured (``capture="lazy"``): the probe is what is measured.
+Only the largest size is captured (``capture="lazy"``): the probe is what is measured. The
+breakable and compiled rows check at their first capture and first call instead (not yet run on
+the GPU when written, session 44).
 Usage: ``python benchmarks/padding_check.py``.
 """
 import sys, os, logging, re
@@ -105,6 +107,25 @@ def centred(dtype):
     return lambda: tr.graph(lambda x: lin(x - x.mean(0)), x, sizes=[1, 2, 4, 8, 16, 32], capture="lazy")
 
 
+def breakable_llama(dtype, n):
+    """The built-in Llama with its host-lengths attention as a break (the check at the first
+    capture, breaks/sized.py)."""
+    from torchreplay.bench.breaks import _inputs
+    from torchreplay.models.llama import host_attention
+    model = build_llama(LlamaConfig(n_layers=8, max_batch=32), DEV, dtype, seed=0)
+    args = _inputs(model, n)
+    return lambda: tr.graph(model, *args, breaks=[host_attention], sizes=[1, 2, 4, 8, 16, 32],
+                            capture="lazy")
+
+
+def compiled(dtype, fn_of, n):
+    """The compile backend (the check at the first call, pieces/padding.py)."""
+    torch.manual_seed(0)
+    fn = fn_of(nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)).to(DEV, dtype))
+    x = torch.randn(n, 256, device=DEV, dtype=dtype)
+    return lambda: tr.compile(fn, sizes=[1, 2, 4, 8, 16, 32])(x)
+
+
 def main():
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, TF32 matmul "
           f"{torch.backends.cuda.matmul.allow_tf32}, TF32 cuDNN {torch.backends.cudnn.allow_tf32}")
@@ -119,6 +140,11 @@ def main():
             row(f"HF GPT-2 6 layers, {t}, sequence (causal)", gpt2(dtype), False)
             row(f"torchvision ResNet-50, {t}, 3 images", resnet(dtype, 3), False)
             row(f"x - x.mean(0), then Linear, {t}", centred(dtype), True)
+            row(f"breakable Llama 8 layers, {t}, 3 rows", breakable_llama(dtype, 3), False)
+            row(f"compiled MLP, {t}, 5 rows", compiled(dtype, lambda m: m, 5), False)
+            row(f"compiled MLP(x - x.mean(0)), {t}, 5 rows",
+                compiled(dtype, lambda m: (lambda x: m(x - x.mean(0))), 5), True)
+            torch._dynamo.reset()
 
 
 if __name__ == "__main__":
