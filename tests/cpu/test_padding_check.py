@@ -332,3 +332,55 @@ def test_the_compile_backends_first_call_check_skips() -> None:
     rt = _FakeRuntime(lambda x: x, [8])  # one size: a first call of 8 rows has nothing to compare
     check_first_call(rt, (torch.randn(8, 2), 8), lambda: None)
     assert rt.stats.padding_check == "not checked: the first call fills the largest size"
+
+
+def test_put_back_restores_tensors_versions_and_rng() -> None:
+    """pieces/putback.py: around a first call's captures and padding check."""
+    from torchreplay.pieces.putback import put_back
+
+    buf = torch.arange(4.0)
+    version = buf._version
+    rng = torch.get_rng_state()
+    with put_back([buf], torch.device("cpu")) as restore:
+        buf.add_(10.0)
+        torch.rand(3)
+        restore()  # a run inside starts from the state found
+        assert torch.equal(buf, torch.arange(4.0))
+        buf.mul_(3.0)
+    assert torch.equal(buf, torch.arange(4.0)) and buf._version == version
+    assert torch.equal(torch.get_rng_state(), rng)
+    with pytest.raises(RuntimeError, match="boom"):
+        with put_back([buf], torch.device("cpu")):
+            buf.fill_(7.0)
+            raise RuntimeError("boom")
+    assert torch.equal(buf, torch.arange(4.0))  # put back on the way out of an error too
+
+
+def test_a_breakable_graphs_report() -> None:
+    """breaks/report.py over a stand-in graph: breaks, their reads, segments, sizes, stats."""
+    from types import SimpleNamespace as NS
+
+    from torchreplay.breaks.report import report
+    from torchreplay.stats import GraphStats
+
+    stats = GraphStats()
+    stats.padding_check = "rows independent: 3 rows padded to 8, largest difference 0"
+    target = object()
+    rule = NS(path="args[1] 'lengths'", kind="rebound", source="the call")
+    rec = NS(brk=NS(name="Attention", target=target), where="model.py:12", rules=[rule])
+    entry = NS(graphs=[NS(graph=None), None, NS(graph=object())])
+    rt = NS(_entries={1: entry}, captured_sizes=lambda: [4, 8], fallback_reasons={"a size above 8": 2})
+
+    class Graph(NS):
+        def __repr__(self) -> str:
+            return "BreakableGraph(model)"
+
+    g = Graph(runtime=rt, auto=[NS(module=target, op="aten.nonzero", kind="data-dependent", where="m.py:3")],
+              breaks=[rec], stats=stats)
+    lines = report(g).splitlines()
+    assert lines[0] == "BreakableGraph(model)"
+    assert lines[1] == "  break 0: Attention at model.py:12 (auto: aten.nonzero (data-dependent) at m.py:3)"
+    assert lines[2] == "    reads: args[1] 'lengths' rebound from the call"
+    assert lines[3] == "  segments: 2 per size, 2 size(s) [4, 8] (1 empty segment(s) replay nothing)"
+    assert "padding check: rows independent" in lines[4]
+    assert lines[5] == "  ran ungraphed 2x: a size above 8"

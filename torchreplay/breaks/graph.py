@@ -48,6 +48,7 @@ from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
 from torchreplay.breaks.auto import AutoBreak, find_on_copies
 from torchreplay.breaks.sized import check_padding, output_dims, padding_sample
 from torchreplay.breaks.policy import eager_by_policy
+from torchreplay.breaks.report import report
 from torchreplay.breaks.steps import BreakStep, returns_nothing
 from torchreplay.breaks.plan import (
     Break, BreakCall, Recorder, check_reached, intercept, outside_breaks, resolve_breaks, same_path,
@@ -333,34 +334,8 @@ class BreakableGraph:
         return _Eager(self.fn(*args, **kwargs))
 
     def explain(self) -> str:
-        """What was graphed and what runs eagerly: each break call with the model's line, why it
-        breaks (named, or the op ``breaks="auto"`` found) and where its arguments come from at
-        replay; segments; sizes; captures, replays, fallbacks with reasons; pool memory."""
-        rt = self.runtime
-        why = {id(b.module): f"auto: {b.op} ({b.kind}) at {b.where}" for b in self.auto}
-        lines = [repr(self)]
-        for k, rec in enumerate(self.breaks):
-            target = rec.brk.target
-            reason = why.get(id(target), "named in breaks=")
-            lines.append(f"  break {k}: {rec.brk.name} at {rec.where} ({reason})")
-            reads = [
-                f"{r.path} {r.kind}" + (f" from {r.source}" if r.source else "")
-                for r in rec.rules if r.kind != "constant"
-            ]
-            if reads:
-                lines.append("    reads: " + "; ".join(reads))
-        empty = sum(
-            1 for e in rt._entries.values() for g in e.graphs[::2] if g is not None and g.graph is None
-        )
-        sizes = rt.captured_sizes()
-        lines.append(
-            f"  segments: {len(self.breaks) + 1} per size, {len(sizes)} size(s) "
-            f"{[s for s in sizes if s is not None] or ''} ({empty} empty segment(s) replay nothing)"
-        )
-        lines.append(f"  {self.stats.explain()}")
-        for reason, n in rt.fallback_reasons.items():
-            lines.append(f"  ran ungraphed {n}x: {reason}")
-        return "\n".join(lines)
+        """What was graphed and what runs eagerly (:func:`torchreplay.breaks.report.report`)."""
+        return report(self)
 
     def __repr__(self) -> str:
         names = sorted({c.brk.name for c in self.breaks})

@@ -42,6 +42,7 @@ from torchreplay.pieces.entries import (
 from torchreplay.pieces.handoff import DEMOTED, MISSES, MOVED, graph_reads, handed_slots
 from torchreplay.pieces.instances import MOVING, Instances, drop_entries, outputs_held, ptrs_of
 from torchreplay.pieces.padding import check_first_call
+from torchreplay.pieces.putback import put_back
 from torchreplay.pieces.program import Program, run_in_order
 from torchreplay.pieces.saved import BLOCKED, SavedActivations, guarded, saved_refs
 from torchreplay.stats import GraphStats
@@ -359,21 +360,11 @@ class PiecewiseRuntime:
     ) -> list[Entry]:
         """Capture every key in ``todo`` (largest first), module state put back afterwards."""
         assert self.device is not None
-        # Warm-up and capture run the pieces several times; what they write in place is put
-        # back: buffers, and values read in place (a backward may reuse the memory of the
-        # saved activations it reads last as scratch: Inductor's donated buffers).
-        with torch.no_grad():
-            saved = [
-                (args[i], args[i].detach().clone())
-                for i in self._statics + self._pinned
-                if not isinstance(args[i], torch.nn.Parameter) or self._inputs[i].written
-            ]
-        versions = _compat.versions_of([t for t, _ in saved])  # a pending backward saved them?
-        cpu_rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state(self.device)
+        kept = [args[i] for i in self._statics + self._pinned  # (what they write: pieces/putback.py)
+                if not isinstance(args[i], torch.nn.Parameter) or self._inputs[i].written]
         start = time.perf_counter()
         entries = []
-        try:
+        with put_back(kept, self.device) as restore:
             for size, key in todo:
                 entries.append(self._capture_key(size, key, args))
             # The warm-ups of later sizes were not waited for one by one (the GPU ran them while
@@ -383,11 +374,7 @@ class PiecewiseRuntime:
             self._clean.clear()  # staging and warm-ups wrote the buffers
             if self.padding_check and self.sizes is not None:  # (the first call's capture)
                 self.padding_check = False
-                check_first_call(self, args, lambda: _compat.restore_unversioned(saved, versions))
-        finally:
-            _compat.restore_unversioned(saved, versions)
-            torch.set_rng_state(cpu_rng)
-            torch.cuda.set_rng_state(cuda_rng, self.device)
+                check_first_call(self, args, restore)
         log.info(
             "torchreplay: '%s' captured %d size(s) %s in %.2f s (%d graphs, %d eager steps)",
             self.name, len(todo), [s for s, _ in todo], time.perf_counter() - start,

@@ -1,0 +1,41 @@
+"""What a first call's captures write in place is put back after them.
+
+Warm-ups and captures run the pieces several times, and the padding check (:mod:`.padding`)
+twice more. What they write in place into the values a graph reads where they are is put back:
+buffers, and values read in place (a backward may reuse the memory of the saved activations it
+reads last as scratch: Inductor's donated buffers), with their version counters (a pending
+backward may have saved them); and the RNG they drew from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from torchreplay import _compat
+
+__all__ = ["put_back"]
+
+
+@contextlib.contextmanager
+def put_back(tensors: Sequence[torch.Tensor], device: torch.device) -> Iterator[Callable[[], None]]:
+    """Copy ``tensors`` now; on exit write them back and set the CPU's and ``device``'s RNG back.
+    Yields the write-back alone, for a run inside that must start from the state found."""
+    with torch.no_grad():
+        saved = [(t, t.detach().clone()) for t in tensors]
+    versions = _compat.versions_of([t for t, _ in saved])
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore() -> None:
+        _compat.restore_unversioned(saved, versions)
+
+    try:
+        yield restore
+    finally:
+        restore()
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
