@@ -8,7 +8,9 @@ read the padding (a mean over the rows, HF BERT with its padded positions left u
 Only the largest size is captured (``capture="lazy"``): the probe is what is measured. The
 breakable and compiled rows check at their first capture and first call instead (not yet run on
 the GPU when written, session 44).
-Usage: ``python benchmarks/padding_check.py``.
+Then the state a padded call leaves (``--state``: only that): a prefill that writes a cache at
+padded positions, the built-in Llama's cache rows past the batch, HF Llama with a StaticCache.
+Usage: ``python benchmarks/padding_check.py [--state]``.
 """
 import sys, os, logging, re
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -147,5 +149,84 @@ def main():
             torch._dynamo.reset()
 
 
+def state_row(name, build, expect):
+    """A build whose calls write state: the padding check's line, and whether it warned (a state
+    the real rows keep that differs) or only noted the padding rows' own writes."""
+    handler = Lines()
+    logger = logging.getLogger("torchreplay")
+    logger.addHandler(handler)
+    try:
+        g = build()
+    except Exception as exc:
+        print(f"{name:52s} failed: {type(exc).__name__}: {str(exc)[:160]}")
+        return
+    finally:
+        logger.removeHandler(handler)
+    warned = any("padding changes the state" in m for m in handler.lines)
+    outputs = any("padding changes what" in m for m in handler.lines)
+    ok = "ok" if warned == expect else "WRONG"
+    print(f"{name:52s} state warning {str(warned):5s} (expected {expect}: {ok}); outputs reported {outputs}")
+    print(f"    {g.stats.padding_check[:400]}")
+
+
+class Prefill(nn.Module):
+    """Each token's key into a sequence cache at its position (index_copy_)."""
+
+    def __init__(self, dim=256, slots=128):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.register_buffer("cache", torch.zeros(slots, dim))
+
+    def forward(self, x, pos):
+        k = self.proj(x)
+        self.cache.index_copy_(0, pos, k)
+        return torch.relu(k)
+
+
+def prefill(fill):
+    torch.manual_seed(0)
+    m = Prefill().to(DEV)
+    x, pos = torch.randn(20, 256, device=DEV), torch.arange(20, device=DEV)
+    return lambda: tr.graph(m, x, pos, sizes=[16, 32, 64], fill_value={"pos": fill}, capture="lazy")
+
+
+def hf_llama_prefill(fill):
+    """HF Llama's prefill into a StaticCache, padded along the sequence: the padding tokens'
+    cache_position is the fill value."""
+    transformers = __import__("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512,
+                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(DEV).eval()
+    cache = transformers.StaticCache(config=cfg, max_cache_len=128)
+    ids = torch.randint(1, 1000, (1, 20), device=DEV)
+    cp = torch.arange(20, device=DEV)
+
+    def step(ids, cp):
+        return model(input_ids=ids, past_key_values=cache, cache_position=cp, use_cache=True).logits
+
+    step(ids, cp)  # (the cache's tensors are made at its first update)
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            t.zero_()
+    return lambda: tr.graph(step, ids, cp, sizes=[16, 32, 64], dim={"ids": 1, "cp": 0},
+                            fill_value={"cp": fill}, capture="lazy")
+
+
+def state_rows():
+    print("-- state a padded call leaves (module buffers, Python state): float32")
+    state_row("built-in Llama 8 layers decode, 3 rows (cache rows)", llama(torch.float32, 3), False)
+    state_row("prefill index_copy_, 20 -> 32, positions padded 0", prefill(0), True)
+    state_row("prefill index_copy_, 20 -> 32, positions padded 127", prefill(127), False)
+    state_row("HF Llama StaticCache prefill, 20 -> 32, positions 0", hf_llama_prefill(0), True)
+    # (transformers 5 writes at its own cumulative_length, not at cache_position, and advances
+    # it by the padded length: a warning whatever the fill)
+    state_row("HF Llama StaticCache prefill, 20 -> 32, positions 127", hf_llama_prefill(127), True)
+
+
 if __name__ == "__main__":
-    main()
+    if "--state" not in sys.argv:
+        main()
+    with torch.no_grad():
+        state_rows()

@@ -34,7 +34,7 @@ def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.levelno >= logging.WARNING and "padding changes" in r.getMessage()]
+            if r.levelno >= logging.WARNING and "padding changes what the call returns" in r.getMessage()]
 
 
 def _centre(x: torch.Tensor) -> torch.Tensor:
@@ -128,7 +128,7 @@ def test_each_probe_call_starts_from_the_callers_state(cpu_graphs: list[int],
     # not checked, and not reported.
     g = tr.graph(Counting(), torch.randn(3, 4), sizes=SIZES, config=tr.config.GraphConfig(restore_state=False))
     assert _warnings(caplog) == []
-    assert g.stats.padding_check == "not checked: it writes an argument or a buffer (restore_state=False)"
+    assert g.stats.padding_check == "not checked: it writes a buffer (restore_state=False)"
 
 
 def test_calls_it_cannot_compare_are_skipped_with_a_debug_line(cpu_graphs: list[int],
@@ -143,10 +143,14 @@ def test_calls_it_cannot_compare_are_skipped_with_a_debug_line(cpu_graphs: list[
         x.mul_(2.0)
         return _centre(x)
 
+    # an argument written in place no longer skips the check: each call starts from the same
+    # argument (its buffer put back in between), and its written rows are compared too
     caplog.clear()
-    tr.graph(writes, torch.randn(3, 4), sizes=SIZES)
-    assert _warnings(caplog) == []
-    assert any("padding not checked: it writes an argument" in r.getMessage() for r in caplog.records)
+    x = torch.randn(3, 4)
+    want = x.clone()
+    g = tr.graph(writes, x, sizes=SIZES)
+    assert len(_warnings(caplog)) == 1 and g.stats.padding_check.startswith("CHANGES the result: output")
+    assert torch.equal(x, want)  # the build wrote nothing into the caller's sample
 
 
 def test_the_check_adds_one_eager_call_at_most(cpu_graphs: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -384,3 +388,178 @@ def test_a_breakable_graphs_report() -> None:
     assert lines[3] == "  segments: 2 per size, 2 size(s) [4, 8] (1 empty segment(s) replay nothing)"
     assert "padding check: rows independent" in lines[4]
     assert lines[5] == "  ran ungraphed 2x: a size above 8"
+
+
+# -- what the two calls leave in state: module buffers, arguments written in place ---------------
+
+
+class _Cache(nn.Module):
+    """A per-row cache written at each call's rows (the gpt-fast layout: a batch of n rows uses
+    rows 0..n-1): padded, the padding rows write rows n.. too, which eager leaves alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("rows", torch.full((16, 4), -1.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows[: x.shape[0]] = x * 2.0
+        return x * 2.0
+
+
+class _Counted(nn.Module):
+    """Counts the rows it has seen: padded, it counts the padding rows too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += x.shape[0]
+        return x + 1.0
+
+
+class _Slots(nn.Module):
+    """Writes each row into a sequence cache at its position: a position padded with 0 writes
+    slot 0, over the real row at position 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(16, 4))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.cache.index_copy_(0, pos, x)
+        return x * 3.0
+
+
+def _state_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.WARNING and "padding changes the state" in r.getMessage()]
+
+
+def test_padding_rows_writing_state_of_their_own_is_a_note_not_a_warning(
+    cpu_graphs: list[int], caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="torchreplay")
+    m = _Cache()
+    g = tr.graph(m, torch.randn(3, 4), sizes=SIZES)
+    assert _warnings(caplog) == [] and _state_warnings(caplog) == []
+    summary = g.stats.padding_check
+    assert summary.startswith("rows independent: 3 rows padded to 16"), summary
+    # rows 3..15, written by the padded call only
+    assert "the padding rows also write _Cache.rows (52 elements)" in summary, summary
+    assert torch.equal(m.rows, torch.full((16, 4), -1.0))  # the build put it back
+
+
+def test_a_count_that_follows_the_padded_size_is_reported(cpu_graphs: list[int],
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="torchreplay")
+    m = _Counted()
+    g = tr.graph(m, torch.randn(3, 4), sizes=SIZES)
+    assert _warnings(caplog) == []  # the outputs are right
+    (message,) = _state_warnings(caplog)
+    assert "_Counted.seen: 1 of the 1 elements both write differ" in message, message
+    assert "fill_value=" in message and "list every size" in message
+    assert g.stats.padding_check.startswith("CHANGES state: _Counted.seen"), g.stats.padding_check
+    assert int(m.seen) == 0
+    g(torch.randn(4, 4))  # an exact size: counted as eagerly
+    assert int(m.seen) == 4
+
+
+def test_a_padded_position_writing_over_a_real_slot_is_reported(cpu_graphs: list[int],
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="torchreplay")
+    m = _Slots()
+    g = tr.graph(m, torch.randn(3, 4) + 1.0, torch.arange(3), sizes=SIZES)
+    (message,) = _state_warnings(caplog)
+    assert f"'{type(m).__name__}' with sizes=: padding changes the state" in message
+    # the padding rows wrote slot 0 with their fill value, 0, which it held before: as if only
+    # the unpadded call wrote it
+    assert "_Slots.cache: 4 elements only the unpadded call writes, first at [0, 0]" in message, message
+    assert "CHANGES state: _Slots.cache" in g.stats.padding_check
+    # positions padded past the real ones write slots of their own: only a note
+    caplog.clear()
+    g = tr.graph(_Slots(), torch.randn(3, 4) + 1.0, torch.arange(3), sizes=SIZES, fill_value={"x": 1.0, "pos": 15})
+    assert _state_warnings(caplog) == []
+    assert "the padding rows also write _Slots.cache (4 elements)" in g.stats.padding_check, g.stats.padding_check
+
+
+def test_a_fixed_argument_the_call_writes_is_compared_as_state(cpu_graphs: list[int],
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="torchreplay")
+
+    def step(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache[: x.shape[0]] = x
+        return x * 2.0
+
+    cache = torch.randn(16, 4)
+    before = cache.clone()
+    g = tr.graph(step, torch.randn(3, 4), cache, sizes=SIZES, dim={"x": 0, "cache": None})
+    assert _warnings(caplog) == [] and _state_warnings(caplog) == []
+    assert "the padding rows also write args[1] 'cache' (52 elements)" in g.stats.padding_check
+    assert torch.equal(cache, before)  # the build left the caller's tensor alone
+
+    def count(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        n += x.shape[0]
+        return x + 1.0
+
+    g = tr.graph(count, torch.randn(3, 4), torch.zeros((), dtype=torch.long), sizes=SIZES,
+                 dim={"x": 0, "n": None})
+    assert len(_state_warnings(caplog)) == 1
+    assert g.stats.padding_check.startswith("CHANGES state: args[1] 'n'"), g.stats.padding_check
+
+    # the same count kept in Python state (an object the function closes over): compared too
+    class Box:
+        pass
+
+    box = Box()
+    box.seen = torch.zeros((), dtype=torch.long)
+
+    def counted(x: torch.Tensor) -> torch.Tensor:
+        box.seen += x.shape[0]
+        return x + 1.0
+
+    caplog.clear()
+    g = tr.graph(counted, torch.randn(3, 4), sizes=SIZES)
+    assert len(_state_warnings(caplog)) == 1
+    assert g.stats.padding_check.startswith("CHANGES state: box.seen: 1 of the 1 elements both write differ"), g.stats.padding_check
+    assert int(box.seen) == 0
+
+
+def test_written_rows_of_an_argument_are_compared_like_outputs(cpu_graphs: list[int],
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="torchreplay")
+
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2.0)
+        return x.sum()  # (a reduction: not compared, its rows are gone)
+
+    g = tr.graph(rows, torch.randn(3, 4), sizes=SIZES)
+    assert _warnings(caplog) == [], _warnings(caplog)
+    assert g.stats.padding_check.startswith("rows independent"), g.stats.padding_check
+
+    def centred(x: torch.Tensor) -> torch.Tensor:
+        x.sub_(x.mean(0))
+        return x.new_ones(x.shape[0])  # (the same however padded: only the written rows differ)
+
+    g = tr.graph(centred, torch.randn(3, 4) + 2.0, sizes=SIZES)
+    (message,) = _warnings(caplog)
+    assert "args[0] 'x' (written in place)" in message, message
+
+
+def test_state_too_large_to_copy_is_named_not_compared(cpu_graphs: list[int], monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(probing, "copy_budget", lambda device: 1 << 20)  # the arguments' copies
+    monkeypatch.setattr(padcheck, "copy_budget", lambda device: 64)  # the state's
+    caplog.set_level(logging.DEBUG, logger="torchreplay")
+    g = tr.graph(_Counted(), torch.randn(3, 4), sizes=SIZES)  # 8 bytes: compared
+    assert "CHANGES state: _Counted.seen" in g.stats.padding_check
+    g = tr.graph(_Cache(), torch.randn(3, 4), sizes=SIZES)  # 256 bytes: not
+    assert g.stats.padding_check.endswith("state not compared (too large to copy): _Cache.rows"), g.stats.padding_check
+    monkeypatch.setattr(probing, "copy_budget", lambda device: 0)  # no copies of the arguments
+
+    def writes(x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2.0)
+        return x
+
+    g = tr.graph(writes, torch.randn(3, 4), sizes=SIZES)
+    assert g.stats.padding_check == "not checked: it writes an argument too large to copy"

@@ -403,7 +403,11 @@ def test_an_output_that_is_an_argument_is_the_callers_tensor() -> None:
 
 
 def _padding_reports(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if "padding changes" in r.getMessage()]
+    return [r.getMessage() for r in caplog.records if "padding changes what" in r.getMessage()]
+
+
+def _state_reports(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "padding changes the state" in r.getMessage()]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -421,6 +425,8 @@ def test_padding_that_changes_the_real_rows_is_reported_and_independent_rows_are
     g = tr.graph(llama, ids, torch.full((3,), 4, device=DEV), sizes=[1, 2, 4, 8], capture="lazy")
     assert _padding_reports(caplog) == []
     assert g.stats.padding_check.startswith("rows independent: 3 rows padded to 8"), g.stats.padding_check
+    # its padding rows write their own cache rows (3..7, at the fill position): a note, no warning
+    assert "the padding rows also write layers.0.attention.k_cache (" in g.stats.padding_check
 
     torch.manual_seed(0)
     cfg = transformers.BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=4,
@@ -457,3 +463,51 @@ def test_padding_that_changes_the_real_rows_is_reported_and_independent_rows_are
              sizes=[1, 2, 4, 8], capture="lazy")
     (report,) = _padding_reports(caplog)
     assert "of a call of 5 rows" in report and "padded to 8" in report
+
+
+class _Prefill(nn.Module):
+    """A prefill step along the sequence: each token's key goes into a sequence cache at its
+    position (``index_copy_``), as a static KV cache's update does."""
+
+    def __init__(self, dim: int = 64, slots: int = 64) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.register_buffer("cache", torch.zeros(slots, dim))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        k = self.proj(x)
+        self.cache.index_copy_(0, pos, k)
+        return torch.relu(k)
+
+
+def test_padding_that_writes_over_the_real_rows_state_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    """A prefill whose positions are padded with 0 writes the padding tokens' keys into slot 0,
+    over the real first token's: the probe compares what the padded and the unpadded call leave
+    in the cache, on the GPU's own kernels, and warns. With the padding positions moved past the
+    real ones (fill_value=), the padding writes slots of its own: a note only. Either way the
+    outputs equal eager over many calls, and the cache after each exact-size call too."""
+    caplog.set_level(logging.WARNING, logger="torchreplay")
+    torch.manual_seed(0)
+    m = _Prefill().to(DEV)
+    x, pos = torch.randn(11, 64, device=DEV), torch.arange(11, device=DEV)
+    g = tr.graph(m, x, pos, sizes=[16, 32], capture="lazy")
+    assert _padding_reports(caplog) == []  # the outputs are right
+    (report,) = _state_reports(caplog)
+    assert "_Prefill.cache: " in report and "padded to 32" in report and "fill_value=" in report, report
+    assert g.stats.padding_check.startswith("CHANGES state: _Prefill.cache"), g.stats.padding_check
+    assert torch.equal(m.cache, torch.zeros_like(m.cache))  # the build put it back
+
+    caplog.clear()
+    h = tr.graph(m, x, pos, sizes=[16, 32], fill_value={"pos": 63})
+    assert _padding_reports(caplog) == [] and _state_reports(caplog) == []
+    assert "the padding rows also write _Prefill.cache (" in h.stats.padding_check, h.stats.padding_check
+    ref = _Prefill().to(DEV)
+    ref.load_state_dict(m.state_dict())
+    with torch.no_grad():
+        for i in range(30):
+            n = (11, 16, 32)[i % 3]
+            start = int(torch.randint(0, 63 - n + 1, ()))
+            x, pos = torch.randn(n, 64, device=DEV), torch.arange(start, start + n, device=DEV)
+            torch.testing.assert_close(h(x, pos), ref(x, pos))
+            # every slot but the padding's own (63) as eager left it
+            torch.testing.assert_close(m.cache[:63], ref.cache[:63])

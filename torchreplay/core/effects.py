@@ -74,6 +74,7 @@ from torchreplay.core.pystate import (
     MISSING, Change, Node, diff, large_tensors, live_value, path_of, plain_tensors, put_back,
     roots_of_call, same_value, show, small_tensors, state_tensors, value_at, walk_state,
 )
+from torchreplay.core.padcheck import version
 from torchreplay.core.rewind import Rewind
 from torchreplay.errors import CaptureError, ReplayInputError
 
@@ -124,6 +125,7 @@ class PyState:
         self._warned = False
         self._saved: list[tuple[torch.Tensor, int | None, torch.Tensor]] = []
         self._rewind: Rewind | None = None  # what the build writes into the large ones
+        self._versions: dict[int, int | None] = {}  # the held tensors' version counters at start
 
     def take(self) -> dict[str, Node]:
         """Walk the state; return its mutable nodes by path."""
@@ -137,6 +139,18 @@ class PyState:
         if self._start is None:
             self._start = self.take()
             self._keep(self._start)
+
+    def held_tensors(self) -> list[tuple[str, torch.Tensor, int | None]]:
+        """The tensors the state held at :meth:`start` that a build puts back (a cache
+        object's keys, its position counter), by path, each with its version counter then."""
+        if self._start is None:
+            return []
+        held = {id(t) for t in plain_tensors(self._start)}
+        found: dict[int, tuple[str, torch.Tensor, int | None]] = {}
+        for node, key, t in state_tensors(self._start):
+            if id(t) in held and id(t) not in found:
+                found[id(t)] = (path_of(node, key), t, self._versions.get(id(t)))
+        return list(found.values())
 
     def put_back_tensors(self) -> None:
         """After a capture: undo what the warm-ups and the capture wrote in place into the
@@ -198,6 +212,7 @@ class PyState:
     def _keep(self, nodes: dict[str, Node]) -> None:
         """Copy the small tensors of the state; watch the large ones' writes (core/rewind.py)."""
         tensors = plain_tensors(nodes)
+        self._versions = {id(t): version(t) for t in tensors}
         self._saved = small_tensors(tensors)
         large = large_tensors(tensors)
         self._rewind = Rewind(large) if large else None
@@ -408,6 +423,9 @@ class NoEffects:
 
     def put_back_tensors(self) -> None:
         pass
+
+    def held_tensors(self) -> list[tuple[str, torch.Tensor, int | None]]:
+        return []
 
 
 NO_EFFECTS = NoEffects()

@@ -20,8 +20,9 @@ import torch
 from torchreplay import _compat
 
 __all__ = [
-    "Checked", "DISTRIBUTED", "distributed", "first_difference", "not_checked", "padding_difference",
-    "rng_state", "same_rng",
+    "Checked", "DISTRIBUTED", "StateCheck", "StateDifference", "copy_budget", "distributed",
+    "first_difference", "not_checked", "padding_difference", "rng_state", "same_rng", "version",
+    "with_state",
 ]
 
 log = logging.getLogger(__name__)
@@ -145,3 +146,199 @@ def rng_state(device: torch.device) -> list[_Tensor]:
 
 def same_rng(a: list[_Tensor], b: list[_Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def version(t: _Tensor) -> int | None:
+    """``t``'s version counter (None: an inference tensor has none, its writes go unseen)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def copy_budget(device: torch.device) -> int:
+    """The bytes the state comparison may copy: a quarter of what the device has free (1 GiB
+    off CUDA)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] // 4
+    return 1 << 30
+
+
+class StateCheck:
+    """What the padding check's two calls leave in the state the caller keeps (module buffers,
+    arguments the graph copies in whole): written the same, up to rounding, or not.
+
+    Eagerly a call of 3 rows writes what those rows write; padded to 8 it also runs 5 padding
+    rows, and where they write is the model's: a KV cache's rows past the batch, a scratch slot,
+    or the same slot as a real row (a position padded with 0 writes slot 0, over the real
+    token's). Each tensor the first call wrote is copied after it (its result) and after the
+    reset (the caller's value), at most :func:`copy_budget` bytes in all; after the second call,
+    element by element:
+
+    - written by both calls: the values, compared normwise with the outputs' tolerance (exactly
+      for integers): a difference means padding changes the real rows' state (a counter
+      advanced by the padded size, a real slot overwritten by a padding row): reported as the
+      outputs are;
+    - written by the unpadded call only: padding loses a write eager makes: reported;
+    - written by the padded call only: the padding rows' own state; that is a note, not a
+      warning: whether anything reads it before writing it again is the model's design.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._budget = copy_budget(device)
+        self._first: list[tuple[str, _Tensor, _Tensor, _Tensor | None]] = []  # path, t, A, S
+        self._seen: set[int] = set()  # the first call's tensors, by id
+        self._second: list[tuple[str, _Tensor, _Tensor]] = []  # written by the second only: path, t, B
+        self.too_large: list[str] = []
+
+    def _fits(self, path: str, t: _Tensor, copies: int) -> bool:
+        if t.nbytes * copies > self._budget:
+            if path not in self.too_large:
+                self.too_large.append(path)
+            return False
+        self._budget -= t.nbytes * copies
+        return True
+
+    def after_first(self, written: Sequence[tuple[str, _Tensor]]) -> None:
+        """Right after the first call: copy what it wrote (its result)."""
+        for path, t in written:
+            if id(t) not in self._seen and self._fits(path, t, 2):
+                self._seen.add(id(t))
+                self._first.append((path, t, t.detach().clone(), None))
+
+    def after_reset(self) -> None:
+        """After the caller's state is put back: copy the values the first call overwrote."""
+        self._first = [(p, t, a, t.detach().clone() if s is None else s) for p, t, a, s in self._first]
+
+    def after_second(self, written: Sequence[tuple[str, _Tensor]]) -> None:
+        """Right after the second call: copy what it alone wrote (compared after the reset)."""
+        for path, t in written:
+            if id(t) not in self._seen and self._fits(path, t, 1):
+                self._seen.add(id(t))
+                self._second.append((path, t, t.detach().clone()))
+
+    def compare_first(self) -> list[StateDifference]:
+        """Before the last reset: each tensor the first call wrote, as the second left it."""
+        found = [_state_difference(p, a, s, t) for p, t, a, s in self._first if s is not None]
+        self._first = []
+        return [d for d in found if d is not None]
+
+    def compare_second(self) -> list[StateDifference]:
+        """After the last reset: each tensor only the second call wrote, against the caller's."""
+        found = [_state_difference(p, t, t, b) for p, t, b in self._second]
+        self._second = []
+        return [d for d in found if d is not None]
+
+
+@dataclasses.dataclass(frozen=True)
+class StateDifference:
+    """How a tensor of state differs after the padded and the unpadded call (``first``: the
+    first call of the pair; ``second``: the other)."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    first_only: int  # elements only the first call wrote
+    second_only: int
+    first_at: tuple[int, ...] | None  # where the first such element is
+    both: int  # elements both wrote
+    differ: float  # their normwise difference (integers: the share that differs)
+    tolerance: float
+
+    def summary(self, first: str, second: str) -> str:
+        parts = []
+        if self.differ > self.tolerance and self.tolerance == 0.0:  # (integers: the share that differs)
+            parts.append(f"{round(self.differ * self.both)} of the {self.both} elements both write differ")
+        elif self.differ > self.tolerance:
+            parts.append(f"{self.differ:.3g} apart (normwise) where both write (tolerance {self.tolerance:g})")
+        for count, who in ((self.first_only, first), (self.second_only, second)):
+            if count:
+                parts.append(f"{count} element{'s' * (count != 1)} only the {who} call writes")
+        at = f", first at {list(self.first_at)}" if self.first_at is not None else ""
+        return f"{self.path}: {'; '.join(parts)}{at}"
+
+
+def with_state(
+    checked: Checked, name: str, differences: Sequence[StateDifference], too_large: Sequence[str],
+    padded_first: bool, rows: int, size: int, where: str, fills: str,
+) -> Checked:
+    """``checked`` (the outputs' outcome) with what the two calls left in state: a warning where
+    the real rows' state differs (values both wrote, or a write only the unpadded call made), a
+    note where only the padding rows wrote; the tensors too large to compare, named."""
+    first, second = ("padded", "unpadded") if padded_first else ("unpadded", "padded")
+    wrong = [d for d in differences if d.differ > d.tolerance or (d.second_only if padded_first else d.first_only)]
+    extra = [d for d in differences if d not in wrong]
+    report, summary = checked.report, checked.summary
+    if wrong:
+        what = "; ".join(d.summary(first, second) for d in wrong)
+        report = (report + "\n" if report else "") + (
+            f"'{name}' with sizes=: padding changes the state a call leaves. A call of {rows} rows "
+            f"({where}) padded to {size} with the fill value and the same call unpadded, each from "
+            f"the same state, leave {what}. Eagerly the call writes what its {rows} rows write; "
+            "the padding rows also wrote where the real rows do (a position padded with 0 "
+            "writes slot 0, over the real token's), or a count followed the padded size. Fix: "
+            f"make the padding rows write nowhere the real rows do (their value is the fill value: "
+            f"{fills}; fill_value= sets it), or list every size you call with in sizes= (an exact "
+            "size is not padded)"
+        )
+        summary = f"{summary}; CHANGES state: {what}" if checked.report else f"CHANGES state: {what}"
+    if extra:
+        named = [f"{d.path} ({d.first_only + d.second_only} elements)" for d in extra]
+        more = f"; and {len(named) - 2} more" if len(named) > 3 else ""
+        summary += "; the padding rows also write " + "; ".join(named[:2] if more else named) + more
+    if too_large:
+        summary += f"; state not compared (too large to copy): {', '.join(too_large)}"
+    return Checked(report, summary)
+
+
+def _state_difference(path: str, a: _Tensor, s: _Tensor, b: _Tensor) -> StateDifference | None:
+    """Compare ``a`` and ``b``, each a call's result from the caller's ``s``, element by element
+    (in chunks): which elements only one call changed, and how far apart both changed ones are."""
+    x_all, s_all, y_all = a.reshape(-1), s.reshape(-1), b.reshape(-1)
+    floating = a.is_floating_point() or a.is_complex()
+    only_a = only_b = both = 0
+    first: int | None = None
+    num = den = 0.0
+    for i in range(0, x_all.numel(), _CHUNK):
+        x, s_, y = x_all[i:i + _CHUNK], s_all[i:i + _CHUNK], y_all[i:i + _CHUNK]
+        ca, cb = _changed(x, s_), _changed(y, s_)
+        oa, ob, bb = ca & ~cb, cb & ~ca, ca & cb
+        only_a += int(oa.sum())
+        only_b += int(ob.sum())
+        if first is None and bool((oa | ob).any()):
+            first = i + int((oa | ob).nonzero()[0, 0])
+        n = int(bb.sum())
+        if not n:
+            continue
+        both += n
+        if floating:
+            xb, yb = x[bb].double(), y[bb].double()
+            num += float(torch.sum(torch.square(torch.abs(xb - yb))))
+            den += float(torch.sum(torch.square(torch.abs(yb))))
+        else:
+            num += float(torch.sum(x[bb] != y[bb]))
+    if floating:
+        differ = 0.0 if num == 0.0 else math.inf if den == 0.0 or not math.isfinite(num) else math.sqrt(num / den)
+        tolerance = _TOLERANCE.get(a.dtype, _DEFAULT_TOLERANCE)
+    else:
+        differ, tolerance = (num / both if both else 0.0), 0.0
+    if not (only_a or only_b or differ > tolerance):
+        return None
+    return StateDifference(path, tuple(a.shape), a.dtype, only_a, only_b,
+                           _unravel(first, tuple(a.shape)) if first is not None else None, both, differ, tolerance)
+
+
+def _changed(x: _Tensor, s: _Tensor) -> _Tensor:
+    """Where ``x`` differs from ``s`` (NaN where both are NaN: unchanged)."""
+    ne = x != s
+    if x.is_floating_point():
+        ne &= ~(torch.isnan(x) & torch.isnan(s))
+    return ne
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    at = []
+    for n in reversed(shape):
+        at.append(flat % n if n else 0)
+        flat = flat // n if n else 0
+    return tuple(reversed(at))

@@ -27,6 +27,7 @@ from typing import Any, Iterator
 import torch
 
 from torchreplay import _compat
+from torchreplay.core.padcheck import version
 from torchreplay.core.pystate import large_tensors
 from torchreplay.core.rewind import Rewind
 
@@ -63,6 +64,9 @@ class StateSnapshot:
         self._whole = whole
         self._save = save
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its copy)
+        # every buffer kept, by name, with its version counter then (before a build call wrote
+        # it; None: an inference tensor, which has none)
+        self._kept_versions: list[tuple[str, torch.Tensor, int | None]] = []
         self._rewind = Rewind() if save else None  # the large buffers' writes
         self._kept: set[int] = set()  # the modules whose buffers are kept, by id
         #: with ``find``: the modules the callable ran inside :meth:`running`, each once, in order
@@ -87,14 +91,19 @@ class StateSnapshot:
         compiled = _compat.compiled_module(module)
         modules = list(module.modules()) if recurse or compiled else [module]
         compiled = compiled or any(_compat.compiled_module(m) for m in modules)
+        # qualified names under the module given (``layers.0.attention.k_cache``); its own and
+        # those of a module found by itself, by its class (``Transformer.rope_cos``)
+        prefixes = {id(m): f"{n}." for n, m in module.named_modules() if n} if recurse or compiled else {}
         named: list[tuple[str, torch.Tensor]] = []
         for m in modules:
             if id(m) in self._kept:
                 continue
             self._kept.add(id(m))
-            named += [(f"{type(m).__name__}.{n}", b) for n, b in m.named_buffers(recurse=False) if b is not None]
+            prefix = prefixes.get(id(m), f"{type(m).__name__}.")
+            named += [(prefix + n, b) for n, b in m.named_buffers(recurse=False) if b is not None]
             if self._params:
-                named += [(f"{type(m).__name__}.{n}", p) for n, p in m.named_parameters(recurse=False)]
+                named += [(prefix + n, p) for n, p in m.named_parameters(recurse=False)]
+        self._kept_versions += [(n, t, version(t)) for n, t in named]
         # (compiled, or whole: writes no mode sees)
         large = [] if compiled or self._whole else large_tensors([t for _, t in named])
         big = {id(t) for t in large}
@@ -103,6 +112,12 @@ class StateSnapshot:
         if large:
             assert self._rewind is not None
             self._rewind.watch(large, [n for n, t in named if id(t) in big])
+
+    def kept(self) -> list[tuple[str, torch.Tensor, int | None]]:
+        """Every buffer kept (parameters too with ``params``): its name, the tensor, and its
+        version counter when it was kept, before any build call wrote it (None: an inference
+        tensor, whose writes no counter shows)."""
+        return list(self._kept_versions)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:

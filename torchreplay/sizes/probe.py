@@ -11,13 +11,20 @@ padding changes the real rows.
   reported once, at construction, naming the output, the rows and the fix: padding would hand the
   caller results that differ from eager.
 
-Each call starts from the caller's state (module buffers, Python state and adopted arguments put
-back in between), so a callable that advances a position at every call compares like with like.
+Each call starts from the caller's state (module buffers, Python state, adopted arguments and
+the buffers arguments are copied into, put back in between), so a callable that advances a
+position at every call compares like with like. The check compares besides the outputs what the
+two calls leave behind (core/padcheck.py :class:`StateCheck`): the rows of an argument written in
+place, as outputs; module buffers, tensors Python state holds and fixed arguments, element by
+element. A count that follows the padded size, a padding position that writes over a real row's
+slot: reported as a wrong output is. Padding rows that write state of their own (a KV cache's
+rows past the batch): a note in ``stats.padding_check``.
+
 The padding check is skipped, with a debug line, when it cannot compare like with like: a call
-that draws random numbers (dropout in training mode) or writes an argument the graph copies in
-(or, with ``restore_state=False``, a module buffer, which nothing puts back);
-and under torch.distributed, where the ranks' samples may differ in rows, so one rank would make
-the extra call and another not (a collective inside would hang).
+that draws random numbers (dropout in training mode), one that writes an argument too large to
+copy or (with ``restore_state=False``) a module buffer, which nothing puts back; and under
+torch.distributed, where the ranks' samples may differ in rows, so one rank would make the extra
+call and another not (a collective inside would hang).
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ from torchreplay.core.capture import from_the_start, on_side_stream
 from torchreplay.core.effects import PyState
 from torchreplay.core.io import Inputs
 from torchreplay.core.padcheck import (
-    DISTRIBUTED, Checked, distributed, first_difference, not_checked, rng_state, same_rng,
+    DISTRIBUTED, Checked, StateCheck, copy_budget, distributed, first_difference, not_checked, rng_state,
+    same_rng, version, with_state,
 )
 from torchreplay.core.padding import pad_sample
 from torchreplay.core.rewind import Rewind
@@ -98,19 +106,32 @@ def probe(
     # sample fills the largest size (then its unpadded call is the probe at that size)
     real = None if small is None else plan.size if plan.size < big else small
     outs: dict[Any, Any] = {}
-    args: dict[int, Sequence[Any]] = {}  # the argument leaves (an output may be one)
+    args: dict[Any, Sequence[Any]] = {}  # the argument leaves (an output may be one)
     finding = snapshot.running() if snapshot is not None else contextlib.nullcontext()
-    copied = [slot.static for slot in inputs.tensor_slots if not slot.adopted]
-    if snapshot is None and module is not None:  # (restore_state=False: its buffers stay written)
-        copied += list(module.buffers())
+    # the padding check's two calls: the first, then the second; which one is padded
+    pair: tuple[Any, Any] | None = None
+    if real is not None:
+        pair = (small, "padded") if plan.size >= big else (big, "unpadded") if real != small else (big, small)
+    state = _State(inputs, plan, snapshot, effects, module, device)
+    check = StateCheck(device)
+    written_rows: dict[str, tuple[Any, Any]] = {}  # a varying argument written: its real rows, first call's
     with on_side_stream(stream, device), torch.no_grad(), finding:
-        rng, versions = rng_state(device), _versions(copied)
+        rng = rng_state(device)
 
-        def call(key: Any, s: int, a: Any, k: Any) -> Any:
+        def reset() -> None:
+            from_the_start(snapshot, effects)
+            if adopted is not None:
+                adopted.undo()
+            state.reset_arguments()
+
+        def call(key: Any, s: int, a: Any, k: Any) -> None:
             if outs:  # each call from the caller's state
-                from_the_start(snapshot, effects)
-                if adopted is not None:
-                    adopted.undo()
+                reset()
+                if pair is not None and key == pair[1]:
+                    check.after_reset()
+            before = state.versions()
+            flat = inputs.flatten(a, k)
+            leaf_versions = [version(x) if isinstance(x, _Tensor) else None for x in flat]
             try:
                 with effects.build_call():  # its writes into Python state: put back
                     outs[key] = fn(*a, **k)
@@ -118,20 +139,29 @@ def probe(
                 if snapshot is not None:
                     snapshot.restore()
                 effects.undo()
+                state.reset_arguments()
                 raise probe_error(name, plan, s, exc) from exc
+            args[key] = flat
+            if pair is not None and key in pair:
+                first = key == pair[0]
+                (check.after_first if first else check.after_second)(state.written(before))
+                for i in plan.varying:  # the real rows a call wrote into an argument
+                    leaf = flat[i]
+                    if isinstance(leaf, _Tensor) and version(leaf) != leaf_versions[i]:
+                        rows = leaf.narrow(plan.dims[i], 0, real).clone()  # (the reset puts it back)
+                        got = written_rows.get(inputs.slots[i].path, (None, None))
+                        written_rows[inputs.slots[i].path] = (rows, got[1]) if first else (got[0], rows)
 
         for s in (big,) if small is None else (big, small):
-            a, k = args_at(inputs, plan, big, s)
-            args[s] = inputs.flatten(a, k)
-            call(s, s, a, k)
+            call(s, s, *args_at(inputs, plan, big, s))
         skip = None
         if real is not None:
             if distributed():
                 skip = DISTRIBUTED
             elif not same_rng(rng, rng_state(device)):
                 skip = "it draws random numbers"
-            elif versions is None or versions != _versions(copied):
-                skip = "it writes an argument" + (" or a buffer (restore_state=False)" if snapshot is None else "")
+            elif state.why_not() is not None:
+                skip = state.why_not()
             else:
                 try:
                     if plan.size >= big:  # the next size's rows padded to the largest
@@ -140,7 +170,9 @@ def probe(
                         call("unpadded", real, *args_at(inputs, plan, big, real))
                 except Exception as exc:  # (a call only the check makes: no error of the build)
                     skip = f"its call at {real} rows raised {type(exc).__name__}"
-        from_the_start(snapshot, effects)  # (the warm-ups start from the caller's state)
+        differences = check.compare_first() if skip is None and pair is not None else []
+        reset()  # (the warm-ups start from the caller's state)
+        differences += check.compare_second() if skip is None and pair is not None else []
 
     # what an output may alias without being new: module state (a plain function's modules,
     # found just now) and the arguments' buffers (a view of one: the caller's, see Outputs)
@@ -159,13 +191,19 @@ def probe(
     if skip is not None:
         log.debug("torchreplay: '%s': padding not checked: %s", name, skip)
         return Probed(out_plan, not_checked(skip))
-    padded = outs.get("padded", outs[big])
-    unpadded = outs.get("unpadded", outs.get(small))
-    return Probed(out_plan, padding_message(name, out_plan, padded, unpadded, real, big, plan))
+    assert pair is not None
+    padded_first = pair[0] == big
+    padded, unpadded = (outs[pair[0]], outs[pair[1]]) if padded_first else (outs[pair[1]], outs[pair[0]])
+    extra = [(f"{path} (written in place)", *(w if padded_first else w[::-1]))
+             for path, w in written_rows.items() if w[0] is not None and w[1] is not None]
+    checked = padding_message(name, out_plan, padded, unpadded, real, big, plan, extra)
+    return Probed(out_plan, with_state(checked, name, differences, check.too_large, padded_first, real, big,
+                                       *describe(plan)))
 
 
 def padding_message(
     name: str, out_plan: OutputPlan, padded: Any, unpadded: Any, rows: int, size: int, plan: InputPlan,
+    extra: Sequence[tuple[str, _Tensor, _Tensor]] = (),
 ) -> Checked:
     """Whether padding changes the real rows: the report names the first output whose ``rows``
     real rows in a call padded to ``size`` differ from the same call unpadded beyond its dtype's
@@ -179,7 +217,7 @@ def padding_message(
         for d in leaf.dims:
             a = a.narrow(d, 0, rows)
         pairs.append((leaf.path, a, b))
-    return first_difference(name, pairs, rows, size, *describe(plan))
+    return first_difference(name, [*pairs, *extra], rows, size, *describe(plan))
 
 
 def describe(plan: InputPlan) -> tuple[str, str]:
@@ -188,10 +226,64 @@ def describe(plan: InputPlan) -> tuple[str, str]:
     return plan.where(), ", ".join(f"{plan.paths[i]}: {plan.fills[i]!r}" for i in plan.varying)
 
 
-def _versions(tensors: list[_Tensor]) -> list[int] | None:
-    """The version counters of the buffers the graph copies arguments into (None: one has none,
-    an inference tensor, so writes to it cannot be seen)."""
-    try:
-        return [t._version for t in tensors]
-    except RuntimeError:
+class _State:
+    """What the probe's calls may write that outlives them, and how it is put back between
+    them: module buffers (the snapshot's, which puts them back), the adopted arguments (the
+    caller's own tensors, their rewind's), and the buffers the graph copies arguments into,
+    copied here before the first call (at most half of :func:`copy_budget`) and put back
+    where a call wrote them. Without those copies, or without the snapshot
+    (``restore_state=False``), a call that writes them leaves the next one another state: the
+    padding check is then skipped (:meth:`why_not`)."""
+
+    def __init__(self, inputs: Inputs, plan: InputPlan, snapshot: Any, effects: PyState,
+                 module: torch.nn.Module | None, device: torch.device) -> None:
+        self._snapshot = snapshot
+        self._effects = effects
+        slots = [(i, s) for i, s in enumerate(inputs.slots) if s.static is not None]
+        copied = [s.static for _, s in slots if not s.adopted]
+        fits = sum(t.nbytes for t in copied) <= copy_budget(device) // 2
+        with torch.no_grad():
+            # (tensor, its copy or None, its version after the last put-back)
+            self._args = [(t, t.clone() if fits else None, version(t)) for t in copied]
+        # (restore_state=False: the module's buffers stay written, nothing puts them back)
+        self._unsaved = [(t, version(t)) for t in module.buffers()] if snapshot is None and module is not None else []
+        # what the padding check compares besides outputs: each fixed argument (no varying
+        # dimension; a varying one's written rows are compared as outputs), the module's buffers
+        self._fixed = [(s.path, s.static) for i, s in slots if plan.dims[i] is None]
+
+    def why_not(self) -> str | None:
+        """Why the calls cannot start from the same state (None: they can)."""
+        if any(v is None for _, _, v in self._args):  # (an inference tensor: writes unseen)
+            return "it may write an argument (an inference tensor: no version counter)"
+        if any(c is None and version(t) != v for t, c, v in self._args):
+            return "it writes an argument too large to copy"
+        if any(version(t) != v for t, v in self._unsaved):
+            return "it writes a buffer (restore_state=False)"
         return None
+
+    def _held(self) -> list[tuple[str, _Tensor, int | None]]:
+        """The module buffers the snapshot keeps and the tensors Python state holds (a cache
+        object's), each with its version counter when it was kept."""
+        kept = self._snapshot.kept() if self._snapshot is not None else []
+        return kept + self._effects.held_tensors()
+
+    def versions(self) -> dict[int, int | None]:
+        """The version counters of everything watched, now."""
+        found = {id(t): version(t) for _, t in self._fixed}
+        found.update((id(t), version(t)) for _, t, _ in self._held())
+        return found
+
+    def written(self, before: dict[int, int | None]) -> list[tuple[str, _Tensor]]:
+        """What a call wrote since ``before`` (:meth:`versions`); a module's buffer found
+        during the call, by its version when the snapshot kept it (before the call ran it)."""
+        watched = [(p, t, before.get(id(t), v)) for p, t, v in self._held()]
+        watched += [(p, t, before.get(id(t))) for p, t in self._fixed]
+        return [(p, t) for p, t, v in watched if v is not None and version(t) != v]
+
+    def reset_arguments(self) -> None:
+        """Put back the argument buffers a call wrote, where they were copied."""
+        with torch.no_grad():
+            for k, (t, copy, v) in enumerate(self._args):
+                if copy is not None and version(t) != v:
+                    t.copy_(copy)
+                    self._args[k] = (t, copy, version(t))
