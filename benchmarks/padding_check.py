@@ -165,7 +165,8 @@ def state_row(name, build, expect):
     warned = any("padding changes the state" in m for m in handler.lines)
     outputs = any("padding changes what" in m for m in handler.lines)
     ok = "ok" if warned == expect else "WRONG"
-    print(f"{name:52s} state warning {str(warned):5s} (expected {expect}: {ok}); outputs reported {outputs}")
+    print(f"{name:52s} state warning {str(warned):5s} (expected {expect}: {ok}); outputs reported {outputs}; "
+          f"build {g.stats.capture_seconds:.2f} s")
     print(f"    {g.stats.padding_check[:400]}")
 
 

@@ -548,18 +548,58 @@ def test_written_rows_of_an_argument_are_compared_like_outputs(cpu_graphs: list[
 
 def test_state_too_large_to_copy_is_named_not_compared(cpu_graphs: list[int], monkeypatch: pytest.MonkeyPatch,
                                                        caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(probing, "copy_budget", lambda device: 1 << 20)  # the arguments' copies
-    monkeypatch.setattr(padcheck, "copy_budget", lambda device: 64)  # the state's
+    monkeypatch.setattr(padcheck, "copy_budget", lambda device: 64)  # the small state's copies
     caplog.set_level(logging.DEBUG, logger="torchreplay")
     g = tr.graph(_Counted(), torch.randn(3, 4), sizes=SIZES)  # 8 bytes: compared
     assert "CHANGES state: _Counted.seen" in g.stats.padding_check
     g = tr.graph(_Cache(), torch.randn(3, 4), sizes=SIZES)  # 256 bytes: not
     assert g.stats.padding_check.endswith("state not compared (too large to copy): _Cache.rows"), g.stats.padding_check
-    monkeypatch.setattr(probing, "copy_budget", lambda device: 0)  # no copies of the arguments
 
-    def writes(x: torch.Tensor) -> torch.Tensor:
-        x.mul_(2.0)
-        return x
 
-    g = tr.graph(writes, torch.randn(3, 4), sizes=SIZES)
-    assert g.stats.padding_check == "not checked: it writes an argument too large to copy"
+class _BigCache(nn.Module):
+    """A 2 MiB per-row cache (over the 1 MiB of exact copies): compared by fingerprints."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("kv", torch.full((16, 64, 512), -1.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.kv[: x.shape[0], 0] = x
+        return x * 2.0
+
+
+def test_large_state_is_compared_by_row_fingerprints_without_a_copy(cpu_graphs: list[int],
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="torchreplay")
+    m = _BigCache()
+    g = tr.graph(m, torch.randn(3, 512), sizes=SIZES)
+    assert _state_warnings(caplog) == []
+    # rows 3..15 of the first slot: 13 rows of the last dimension, written by the padding only
+    assert "the padding rows also write _BigCache.kv (13 rows of 512)" in g.stats.padding_check, g.stats.padding_check
+    assert torch.equal(m.kv, torch.full((16, 64, 512), -1.0))
+
+    # a 2 MiB cache passed as an argument, written at padded positions: slot 0 both write
+    def prefill(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache.index_copy_(0, pos, x)
+        return x + 1.0
+
+    cache = torch.randn(1024, 512)
+    before = cache.clone()
+    g = tr.graph(prefill, torch.randn(3, 512), torch.arange(3), cache, sizes=SIZES,
+                 dim={"x": 0, "pos": 0, "cache": None})
+    (message,) = _state_warnings(caplog)
+    assert "args[2] 'cache': " in message and "where both write" in message, message
+    assert torch.equal(cache, before)
+    # the same, the padding sent to a slot of its own: a note
+    g = tr.graph(prefill, torch.randn(3, 512), torch.arange(3), cache, sizes=SIZES,
+                 dim={"x": 0, "pos": 0, "cache": None}, fill_value={"pos": 1023})
+    assert len(_state_warnings(caplog)) == 1
+    assert "the padding rows also write args[2] 'cache' (1 rows of 512)" in g.stats.padding_check, g.stats.padding_check
+    # its fingerprint: a row rewritten with its own values keeps it, any other value changes it
+    t = torch.randn(8, 512)
+    f = padcheck.fingerprint(t)
+    t[2] = t[2].clone()
+    assert torch.equal(padcheck.fingerprint(t), f)
+    t[2, 7] += 1e-6
+    changed = (padcheck.fingerprint(t) != f).any(1)
+    assert changed.tolist() == [False, False, True] + [False] * 5

@@ -21,8 +21,8 @@ from torchreplay import _compat
 
 __all__ = [
     "Checked", "DISTRIBUTED", "StateCheck", "StateDifference", "copy_budget", "distributed",
-    "first_difference", "not_checked", "padding_difference", "rng_state", "same_rng", "version",
-    "with_state",
+    "fingerprint", "first_difference", "not_checked", "padding_difference", "rng_state", "same_rng",
+    "version", "with_state",
 ]
 
 log = logging.getLogger(__name__)
@@ -166,68 +166,118 @@ def copy_budget(device: torch.device) -> int:
 
 class StateCheck:
     """What the padding check's two calls leave in the state the caller keeps (module buffers,
-    arguments the graph copies in whole): written the same, up to rounding, or not.
+    tensors Python state holds, arguments the graph copies in whole): written the same, up to
+    rounding, or not.
 
     Eagerly a call of 3 rows writes what those rows write; padded to 8 it also runs 5 padding
     rows, and where they write is the model's: a KV cache's rows past the batch, a scratch slot,
     or the same slot as a real row (a position padded with 0 writes slot 0, over the real
-    token's). Each tensor the first call wrote is copied after it (its result) and after the
-    reset (the caller's value), at most :func:`copy_budget` bytes in all; after the second call,
-    element by element:
+    token's). Each tensor the first call wrote is kept after it (its result) and after the
+    reset (the caller's value); after the second call, they are compared:
 
-    - written by both calls: the values, compared normwise with the outputs' tolerance (exactly
-      for integers): a difference means padding changes the real rows' state (a counter
-      advanced by the padded size, a real slot overwritten by a padding row): reported as the
-      outputs are;
+    - written by both calls: the values, normwise with the outputs' tolerance (exactly for
+      integers): a difference means padding changes the real rows' state (a counter advanced
+      by the padded size, a real slot overwritten by a padding row): reported as outputs are;
     - written by the unpadded call only: padding loses a write eager makes: reported;
     - written by the padded call only: the padding rows' own state; that is a note, not a
       warning: whether anything reads it before writing it again is the model's design.
+
+    A tensor of up to 1 MiB is copied and compared element by element (copies of at most
+    :func:`copy_budget` bytes in all). A larger one (a KV cache, sized to fill the device) is not
+    copied: :func:`fingerprint` keeps five numbers per row of its last dimension (a slot's
+    vector), and rows are compared by them, the values by their random projections, whose
+    squared difference is on average the squared 2-norm of the rows' difference.
     """
 
     def __init__(self, device: torch.device) -> None:
         self._budget = copy_budget(device)
-        self._first: list[tuple[str, _Tensor, _Tensor, _Tensor | None]] = []  # path, t, A, S
+        # the first call's tensors: path, tensor, its result, the caller's value (copies or
+        # fingerprints)
+        self._first: list[tuple[str, _Tensor, _Tensor, _Tensor | None]] = []
         self._seen: set[int] = set()  # the first call's tensors, by id
         self._second: list[tuple[str, _Tensor, _Tensor]] = []  # written by the second only: path, t, B
         self.too_large: list[str] = []
 
-    def _fits(self, path: str, t: _Tensor, copies: int) -> bool:
-        if t.nbytes * copies > self._budget:
-            if path not in self.too_large:
-                self.too_large.append(path)
-            return False
-        self._budget -= t.nbytes * copies
-        return True
+    def _keep(self, path: str, t: _Tensor, copies: int) -> _Tensor | None:
+        """A copy of ``t`` (small), its fingerprint (large), or None (named in ``too_large``)."""
+        if t.untyped_storage().nbytes() > _SMALL_BYTES:
+            kept = fingerprint(t)
+        elif t.nbytes * copies <= self._budget:
+            self._budget -= t.nbytes * copies
+            kept = t.detach().clone()
+        else:
+            kept = None
+        if kept is None and path not in self.too_large:
+            self.too_large.append(path)
+        return kept
 
     def after_first(self, written: Sequence[tuple[str, _Tensor]]) -> None:
-        """Right after the first call: copy what it wrote (its result)."""
+        """Right after the first call: keep what it wrote (its result)."""
         for path, t in written:
-            if id(t) not in self._seen and self._fits(path, t, 2):
+            if id(t) not in self._seen and (kept := self._keep(path, t, 2)) is not None:
                 self._seen.add(id(t))
-                self._first.append((path, t, t.detach().clone(), None))
+                self._first.append((path, t, kept, None))
 
     def after_reset(self) -> None:
-        """After the caller's state is put back: copy the values the first call overwrote."""
-        self._first = [(p, t, a, t.detach().clone() if s is None else s) for p, t, a, s in self._first]
+        """After the caller's state is put back: keep the values the first call overwrote."""
+        self._first = [(p, t, a, _again(t, a) if s is None else s) for p, t, a, s in self._first]
 
     def after_second(self, written: Sequence[tuple[str, _Tensor]]) -> None:
-        """Right after the second call: copy what it alone wrote (compared after the reset)."""
+        """Right after the second call: keep what it alone wrote (compared after the reset)."""
         for path, t in written:
-            if id(t) not in self._seen and self._fits(path, t, 1):
+            if id(t) not in self._seen and (kept := self._keep(path, t, 1)) is not None:
                 self._seen.add(id(t))
-                self._second.append((path, t, t.detach().clone()))
+                self._second.append((path, t, kept))
 
     def compare_first(self) -> list[StateDifference]:
         """Before the last reset: each tensor the first call wrote, as the second left it."""
-        found = [_state_difference(p, a, s, t) for p, t, a, s in self._first if s is not None]
+        found = [_compare(p, t, a, s, _again(t, a)) for p, t, a, s in self._first if s is not None]
         self._first = []
         return [d for d in found if d is not None]
 
     def compare_second(self) -> list[StateDifference]:
         """After the last reset: each tensor only the second call wrote, against the caller's."""
-        found = [_state_difference(p, t, t, b) for p, t, b in self._second]
+        found = [_compare(p, t, _again(t, b), _again(t, b), b) for p, t, b in self._second]
         self._second = []
         return [d for d in found if d is not None]
+
+
+_SMALL_BYTES = 1 << 20  # state compared element by element (copied); larger: by fingerprint
+_ROW_MAX = 4096  # the longest row a fingerprint sums
+_PROJECTIONS = 4  # random projections per row: the mean of their squared differences estimates
+# the squared 2-norm of the row's difference (four: within a factor of 3 but rarely)
+_FINGER = "fingerprint"  # (a name the kept tensors of large state are told apart by)
+
+
+def _again(t: _Tensor, like: _Tensor) -> _Tensor:
+    """``t`` now, kept as ``like`` was: a copy, or a fingerprint."""
+    return fingerprint(t) if getattr(like, _FINGER, False) else t.detach().clone()  # type: ignore[return-value]
+
+
+def fingerprint(t: _Tensor) -> _Tensor | None:
+    """Five float64 numbers per row of ``t``'s last dimension (rows of at most 4096
+    elements): four random projections and the sum of squares. A row nothing wrote keeps its
+    fingerprint bit for bit (the same reductions over the same values); a row written with
+    other values changes it. Computed a million elements at a time: no copy of ``t``. None
+    where ``t`` cannot be cut into such rows without a copy (not contiguous) or is complex."""
+    if not t.is_contiguous() or t.is_complex() or t.numel() == 0:
+        return None
+    width = t.shape[-1] if t.dim() else 1
+    if width > _ROW_MAX:
+        width = _ROW_MAX if t.numel() % _ROW_MAX == 0 else 0
+    if width == 0:
+        return None
+    rows = t.detach().reshape(-1, width)  # (a view: contiguous)
+    weights = torch.randn(width, _PROJECTIONS, generator=torch.Generator().manual_seed(width), dtype=torch.float64)
+    weights = weights.to(t.device)
+    out = torch.empty(rows.shape[0], _PROJECTIONS + 1, dtype=torch.float64, device=t.device)
+    step = max(1, _CHUNK // 8 // width)
+    for i in range(0, rows.shape[0], step):
+        chunk = rows[i:i + step].double()
+        out[i:i + step, :_PROJECTIONS] = torch.sum(chunk[:, :, None] * weights, dim=1)  # (no GEMM: bit for bit)
+        out[i:i + step, _PROJECTIONS] = torch.sum(chunk * chunk, dim=1)
+    setattr(out, _FINGER, True)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,16 +294,20 @@ class StateDifference:
     both: int  # elements both wrote
     differ: float  # their normwise difference (integers: the share that differs)
     tolerance: float
+    unit: int = 1  # elements per count: 1, or a row of the last dimension (large state)
 
     def summary(self, first: str, second: str) -> str:
         parts = []
+        what = "elements" if self.unit == 1 else f"rows of {self.unit}"
         if self.differ > self.tolerance and self.tolerance == 0.0:  # (integers: the share that differs)
-            parts.append(f"{round(self.differ * self.both)} of the {self.both} elements both write differ")
+            parts.append(f"{round(self.differ * self.both)} of the {self.both} {what} both write differ")
         elif self.differ > self.tolerance:
             parts.append(f"{self.differ:.3g} apart (normwise) where both write (tolerance {self.tolerance:g})")
         for count, who in ((self.first_only, first), (self.second_only, second)):
             if count:
-                parts.append(f"{count} element{'s' * (count != 1)} only the {who} call writes")
+                unit = ("element" if count == 1 else "elements") if self.unit == 1 else (
+                    f"row{'s' * (count != 1)} of {self.unit}")
+                parts.append(f"{count} {unit} only the {who} call writes")
         at = f", first at {list(self.first_at)}" if self.first_at is not None else ""
         return f"{self.path}: {'; '.join(parts)}{at}"
 
@@ -283,12 +337,42 @@ def with_state(
         )
         summary = f"{summary}; CHANGES state: {what}" if checked.report else f"CHANGES state: {what}"
     if extra:
-        named = [f"{d.path} ({d.first_only + d.second_only} elements)" for d in extra]
+        named = [f"{d.path} ({d.first_only + d.second_only} "
+                 f"{'elements' if d.unit == 1 else f'rows of {d.unit}'})" for d in extra]
         more = f"; and {len(named) - 2} more" if len(named) > 3 else ""
         summary += "; the padding rows also write " + "; ".join(named[:2] if more else named) + more
     if too_large:
         summary += f"; state not compared (too large to copy): {', '.join(too_large)}"
     return Checked(report, summary)
+
+
+def _compare(path: str, t: _Tensor, a: _Tensor, s: _Tensor, b: _Tensor) -> StateDifference | None:
+    """How ``a`` and ``b``, the two calls' results of ``t`` from the caller's ``s``, differ:
+    element by element (copies), or row by row (fingerprints)."""
+    if getattr(a, _FINGER, False):
+        return _by_rows(path, t, a, s, b)
+    return _state_difference(path, a, s, b)
+
+
+def _by_rows(path: str, t: _Tensor, a: _Tensor, s: _Tensor, b: _Tensor) -> StateDifference | None:
+    """:func:`_compare` over fingerprints: counts in rows of ``t``'s last dimension."""
+    ca, cb = _changed(a, s).any(1), _changed(b, s).any(1)
+    oa, ob, both = ca & ~cb, cb & ~ca, ca & cb
+    only_a, only_b, n = int(oa.sum()), int(ob.sum()), int(both.sum())
+    first = int((oa | ob).nonzero()[0, 0]) if only_a or only_b else None
+    num = float(torch.sum(torch.square(a[both, :_PROJECTIONS] - b[both, :_PROJECTIONS]))) / _PROJECTIONS
+    den = float(torch.sum(b[both, _PROJECTIONS]))
+    integer = not (t.is_floating_point() or t.is_complex())
+    if integer:  # (exactly: a row that differs)
+        differ, tolerance = (float(torch.sum(_changed(a[both], b[both]).any(1))) / n if n else 0.0), 0.0
+    else:
+        differ = 0.0 if num == 0.0 else math.inf if den == 0.0 or not math.isfinite(num) else math.sqrt(num / den)
+        tolerance = _TOLERANCE.get(t.dtype, _DEFAULT_TOLERANCE)
+    if not (only_a or only_b or differ > tolerance):
+        return None
+    width = t.numel() // a.shape[0]
+    at = _unravel(first * width, tuple(t.shape)) if first is not None else None
+    return StateDifference(path, tuple(t.shape), t.dtype, only_a, only_b, at, n, differ, tolerance, width)
 
 
 def _state_difference(path: str, a: _Tensor, s: _Tensor, b: _Tensor) -> StateDifference | None:

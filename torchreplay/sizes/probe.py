@@ -41,10 +41,11 @@ from torchreplay.core.capture import from_the_start, on_side_stream
 from torchreplay.core.effects import PyState
 from torchreplay.core.io import Inputs
 from torchreplay.core.padcheck import (
-    DISTRIBUTED, Checked, StateCheck, copy_budget, distributed, first_difference, not_checked, rng_state,
-    same_rng, version, with_state,
+    DISTRIBUTED, Checked, StateCheck, distributed, first_difference, not_checked, rng_state, same_rng,
+    version, with_state,
 )
 from torchreplay.core.padding import pad_sample
+from torchreplay.core.pystate import large_tensors
 from torchreplay.core.rewind import Rewind
 from torchreplay.sizes.guards import probe_error
 from torchreplay.sizes.outputs import OutputPlan, plan_outputs
@@ -112,24 +113,24 @@ def probe(
     pair: tuple[Any, Any] | None = None
     if real is not None:
         pair = (small, "padded") if plan.size >= big else (big, "unpadded") if real != small else (big, small)
-    state = _State(inputs, plan, snapshot, effects, module, device)
+    held = _State(inputs, plan, snapshot, effects, module, device)
     check = StateCheck(device)
     written_rows: dict[str, tuple[Any, Any]] = {}  # a varying argument written: its real rows, first call's
-    with on_side_stream(stream, device), torch.no_grad(), finding:
+    with on_side_stream(stream, device), torch.no_grad(), finding, held.recording():
         rng = rng_state(device)
 
         def reset() -> None:
             from_the_start(snapshot, effects)
             if adopted is not None:
                 adopted.undo()
-            state.reset_arguments()
+            held.reset_arguments()
 
         def call(key: Any, s: int, a: Any, k: Any) -> None:
             if outs:  # each call from the caller's state
                 reset()
                 if pair is not None and key == pair[1]:
                     check.after_reset()
-            before = state.versions()
+            before = held.versions()
             flat = inputs.flatten(a, k)
             leaf_versions = [version(x) if isinstance(x, _Tensor) else None for x in flat]
             try:
@@ -139,12 +140,12 @@ def probe(
                 if snapshot is not None:
                     snapshot.restore()
                 effects.undo()
-                state.reset_arguments()
+                held.reset_arguments()
                 raise probe_error(name, plan, s, exc) from exc
             args[key] = flat
             if pair is not None and key in pair:
                 first = key == pair[0]
-                (check.after_first if first else check.after_second)(state.written(before))
+                (check.after_first if first else check.after_second)(held.written(before))
                 for i in plan.varying:  # the real rows a call wrote into an argument
                     leaf = flat[i]
                     if isinstance(leaf, _Tensor) and version(leaf) != leaf_versions[i]:
@@ -160,8 +161,8 @@ def probe(
                 skip = DISTRIBUTED
             elif not same_rng(rng, rng_state(device)):
                 skip = "it draws random numbers"
-            elif state.why_not() is not None:
-                skip = state.why_not()
+            elif held.why_not() is not None:
+                skip = held.why_not()
             else:
                 try:
                     if plan.size >= big:  # the next size's rows padded to the largest
@@ -229,34 +230,41 @@ def describe(plan: InputPlan) -> tuple[str, str]:
 class _State:
     """What the probe's calls may write that outlives them, and how it is put back between
     them: module buffers (the snapshot's, which puts them back), the adopted arguments (the
-    caller's own tensors, their rewind's), and the buffers the graph copies arguments into,
-    copied here before the first call (at most half of :func:`copy_budget`) and put back
-    where a call wrote them. Without those copies, or without the snapshot
-    (``restore_state=False``), a call that writes them leaves the next one another state: the
-    padding check is then skipped (:meth:`why_not`)."""
+    caller's own tensors, their rewind's), and the buffers the graph copies arguments into:
+    those of up to 1 MiB copied here before the first call, the larger ones' writes recorded
+    (core/rewind.py: a KV cache passed as an argument is not copied whole). Where a write
+    cannot be put back (one no dispatch mode saw, or ``restore_state=False``'s buffers), the
+    next call would start from another state: the padding check is then skipped
+    (:meth:`why_not`)."""
 
     def __init__(self, inputs: Inputs, plan: InputPlan, snapshot: Any, effects: PyState,
                  module: torch.nn.Module | None, device: torch.device) -> None:
         self._snapshot = snapshot
         self._effects = effects
         slots = [(i, s) for i, s in enumerate(inputs.slots) if s.static is not None]
-        copied = [s.static for _, s in slots if not s.adopted]
-        fits = sum(t.nbytes for t in copied) <= copy_budget(device) // 2
+        copied = [(s.path, s.static) for _, s in slots if not s.adopted]
+        large = {id(t) for t in large_tensors([t for _, t in copied])}
         with torch.no_grad():
-            # (tensor, its copy or None, its version after the last put-back)
-            self._args = [(t, t.clone() if fits else None, version(t)) for t in copied]
+            # (tensor, its copy, its version after the last put-back)
+            self._args = [(t, t.clone(), version(t)) for _, t in copied if id(t) not in large]
+        big = [(p, t) for p, t in copied if id(t) in large]
+        self._rewind = Rewind([t for _, t in big], [p for p, _ in big]) if big else None
         # (restore_state=False: the module's buffers stay written, nothing puts them back)
         self._unsaved = [(t, version(t)) for t in module.buffers()] if snapshot is None and module is not None else []
         # what the padding check compares besides outputs: each fixed argument (no varying
         # dimension; a varying one's written rows are compared as outputs), the module's buffers
         self._fixed = [(s.path, s.static) for i, s in slots if plan.dims[i] is None]
 
+    def recording(self) -> contextlib.AbstractContextManager[Any]:
+        """Around the probe's calls: record what they write into the large argument buffers."""
+        return self._rewind if self._rewind is not None else contextlib.nullcontext()
+
     def why_not(self) -> str | None:
         """Why the calls cannot start from the same state (None: they can)."""
         if any(v is None for _, _, v in self._args):  # (an inference tensor: writes unseen)
             return "it may write an argument (an inference tensor: no version counter)"
-        if any(c is None and version(t) != v for t, c, v in self._args):
-            return "it writes an argument too large to copy"
+        if self._rewind is not None and self._rewind.unseen:
+            return f"it writes {', '.join(self._rewind.unseen)} where no dispatch mode sees (compiled code)"
         if any(version(t) != v for t, v in self._unsaved):
             return "it writes a buffer (restore_state=False)"
         return None
@@ -281,9 +289,11 @@ class _State:
         return [(p, t) for p, t, v in watched if v is not None and version(t) != v]
 
     def reset_arguments(self) -> None:
-        """Put back the argument buffers a call wrote, where they were copied."""
+        """Put back the argument buffers a call wrote."""
+        if self._rewind is not None:
+            self._rewind.undo()
         with torch.no_grad():
             for k, (t, copy, v) in enumerate(self._args):
-                if copy is not None and version(t) != v:
+                if version(t) != v:
                     t.copy_(copy)
                     self._args[k] = (t, copy, version(t))
