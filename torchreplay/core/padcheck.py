@@ -184,7 +184,7 @@ class StateCheck:
 
     A tensor of up to 1 MiB is copied and compared element by element (copies of at most
     :func:`copy_budget` bytes in all). A larger one (a KV cache, sized to fill the device) is not
-    copied: :func:`fingerprint` keeps five numbers per row of its last dimension (a slot's
+    copied: :func:`fingerprint` keeps three numbers per row of its last dimension (a slot's
     vector), and rows are compared by them, the values by their random projections, whose
     squared difference is on average the squared 2-norm of the rows' difference.
     """
@@ -244,8 +244,8 @@ class StateCheck:
 
 _SMALL_BYTES = 1 << 20  # state compared element by element (copied); larger: by fingerprint
 _ROW_MAX = 4096  # the longest row a fingerprint sums
-_PROJECTIONS = 4  # random projections per row: the mean of their squared differences estimates
-# the squared 2-norm of the row's difference (four: within a factor of 3 but rarely)
+_PROJECTIONS = 2  # random projections per row: the mean of their squared differences estimates
+# the squared 2-norm of the rows' difference
 _FINGER = "fingerprint"  # (a name the kept tensors of large state are told apart by)
 
 
@@ -255,11 +255,12 @@ def _again(t: _Tensor, like: _Tensor) -> _Tensor:
 
 
 def fingerprint(t: _Tensor) -> _Tensor | None:
-    """Five float64 numbers per row of ``t``'s last dimension (rows of at most 4096
-    elements): four random projections and the sum of squares. A row nothing wrote keeps its
-    fingerprint bit for bit (the same reductions over the same values); a row written with
-    other values changes it. Computed a million elements at a time: no copy of ``t``. None
-    where ``t`` cannot be cut into such rows without a copy (not contiguous) or is complex."""
+    """Three float32 numbers per row of ``t``'s last dimension (rows of at most 4096
+    elements): two random projections and the sum of squares, 12 bytes a row. A row nothing
+    wrote keeps its fingerprint bit for bit (the same kernels over the same values, on one
+    stream); a row written with other values changes it. Computed a million elements at a time:
+    no copy of ``t`` (of a chunk, for a type other than float32). None where ``t`` cannot be cut
+    into such rows without a copy (not contiguous) or is complex."""
     if not t.is_contiguous() or t.is_complex() or t.numel() == 0:
         return None
     width = t.shape[-1] if t.dim() else 1
@@ -268,14 +269,13 @@ def fingerprint(t: _Tensor) -> _Tensor | None:
     if width == 0:
         return None
     rows = t.detach().reshape(-1, width)  # (a view: contiguous)
-    weights = torch.randn(width, _PROJECTIONS, generator=torch.Generator().manual_seed(width), dtype=torch.float64)
-    weights = weights.to(t.device)
-    out = torch.empty(rows.shape[0], _PROJECTIONS + 1, dtype=torch.float64, device=t.device)
-    step = max(1, _CHUNK // 8 // width)
+    weights = torch.randn(width, _PROJECTIONS, generator=torch.Generator().manual_seed(width)).to(t.device)
+    out = torch.empty(rows.shape[0], _PROJECTIONS + 1, device=t.device)
+    step = max(1, _CHUNK // 4 // width)
     for i in range(0, rows.shape[0], step):
-        chunk = rows[i:i + step].double()
-        out[i:i + step, :_PROJECTIONS] = torch.sum(chunk[:, :, None] * weights, dim=1)  # (no GEMM: bit for bit)
-        out[i:i + step, _PROJECTIONS] = torch.sum(chunk * chunk, dim=1)
+        chunk = rows[i:i + step].float()
+        out[i:i + step, :_PROJECTIONS] = chunk @ weights
+        out[i:i + step, _PROJECTIONS] = torch.linalg.vector_norm(chunk, dim=1).square()
     setattr(out, _FINGER, True)
     return out
 
@@ -360,8 +360,8 @@ def _by_rows(path: str, t: _Tensor, a: _Tensor, s: _Tensor, b: _Tensor) -> State
     oa, ob, both = ca & ~cb, cb & ~ca, ca & cb
     only_a, only_b, n = int(oa.sum()), int(ob.sum()), int(both.sum())
     first = int((oa | ob).nonzero()[0, 0]) if only_a or only_b else None
-    num = float(torch.sum(torch.square(a[both, :_PROJECTIONS] - b[both, :_PROJECTIONS]))) / _PROJECTIONS
-    den = float(torch.sum(b[both, _PROJECTIONS]))
+    num = float(torch.sum(torch.square(a[both, :_PROJECTIONS].double() - b[both, :_PROJECTIONS].double()))) / _PROJECTIONS
+    den = float(torch.sum(b[both, _PROJECTIONS].double()))
     integer = not (t.is_floating_point() or t.is_complex())
     if integer:  # (exactly: a row that differs)
         differ, tolerance = (float(torch.sum(_changed(a[both], b[both]).any(1))) / n if n else 0.0), 0.0
