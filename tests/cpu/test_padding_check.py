@@ -311,6 +311,33 @@ def test_the_compile_backends_first_call_check(caplog: pytest.LogCaptureFixture,
     assert rt.stats.padding_check.startswith(f"rows independent: {real} rows padded to 8")
 
 
+def test_the_compile_backends_first_call_check_compares_state(caplog: pytest.LogCaptureFixture) -> None:
+    """What the unpadded run and the padded replay leave in the tensors the graphs read in place:
+    a count that follows the padded size is a warning, the padding rows' own cache rows a note."""
+    from torchreplay.pieces.padding import check_first_call
+
+    caplog.set_level(logging.DEBUG, logger="torchreplay")
+    seen, cache = torch.zeros((), dtype=torch.long), torch.full((8, 3), -1.0)
+    start = seen.clone(), cache.clone()
+
+    def fn(x):
+        seen.add_(x.shape[0])
+        cache[: x.shape[0]] = x
+        return x * 2
+
+    def reset():
+        seen.copy_(start[0])
+        cache.copy_(start[1])
+
+    rt = _FakeRuntime(fn, [2, 4, 8])
+    check_first_call(rt, (torch.randn(3, 3), 3), reset, [("self.seen", seen), ("self.cache", cache)])
+    summary = rt.stats.padding_check
+    assert summary.startswith("CHANGES state: self.seen: 1 of the 1 elements both write differ"), summary
+    assert "the padding rows also write self.cache (15 elements)" in summary, summary
+    (message,) = _state_warnings(caplog)
+    assert "self.seen" in message and "self.cache" not in message
+
+
 def test_the_compile_backends_first_call_check_skips() -> None:
     from torchreplay.pieces.padding import check_first_call
 

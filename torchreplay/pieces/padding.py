@@ -4,7 +4,10 @@
 The first call captures every size. Still inside that capture's put-back (module buffers, values
 read in place, the RNG), the call's rows run once without graphs, unpadded, and once through the
 largest size's graphs, padded, each from the module state the call found; the real rows of their
-outputs are compared. What both runs wrote is put back with the capture's writes, so the call
+outputs are compared, and what the two runs leave in the tensors the graphs read in place
+(buffers, a static cache: :class:`~torchreplay.core.padcheck.StateCheck`, a warning where the
+real rows' state differs, a note for the padding rows' own writes). What both runs wrote is put
+back with the capture's writes, so the call
 then runs as if the check had not been made. A first call whose rows fill the largest size (a
 warm-up at the largest batch) is checked on its leading rows, as many as the next size down.
 
@@ -17,12 +20,12 @@ tensors; a module buffer it writes is put back), one that draws random numbers, 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from torchreplay.core.padcheck import (
-    DISTRIBUTED, distributed, first_difference, not_checked, rng_state, same_rng,
+    DISTRIBUTED, StateCheck, distributed, first_difference, not_checked, rng_state, same_rng, with_state,
 )
 
 __all__ = ["check_first_call"]
@@ -32,11 +35,15 @@ log = logging.getLogger(__name__)
 _Tensor = torch.Tensor
 
 
-def check_first_call(runtime: Any, args: tuple[Any, ...], reset: Callable[[], None]) -> None:
+def check_first_call(runtime: Any, args: tuple[Any, ...], reset: Callable[[], None],
+                     state: Sequence[tuple[str, _Tensor]] = ()) -> None:
     """Compare the first call's rows unpadded with the same rows padded to the largest size
     (``runtime``: a :class:`~torchreplay.pieces.runtime.PiecewiseRuntime` inside its first
     capture; ``reset``: puts back the module state the capture found, before each run); log a
-    warning naming the output when padding changes them."""
+    warning naming the output when padding changes them. ``state``: the tensors the graphs read
+    in place (buffers, a cache), by name: what the two runs leave in them is compared too
+    (core/padcheck.py :class:`StateCheck`; all of them, since a replay moves no version
+    counter)."""
     n, sizes, inputs, stats = runtime.rows(args), runtime.sizes, runtime.program.inputs, runtime.stats
     if n is None or not sizes:
         return
@@ -49,6 +56,7 @@ def check_first_call(runtime: Any, args: tuple[Any, ...], reset: Callable[[], No
         else "it writes an argument" if any(x.written and x.kind == "tensor" for x in inputs)
         else DISTRIBUTED if distributed() else None
     )
+    check = StateCheck(runtime.device)
     if why is None:
         reset()
         rng = rng_state(runtime.device)
@@ -58,6 +66,8 @@ def check_first_call(runtime: Any, args: tuple[Any, ...], reset: Callable[[], No
             why = "it draws random numbers" if not same_rng(rng, rng_state(runtime.device)) else None
         except Exception as exc:  # (a run only the check makes: no error of the call)
             why = f"its run at {n} rows raised {type(exc).__name__}"
+        if why is None:
+            check.after_first(state)
     if why is not None:
         log.debug("torchreplay: '%s': padding not checked: %s", runtime.name, why)
         stats.padding_check = not_checked(why).summary
@@ -68,15 +78,18 @@ def check_first_call(runtime: Any, args: tuple[Any, ...], reset: Callable[[], No
     # (the check's replay is no call of the caller's: not counted)
     counts = stats.replays, dict(stats.size_hits), stats.real_rows, stats.padded_rows
     reset()
+    check.after_reset()
     with torch.no_grad():
         padded = runtime._replay(route, args)
     stats.replays, stats.size_hits, stats.real_rows, stats.padded_rows = counts
+    differences = check.compare_first()
     pairs = [(f"output {j}", a, b) for j, (a, b) in enumerate(zip(padded, unpadded))
              if isinstance(a, _Tensor) and isinstance(b, _Tensor)]
     lead = inputs[runtime._sized[0]]
     where = f"{lead.name} along dim {lead.dim}"
     fills = ", ".join(f"{x.name}: {x.fill!r}" for x in inputs if x.kind == "tensor" and x.dim is not None)
     checked = first_difference(runtime.name, pairs, n, sizes[-1], where, fills)
+    checked = with_state(checked, runtime.name, differences, check.too_large, False, n, sizes[-1], where, fills)
     stats.padding_check = checked.summary
     if checked.report is not None:
         log.warning("torchreplay: %s", checked.report)

@@ -360,11 +360,11 @@ class PiecewiseRuntime:
     ) -> list[Entry]:
         """Capture every key in ``todo`` (largest first), module state put back afterwards."""
         assert self.device is not None
-        kept = [args[i] for i in self._statics + self._pinned  # (what they write: pieces/putback.py)
+        kept = [(self._inputs[i].name, args[i]) for i in self._statics + self._pinned  # (pieces/putback.py)
                 if not isinstance(args[i], torch.nn.Parameter) or self._inputs[i].written]
         start = time.perf_counter()
         entries = []
-        with put_back(kept, self.device) as restore:
+        with put_back([t for _, t in kept], self.device) as restore:
             for size, key in todo:
                 entries.append(self._capture_key(size, key, args))
             # The warm-ups of later sizes were not waited for one by one (the GPU ran them while
@@ -374,7 +374,7 @@ class PiecewiseRuntime:
             self._clean.clear()  # staging and warm-ups wrote the buffers
             if self.padding_check and self.sizes is not None:  # (the first call's capture)
                 self.padding_check = False
-                check_first_call(self, args, restore)
+                check_first_call(self, args, restore, kept)
         log.info(
             "torchreplay: '%s' captured %d size(s) %s in %.2f s (%d graphs, %d eager steps)",
             self.name, len(todo), [s for s, _ in todo], time.perf_counter() - start,
