@@ -513,3 +513,48 @@ def test_padding_a_break_reads_is_reported_and_breaks_that_read_their_rows_are_n
     with torch.no_grad():  # exact sizes are not padded: eager-equal
         x = torch.randn(8, H, device=DEV)
         torch.testing.assert_close(g(x), m(x), **CLOSE)
+
+
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2.0  # (row by row: a break that reads only its rows)
+
+
+class RowCounted(nn.Module):
+    """A segment after the break counts the rows (padded: the padding rows too) and keeps each
+    call's rows in a per-row buffer (padded: rows past the call's too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(H, H)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long, device=DEV))
+        self.register_buffer("rows", torch.full((8, H), -1.0, device=DEV))
+
+    def forward(self, x):
+        y = doubled(self.a(x))
+        self.seen.add_(y.shape[0])
+        self.rows[: y.shape[0]].copy_(y)
+        return y + 1.0
+
+
+def test_padding_that_changes_state_is_reported_at_the_first_capture(caplog: pytest.LogCaptureFixture) -> None:
+    """What the sample call (unpadded) and the first capture's run (padded, its segments
+    replayed for real) leave in module buffers: the count that follows the padded size is a
+    warning, the padding rows' own buffer rows a note. Outputs equal eager at every size."""
+    caplog.set_level(logging.WARNING, logger="torchreplay")
+    torch.manual_seed(0)
+    m, ref = RowCounted().to(DEV).eval(), RowCounted().to(DEV).eval()
+    ref.load_state_dict(m.state_dict())
+    g = tr.graph(m, torch.randn(3, H, device=DEV), breaks=[doubled], sizes=[4, 8])
+    summary = g.stats.padding_check
+    assert summary.startswith("CHANGES state: RowCounted.seen: 1 of the 1 elements both write differ"), summary
+    assert "the padding rows also write RowCounted.rows (" in summary, summary
+    (report,) = [r.getMessage() for r in caplog.records if "padding changes the state" in r.getMessage()]
+    assert "RowCounted.seen" in report and "RowCounted.rows" not in report, report
+    assert [r for r in caplog.records if "padding changes what" in r.getMessage()] == []
+    assert m.seen.item() == 0 and torch.equal(m.rows, ref.rows)  # the build put them back
+    with torch.no_grad():
+        for n in (4, 8, 3, 8, 4):
+            x = torch.randn(n, H, device=DEV)
+            torch.testing.assert_close(g(x), ref(x), **CLOSE)
+        torch.testing.assert_close(m.rows[:4], ref.rows[:4], **CLOSE)  # the last call's rows
+

@@ -35,6 +35,7 @@ from torchreplay import _compat
 from torchreplay.config import RANKS, BucketConfig, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
 from torchreplay.core.capture import Segments, capture, on_side_stream, side_stream
+from torchreplay.core.padcheck import StateCheck
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.effects import PyState
 from torchreplay.core.modes import GRAD, EagerCalls, tracked_leaf
@@ -140,9 +141,12 @@ class BreakableGraph:
             self._only_args = len(call.leaves) == call.nargs and not call.kw_keys
             self._unflatten = call.unflatten
             dims = plan_inputs(call, dim, fill_value) if sizes is not None else None
+            # what the sample call and the padded first capture leave in state (core/padcheck.py)
+            self._state_check = StateCheck(self.device) if sizes is not None else None
             self.breaks, out, written = self._plan(call)
             # the sample call's outputs, unpadded, until the first capture (padded) checks them
-            self._unpadded = padding_sample(self.name, out, dims, sizes, self._drew)
+            self._unpadded = padding_sample(self.name, out, dims, sizes, self._drew, self._state_check)
+            self._state_check = None
             out_leaves, self._out_spec = _compat.tree_flatten(out)
             self._out_single = len(out_leaves) == 1 and self._out_spec == _LEAF
             self._rebuild = _compat.unflattener(self._out_spec)
@@ -214,6 +218,9 @@ class BreakableGraph:
             with on_side_stream(side_stream(device), device), torch.no_grad(), self._python.build_call():
                 with watch, intercept(self.fn, self._breaks, recorder, reached), snapshot.running():
                     out = self.fn(*args, **kwargs)
+                if self._state_check is not None:  # (all of it: a segment's replay moves no version)
+                    self._state_check.after_first(
+                        [(n, t) for n, t, _ in snapshot.kept()] + [(n, t) for n, t, _ in self._python.held_tensors()])
             self._drew = not same_rng(rng, rng_state(device))  # (its outputs are not comparable)
         except Exception as exc:
             raise CaptureError(
@@ -223,6 +230,8 @@ class BreakableGraph:
         finally:
             snapshot.restore()
             self._python.put_back_tensors()  # (the warm-ups start from the caller's state)
+        if self._state_check is not None:
+            self._state_check.after_reset()
         if snapshot.called is not None:  # a plain function: the modules it ran
             self._module = called_module(snapshot.called)
             self._runs = list(snapshot.called)

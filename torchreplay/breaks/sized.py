@@ -6,7 +6,9 @@ unpadded call; the first capture, of the sample padded to the largest size, runs
 real (each segment replayed before its break, the last one replayed for the check): its outputs'
 real rows are the padded call's. A break gets the padded rows, so one that reads past the real
 count (attention over the padded positions) changes them, and so does anything a segment
-reduces across the rows.
+reduces across the rows. What the two runs leave in module buffers and Python state's tensors is
+compared as well (:class:`~torchreplay.core.padcheck.StateCheck`): the sample call's is kept
+after it, the capture's run is read at its end.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Any, Sequence
 import torch
 
 from torchreplay import _compat
-from torchreplay.core.padcheck import DISTRIBUTED, Checked, distributed, first_difference, not_checked
+from torchreplay.core.padcheck import (
+    DISTRIBUTED, Checked, StateCheck, distributed, first_difference, not_checked, with_state,
+)
 from torchreplay.sizes.plan import InputPlan
 from torchreplay.sizes.probe import describe
 
@@ -40,10 +44,12 @@ class Unpadded:
 
     plan: InputPlan
     outputs: list[tuple[str, _Tensor | None]]
+    state: StateCheck | None = None  # what the sample call left in state, against the capture's
 
 
 def padding_sample(
     name: str, out: Any, plan: InputPlan | None, sizes: Sequence[int] | None, drew: bool,
+    state: StateCheck | None = None,
 ) -> Unpadded | Checked | None:
     """The sample call's outputs, kept until the first capture; None without sizes; the
     outcome ("not checked") when no capture pads the sample, when it draws random numbers (a
@@ -58,7 +64,7 @@ def padding_sample(
         log.debug("torchreplay: '%s': padding not checked: %s", name, why)
         return not_checked(why)
     return Unpadded(plan, [("output" + _compat.keystr(p), v if isinstance(v, _Tensor) else None)
-                           for p, v in _compat.tree_flatten_with_path(out)[0]])
+                           for p, v in _compat.tree_flatten_with_path(out)[0]], state)
 
 
 def check_padding(name: str, unpadded: Unpadded, outs: Sequence[Any], size: int, state_ptrs: set[int]) -> str:
@@ -74,6 +80,10 @@ def check_padding(name: str, unpadded: Unpadded, outs: Sequence[Any], size: int,
                 a = a.narrow(d, 0, rows)
         pairs.append((path, a, b))
     checked = first_difference(name, pairs, rows, size, *describe(unpadded.plan), hint=_HINT)
+    if unpadded.state is not None:  # (the state the sample call left, against the capture's run)
+        differences = unpadded.state.compare_first()
+        checked = with_state(checked, name, differences, unpadded.state.too_large, False, rows, size,
+                             *describe(unpadded.plan))
     if checked.report is not None:
         log.warning("torchreplay: %s", checked.report)
     return checked.summary
