@@ -218,6 +218,7 @@ def hf_llama_prefill(fill):
 def state_rows():
     print("-- state a padded call leaves (module buffers, Python state): float32")
     state_row("built-in Llama 8 layers decode, 3 rows (cache rows)", llama(torch.float32, 3), False)
+    state_row("breakable Llama 8 layers, 3 rows (cache rows)", breakable_llama(torch.float32, 3), False)
     state_row("prefill index_copy_, 20 -> 32, positions padded 0", prefill(0), True)
     state_row("prefill index_copy_, 20 -> 32, positions padded 127", prefill(127), False)
     state_row("HF Llama StaticCache prefill, 20 -> 32, positions 0", hf_llama_prefill(0), True)
