@@ -1070,6 +1070,6 @@ def test_padding_that_changes_state_is_reported_at_the_first_call(caplog) -> Non
         assert model.seen.item() - ref.seen.item() == 1
     (rt,) = _runtimes(c)
     summary = rt.stats.padding_check
-    assert summary.startswith("CHANGES state: ") and "seen: 1 of the 1 elements both write differ" in summary, summary
+    assert summary.startswith("CHANGES state: ") and "seen_: 1 of the 1 elements both write differ" in summary, summary
     (report,) = [r.getMessage() for r in caplog.records if "padding changes the state" in r.getMessage()]
     assert "seen" in report and "padded to 8" in report, report
