@@ -259,8 +259,8 @@ def fingerprint(t: _Tensor) -> _Tensor | None:
     elements): two random projections and the sum of squares, 12 bytes a row. A row nothing
     wrote keeps its fingerprint bit for bit (the same kernels over the same values, on one
     stream); a row written with other values changes it. Computed a million elements at a time:
-    no copy of ``t``. None where ``t`` cannot be cut
-    into such rows without a copy (not contiguous) or is complex."""
+    no copy of ``t``. None where ``t`` cannot be cut into such rows without a copy (not
+    contiguous) or is complex."""
     if not t.is_contiguous() or t.is_complex() or t.numel() == 0:
         return None
     width = t.shape[-1] if t.dim() else 1
@@ -343,7 +343,7 @@ def with_state(
         more = f"; and {len(named) - 2} more" if len(named) > 3 else ""
         summary += "; the padding rows also write " + "; ".join(named[:2] if more else named) + more
     if too_large:
-        summary += f"; state not compared (too large to copy): {', '.join(too_large)}"
+        summary += f"; state not compared (over the copy budget, or large and not contiguous): {', '.join(too_large)}"
     return Checked(report, summary)
 
 
