@@ -35,11 +35,10 @@ from torchreplay import _compat
 from torchreplay.config import RANKS, BucketConfig, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
 from torchreplay.core.capture import Segments, capture, on_side_stream, side_stream
-from torchreplay.core.padcheck import StateCheck
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.effects import PyState
 from torchreplay.core.modes import GRAD, EagerCalls, tracked_leaf
-from torchreplay.core.padcheck import Checked, rng_state, same_rng
+from torchreplay.core.padcheck import Checked, StateCheck, distributed, rng_state, same_rng
 from torchreplay.core.padding import flat_call
 from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import Pool, release_with
@@ -142,7 +141,9 @@ class BreakableGraph:
             self._unflatten = call.unflatten
             dims = plan_inputs(call, dim, fill_value) if sizes is not None else None
             # what the sample call and the padded first capture leave in state (core/padcheck.py)
-            self._state_check = StateCheck(self.device) if sizes is not None else None
+            # (none where no capture pads the sample, or under torch.distributed: not checked)
+            padded = dims is not None and sizes is not None and dims.size < max(sizes) and not distributed()
+            self._state_check = StateCheck(self.device) if padded else None
             self.breaks, out, written = self._plan(call)
             # the sample call's outputs, unpadded, until the first capture (padded) checks them
             self._unpadded = padding_sample(self.name, out, dims, sizes, self._drew, self._state_check)
