@@ -111,7 +111,7 @@ def probe(
     finding = snapshot.running() if snapshot is not None else contextlib.nullcontext()
     # the padding check's two calls: the first, then the second; which one is padded
     pair: tuple[Any, Any] | None = None
-    if real is not None:
+    if real is not None and not distributed():  # (not checked under torch.distributed)
         pair = (small, "padded") if plan.size >= big else (big, "unpadded") if real != small else (big, small)
     held = _State(inputs, plan, snapshot, effects, module, device)
     check = StateCheck(device)
