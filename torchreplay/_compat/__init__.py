@@ -583,8 +583,8 @@ __all__ += ["forward_hooks", "global_forward_hooks", "hook_handles_made", "backw
 from torchreplay._compat.amp import any_autocast, cuda_autocast, dispatch_modes  # noqa: E402
 from torchreplay._compat.autograd import (  # noqa: E402  (autograd's node order and version counters)
     foreach_copy_untracked, in_backward, is_accumulate_grad, is_view, normal_tensors, restore_unversioned,
-    sequence_nr, set_sequence_nr, versions_of,
+    sequence_nr, set_sequence_nr, version_of, versions_of,
 )
 __all__ += ["any_autocast", "cuda_autocast", "dispatch_modes", "current_stream", "foreach_copy_untracked",
             "in_backward", "is_accumulate_grad", "is_view", "normal_tensors", "restore_unversioned", "sequence_nr",
-            "set_sequence_nr", "versions_of"]
+            "set_sequence_nr", "version_of", "versions_of"]

@@ -99,6 +99,11 @@ def versions_of(tensors: Sequence[torch.Tensor]) -> list[int | None]:
     return [None if t.is_inference() else t._version for t in tensors]
 
 
+def version_of(t: torch.Tensor) -> int | None:
+    """One tensor's version counter, as :func:`versions_of` reads it."""
+    return None if t.is_inference() else t._version
+
+
 def normal_tensors() -> Any:
     """A context in which new tensors are normal ones, under ``torch.inference_mode`` too.
 

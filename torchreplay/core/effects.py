@@ -68,13 +68,12 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from torchreplay._compat import LightDispatchMode
+from torchreplay._compat import LightDispatchMode, version_of
 from torchreplay.core.args import roots_of
 from torchreplay.core.pystate import (
     MISSING, Change, Node, diff, large_tensors, live_value, path_of, plain_tensors, put_back,
     roots_of_call, same_value, show, small_tensors, state_tensors, value_at, walk_state,
 )
-from torchreplay.core.padcheck import version
 from torchreplay.core.rewind import Rewind
 from torchreplay.errors import CaptureError, ReplayInputError
 
@@ -212,7 +211,7 @@ class PyState:
     def _keep(self, nodes: dict[str, Node]) -> None:
         """Copy the small tensors of the state; watch the large ones' writes (core/rewind.py)."""
         tensors = plain_tensors(nodes)
-        self._versions = {id(t): version(t) for t in tensors}
+        self._versions = {id(t): version_of(t) for t in tensors}
         self._saved = small_tensors(tensors)
         large = large_tensors(tensors)
         self._rewind = Rewind(large) if large else None

@@ -22,7 +22,7 @@ from torchreplay import _compat
 __all__ = [
     "Checked", "DISTRIBUTED", "StateCheck", "StateDifference", "copy_budget", "distributed",
     "fingerprint", "first_difference", "not_checked", "padding_difference", "rng_state", "same_rng",
-    "version", "with_state",
+    "with_state",
 ]
 
 log = logging.getLogger(__name__)
@@ -146,14 +146,6 @@ def rng_state(device: torch.device) -> list[_Tensor]:
 
 def same_rng(a: list[_Tensor], b: list[_Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def version(t: _Tensor) -> int | None:
-    """``t``'s version counter (None: an inference tensor has none, its writes go unseen)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
 
 
 def copy_budget(device: torch.device) -> int:
@@ -367,8 +359,7 @@ def _by_rows(path: str, t: _Tensor, a: _Tensor, s: _Tensor, b: _Tensor) -> State
     if integer:  # (exactly: a row that differs)
         differ, tolerance = (float(torch.sum(_changed(a[both], b[both]).any(1))) / n if n else 0.0), 0.0
     else:
-        differ = 0.0 if num == 0.0 else math.inf if den == 0.0 or not math.isfinite(num) else math.sqrt(num / den)
-        tolerance = _TOLERANCE.get(t.dtype, _DEFAULT_TOLERANCE)
+        differ, tolerance = _normwise(num, den), _TOLERANCE.get(t.dtype, _DEFAULT_TOLERANCE)
     if not (only_a or only_b or differ > tolerance):
         return None
     width = t.numel() // a.shape[0]
@@ -403,14 +394,19 @@ def _state_difference(path: str, a: _Tensor, s: _Tensor, b: _Tensor) -> StateDif
         else:
             num += float(torch.sum(x[bb] != y[bb]))
     if floating:
-        differ = 0.0 if num == 0.0 else math.inf if den == 0.0 or not math.isfinite(num) else math.sqrt(num / den)
-        tolerance = _TOLERANCE.get(a.dtype, _DEFAULT_TOLERANCE)
+        differ, tolerance = _normwise(num, den), _TOLERANCE.get(a.dtype, _DEFAULT_TOLERANCE)
     else:
         differ, tolerance = (num / both if both else 0.0), 0.0
     if not (only_a or only_b or differ > tolerance):
         return None
     return StateDifference(path, tuple(a.shape), a.dtype, only_a, only_b,
                            _unravel(first, tuple(a.shape)) if first is not None else None, both, differ, tolerance)
+
+
+def _normwise(num: float, den: float) -> float:
+    """``sqrt(num / den)``: 0 where nothing differs, inf where the reference is all zeros or a
+    sum overflowed."""
+    return 0.0 if num == 0.0 else math.inf if den == 0.0 or not math.isfinite(num) else math.sqrt(num / den)
 
 
 def _changed(x: _Tensor, s: _Tensor) -> _Tensor:

@@ -27,7 +27,6 @@ from typing import Any, Iterator
 import torch
 
 from torchreplay import _compat
-from torchreplay.core.padcheck import version
 from torchreplay.core.pystate import large_tensors
 from torchreplay.core.rewind import Rewind
 
@@ -103,7 +102,7 @@ class StateSnapshot:
             named += [(prefix + n, b) for n, b in m.named_buffers(recurse=False) if b is not None]
             if self._params:
                 named += [(prefix + n, p) for n, p in m.named_parameters(recurse=False)]
-        self._kept_versions += [(n, t, version(t)) for n, t in named]
+        self._kept_versions += [(n, t, _compat.version_of(t)) for n, t in named]
         # (compiled, or whole: writes no mode sees)
         large = [] if compiled or self._whole else large_tensors([t for _, t in named])
         big = {id(t) for t in large}

@@ -42,7 +42,7 @@ from torchreplay.core.effects import PyState
 from torchreplay.core.io import Inputs
 from torchreplay.core.padcheck import (
     DISTRIBUTED, Checked, StateCheck, distributed, first_difference, not_checked, rng_state, same_rng,
-    version, with_state,
+    with_state,
 )
 from torchreplay.core.padding import pad_sample
 from torchreplay.core.pystate import large_tensors
@@ -132,7 +132,7 @@ def probe(
                     check.after_reset()
             before = held.versions()
             flat = inputs.flatten(a, k)
-            leaf_versions = [version(x) if isinstance(x, _Tensor) else None for x in flat]
+            leaf_versions = [_compat.version_of(x) if isinstance(x, _Tensor) else None for x in flat]
             try:
                 with effects.build_call():  # its writes into Python state: put back
                     outs[key] = fn(*a, **k)
@@ -148,7 +148,7 @@ def probe(
                 (check.after_first if first else check.after_second)(held.written(before))
                 for i in plan.varying:  # the real rows a call wrote into an argument
                     leaf = flat[i]
-                    if isinstance(leaf, _Tensor) and version(leaf) != leaf_versions[i]:
+                    if isinstance(leaf, _Tensor) and _compat.version_of(leaf) != leaf_versions[i]:
                         rows = leaf.narrow(plan.dims[i], 0, real).clone()  # (the reset puts it back)
                         got = written_rows.get(inputs.slots[i].path, (None, None))
                         written_rows[inputs.slots[i].path] = (rows, got[1]) if first else (got[0], rows)
@@ -246,11 +246,11 @@ class _State:
         large = {id(t) for t in large_tensors([t for _, t in copied])}
         with torch.no_grad():
             # (tensor, its copy, its version after the last put-back)
-            self._args = [(t, t.clone(), version(t)) for _, t in copied if id(t) not in large]
+            self._args = [(t, t.clone(), _compat.version_of(t)) for _, t in copied if id(t) not in large]
         big = [(p, t) for p, t in copied if id(t) in large]
         self._rewind = Rewind([t for _, t in big], [p for p, _ in big]) if big else None
         # (restore_state=False: the module's buffers stay written, nothing puts them back)
-        self._unsaved = [(t, version(t)) for t in module.buffers()] if snapshot is None and module is not None else []
+        self._unsaved = [(t, _compat.version_of(t)) for t in module.buffers()] if snapshot is None and module is not None else []
         # what the padding check compares besides outputs: each fixed argument (no varying
         # dimension; a varying one's written rows are compared as outputs), the module's buffers
         self._fixed = [(s.path, s.static) for i, s in slots if plan.dims[i] is None]
@@ -265,7 +265,7 @@ class _State:
             return "it may write an argument (an inference tensor: no version counter)"
         if self._rewind is not None and self._rewind.unseen:
             return f"it writes {', '.join(self._rewind.unseen)} where no dispatch mode sees (compiled code)"
-        if any(version(t) != v for t, v in self._unsaved):
+        if any(_compat.version_of(t) != v for t, v in self._unsaved):
             return "it writes a buffer (restore_state=False)"
         return None
 
@@ -277,8 +277,8 @@ class _State:
 
     def versions(self) -> dict[int, int | None]:
         """The version counters of everything watched, now."""
-        found = {id(t): version(t) for _, t in self._fixed}
-        found.update((id(t), version(t)) for _, t, _ in self._held())
+        found = {id(t): _compat.version_of(t) for _, t in self._fixed}
+        found.update((id(t), _compat.version_of(t)) for _, t, _ in self._held())
         return found
 
     def written(self, before: dict[int, int | None]) -> list[tuple[str, _Tensor]]:
@@ -286,7 +286,7 @@ class _State:
         during the call, by its version when the snapshot kept it (before the call ran it)."""
         watched = [(p, t, before.get(id(t), v)) for p, t, v in self._held()]
         watched += [(p, t, before.get(id(t))) for p, t in self._fixed]
-        return [(p, t) for p, t, v in watched if v is not None and version(t) != v]
+        return [(p, t) for p, t, v in watched if v is not None and _compat.version_of(t) != v]
 
     def reset_arguments(self) -> None:
         """Put back the argument buffers a call wrote."""
@@ -294,6 +294,6 @@ class _State:
             self._rewind.undo()
         with torch.no_grad():
             for k, (t, copy, v) in enumerate(self._args):
-                if version(t) != v:
+                if _compat.version_of(t) != v:
                     t.copy_(copy)
-                    self._args[k] = (t, copy, version(t))
+                    self._args[k] = (t, copy, _compat.version_of(t))
