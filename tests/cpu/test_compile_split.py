@@ -14,7 +14,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import torchreplay as tr
-from torchreplay.compile.split import split_graph
+from torchreplay import _compat
+from torchreplay.compile.split import node_value, split_graph
 from torchreplay.config import CompileConfig
 
 META = torch.device("meta")
@@ -260,6 +261,97 @@ def test_the_padded_dimension_is_found_past_a_closure_weight() -> None:
     ((sized, inputs),) = found
     assert sized
     assert ("tensor", 0) in inputs and ("tensor", None) in inputs, inputs  # x padded, w not
+
+
+class _Rows(torch.nn.Module):
+    """Writes the leading rows of a fixed-size buffer (``buf[: x.shape[0]]``) and returns them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("rows", torch.zeros(8, 4))
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.rows[: x.shape[0]].copy_(y)
+        return y, self.rows[: x.shape[0]] * 2
+
+
+def test_the_leading_rows_of_a_buffer_are_sliced_to_the_call() -> None:
+    """``buf[:n]`` of an 8-row buffer, n the padded size, traced as tr.compile traces a first
+    call (size-oblivious): its size is ``Min(8, s0)`` (torch 2.13) or an unbacked symbol of its
+    own (torch 2.11, which then breaks the graph before the copy_ and returns the slice). Either
+    way each output that has it is sliced back to the call's rows along dim 0, and the graph
+    stays paddable. (Before: torch 2.11 handed out the padded rows' slice, and the model's
+    ``copy_`` of the call's rows into it raised a size mismatch.)"""
+    from torchreplay.compile.backend import build_program
+
+    found = []
+
+    def backend(gm, example_inputs):
+        program, _, sized = build_program(gm, example_inputs, CompileConfig(sizes=(1, 2, 4, 8)),
+                                          torch.device("cpu"), None)
+        found.append((sized, program.output_dims, [tuple(node_value(n).shape) for n in _outputs(gm)]))
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        x = torch.randn(3, 4)
+        torch._dynamo.mark_dynamic(x, 0)
+        with _compat.backed_size_oblivious(), torch.no_grad():
+            torch.compile(_Rows(), backend=backend)(x)
+    finally:
+        torch._dynamo.reset()
+    sized, dims, shapes = found[0]
+    assert sized, shapes
+    assert dims == (0,) * len(shapes), (dims, shapes)  # every output: its rows along dim 0
+
+
+def test_an_output_is_cut_to_the_call_rows_clamped() -> None:
+    """A padded call of 10 rows to 16 hands out a 16-row output's first 10 rows, and an 8-row
+    output (the leading rows of an 8-row buffer) whole: eager's ``buf[:10]`` has 8 rows."""
+    from torchreplay.pieces.entries import Entry, hand_out
+    from torchreplay.pieces.program import Input, Program
+
+    big, buf = torch.randn(16, 3), torch.randn(8, 3)
+    program = Program((Input("a", "tensor"), Input("b", "tensor")), [], (0, 1), (0, 0))
+    entry = Entry(16)
+    entry.sources = [("env", 0), ("env", 1)]
+    out = hand_out(entry, [big, buf], (), program, 10, False, lambda t: False)
+    assert out[0].shape == (10, 3) and out[1].shape == (8, 3)
+    assert out[1].data_ptr() == buf.data_ptr()
+
+
+def test_inputs_are_named_as_the_users_code_names_them() -> None:
+    """The names messages use (written inputs, the padding check's state) are the user's:
+    ``self.rows``, ``self.lin.weight``, ``x``, ``extra['k']``, not Dynamo's placeholders."""
+    from torchreplay.compile.backend import build_program
+
+    class M(_Rows):
+        def forward(self, x, extra):
+            return super().forward(x)[0] + extra["k"]
+
+    found = []
+
+    def backend(gm, example_inputs):
+        program, _, _ = build_program(gm, example_inputs, CompileConfig(), torch.device("cpu"), None)
+        found.append([i.name for i in program.inputs])
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(M(), backend=backend)(torch.randn(3, 4), {"k": torch.randn(4)})
+    finally:
+        torch._dynamo.reset()
+    names = set(found[0])
+    assert {"self.rows", "self.lin.weight", "self.lin.bias", "x", "extra['k']"} <= names, names
+
+
+def _outputs(gm):
+    (leaves,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+    return [leaf for leaf in (leaves if isinstance(leaves, (tuple, list)) else (leaves,))
+            if isinstance(leaf, torch.fx.Node)]
 
 
 def test_a_first_call_of_more_rows_then_one_row_is_one_compile() -> None:

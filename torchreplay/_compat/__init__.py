@@ -503,6 +503,18 @@ def is_static_input(t: Any) -> bool:
     return isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None
 
 
+def dynamo_source_name(node: Any) -> str | None:
+    """Where Dynamo found a graph input, in its words (``L['self']._buffers['seen']``): the
+    ``source.name`` of the placeholder's ``meta["grapharg"]`` (a property in torch 2.11 to
+    2.13, called where it is a method), or None."""
+    name = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
+    try:
+        name = name() if callable(name) else name
+    except Exception:
+        return None
+    return name if isinstance(name, str) else None
+
+
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
@@ -554,7 +566,7 @@ from torchreplay._compat.cache import (  # noqa: E402  (the compile cache's name
     standalone_compile,
 )
 
-__all__ += ["direct_replay", "backed_size_oblivious"]
+__all__ += ["direct_replay", "backed_size_oblivious", "dynamo_source_name"]
 __all__ += [
     "standalone_compile", "has_standalone_compile", "artifact_saveable", "save_artifact",
     "load_artifact", "inductor_config_hash", "shape_ranges",

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
+import re
 import time
 import weakref
 from typing import Any, Callable, Sequence
@@ -270,22 +272,23 @@ def build_program(
     wrote = (writes_fn or graph_writes)(gm)
     written = None if wrote is None else {v for _, v in wrote}
     symbol = _padded_symbol(placeholders, example_inputs, cfg) if cfg.sizes else None
+    rows = _leading_rows(gm, symbol)
     inputs = []
     for p, ex in zip(placeholders, example_inputs):
-        value = node_value(p)
+        value, name = node_value(p), input_name(p)
         if isinstance(ex, torch.Tensor):
             if _compat.is_static_input(ex):
                 # written: put back after capture (its warm-up runs wrote it several times)
-                inputs.append(Input(p.name, "static", written=written is None or p.name in written))
+                inputs.append(Input(name, "static", written=written is None or p.name in written))
             else:
                 dim = _dim_of(value, symbol)
                 is_written = written is None or p.name in written
-                inputs.append(Input(p.name, "tensor", dim=dim, written=is_written))
+                inputs.append(Input(name, "tensor", dim=dim, written=is_written))
         elif isinstance(ex, (int, torch.SymInt)):
             is_size = symbol is not None and _compat.symbol_of(value) == symbol
-            inputs.append(Input(p.name, "int", is_size=is_size))
+            inputs.append(Input(name, "int", is_size=is_size))
         else:
-            inputs.append(Input(p.name, "other"))
+            inputs.append(Input(name, "other"))
     slot = {p: i for i, p in enumerate(placeholders)}
     next_slot = len(placeholders)
     pieces = []
@@ -329,8 +332,8 @@ def build_program(
         if isinstance(leaf, fx.Node):
             outs.append(slot[leaf])
             value = node_value(leaf)
-            dims.append(_dim_of(value, symbol))
-            if symbol is not None and not _paddable(value, symbol):
+            dims.append(_dim_of(value, symbol, rows))
+            if symbol is not None and not _paddable(value, symbol, rows):
                 sized = False
         else:
             outs.append(Constant(leaf))
@@ -344,6 +347,19 @@ def build_program(
         )
     program = Program(tuple(inputs), pieces, tuple(outs), tuple(dims) if sized else ())
     return program, segments, sized
+
+
+_MODULE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]")
+
+
+def input_name(p: fx.Node) -> str:
+    """A graph input as the user's code names it, for messages: ``self.seen`` for Dynamo's
+    ``L['self']._buffers['seen']`` (placeholder ``l_self_buffers_seen_``), ``x``, ``d['k']``;
+    the placeholder's name where Dynamo left no source."""
+    source = _compat.dynamo_source_name(p)
+    if not source:
+        return p.name
+    return _MODULE_PART.sub(r".\1", re.sub(r"^[LG]\['([^']+)'\]", r"\1", source))
 
 
 def _inductor_or_fx(
@@ -380,23 +396,72 @@ def _padded_symbol(placeholders: list[fx.Node], example_inputs: Sequence[Any], c
     return None
 
 
-def _dim_of(value: Any, symbol: Any) -> int | None:
+def _dim_of(value: Any, symbol: Any, rows: frozenset[Any] = frozenset()) -> int | None:
+    """The dimension of ``value`` that has the padded size: the size ``symbol`` itself, or the
+    padded size's leading rows of a fixed-size tensor (:func:`_leading_rows`)."""
     if symbol is None or not isinstance(value, torch.Tensor):
         return None
     for d, s in enumerate(value.shape):
-        if _compat.symbol_of(s) == symbol:
+        if _follows(_compat.symbol_of(s), symbol, rows):
             return d
     return None
 
 
-def _paddable(value: Any, symbol: Any) -> bool:
-    """Every dimension of ``value`` is the padded size itself or free of it."""
+def _follows(expr: Any, symbol: Any, rows: frozenset[Any]) -> bool:
+    """Is a size ``symbol``, or ``symbol`` clamped by a fixed size (``Min(8, s0)``: the leading
+    rows ``buf[:n]`` of an 8-row buffer), or one of ``rows``? Each is, at a padded call, at least
+    the call's own rows or the whole of a dimension eager would cut the same way: slicing it to
+    the call's rows (clamped) gives eager's value."""
+    if expr is None:
+        return False
+    if expr == symbol or expr in rows:
+        return True
+    args = getattr(expr, "args", ())
+    return (
+        type(expr).__name__ == "Min" and symbol in args
+        and all(a == symbol or getattr(a, "is_Integer", False) for a in args)
+    )
+
+
+def _leading_rows(gm: fx.GraphModule, symbol: Any) -> frozenset[Any]:
+    """The unbacked symbols that are the padded size's leading rows of a fixed-size tensor: the
+    size of a slice ``buf[:n]`` (start 0, step 1, ``n`` the padded size) where torch traces it
+    size-obliviously (torch 2.11 with ``backed_size_oblivious`` gives the slice's size a symbol
+    of its own, ``u0``, not ``Min(8, s0)``). Without this, such an output would be handed out at
+    the padded size: a slice of the padded rows where eager has the call's rows."""
+    if symbol is None:
+        return frozenset()
+    found = set()
+    for n in gm.graph.nodes:
+        value = node_value(n)
+        if n.op != "call_function" or n.target is not operator.getitem or not isinstance(value, torch.Tensor):
+            continue
+        index = n.args[1] if len(n.args) > 1 else None
+        d = 0
+        for item in index if isinstance(index, tuple) else (index,):
+            if item is None:  # a new dimension of size 1
+                d += 1
+            elif isinstance(item, slice):
+                stop = node_value(item.stop) if isinstance(item.stop, fx.Node) else None
+                if (item.start in (None, 0) and item.step in (None, 1) and d < value.dim()
+                        and _compat.symbol_of(stop) == symbol):
+                    expr = _compat.symbol_of(value.shape[d])
+                    if getattr(expr, "is_Symbol", False) and expr != symbol:
+                        found.add(expr)
+                d += 1
+            elif not isinstance(item, int):  # Ellipsis, a tensor index: dims unknown here
+                break
+    return frozenset(found)
+
+
+def _paddable(value: Any, symbol: Any, rows: frozenset[Any] = frozenset()) -> bool:
+    """Every dimension of ``value`` has the padded size (:func:`_follows`) or is free of it."""
     if not isinstance(value, torch.Tensor):
         expr = _compat.symbol_of(value)
         return expr is None or symbol not in getattr(expr, "free_symbols", ())
     for s in value.shape:
         expr = _compat.symbol_of(s)
-        if expr is not None and expr != symbol and symbol in expr.free_symbols:
+        if expr is not None and not _follows(expr, symbol, rows) and symbol in expr.free_symbols:
             return False
     return True
 

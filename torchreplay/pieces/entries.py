@@ -278,7 +278,8 @@ def hand_out(
             value = ref
         d = dims[k]
         if n is not None and d is not None and isinstance(value, _Tensor) and kind != "input":
-            value = value.narrow(d, 0, n)
+            # (clamped: the leading rows of a fixed-size buffer, buf[:n], may have fewer)
+            value = value.narrow(d, 0, min(n, value.shape[d]))
         out.append(value)
     return tuple(out)
 
