@@ -307,6 +307,39 @@ def test_the_leading_rows_of_a_buffer_are_sliced_to_the_call() -> None:
     assert dims == (0,) * len(shapes), (dims, shapes)  # every output: its rows along dim 0
 
 
+def test_a_graph_that_takes_only_the_size_pads_it() -> None:
+    """After a graph break, Dynamo's next graph may read the caller's rows only as an int
+    (``x.shape[0]``, source ``L['x'].size()[0]``), with no tensor of that many rows among its
+    inputs: that int is the padded size, and the buffer's leading rows are cut back to it."""
+    from torchreplay.compile.backend import build_program
+
+    rows = torch.randn(8, 4)
+
+    def fn(x):
+        y = x * 2
+        torch._dynamo.graph_break()
+        return rows[: x.shape[0]] + 1, y
+
+    found = []
+
+    def backend(gm, example_inputs):
+        program, _, sized = build_program(gm, example_inputs, CompileConfig(sizes=(1, 2, 4, 8)),
+                                          torch.device("cpu"), None)
+        found.append((sized, [(i.name, i.kind, i.is_size) for i in program.inputs], program.output_dims))
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        x = torch.randn(3, 4)
+        torch._dynamo.mark_dynamic(x, 0)
+        with _compat.backed_size_oblivious(), torch.no_grad():
+            torch.compile(fn, backend=backend)(x)
+    finally:
+        torch._dynamo.reset()
+    sized, inputs, dims = found[-1]  # the graph after the break
+    assert sized and ("x.size()[0]", "int", True) in inputs and dims == (0,), found
+
+
 def test_an_output_is_cut_to_the_call_rows_clamped() -> None:
     """A padded call of 10 rows to 16 hands out a 16-row output's first 10 rows, and an 8-row
     output (the leading rows of an 8-row buffer) whole: eager's ``buf[:10]`` has 8 rows."""

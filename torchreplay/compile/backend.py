@@ -385,7 +385,12 @@ def _inductor_or_fx(
 def _padded_symbol(placeholders: list[fx.Node], example_inputs: Sequence[Any], cfg: CompileConfig) -> Any:
     """The symbol of dimension ``cfg.dim`` of the first tensor input where that dimension is
     dynamic (not the first tensor input: a function's closure tensors, its weights, come
-    before its arguments when it reads them first), or None."""
+    before its arguments when it reads them first), or None.
+
+    A graph with no such tensor may still take the size itself: Dynamo's graph after a graph
+    break gets ``x.shape[0]`` of the caller's ``x`` as an int input (``s0``) when it reads it
+    (``self.rows[: x.shape[0]] * 2``). Such an int is the padded size where Dynamo says it is
+    dimension ``cfg.dim`` of a tensor (its source: ``L['x'].size()[0]``)."""
     for p, ex in zip(placeholders, example_inputs):
         if isinstance(ex, torch.Tensor) and not _compat.is_static_input(ex):
             value = node_value(p)
@@ -393,6 +398,12 @@ def _padded_symbol(placeholders: list[fx.Node], example_inputs: Sequence[Any], c
                 expr = _compat.symbol_of(value.shape[cfg.dim])
                 if expr is not None and getattr(expr, "is_Symbol", False):
                     return expr
+    suffix = f".size()[{cfg.dim}]"
+    for p, ex in zip(placeholders, example_inputs):
+        expr = _compat.symbol_of(node_value(p))
+        source = _compat.dynamo_source_name(p) or ""
+        if isinstance(ex, (int, torch.SymInt)) and getattr(expr, "is_Symbol", False) and source.endswith(suffix):
+            return expr
     return None
 
 

@@ -85,8 +85,8 @@ def check_first_call(runtime: Any, args: tuple[Any, ...], reset: Callable[[], No
     differences = check.compare_first()
     pairs = [(f"output {j}", a, b) for j, (a, b) in enumerate(zip(padded, unpadded))
              if isinstance(a, _Tensor) and isinstance(b, _Tensor)]
-    lead = inputs[runtime._sized[0]]
-    where = f"{lead.name} along dim {lead.dim}"
+    lead = inputs[(runtime._sized or runtime._size_ints)[0]]
+    where = f"{lead.name} along dim {lead.dim}" if lead.kind == "tensor" else f"the size {lead.name}"
     fills = ", ".join(f"{x.name}: {x.fill!r}" for x in inputs if x.kind == "tensor" and x.dim is not None)
     checked = first_difference(runtime.name, pairs, n, sizes[-1], where, fills)
     checked = with_state(checked, runtime.name, differences, check.too_large, False, n, sizes[-1], where, fills)

@@ -245,7 +245,9 @@ class PiecewiseRuntime:
     # ------------------------------------------------------------------ routing
     def rows(self, args: Sequence[Any]) -> int | None:
         """The call's size (rows of the varying dimension), ``None`` without one."""
-        return args[self._sized[0]].shape[self._inputs[self._sized[0]].dim] if self._sized else None
+        if self._sized:
+            return args[self._sized[0]].shape[self._inputs[self._sized[0]].dim]
+        return int(args[self._size_ints[0]]) if self._size_ints else None  # (the size alone)
 
     def _route(self, args: tuple[Any, ...], size: int | None = None) -> Route | None:
         n = self.rows(args)
@@ -341,8 +343,8 @@ class PiecewiseRuntime:
             self._replays_mark = self.stats.replays + 1  # this call captures and replays once
             self._use_current()
         self.pool.track(self, self._graphs, self._retire)
-        if self.sizes is not None and self._sized:
-            n = args[self._sized[0]].shape[self._inputs[self._sized[0]].dim]
+        n = self.rows(args)
+        if self.sizes is not None and n is not None:
             todo = [(s, self._key(s, args)) for s in reversed(self._ahead(n))]
             if self._bucket(n) == -1:
                 log.warning(
@@ -526,7 +528,7 @@ class PiecewiseRuntime:
             self._count_fallback(MOVING)
             return False
         self._use_current()
-        if outcome == "new" and self.sizes is not None and self._sized:
+        if outcome == "new" and self.sizes is not None and (self._sized or self._size_ints):
             self._capture_batch([(s, self._key(s, args)) for s in reversed(self.sizes)], args)
         return True
 
