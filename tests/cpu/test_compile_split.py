@@ -4,6 +4,7 @@ backend on CPU tensors equals eager."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -338,6 +339,33 @@ def test_a_graph_that_takes_only_the_size_pads_it() -> None:
         torch._dynamo.reset()
     sized, inputs, dims = found[-1]  # the graph after the break
     assert sized and ("x.size()[0]", "int", True) in inputs and dims == (0,), found
+
+
+def test_a_static_recompile_after_a_sized_graph_is_not_warned(caplog) -> None:
+    """sizes= with a graph that has no dynamic size: a warning for the first (the user's
+    compile is static: the fix is to mark it dynamic), an INFO line where the backend already
+    padded a graph (Dynamo specialised a later graph to one shape: nothing to fix)."""
+    from torchreplay.compile.backend import build_program
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append((gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(lambda x: x * 2, backend=backend, dynamic=False)(torch.randn(1, 4))
+    finally:
+        torch._dynamo.reset()
+    ((gm, example_inputs),) = graphs
+    caplog.set_level(logging.INFO, logger="torchreplay")
+    for seen_sized, level in ((False, logging.WARNING), (True, logging.INFO)):
+        caplog.clear()
+        _, _, sized = build_program(gm, example_inputs, CompileConfig(sizes=(1, 2)), torch.device("cpu"),
+                                    None, seen_sized=seen_sized)
+        assert not sized
+        assert [r.levelno for r in caplog.records if "torchreplay" in r.name] == [level], caplog.text
 
 
 def test_an_output_is_cut_to_the_call_rows_clamped() -> None:

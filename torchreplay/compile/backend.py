@@ -104,6 +104,7 @@ class Backend:
         program, segments, sized = build_program(
             gm, example_inputs, cfg, device, compile_piece if cfg.inductor else None,
             writes_fn=self._writes_fn(example_inputs, name, device),
+            seen_sized=any(r.sizes for r in self.runtimes),
         )
         runtime = PiecewiseRuntime(
             program,
@@ -254,6 +255,7 @@ def build_program(
     compile_piece: Callable[[int, fx.GraphModule, list[Any], frozenset[int]], Callable[..., Any]]
     | None = None,
     writes_fn: Callable[[fx.GraphModule], Writes | None] | None = None,
+    seen_sized: bool = False,
 ) -> tuple[Program, list[Segment], bool]:
     """Split ``gm``, compile its pieces, and describe its inputs and outputs for the runtime.
 
@@ -263,6 +265,10 @@ def build_program(
 
     ``writes_fn(gm)``: what the graph writes in place, where (default: :func:`graph_writes`; the
     backend passes one that keeps the answer in the compile cache).
+
+    ``seen_sized``: the backend has compiled a graph padded to ``cfg.sizes`` before. A graph
+    with no dynamic size at all is then Dynamo's specialisation of a later one (a graph after a
+    break, recompiled for a 1-row call): captured for its one shape, said at INFO, not warned.
 
     Returns the program, the segments (for the report) and whether padding to ``cfg.sizes`` is
     possible (a dynamic dimension was found and every output's size is that dimension or fixed).
@@ -338,7 +344,11 @@ def build_program(
         else:
             outs.append(Constant(leaf))
             dims.append(None)
-    if cfg.sizes and not sized:
+    static = not any(_compat.symbol_of(v) is not None for p in placeholders for v in _sizes_of(node_value(p)))
+    if cfg.sizes and not sized and seen_sized and static:
+        log.info("torchreplay: a graph specialised by Dynamo to one shape (a recompile); captured "
+                 "for that shape, not padded")
+    elif cfg.sizes and not sized:
         log.warning(
             "torchreplay: sizes=%s given, but the graph has no dynamic dimension %d whose size "
             "every output keeps (mark it dynamic, or compile with tr.compile(sizes=...)); each "
@@ -360,6 +370,11 @@ def input_name(p: fx.Node) -> str:
     if not source:
         return p.name
     return _MODULE_PART.sub(r".\1", re.sub(r"^[LG]\['([^']+)'\]", r"\1", source))
+
+
+def _sizes_of(value: Any) -> tuple[Any, ...]:
+    """A traced value's sizes (a tensor's shape), or the value itself as a size."""
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else (value,)
 
 
 def _inductor_or_fx(
