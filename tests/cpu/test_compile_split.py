@@ -58,6 +58,28 @@ def test_nonzero_and_item_are_eager_steps_and_order_is_kept() -> None:
     assert [o.name for o in segs[0].outputs] == ["relu"]
 
 
+def test_a_slice_by_a_size_traced_as_unknown_is_an_eager_view_not_data() -> None:
+    """``buf[:n]`` with ``n`` a traced size, whose length torch 2.11 traces as an unbacked
+    size: an eager step, but not reported as data-dependent (its fix is not a fixed size)."""
+    import operator
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    graph = torch.fx.Graph()
+    buf, n = graph.placeholder("buf"), graph.placeholder("n")
+    view = graph.call_function(operator.getitem, (buf, slice(None, n, None)))
+    graph.output((graph.call_function(torch.mul, (view, 2)),))
+    with mode:
+        buf.meta["val"] = torch.empty(8, 4, device=META)
+        n.meta["val"] = mode.shape_env.create_unbacked_symint()
+        u = mode.shape_env.create_unbacked_symint()  # the slice's own size, as torch 2.11 has it
+        view.meta["val"] = torch.empty(u, 4, device=META)
+        list(graph.nodes)[3].meta["val"] = torch.empty(u, 4, device=META)
+    segs = split_graph(torch.fx.GraphModule({}, graph), device=META)
+    assert _layout(segs) == [(False, ["getitem"]), (True, ["mul"])]
+    assert "slice by a size" in segs[0].splits[0].reason, segs[0].splits[0]
+    assert "depends on the data" not in segs[0].splits[0].reason
+
+
 def test_a_user_splitting_op_is_an_eager_step_of_its_own() -> None:
     def f(x):
         return torch.sigmoid(torch.tanh(x).exp()) + 1

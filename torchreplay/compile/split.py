@@ -166,6 +166,14 @@ def why_eager(
     value = node_value(node)
     ins = [node_value(a) for a in node.all_input_nodes]
     if _compat.new_unbacked_symbols(value, ins):
+        if _sliced_by_a_size(node):
+            return Split(
+                name,
+                "is a slice by a size whose length torch traces as unknown (size-oblivious "
+                "tracing gives it a size of its own); a view, run eagerly",
+                where,
+                "none needed: a view launches no kernel",
+            )
         return Split(
             name,
             "has an output size that depends on the data, which the host must read",
@@ -197,6 +205,20 @@ def why_eager(
         if device is not None and t.device.type == "cuda" and t.device != device:
             return Split(name, f"uses {t.device}, but the graph is on {device}", where, "keep one device")
     return None
+
+
+def _sliced_by_a_size(node: fx.Node) -> bool:
+    """Is ``node`` ``t[a:b]`` (slices only, some bound a traced int such as ``x.shape[0]``): a
+    view whose length torch 2.11 traces as an unbacked size, though no data decides it."""
+    if node.target is not operator.getitem or not isinstance(node_value(node.args[0]), torch.Tensor):
+        return False
+    index = node.args[1] if len(node.args) > 1 else None
+    items = index if isinstance(index, tuple) else (index,)
+    bounds = [b for i in items if isinstance(i, slice) for b in (i.start, i.stop, i.step)]
+    return (
+        all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in items)
+        and any(isinstance(b, fx.Node) and isinstance(node_value(b), (int, torch.SymInt)) for b in bounds)
+    )
 
 
 def _makes_cuda_work(nodes: Sequence[fx.Node]) -> bool:
