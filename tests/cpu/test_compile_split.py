@@ -286,6 +286,30 @@ def test_the_padded_dimension_is_found_past_a_closure_weight() -> None:
     assert ("tensor", 0) in inputs and ("tensor", None) in inputs, inputs  # x padded, w not
 
 
+def _programs(fn, x, sizes=(1, 2, 4, 8)):
+    """Each Dynamo graph of ``fn(x)`` (dim 0 of ``x`` dynamic, traced size-oblivious as
+    tr.compile traces a first call) with its program and whether it pads: ``(gm, program,
+    sized)``."""
+    from torchreplay.compile.backend import build_program
+
+    found = []
+
+    def backend(gm, example_inputs):
+        program, _, sized = build_program(gm, example_inputs, CompileConfig(sizes=sizes),
+                                          torch.device("cpu"), None)
+        found.append((gm, program, sized))
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        torch._dynamo.mark_dynamic(x, 0)
+        with _compat.backed_size_oblivious(), torch.no_grad():
+            torch.compile(fn, backend=backend)(x)
+    finally:
+        torch._dynamo.reset()
+    return found
+
+
 class _Rows(torch.nn.Module):
     """Writes the leading rows of a fixed-size buffer (``buf[: x.shape[0]]``) and returns them."""
 
@@ -307,35 +331,16 @@ def test_the_leading_rows_of_a_buffer_are_sliced_to_the_call() -> None:
     way each output that has it is sliced back to the call's rows along dim 0, and the graph
     stays paddable. (Before: torch 2.11 handed out the padded rows' slice, and the model's
     ``copy_`` of the call's rows into it raised a size mismatch.)"""
-    from torchreplay.compile.backend import build_program
-
-    found = []
-
-    def backend(gm, example_inputs):
-        program, _, sized = build_program(gm, example_inputs, CompileConfig(sizes=(1, 2, 4, 8)),
-                                          torch.device("cpu"), None)
-        found.append((sized, program.output_dims, [tuple(node_value(n).shape) for n in _outputs(gm)]))
-        return gm.forward
-
-    torch._dynamo.reset()
-    try:
-        x = torch.randn(3, 4)
-        torch._dynamo.mark_dynamic(x, 0)
-        with _compat.backed_size_oblivious(), torch.no_grad():
-            torch.compile(_Rows(), backend=backend)(x)
-    finally:
-        torch._dynamo.reset()
-    sized, dims, shapes = found[0]
+    gm, program, sized = _programs(_Rows(), torch.randn(3, 4))[0]
+    shapes = [tuple(node_value(n).shape) for n in _outputs(gm)]
     assert sized, shapes
-    assert dims == (0,) * len(shapes), (dims, shapes)  # every output: its rows along dim 0
+    assert program.output_dims == (0,) * len(shapes), (program.output_dims, shapes)  # dim 0 each
 
 
 def test_a_graph_that_takes_only_the_size_pads_it() -> None:
     """After a graph break, Dynamo's next graph may read the caller's rows only as an int
     (``x.shape[0]``, source ``L['x'].size()[0]``), with no tensor of that many rows among its
     inputs: that int is the padded size, and the buffer's leading rows are cut back to it."""
-    from torchreplay.compile.backend import build_program
-
     rows = torch.randn(8, 4)
 
     def fn(x):
@@ -343,24 +348,10 @@ def test_a_graph_that_takes_only_the_size_pads_it() -> None:
         torch._dynamo.graph_break()
         return rows[: x.shape[0]] + 1, y
 
-    found = []
-
-    def backend(gm, example_inputs):
-        program, _, sized = build_program(gm, example_inputs, CompileConfig(sizes=(1, 2, 4, 8)),
-                                          torch.device("cpu"), None)
-        found.append((sized, [(i.name, i.kind, i.is_size) for i in program.inputs], program.output_dims))
-        return gm.forward
-
-    torch._dynamo.reset()
-    try:
-        x = torch.randn(3, 4)
-        torch._dynamo.mark_dynamic(x, 0)
-        with _compat.backed_size_oblivious(), torch.no_grad():
-            torch.compile(fn, backend=backend)(x)
-    finally:
-        torch._dynamo.reset()
-    sized, inputs, dims = found[-1]  # the graph after the break
-    assert sized and ("x.size()[0]", "int", True) in inputs and dims == (0,), found
+    found = _programs(fn, torch.randn(3, 4))
+    _, program, sized = found[-1]  # the graph after the break
+    inputs = [(i.name, i.kind, i.is_size) for i in program.inputs]
+    assert sized and ("x.size()[0]", "int", True) in inputs and program.output_dims == (0,), inputs
 
 
 def test_a_static_recompile_after_a_sized_graph_is_not_warned(caplog) -> None:
