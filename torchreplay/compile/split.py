@@ -210,7 +210,10 @@ def why_eager(
 def _sliced_by_a_size(node: fx.Node) -> bool:
     """Is ``node`` ``t[a:b]`` (slices only, some bound a traced int such as ``x.shape[0]``): a
     view whose length torch 2.11 traces as an unbacked size, though no data decides it."""
-    if node.target is not operator.getitem or not isinstance(node_value(node.args[0]), torch.Tensor):
+    base = node.args[0] if node.args else None
+    if node.target is not operator.getitem or not isinstance(base, fx.Node) or not isinstance(
+        node_value(base), torch.Tensor
+    ):
         return False
     index = node.args[1] if len(node.args) > 1 else None
     items = index if isinstance(index, tuple) else (index,)
