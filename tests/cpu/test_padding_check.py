@@ -229,6 +229,38 @@ def test_output_dims_of_a_breakable_graph() -> None:
     assert output_dims(seen, 3) == (0, None, None)
 
 
+def test_the_leading_rows_of_a_buffer_are_an_output_dim_of_a_breakable_graph() -> None:
+    """``buf[:n]`` of an 8-row buffer at sizes 4, 8, 16 (the sample at 3): 3, 4, 8 and 8 rows,
+    the size clamped at 8. A fixed length of 8 seen only at sizes of 8 and more is not a dim:
+    nothing shows it follows the size."""
+    clamped = [(3, [(3, 4)]), (16, [(8, 4)]), (8, [(8, 4)]), (4, [(4, 4)])]
+    assert output_dims(clamped, 1) == (0,)
+    fixed = [(8, [(8, 4)]), (16, [(8, 4)])]
+    assert output_dims(fixed, 1) == (None,)
+    fixed_below = [(3, [(8, 4)]), (16, [(8, 4)])]
+    assert output_dims(fixed_below, 1) == (None,)
+
+
+def test_an_output_whose_shape_padding_changes_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    """A padded output whose real rows have another shape than the unpadded call's (no
+    dimension of it cut back to the call's rows) is reported, never compared as equal or left
+    out. The leading rows of an 8-row buffer at size 16 (8 rows) against the sample's 3 are cut
+    to 3 and compared."""
+    def fn(x):
+        return x, x.sum(0, keepdim=True)
+
+    x = torch.randn(3, 4)
+    unpadded = padding_sample("fn", list(fn(x)), plan_inputs(CallArgs(fn, (x,), {}), 0, 0), SIZES, False)
+    assert check_padding("fn", unpadded, [torch.cat([x, torch.zeros(5, 4)]), x.sum(0, keepdim=True)], 8,
+                         state_ptrs=set()).startswith("rows independent")
+    assert _warnings(caplog) == []
+    summary = check_padding("fn", unpadded, [torch.cat([x, torch.zeros(5, 4)]), torch.zeros(2, 4)], 8,
+                            state_ptrs=set())
+    assert summary == "CHANGES the shape: output[1] of 3 rows padded to 8 is (2, 4), unpadded (1, 4)", summary
+    (message,) = _warnings(caplog)
+    assert "has shape (2, 4) where the same call unpadded returns (1, 4)" in message
+
+
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is absent")
 def test_under_torch_distributed_the_check_makes_no_call_of_its_own(
     cpu_graphs: list[int], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,

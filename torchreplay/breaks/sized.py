@@ -76,7 +76,8 @@ def check_padding(name: str, unpadded: Unpadded, outs: Sequence[Any], size: int,
         if b is None or not isinstance(a, _Tensor) or a.untyped_storage().data_ptr() in state_ptrs:
             continue
         for d in range(min(a.dim(), b.dim())):
-            if a.shape[d] == size and b.shape[d] == rows:
+            # (the size, or a fixed length below it: the leading rows buf[:n] of a buffer)
+            if a.shape[d] > b.shape[d] == rows:
                 a = a.narrow(d, 0, rows)
         pairs.append((path, a, b))
     checked = first_difference(name, pairs, rows, size, *describe(unpadded.plan), hint=_HINT)
@@ -92,7 +93,9 @@ def check_padding(name: str, unpadded: Unpadded, outs: Sequence[Any], size: int,
 def output_dims(seen: Sequence[tuple[int, Sequence[Any]]], n_out: int) -> tuple[int | None, ...]:
     """Which dimension of each output has the call's rows (sliced back to them): the first
     dimension equal to the size in every ``(size, output shapes)`` seen, the sample call's and
-    each captured size's; None for an output without one (or not a tensor)."""
+    each captured size's, or to the size clamped by a fixed length (the leading rows
+    ``buf[:n]`` of an 8-row buffer: 3 at size 3, 8 at size 16; one size below the cap shows
+    it follows the size); None for an output without one (or not a tensor)."""
     dims: list[int | None] = []
     for j in range(n_out):
         shapes = [(n, s[j]) for n, s in seen]
@@ -100,6 +103,15 @@ def output_dims(seen: Sequence[tuple[int, Sequence[Any]]], n_out: int) -> tuple[
             dims.append(None)
             continue
         rank = len(shapes[0][1])
-        found = [d for d in range(rank) if all(len(s) == rank and s[d] == n for n, s in shapes)]
+        found = [d for d in range(rank) if all(len(s) == rank for _, s in shapes) and _rows_at(shapes, d)]
         dims.append(found[0] if found else None)
     return tuple(dims)
+
+
+def _rows_at(shapes: Sequence[tuple[int, Sequence[int]]], d: int) -> bool:
+    """Dimension ``d`` is the size in every shape seen, or the size clamped by the largest
+    length seen, with some size below that length (else it may be a fixed length)."""
+    if all(s[d] == n for n, s in shapes):
+        return True
+    cap = max(s[d] for _, s in shapes)
+    return all(s[d] == min(n, cap) for n, s in shapes) and any(s[d] == n < cap for n, s in shapes)

@@ -73,7 +73,17 @@ def first_difference(
     rows are read; ``fills``: each varying argument's fill value; ``hint``: the end of the fix."""
     worst = None  # (difference / tolerance, path, difference, tolerance) of the largest
     for path, a, b in pairs:
-        if not a.is_floating_point() or a is b or a.shape != b.shape or a.dtype != b.dtype:
+        if a.shape != b.shape:  # (its real rows, cut as every replay cuts them)
+            return Checked(
+                f"'{name}' with sizes=: padding changes what the call returns, its shape. "
+                f"{path} of a call of {rows} rows ({where}) padded to {size} has shape "
+                f"{tuple(a.shape)} where the same call unpadded returns {tuple(b.shape)}: no "
+                "dimension of it follows the call's rows as the padded graph sees them. Fix: "
+                f"list every size you call with in sizes= (an exact size is not padded){hint}",
+                f"CHANGES the shape: {path} of {rows} rows padded to {size} is {tuple(a.shape)}, "
+                f"unpadded {tuple(b.shape)}",
+            )
+        if not a.is_floating_point() or a is b or a.dtype != b.dtype:
             continue
         tolerance = _TOLERANCE.get(a.dtype, _DEFAULT_TOLERANCE)
         difference = padding_difference(a, b)
