@@ -558,3 +558,34 @@ def test_padding_that_changes_state_is_reported_at_the_first_capture(caplog: pyt
             torch.testing.assert_close(g(x), ref(x), **CLOSE)
         torch.testing.assert_close(m.rows[:4], ref.rows[:4], **CLOSE)  # the last call's rows
 
+
+
+class RowsOut(nn.Module):
+    """Returns the leading rows of a fixed 8-row buffer, ``rows[: n]``: 8 rows at size 16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(H, H)
+        self.register_buffer("rows", torch.randn(8, H, device=DEV))
+
+    def forward(self, x):
+        y = doubled(self.a(x))
+        return y, self.rows[: y.shape[0]] * 2.0
+
+
+def test_an_output_of_a_buffers_leading_rows_has_eagers_shape(caplog: pytest.LogCaptureFixture) -> None:
+    """sizes 4, 8, 16 with an 8-row buffer: a call of 3 rows gets 3 of its rows (it got the
+    padded 4 before), a call of 10 gets 8, as eager. No padding warning."""
+    caplog.set_level(logging.WARNING, logger="torchreplay")
+    torch.manual_seed(0)
+    m = RowsOut().to(DEV).eval()
+    g = tr.graph(m, torch.randn(3, H, device=DEV), breaks=[doubled], sizes=[4, 8, 16])
+    assert g.stats.padding_check.startswith("rows independent"), g.stats.padding_check
+    with torch.no_grad():
+        for n in (3, 10, 16, 1, 5, 8, 13):
+            x = torch.randn(n, H, device=DEV)
+            (y, r), (y_ref, r_ref) = g(x), m(x)
+            assert r.shape == r_ref.shape, (n, r.shape, r_ref.shape)
+            torch.testing.assert_close(y, y_ref, **CLOSE)
+            torch.testing.assert_close(r, r_ref, **CLOSE)
+    assert [r for r in caplog.records if "padding changes" in r.getMessage()] == []
