@@ -559,7 +559,6 @@ def test_padding_that_changes_state_is_reported_at_the_first_capture(caplog: pyt
         torch.testing.assert_close(m.rows[:4], ref.rows[:4], **CLOSE)  # the last call's rows
 
 
-
 class RowsOut(nn.Module):
     """Returns the leading rows of a fixed 8-row buffer, ``rows[: n]``: 8 rows at size 16."""
 
