@@ -390,68 +390,6 @@ def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     return out
 
 
-def new_unbacked_symbols(value: Any, inputs: Sequence[Any]) -> bool:
-    """Does a traced value (a fake tensor, a SymInt, a tuple of them) have a size that depends
-    on the data (an unbacked symbol, from ``nonzero``, a boolean mask, ``.item()``) that none of
-    ``inputs`` has (a dimension marked unbacked on purpose flows through every op)? Read with
-    ``torch.fx.experimental.symbolic_shapes.free_unbacked_symbols`` (private, torch >= 2.1); on a
-    torch without it, False: the node is then captured and a capture that fails falls back."""
-    try:
-        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-    except ImportError:  # pragma: no cover - old torch
-        return False
-    try:
-        made = set(free_unbacked_symbols(value))
-        if not made:
-            return False
-        for v in inputs:
-            made -= set(free_unbacked_symbols(v))
-        return bool(made)
-    except Exception:
-        return False
-
-
-@contextlib.contextmanager
-def fresh_unbacked_ignored(fake_mode: Any) -> Iterator[None]:
-    """Let a fake run make unbacked symbols (``nonzero``) without leaving them pending in the
-    shape environment, where Inductor would later fail with PendingUnbackedSymbolNotFound.
-    ``ShapeEnv.ignore_fresh_unbacked_symbols`` exists since torch 2.3; without it, nothing."""
-    env = getattr(fake_mode, "shape_env", None)
-    ignore = getattr(env, "ignore_fresh_unbacked_symbols", None)
-    if ignore is None:
-        yield
-        return
-    with ignore():
-        yield
-
-
-def backed_size_oblivious() -> contextlib.AbstractContextManager[Any]:
-    """While Dynamo traces: size symbols range over [0, inf] with no 0/1 guard, so a graph
-    traced at more rows serves a 1-row call too (else Dynamo guards the size ``>= 2`` and a
-    1-row call compiles again). ``torch.fx.experimental._config.backed_size_oblivious`` (torch
-    >= 2.6, marked experimental); without it, nothing changes."""
-    from torch.fx.experimental import _config as fx_config
-
-    if not hasattr(fx_config, "backed_size_oblivious"):
-        return contextlib.nullcontext()
-    return fx_config.patch(backed_size_oblivious=True)
-
-
-def symbol_of(value: Any) -> Any:
-    """The sympy expression of a SymInt (``s0``), or None for a plain int."""
-    node = getattr(value, "node", None)
-    return getattr(node, "expr", None)
-
-
-def fake_mode_of(values: Sequence[Any]) -> Any:
-    """The FakeTensorMode of the first fake tensor in ``values`` (Dynamo's example values)."""
-    for v in values:
-        mode = getattr(v, "fake_mode", None)
-        if mode is not None:
-            return mode
-    return None
-
-
 def inductor_compile(
     gm: Any, example_inputs: Sequence[Any], inner_compile: Callable[..., Any] | None = None
 ) -> Callable[..., Any]:
@@ -493,26 +431,6 @@ def saved_outputs_start() -> int | None:
     if n is None:
         n = getattr(meta, "num_forward_returns", None)
     return n if isinstance(n, int) else None
-
-
-def is_static_input(t: Any) -> bool:
-    """Is a Dynamo graph input a parameter or buffer of a module (an address that stays put)?
-
-    Dynamo marks them with ``_dynamo_static_input_type`` when it inlines nn modules (the
-    default since torch 2.5); a plain ``nn.Parameter`` counts too."""
-    return isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None
-
-
-def dynamo_source_name(node: Any) -> str | None:
-    """Where Dynamo found a graph input, in its words (``L['self']._buffers['seen']``): the
-    ``source.name`` of the placeholder's ``meta["grapharg"]`` (a property in torch 2.11 to
-    2.13, called where it is a method), or None."""
-    name = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
-    try:
-        name = name() if callable(name) else name
-    except Exception:
-        return None
-    return name if isinstance(name, str) else None
 
 
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
@@ -566,7 +484,7 @@ from torchreplay._compat.cache import (  # noqa: E402  (the compile cache's name
     standalone_compile,
 )
 
-__all__ += ["direct_replay", "backed_size_oblivious", "dynamo_source_name"]
+__all__ += ["direct_replay"]
 __all__ += [
     "standalone_compile", "has_standalone_compile", "artifact_saveable", "save_artifact",
     "load_artifact", "inductor_config_hash", "shape_ranges",
@@ -583,6 +501,13 @@ from torchreplay._compat.ops import (  # noqa: E402  (a custom op's kernel and s
 
 __all__ += ["argument_kinds", "compiled_module", "compiled_target", "custom_op_kernel", "eval_frame_callback",
             "modes_active", "plain_value", "static_address", "without_dynamo_guard"]
+from torchreplay._compat.shapes import (  # noqa: E402  (Dynamo's symbolic shapes and graph inputs)
+    backed_size_oblivious, dynamo_source_name, fake_mode_of, fresh_unbacked_ignored, is_static_input,
+    new_unbacked_symbols, symbol_of,
+)
+
+__all__ += ["backed_size_oblivious", "dynamo_source_name", "fake_mode_of", "fresh_unbacked_ignored",
+            "is_static_input", "new_unbacked_symbols", "symbol_of"]
 from torchreplay._compat.streams import current_stream  # noqa: E402
 from torchreplay._compat.mempool import PrivateAllocations, private_allocations  # noqa: E402  (a private pool)
 from torchreplay._compat.hooks import (  # noqa: E402

@@ -1,0 +1,97 @@
+"""The private torch names of Dynamo's traced shapes and graph inputs, for the compile split
+and backend: data-dependent (unbacked) sizes, size-oblivious tracing, a SymInt's expression, the
+fake mode of traced values, which graph inputs are module state, and where Dynamo found each."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import torch
+
+__all__ = [
+    "new_unbacked_symbols", "fresh_unbacked_ignored", "backed_size_oblivious", "symbol_of",
+    "fake_mode_of", "is_static_input", "dynamo_source_name",
+]
+
+
+def new_unbacked_symbols(value: Any, inputs: Sequence[Any]) -> bool:
+    """Does a traced value (a fake tensor, a SymInt, a tuple of them) have a size that depends
+    on the data (an unbacked symbol, from ``nonzero``, a boolean mask, ``.item()``) that none of
+    ``inputs`` has (a dimension marked unbacked on purpose flows through every op)? Read with
+    ``torch.fx.experimental.symbolic_shapes.free_unbacked_symbols`` (private, torch >= 2.1); on a
+    torch without it, False: the node is then captured and a capture that fails falls back."""
+    try:
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    except ImportError:  # pragma: no cover - old torch
+        return False
+    try:
+        made = set(free_unbacked_symbols(value))
+        if not made:
+            return False
+        for v in inputs:
+            made -= set(free_unbacked_symbols(v))
+        return bool(made)
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def fresh_unbacked_ignored(fake_mode: Any) -> Iterator[None]:
+    """Let a fake run make unbacked symbols (``nonzero``) without leaving them pending in the
+    shape environment, where Inductor would later fail with PendingUnbackedSymbolNotFound.
+    ``ShapeEnv.ignore_fresh_unbacked_symbols`` exists since torch 2.3; without it, nothing."""
+    env = getattr(fake_mode, "shape_env", None)
+    ignore = getattr(env, "ignore_fresh_unbacked_symbols", None)
+    if ignore is None:
+        yield
+        return
+    with ignore():
+        yield
+
+
+def backed_size_oblivious() -> contextlib.AbstractContextManager[Any]:
+    """While Dynamo traces: size symbols range over [0, inf] with no 0/1 guard, so a graph
+    traced at more rows serves a 1-row call too (else Dynamo guards the size ``>= 2`` and a
+    1-row call compiles again). ``torch.fx.experimental._config.backed_size_oblivious`` (torch
+    >= 2.6, marked experimental); without it, nothing changes."""
+    from torch.fx.experimental import _config as fx_config
+
+    if not hasattr(fx_config, "backed_size_oblivious"):
+        return contextlib.nullcontext()
+    return fx_config.patch(backed_size_oblivious=True)
+
+
+def symbol_of(value: Any) -> Any:
+    """The sympy expression of a SymInt (``s0``), or None for a plain int."""
+    node = getattr(value, "node", None)
+    return getattr(node, "expr", None)
+
+
+def fake_mode_of(values: Sequence[Any]) -> Any:
+    """The FakeTensorMode of the first fake tensor in ``values`` (Dynamo's example values)."""
+    for v in values:
+        mode = getattr(v, "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
+
+
+def is_static_input(t: Any) -> bool:
+    """Is a Dynamo graph input a parameter or buffer of a module (an address that stays put)?
+
+    Dynamo marks them with ``_dynamo_static_input_type`` when it inlines nn modules (the
+    default since torch 2.5); a plain ``nn.Parameter`` counts too."""
+    return isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None
+
+
+def dynamo_source_name(node: Any) -> str | None:
+    """Where Dynamo found a graph input, in its words (``L['self']._buffers['seen']``): the
+    ``source.name`` of the placeholder's ``meta["grapharg"]`` (a property in torch 2.11 to
+    2.13, called where it is a method), or None."""
+    name = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
+    try:
+        name = name() if callable(name) else name
+    except Exception:
+        return None
+    return name if isinstance(name, str) else None
