@@ -53,6 +53,10 @@ class GraphConfig:
             ``"relaxed"``); see its documentation.
         restore_state: snapshot a module's buffers and the RNG state before warm-up and put them
             back after capture, so that building a graph leaves the model as it found it.
+            ``False``: nothing is put back; a breakable graph (``breaks=``) still puts back its
+            buffers up to 1 MiB (each size's capture starts from them) but neither copies nor
+            puts back larger ones (a KV cache that fills the device, which it would otherwise
+            copy whole).
         diagnose: on a failed capture, run :func:`torchreplay.check` on the failing call to name
             the op and the user's line.
     """

@@ -194,6 +194,39 @@ def test_tr_graph_of_a_module_with_a_large_cache_buffer_equals_eager(monkeypatch
             assert torch.equal(m.keys, ref.keys) and torch.equal(m.calls, ref.calls)
 
 
+def test_a_snapshot_leaving_large_buffers_puts_back_the_small_ones_only() -> None:
+    """``large="leave"`` (a breakable graph built with ``restore_state=False``): the cache is
+    neither copied nor recorded, and stays as the build's calls left it; the counter is put
+    back."""
+    m = _prompted()
+    before = m.keys.clone()
+    snap = StateSnapshot(m, CPU, large="leave")
+    assert snap.saved_bytes < m.keys.nbytes // 100
+    with torch.no_grad(), snap.running():
+        m(torch.randn(2, 64), torch.tensor([7]))
+    snap.restore()
+    assert int(m.calls) == 0 and not torch.equal(m.keys[7], before[7])
+    assert torch.equal(m.keys[:7], before[:7])
+
+
+def test_a_whole_copy_that_does_not_fit_on_the_device_is_refused_naming_the_buffers(monkeypatch) -> None:
+    from torchreplay.core import snapshot as snapshot_mod
+
+    mib = 1 << 20
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * mib, 80 * mib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * mib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 20 * mib)
+    named = [(f"layers.{i}.attention.k_cache", torch.empty(16 * mib, dtype=torch.uint8)) for i in range(5)]
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(tr.CaptureError) as err:  # 80 MiB to copy, 40 + 10 MiB free
+        snapshot_mod.check_fits(named, cuda)
+    text = str(err.value)
+    assert "layers.0.attention.k_cache (0.02 GiB)" in text and "and 1 more" in text
+    assert "0.08 GiB in all" in text and "0.05 GiB free" in text and "restore_state=False" in text
+    snapshot_mod.check_fits(named[:3], cuda)  # 48 MiB: fits
+    snapshot_mod.check_fits(named, CPU)  # (not a CUDA device: nothing to check)
+
+
 class Unseen(BufferCache):
     """Writes its cache where no dispatch mode sees it, as compiled code or a raw kernel does."""
 

@@ -6,8 +6,10 @@ in one pool."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -588,3 +590,64 @@ def test_an_output_of_a_buffers_leading_rows_has_eagers_shape(caplog: pytest.Log
             torch.testing.assert_close(y, y_ref, **CLOSE)
             torch.testing.assert_close(r, r_ref, **CLOSE)
     assert [r for r in caplog.records if "padding changes" in r.getMessage()] == []
+
+
+def test_a_cache_too_large_to_copy_is_refused_and_restore_state_false_builds_in_what_is_left() -> None:
+    """A breakable build copies the module's buffers to put them back after its captures (they
+    replay their segments for real). With the device nearly full, as a serving engine leaves it
+    after sizing its KV cache, that copy does not fit: a CaptureError naming the cache and
+    ``restore_state=False``, the caches as they were. With ``restore_state=False`` the build
+    copies no cache and fits in what is left (160 MiB), and the graph decodes like eager."""
+    from torchreplay.models.llama import LlamaConfig, build_llama, host_attention
+
+    cfg = LlamaConfig(n_layers=4, dim=128, n_heads=8, n_kv_heads=2, vocab_size=500,
+                      intermediate_size=256, max_seq_len=32768, max_batch=8)
+    model = build_llama(cfg, DEV, torch.float32, seed=0)
+    caches = [c for layer in model.layers for c in (layer.attention.k_cache, layer.attention.v_cache)]
+    cache_bytes = sum(c.nbytes for c in caches)
+    assert cache_bytes == 256 * 2**20
+    with torch.no_grad():
+        for c in caches:
+            c.normal_()
+    gen = torch.Generator().manual_seed(0)
+
+    def step(n: int):
+        positions = torch.randint(0, cfg.max_seq_len, (n,), generator=gen)
+        ids = torch.randint(0, cfg.vocab_size, (n, 1), generator=gen)
+        return ids.to(DEV), positions.to(DEV), positions + 1
+
+    # the default fits here: built and put back, bit for bit
+    before = [c.clone() for c in caches]
+    g = tr.graph(model, *step(1), breaks=[host_attention], sizes=[1, 2, 4, 8])
+    assert all(torch.equal(c, b) for c, b in zip(caches, before))
+    del g, before
+    with torch.no_grad():
+        model(*step(8))  # (the library handles of the sizes, made before the device fills)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info()[0]
+    filler = torch.empty(free - 160 * 2**20, dtype=torch.uint8, device=DEV)  # 160 MiB left
+    try:
+        before = [c.clone() for c in caches[:1]]  # (a clone of one: 32 MiB of what is left)
+        with pytest.raises(tr.CaptureError, match="restore_state=False") as err:
+            tr.graph(model, *step(1), breaks=[host_attention], sizes=[1, 2, 4, 8])
+        assert re.search(r"layers\.\d\.attention\.[kv]_cache \(0\.03 GiB\)", str(err.value)), err.value
+        assert torch.equal(caches[0], before[0])
+        del before, err
+        config = tr.config.GraphConfig(restore_state=False)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        g = tr.graph(model, *step(1), breaks=[host_attention], sizes=[1, 2, 4, 8], config=config)
+        peak = torch.cuda.max_memory_allocated() - base
+        assert peak < cache_bytes // 2, (peak, cache_bytes)  # no copy of the caches
+        for n in [1, 5, 8, 3, 2, 7, 4, 6]:
+            args = step(n)
+            with torch.no_grad():
+                want = model(*args)  # (writes the same rows the graph then writes again)
+            got = g(*args)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert g.stats.fallbacks == 0 and g.stats.replays == 8
+    finally:
+        del filler
+        torch.cuda.empty_cache()

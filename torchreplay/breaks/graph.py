@@ -391,7 +391,9 @@ class _Runtime(PiecewiseRuntime):
         module = self._front._module
         # (copied whole: saving what each segment's replay overwrites put a dispatch mode over
         # every op of every capture, twice the Llama's 32-size build, for no memory saved)
-        self._snapshot = StateSnapshot(module, self.device, whole=True)
+        # restore_state=False: the large ones (a KV cache) are left as the captures write them
+        large = "copy" if self.config.restore_state else "leave"
+        self._snapshot = StateSnapshot(module, self.device, large=large)
         state = [*module.parameters(), *module.buffers()] if module is not None else []
         state += [a for a in args if isinstance(a, _Tensor)]
         self._state_ptrs = {t.untyped_storage().data_ptr() for t in state}

@@ -15,6 +15,13 @@ sees: a compiled module's buffers are copied whole, as they were before, and so 
 breakable graph's capture, which replays its segments for real. A write the recording
 missed anyway (a compiled function inside a module, a kernel launched outside an aten op) shows
 in the buffer's version counter, and a warning names the buffer.
+
+A whole copy needs the memory of what it copies: one that does not fit in what the device has
+free raises a :class:`~torchreplay.errors.CaptureError` before anything ran, naming the buffers
+and ``restore_state=False``, never an out-of-memory error halfway through a build. With
+``large="leave"`` (a breakable graph built with ``restore_state=False``) the large buffers are
+neither copied nor recorded: the build's calls leave their writes there, as a serving engine's
+capture writes its KV cache.
 """
 
 from __future__ import annotations
@@ -28,9 +35,12 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.core.pystate import large_tensors
+from torchreplay.errors import CaptureError
 from torchreplay.core.rewind import Rewind
 
-__all__ = ["StateSnapshot"]
+__all__ = ["StateSnapshot", "check_fits"]
+
+_GiB = float(1 << 30)
 
 _module_pre_hook = torch.nn.modules.module.register_module_forward_pre_hook
 
@@ -44,9 +54,11 @@ class StateSnapshot:
     time it is called (:attr:`called`, in order) and keeps its buffers then, before its first
     forward wrote them (not while a stream captures: nothing runs for real there). A compiled
     module found so is kept whole, submodules included: their hooks do not run inside compiled
-    code. ``save`` False: only the finding (:meth:`restore` does nothing). ``whole``: large
-    buffers are copied whole too, for a build whose calls write them where no mode sees (a
-    breakable graph's capture replays its segments for real).
+    code. ``save`` False: only the finding (:meth:`restore` does nothing). ``large``: what
+    becomes of the buffers over 1 MiB: ``"rewind"`` (default) records what the build's calls
+    write into them; ``"copy"`` copies them whole, for a build whose calls write them where no
+    mode sees (a breakable graph's capture replays its segments for real); ``"leave"`` does
+    neither (``restore_state=False`` of a breakable graph): what the build writes there stays.
     """
 
     def __init__(
@@ -57,10 +69,10 @@ class StateSnapshot:
         *,
         find: bool = False,
         save: bool = True,
-        whole: bool = False,
+        large: str = "rewind",
     ) -> None:
         self._params = params
-        self._whole = whole
+        self._large = large
         self._save = save
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its copy)
         # every buffer kept, by name, with its version counter then (before a build call wrote
@@ -71,9 +83,9 @@ class StateSnapshot:
         #: with ``find``: the modules the callable ran inside :meth:`running`, each once, in order
         self.called: list[torch.nn.Module] | None = [] if find else None
         self._seen: set[int] = set()
+        self._device = device
         if module is not None and save:
             self._keep(module, recurse=True)
-        self._device = device
         self._cpu_rng = torch.get_rng_state()
         self._cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
@@ -103,8 +115,13 @@ class StateSnapshot:
             if self._params:
                 named += [(prefix + n, p) for n, p in m.named_parameters(recurse=False)]
         self._kept_versions += [(n, t, _compat.version_of(t)) for n, t in named]
-        # (compiled, or whole: writes no mode sees)
-        large = [] if compiled or self._whole else large_tensors([t for _, t in named])
+        large = large_tensors([t for _, t in named])
+        if self._large == "leave":
+            big = {id(t) for t in large}
+            named, large = [(n, t) for n, t in named if id(t) not in big], []
+        elif compiled or self._large == "copy":  # (writes no mode sees: copied whole)
+            check_fits([(n, t) for n, t in named if t.is_cuda], self._device)
+            large = []
         big = {id(t) for t in large}
         with torch.no_grad():
             self._saved += [(t, t.detach().clone()) for _, t in named if id(t) not in big]
@@ -176,3 +193,29 @@ class StateSnapshot:
         torch.set_rng_state(self._cpu_rng)
         if self._cuda_rng is not None:
             torch.cuda.set_rng_state(self._cuda_rng, self._device)
+
+
+def check_fits(named: list[tuple[str, torch.Tensor]], device: torch.device) -> None:
+    """Raise a :class:`CaptureError` when copies of ``named`` (name, CUDA tensor) would not fit
+    in what ``device`` has free: the driver's free memory and what torch's allocator holds
+    unused. (Fragmentation aside: a copy this check lets through may still fail, one it refuses
+    cannot succeed.)"""
+    need = sum(t.untyped_storage().nbytes() for _, t in named)
+    if not need or device.type != "cuda":
+        return
+    free = torch.cuda.mem_get_info(device)[0]
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if need <= free:
+        return
+    big = sorted(named, key=lambda nt: -nt[1].untyped_storage().nbytes())
+    listed = ", ".join(f"{n} ({t.untyped_storage().nbytes() / _GiB:.2f} GiB)" for n, t in big[:4])
+    more = f" and {len(big) - 4} more" if len(big) > 4 else ""
+    raise CaptureError(
+        f"building the graph copies the module's buffers to put them back after its calls "
+        f"(restore_state=True, the default): {listed}{more}, {need / _GiB:.2f} GiB in all, and "
+        f"{device} has {free / _GiB:.2f} GiB free. Nothing was captured and the module's state "
+        "is as it was. Pass "
+        "config=torchreplay.config.GraphConfig(restore_state=False) to build without putting them "
+        "back (the build's calls then leave their writes in them, as a serving engine's "
+        "capture leaves its KV cache written), or build the graph before allocating them"
+    )
