@@ -202,8 +202,11 @@ class StateCheck:
 
     def _keep(self, path: str, t: _Tensor, copies: int) -> _Tensor | None:
         """A copy of ``t`` (small), its fingerprint (large), or None (named in ``too_large``)."""
+        width = _row_width(t)
         if t.untyped_storage().nbytes() > _SMALL_BYTES:
-            kept = fingerprint(t)
+            need = t.numel() // width * (_PROJECTIONS + 1) * 4 * copies if width else 0
+            kept = fingerprint(t) if width and need <= self._budget else None
+            self._budget -= need if kept is not None else 0
         elif t.nbytes * copies <= self._budget:
             self._budget -= t.nbytes * copies
             kept = t.detach().clone()
@@ -246,9 +249,14 @@ class StateCheck:
 
 _SMALL_BYTES = 1 << 20  # state compared element by element (copied); larger: by fingerprint
 _ROW_MAX = 4096  # the longest row a fingerprint sums
+_ROW_MIN = 1024  # rows of the last dimension shorter than this are taken together
 _PROJECTIONS = 2  # random projections per row: the mean of their squared differences estimates
 # the squared 2-norm of the rows' difference
 _FINGER = "fingerprint"  # (a name the kept tensors of large state are told apart by)
+
+
+#: the projections of a fingerprint, by row width and device (a few KiB each)
+_weights: dict[tuple[int, torch.device], _Tensor] = {}
 
 
 def _again(t: _Tensor, like: _Tensor) -> _Tensor:
@@ -256,22 +264,36 @@ def _again(t: _Tensor, like: _Tensor) -> _Tensor:
     return fingerprint(t) if getattr(like, _FINGER, False) else t.detach().clone()  # type: ignore[return-value]
 
 
+def _row_width(t: _Tensor) -> int:
+    """The elements of a row of :func:`fingerprint`: the last dimension, cut to 4096 elements
+    or taken with the rows after it up to at least 1024 (a KV cache's 16-element head vectors
+    would otherwise cost a fingerprint of 19% of the cache); 0: none (not contiguous,
+    complex, empty)."""
+    if not t.is_contiguous() or t.is_complex() or t.numel() == 0:
+        return 0
+    width, n = (t.shape[-1] if t.dim() else 1), t.numel()
+    if width > _ROW_MAX:
+        return _ROW_MAX if n % _ROW_MAX == 0 else 0
+    while width < _ROW_MIN and n % (2 * width) == 0:
+        width *= 2
+    return width
+
+
 def fingerprint(t: _Tensor) -> _Tensor | None:
-    """Three float32 numbers per row of ``t``'s last dimension (rows of at most 4096
-    elements): two random projections and the sum of squares, 12 bytes a row. A row nothing
+    """Three float32 numbers per row of ``t`` (:func:`_row_width`: 1024 to 4096 elements where
+    the shape allows): two random projections and the sum of squares, 12 bytes a row. A row nothing
     wrote keeps its fingerprint bit for bit (the same kernels over the same values, on one
     stream); a row written with other values changes it. Computed a million elements at a time:
     no copy of ``t``. None where ``t`` cannot be cut into such rows without a copy (not
     contiguous) or is complex."""
-    if not t.is_contiguous() or t.is_complex() or t.numel() == 0:
-        return None
-    width = t.shape[-1] if t.dim() else 1
-    if width > _ROW_MAX:
-        width = _ROW_MAX if t.numel() % _ROW_MAX == 0 else 0
+    width = _row_width(t)
     if width == 0:
         return None
     rows = t.detach().reshape(-1, width)  # (a view: contiguous)
-    weights = torch.randn(width, _PROJECTIONS, generator=torch.Generator().manual_seed(width)).to(t.device)
+    weights = _weights.get((width, t.device))
+    if weights is None:  # (drawn once per width and device: no host draw and copy a tensor)
+        weights = torch.randn(width, _PROJECTIONS, generator=torch.Generator().manual_seed(width)).to(t.device)
+        _weights[(width, t.device)] = weights
     out = torch.empty(rows.shape[0], _PROJECTIONS + 1, device=t.device)
     step = max(1, _CHUNK // 4 // width)  # (a million elements: 8 MiB of temporaries)
     for i in range(0, rows.shape[0], step):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import traceback
 import warnings
 from typing import Any, Iterator
 
@@ -123,8 +124,20 @@ class StateSnapshot:
             check_fits([(n, t) for n, t in named if t.is_cuda], self._device)
             large = []
         big = {id(t) for t in large}
-        with torch.no_grad():
-            self._saved += [(t, t.detach().clone()) for _, t in named if id(t) not in big]
+        error: torch.OutOfMemoryError | None = None
+        try:
+            with torch.no_grad():
+                self._saved += [(t, t.detach().clone()) for _, t in named if id(t) not in big]
+        except torch.OutOfMemoryError as exc:  # (the check counted memory no copy can have: a
+            # graph pool's unused blocks)
+            traceback.clear_frames(exc.__traceback__)  # (the copies made so far go with it)
+            error = exc
+        if error is not None:
+            # (their memory back to the device: a graph's pool cannot take it from torch's cache
+            # while it captures, and a build with restore_state=False comes next)
+            torch.cuda.empty_cache()
+            check_fits([(n, t) for n, t in named if t.is_cuda and id(t) not in big], self._device, failed=True)
+            raise error
         if large:
             assert self._rewind is not None
             self._rewind.watch(large, [n for n, t in named if id(t) in big])
@@ -195,25 +208,26 @@ class StateSnapshot:
             torch.cuda.set_rng_state(self._cuda_rng, self._device)
 
 
-def check_fits(named: list[tuple[str, torch.Tensor]], device: torch.device) -> None:
+def check_fits(named: list[tuple[str, torch.Tensor]], device: torch.device, failed: bool = False) -> None:
     """Raise a :class:`CaptureError` when copies of ``named`` (name, CUDA tensor) would not fit
     in what ``device`` has free: the driver's free memory and what torch's allocator holds
-    unused. (Fragmentation aside: a copy this check lets through may still fail, one it refuses
-    cannot succeed.)"""
+    unused (some of which a graph's pool may hold: a copy this check lets through may still
+    fail; ``failed``: it did, raise). One it refuses cannot succeed."""
     need = sum(t.untyped_storage().nbytes() for _, t in named)
     if not need or device.type != "cuda":
         return
     free = torch.cuda.mem_get_info(device)[0]
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    if need <= free:
+    if need <= free and not failed:
         return
     big = sorted(named, key=lambda nt: -nt[1].untyped_storage().nbytes())
     listed = ", ".join(f"{n} ({t.untyped_storage().nbytes() / _GiB:.2f} GiB)" for n, t in big[:4])
     more = f" and {len(big) - 4} more" if len(big) > 4 else ""
+    held = ", some of it held unused by graphs' memory pools" if need <= free else ""
     raise CaptureError(
         f"building the graph copies the module's buffers to put them back after its calls "
         f"(restore_state=True, the default): {listed}{more}, {need / _GiB:.2f} GiB in all, and "
-        f"{device} has {free / _GiB:.2f} GiB free. Nothing was captured and the module's state "
+        f"{device} has {free / _GiB:.2f} GiB free{held}. Nothing was captured and the module's state "
         "is as it was. Pass "
         "config=torchreplay.config.GraphConfig(restore_state=False) to build without putting them "
         "back (the build's calls then leave their writes in them, as a serving engine's "
