@@ -246,6 +246,11 @@ class CompileConfig:
             the largest call of any rank).
         cache_strict: a bad cache entry or an unusable folder raises ``CacheError`` instead of
             one warning and a compile as if there were no cache.
+        restore_state: put back, after the first call's warm-ups and captures, what they wrote
+            into the module's buffers (copies made before them). ``False``: buffers over 1 MiB
+            are not copied and keep those writes: right for a KV cache that the call writes at
+            its positions (each run writes what the call writes) and too large to copy, wrong
+            for a counter or a sum the call adds to.
     """
 
     sizes: tuple[int, ...] | None = None
@@ -259,6 +264,7 @@ class CompileConfig:
     cache_dir: str | os.PathLike[str] | _DefaultCacheDir | None = DEFAULT_CACHE_DIR
     cache_strict: bool = False
     ranks: RankConfig = RANKS
+    restore_state: bool = True
 
     def __post_init__(self) -> None:
         if self.sizes is not None:
@@ -277,7 +283,10 @@ class CompileConfig:
             raise ValueError(f"max_graphs must be an int >= 1, got {self.max_graphs!r}")
         if not isinstance(self.num_warmup_iters, int) or self.num_warmup_iters < 0:
             raise ValueError(f"num_warmup_iters must be an int >= 0, got {self.num_warmup_iters!r}")
+        if not isinstance(self.restore_state, bool):
+            raise ValueError(f"restore_state must be True or False, got {self.restore_state!r}")
 
     def graph_config(self) -> GraphConfig:
         """The per-piece capture options."""
-        return GraphConfig(num_warmup_iters=self.num_warmup_iters, outputs=self.outputs)
+        return GraphConfig(num_warmup_iters=self.num_warmup_iters, outputs=self.outputs,
+                           restore_state=self.restore_state)

@@ -121,9 +121,11 @@ def test_each_segment_module_computes_its_part() -> None:
 def test_compile_config_validates() -> None:
     assert CompileConfig(sizes=[8, 1, 4, 4]).sizes == (1, 4, 8)
     assert CompileConfig(splitting_ops="mylib.attn").splitting_ops == ("mylib.attn",)
-    for bad in ({"sizes": []}, {"outputs": "fresh"}, {"dim": -1}, {"max_graphs": 0}):
+    for bad in ({"sizes": []}, {"outputs": "fresh"}, {"dim": -1}, {"max_graphs": 0}, {"restore_state": "no"}):
         with pytest.raises(ValueError):
             CompileConfig(**bad)
+    assert CompileConfig().graph_config().restore_state  # the captures' writes put back
+    assert not CompileConfig(restore_state=False).graph_config().restore_state
 
 
 def test_the_entry_point_resolves_in_a_fresh_process() -> None:

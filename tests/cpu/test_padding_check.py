@@ -404,7 +404,7 @@ def test_put_back_restores_tensors_versions_and_rng() -> None:
     buf = torch.arange(4.0)
     version = buf._version
     rng = torch.get_rng_state()
-    with put_back([buf], torch.device("cpu")) as restore:
+    with put_back([("buf", buf)], torch.device("cpu")) as restore:
         buf.add_(10.0)
         torch.rand(3)
         restore()  # a run inside starts from the state found
@@ -413,7 +413,7 @@ def test_put_back_restores_tensors_versions_and_rng() -> None:
     assert torch.equal(buf, torch.arange(4.0)) and buf._version == version
     assert torch.equal(torch.get_rng_state(), rng)
     with pytest.raises(RuntimeError, match="boom"):
-        with put_back([buf], torch.device("cpu")):
+        with put_back([("buf", buf)], torch.device("cpu")):
             buf.fill_(7.0)
             raise RuntimeError("boom")
     assert torch.equal(buf, torch.arange(4.0))  # put back on the way out of an error too

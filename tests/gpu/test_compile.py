@@ -1108,3 +1108,70 @@ def test_padding_that_changes_state_is_reported_at_the_first_call(caplog) -> Non
     assert summary.startswith("CHANGES state: ") and "self.seen: 1 of the 1 elements both write differ" in summary, summary
     (report,) = [r.getMessage() for r in caplog.records if "padding changes the state" in r.getMessage()]
     assert "seen" in report and "padded to 8" in report, report
+
+
+class _SlotCache(nn.Module):
+    """gpt-fast's layout: a KV cache registered as a buffer (1 GiB), written at the positions
+    each call is given."""
+
+    def __init__(self, slots: int = 1 << 20, width: int = 256) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.register_buffer("cache", torch.zeros(slots, width))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.cache.index_copy_(0, pos, h)
+        return h + self.cache[:64].sum(0)
+
+
+def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal`` a chunk at a time (a whole comparison's temporaries would not fit)."""
+    return all(torch.equal(a[i:i + 65536], b[i:i + 65536]) for i in range(0, a.shape[0], 65536))
+
+
+def test_a_cache_too_large_to_copy_is_refused_and_restore_state_false_compiles_in_what_is_left() -> None:
+    """The first call copies the buffers its warm-ups and captures write, to put them back.
+    With the device nearly full (a serving engine's KV cache sized to fill it) the copy does
+    not fit: a CaptureError naming the cache and ``restore_state=False``, the cache as it was.
+    With ``restore_state=False`` the first call copies no cache and fits in what is left, and
+    every call, the first included, writes the cache and returns what eager does."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _SlotCache().to(DEV)
+    with torch.no_grad():
+        model.cache.normal_()
+    ref = copy.deepcopy(model)
+    cache_bytes = model.cache.nbytes
+    assert cache_bytes == 2**30
+
+    def call() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(4, 256, device=DEV), torch.randperm(1 << 20, device=DEV)[:4]
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    filler = torch.empty(torch.cuda.mem_get_info()[0] - 512 * 2**20, dtype=torch.uint8, device=DEV)
+    try:
+        c = tr.compile(model, inductor=False)
+        with torch.no_grad(), pytest.raises(tr.CaptureError, match="restore_state=False") as err:
+            c(*call())
+        assert "self.cache (1.00 GiB)" in str(err.value) or "cache (1.00 GiB)" in str(err.value), err.value
+        assert _same_rows(model.cache, ref.cache)
+        del c, err
+        torch._dynamo.reset()
+        c = tr.compile(model, inductor=False, restore_state=False)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.no_grad():
+            for k in range(8):
+                x, pos = call()
+                _close(c(x, pos), ref(x, pos), f"call {k}")
+                if k == 0:
+                    peak = torch.cuda.max_memory_allocated() - base
+                    assert peak < cache_bytes // 2, (peak, cache_bytes)  # no copy of the cache
+        assert _same_rows(model.cache, ref.cache)  # the warm-ups wrote what the first call writes
+        assert sum(rt.stats.replays for rt in _runtimes(c)) >= 7
+    finally:
+        del filler
+        torch.cuda.empty_cache()

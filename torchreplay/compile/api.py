@@ -81,6 +81,7 @@ def compile(
     cache_dir: Any = DEFAULT_CACHE_DIR,
     cache_strict: bool = False,
     ranks: RankConfig | None = None,
+    restore_state: bool = True,
 ) -> Compiled:
     """Compile ``model`` with ``torch.compile`` and run it as CUDA graphs, piece by piece.
 
@@ -109,6 +110,10 @@ def compile(
             difference raises ``ReplayInputError`` on every rank instead of hanging in NCCL.
             A :class:`~torchreplay.config.RankConfig` changes how (``check=False``: no
             exchange; ``sync_sizes=True``: agree on sizes without a collective inside).
+        restore_state: put back what the first call's warm-ups and captures write into the
+            module's buffers (default). ``False``: buffers over 1 MiB are not copied for it and
+            keep those writes, for a KV cache too large to copy (each run writes what the call
+            writes at its positions); wrong for a counter or a sum the call adds to.
 
     Returns:
         a :class:`Compiled` to call like ``model``.
@@ -130,6 +135,7 @@ def compile(
         cache_dir=cache_dir,
         cache_strict=cache_strict,
         ranks=ranks if ranks is not None else RANKS,
+        restore_state=restore_state,
     )
     backend = _backend_for(model, config)
     return Compiled(torch.compile(model, backend=backend, fullgraph=fullgraph), backend)

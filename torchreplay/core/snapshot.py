@@ -39,7 +39,7 @@ from torchreplay.core.pystate import large_tensors
 from torchreplay.errors import CaptureError
 from torchreplay.core.rewind import Rewind
 
-__all__ = ["StateSnapshot", "check_fits"]
+__all__ = ["GRAPH_FIX", "StateSnapshot", "check_fits", "copies"]
 
 _GiB = float(1 << 30)
 
@@ -94,8 +94,8 @@ class StateSnapshot:
     def saved_bytes(self) -> int:
         """What the snapshot holds now: the copies of the small buffers, the large ones'
         records."""
-        copies = sum(c.nbytes for _, c in self._saved)
-        return copies + (self._rewind.saved_bytes if self._rewind is not None else 0)
+        held = sum(c.nbytes for _, c in self._saved)
+        return held + (self._rewind.saved_bytes if self._rewind is not None else 0)
 
     def _keep(self, module: torch.nn.Module, recurse: bool) -> None:
         if id(module) in self._kept:
@@ -121,23 +121,9 @@ class StateSnapshot:
             big = {id(t) for t in large}
             named, large = [(n, t) for n, t in named if id(t) not in big], []
         elif compiled or self._large == "copy":  # (writes no mode sees: copied whole)
-            check_fits([(n, t) for n, t in named if t.is_cuda], self._device)
             large = []
         big = {id(t) for t in large}
-        error: torch.OutOfMemoryError | None = None
-        try:
-            with torch.no_grad():
-                self._saved += [(t, t.detach().clone()) for _, t in named if id(t) not in big]
-        except torch.OutOfMemoryError as exc:  # (the check counted memory no copy can have: a
-            # graph pool's unused blocks)
-            traceback.clear_frames(exc.__traceback__)  # (the copies made so far go with it)
-            error = exc
-        if error is not None:
-            # (their memory back to the device: a graph's pool cannot take it from torch's cache
-            # while it captures, and a build with restore_state=False comes next)
-            torch.cuda.empty_cache()
-            check_fits([(n, t) for n, t in named if t.is_cuda and id(t) not in big], self._device, failed=True)
-            raise error
+        self._saved += copies([(n, t) for n, t in named if id(t) not in big], self._device)
         if large:
             assert self._rewind is not None
             self._rewind.watch(large, [n for n, t in named if id(t) in big])
@@ -208,11 +194,45 @@ class StateSnapshot:
             torch.cuda.set_rng_state(self._cuda_rng, self._device)
 
 
-def check_fits(named: list[tuple[str, torch.Tensor]], device: torch.device, failed: bool = False) -> None:
+#: How to build without the copies, for :func:`check_fits`'s error (``tr.graph``'s words)
+GRAPH_FIX = (
+    "Pass config=torchreplay.config.GraphConfig(restore_state=False) to build without putting "
+    "them back (the build's calls then leave their writes in them, as a serving engine's capture "
+    "leaves its KV cache written), or build the graph before allocating them"
+)
+
+
+def copies(
+    named: list[tuple[str, torch.Tensor]], device: torch.device, fix: str = GRAPH_FIX
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each tensor of ``named`` (name, tensor) with a copy of it. Copies that do not fit in
+    ``device``'s memory raise a :class:`CaptureError` naming the largest tensors and ``fix``
+    (:func:`check_fits`), the copies made so far given back."""
+    on_device = [(n, t) for n, t in named if t.is_cuda]
+    check_fits(on_device, device, fix=fix)
+    error: torch.OutOfMemoryError | None = None
+    try:
+        with torch.no_grad():
+            return [(t, t.detach().clone()) for _, t in named]
+    except torch.OutOfMemoryError as exc:  # (the check counted memory no copy can have: a
+        # graph pool's unused blocks)
+        traceback.clear_frames(exc.__traceback__)  # (the copies made so far go with it)
+        error = exc
+    # (their memory back to the device: a graph's pool cannot take it from torch's cache while
+    # it captures, and a build with restore_state=False may come next)
+    torch.cuda.empty_cache()
+    check_fits(on_device, device, failed=True, fix=fix)
+    raise error
+
+
+def check_fits(
+    named: list[tuple[str, torch.Tensor]], device: torch.device, failed: bool = False, fix: str = GRAPH_FIX
+) -> None:
     """Raise a :class:`CaptureError` when copies of ``named`` (name, CUDA tensor) would not fit
     in what ``device`` has free: the driver's free memory and what torch's allocator holds
     unused (some of which a graph's pool may hold: a copy this check lets through may still
-    fail; ``failed``: it did, raise). One it refuses cannot succeed."""
+    fail; ``failed``: it did, raise). One it refuses cannot succeed. ``fix``: the error's last
+    sentence."""
     need = sum(t.untyped_storage().nbytes() for _, t in named)
     if not need or device.type != "cuda":
         return
@@ -225,11 +245,8 @@ def check_fits(named: list[tuple[str, torch.Tensor]], device: torch.device, fail
     more = f" and {len(big) - 4} more" if len(big) > 4 else ""
     held = ", some of it held unused by graphs' memory pools" if need <= free else ""
     raise CaptureError(
-        f"building the graph copies the module's buffers to put them back after its calls "
-        f"(restore_state=True, the default): {listed}{more}, {need / _GiB:.2f} GiB in all, and "
-        f"{device} has {free / _GiB:.2f} GiB free{held}. Nothing was captured and the module's state "
-        "is as it was. Pass "
-        "config=torchreplay.config.GraphConfig(restore_state=False) to build without putting them "
-        "back (the build's calls then leave their writes in them, as a serving engine's "
-        "capture leaves its KV cache written), or build the graph before allocating them"
+        f"building the graphs copies the module's buffers to put them back after the calls it "
+        f"makes (restore_state=True, the default): {listed}{more}, {need / _GiB:.2f} GiB in all, "
+        f"and {device} has {free / _GiB:.2f} GiB free{held}. Nothing was captured and the "
+        f"module's state is as it was. {fix}"
     )

@@ -15,16 +15,27 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from torchreplay import _compat
+from torchreplay.core.snapshot import copies
 
-__all__ = ["put_back"]
+__all__ = ["COMPILE_FIX", "put_back"]
+
+
+#: How to build without the copies, for the error of one that does not fit
+COMPILE_FIX = (
+    "Pass restore_state=False (tr.compile(..., restore_state=False), or options="
+    "{'restore_state': False}) to leave in the buffers over 1 MiB what the first call's "
+    "warm-ups and captures write: right for a KV cache written at the call's positions (each "
+    "run writes what the call writes), wrong for a counter or a sum the call adds to"
+)
 
 
 @contextlib.contextmanager
-def put_back(tensors: Sequence[torch.Tensor], device: torch.device) -> Iterator[Callable[[], None]]:
-    """Copy ``tensors`` now; on exit write them back and set the CPU's and ``device``'s RNG back.
-    Yields the write-back alone, for a run inside that must start from the state found."""
-    with torch.no_grad():
-        saved = [(t, t.detach().clone()) for t in tensors]
+def put_back(tensors: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> Iterator[Callable[[], None]]:
+    """Copy ``tensors`` (name, tensor) now; on exit write them back and set the CPU's and
+    ``device``'s RNG back. Yields the write-back alone, for a run inside that must start from
+    the state found. Copies that do not fit in the device's memory raise a ``CaptureError``
+    naming the largest tensors, before anything ran."""
+    saved = copies(list(tensors), device, fix=COMPILE_FIX)
     versions = _compat.versions_of([t for t, _ in saved])
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None

@@ -33,6 +33,8 @@ from torchreplay.core.capture import capture, side_stream
 from torchreplay.core.io import write_back
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
+from torchreplay.core.pystate import large_tensors
+from torchreplay.core.snapshot import copies as saved_copies
 from torchreplay.core.threads import Callers, follow_stream, get_ident, outputs_to_clones
 from torchreplay.errors import CaptureError
 from torchreplay.pieces.entries import (
@@ -42,7 +44,7 @@ from torchreplay.pieces.entries import (
 from torchreplay.pieces.handoff import DEMOTED, MISSES, MOVED, graph_reads, handed_slots
 from torchreplay.pieces.instances import MOVING, Instances, drop_entries, outputs_held, ptrs_of
 from torchreplay.pieces.padding import check_first_call
-from torchreplay.pieces.putback import put_back
+from torchreplay.pieces.putback import COMPILE_FIX, put_back
 from torchreplay.pieces.program import Program, run_in_order
 from torchreplay.pieces.saved import BLOCKED, SavedActivations, guarded, saved_refs
 from torchreplay.stats import GraphStats
@@ -363,10 +365,11 @@ class PiecewiseRuntime:
         """Capture every key in ``todo`` (largest first), module state put back afterwards."""
         assert self.device is not None
         kept = [(self._inputs[i].name, args[i]) for i in self._statics + self._pinned  # (pieces/putback.py)
-                if not isinstance(args[i], torch.nn.Parameter) or self._inputs[i].written]
+                if (not isinstance(args[i], torch.nn.Parameter) or self._inputs[i].written)
+                and (self.config.restore_state or i in self._pinned or not large_tensors([args[i]]))]
         start = time.perf_counter()
         entries = []
-        with put_back([t for _, t in kept], self.device) as restore:
+        with put_back(kept, self.device) as restore:
             for size, key in todo:
                 entries.append(self._capture_key(size, key, args))
             # The warm-ups of later sizes were not waited for one by one (the GPU ran them while
@@ -452,14 +455,19 @@ class PiecewiseRuntime:
             saved_all = [pool_outs[r] for r in saved] + list(kept)
             self.saved.sealed(entry, saved_all, [pool_outs[r] for r in entry.guard])
 
+    def _slot_name(self, slot: int) -> str:
+        return self._inputs[slot].name if slot < len(self._inputs) else f"value {slot} of '{self.name}'"
+
     def _capture_piece(self, k: int, vals: list[Any]) -> tuple[PieceGraph | None, Any]:
         piece = self._pieces[k]
         made = list(vals)  # the values as eager steps made them (before the copies below)
         handed = {w for ws in self._handoffs.values() for w in ws}
         copies, written = graph_reads(piece, vals, self._inputs, self._from_eager, handed, self._alloc)
-        with torch.no_grad():
-            initial = [(vals[pos], vals[pos].clone()) for pos in sorted(written)
-                       if isinstance(vals[pos], _Tensor)]
+        # (restore_state=False: a large buffer keeps what each warm-up writes, copied for none)
+        initial = saved_copies([(self._slot_name(piece.reads[pos]), vals[pos]) for pos in sorted(written)
+                          if isinstance(vals[pos], _Tensor)
+                          and (self.config.restore_state or not large_tensors([vals[pos]]))],
+                         self.device, fix=COMPILE_FIX)  # type: ignore[arg-type]
         backs = [(pos, buf) for pos, buf in copies if pos in written and isinstance(buf, _Tensor)]
 
         def reset() -> None:
