@@ -402,11 +402,13 @@ def two(x, lengths, unused):
     return first_break(x, lengths) * 2
 
 
-def test_builtin_llama_with_host_lengths_decodes_like_eager_at_every_size() -> None:
-    from torchreplay.models.llama import LlamaConfig, build_llama, host_attention
+def _llama_with_random_caches(n_layers: int, max_seq_len: int, max_batch: int):
+    """The built-in Llama (fp32, small), its KV caches filled with noise, and a maker of
+    decode-step arguments of ``n`` rows (ids, positions, host lengths ``positions + 1``)."""
+    from torchreplay.models.llama import LlamaConfig, build_llama
 
-    cfg = LlamaConfig(n_layers=3, dim=128, n_heads=8, n_kv_heads=2, vocab_size=500,
-                      intermediate_size=256, max_seq_len=64, max_batch=8)
+    cfg = LlamaConfig(n_layers=n_layers, dim=128, n_heads=8, n_kv_heads=2, vocab_size=500,
+                      intermediate_size=256, max_seq_len=max_seq_len, max_batch=max_batch)
     model = build_llama(cfg, DEV, torch.float32, seed=0)
     caches = [c for layer in model.layers for c in (layer.attention.k_cache, layer.attention.v_cache)]
     with torch.no_grad():
@@ -419,6 +421,13 @@ def test_builtin_llama_with_host_lengths_decodes_like_eager_at_every_size() -> N
         ids = torch.randint(0, cfg.vocab_size, (n, 1), generator=gen)
         return ids.to(DEV), positions.to(DEV), positions + 1
 
+    return model, caches, step
+
+
+def test_builtin_llama_with_host_lengths_decodes_like_eager_at_every_size() -> None:
+    from torchreplay.models.llama import host_attention
+
+    model, caches, step = _llama_with_random_caches(3, max_seq_len=64, max_batch=8)
     g = tr.graph(model, *step(1), breaks=[host_attention], sizes=[1, 2, 4, 8])
     assert len(g.breaks) == 3 and g.stats.captures == 4 * 4
     for n in [1, 5, 8, 3, 2, 7, 4, 6, 1, 8]:
@@ -598,24 +607,11 @@ def test_a_cache_too_large_to_copy_is_refused_and_restore_state_false_builds_in_
     after sizing its KV cache, that copy does not fit: a CaptureError naming the cache and
     ``restore_state=False``, the caches as they were. With ``restore_state=False`` the build
     copies no cache and fits in what is left (512 MiB), and the graph decodes like eager."""
-    from torchreplay.models.llama import LlamaConfig, build_llama, host_attention
+    from torchreplay.models.llama import host_attention
 
-    cfg = LlamaConfig(n_layers=4, dim=128, n_heads=8, n_kv_heads=2, vocab_size=500,
-                      intermediate_size=256, max_seq_len=16384, max_batch=64)
-    model = build_llama(cfg, DEV, torch.float32, seed=0)
-    caches = [c for layer in model.layers for c in (layer.attention.k_cache, layer.attention.v_cache)]
+    model, caches, step = _llama_with_random_caches(4, max_seq_len=16384, max_batch=64)
     cache_bytes = sum(c.nbytes for c in caches)
     assert cache_bytes == 2**30
-    with torch.no_grad():
-        for c in caches:
-            c.normal_()
-    gen = torch.Generator().manual_seed(0)
-
-    def step(n: int):
-        positions = torch.randint(0, cfg.max_seq_len, (n,), generator=gen)
-        ids = torch.randint(0, cfg.vocab_size, (n, 1), generator=gen)
-        return ids.to(DEV), positions.to(DEV), positions + 1
-
     # the default fits here: built and put back, bit for bit
     before = [c.clone() for c in caches]
     g = tr.graph(model, *step(1), breaks=[host_attention], sizes=[1, 2, 4, 8])
