@@ -419,6 +419,25 @@ def test_put_back_restores_tensors_versions_and_rng() -> None:
     assert torch.equal(buf, torch.arange(4.0))  # put back on the way out of an error too
 
 
+def test_what_a_compile_piece_copies_to_reset_before_each_warm_up() -> None:
+    """pieces/runtime.py: every tensor a piece writes, but with restore_state=False not a module
+    buffer over 1 MiB (a KV cache; it keeps what each warm-up writes)."""
+    from types import SimpleNamespace as NS
+
+    from torchreplay.config import GraphConfig
+    from torchreplay.pieces.program import Input
+    from torchreplay.pieces.runtime import PiecewiseRuntime
+
+    inputs = (Input("self.cache", "static"), Input("x", "tensor"), Input("self.seen", "static"))
+    big, small = torch.empty(1 << 19), torch.empty(4)  # 2 MiB, 16 bytes
+    for restore in (True, False):
+        rt = NS(_inputs=inputs, config=GraphConfig(restore_state=restore), name="Net")
+        names = [PiecewiseRuntime._reset_copy(rt, slot, v)  # type: ignore[arg-type]
+                 for slot, v in ((0, big), (1, big), (2, small), (5, big), (1, 3))]
+        cache = "self.cache" if restore else None
+        assert names == [cache, "x", "self.seen", "value 5 of 'Net'", None], names
+
+
 def test_a_breakable_graphs_report() -> None:
     """breaks/report.py over a stand-in graph: breaks, their reads, segments, sizes, stats."""
     from types import SimpleNamespace as NS

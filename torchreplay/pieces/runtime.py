@@ -455,7 +455,13 @@ class PiecewiseRuntime:
             saved_all = [pool_outs[r] for r in saved] + list(kept)
             self.saved.sealed(entry, saved_all, [pool_outs[r] for r in entry.guard])
 
-    def _slot_name(self, slot: int) -> str:
+    def _reset_copy(self, slot: int, v: Any) -> str | None:
+        """The name of a value a piece writes, copied to reset it before each warm-up; None: not
+        copied (not a tensor, or with restore_state=False a module buffer over 1 MiB, which
+        keeps what each warm-up writes)."""
+        static = slot < len(self._inputs) and self._inputs[slot].kind == "static"
+        if not isinstance(v, _Tensor) or static and not self.config.restore_state and large_tensors([v]):
+            return None
         return self._inputs[slot].name if slot < len(self._inputs) else f"value {slot} of '{self.name}'"
 
     def _capture_piece(self, k: int, vals: list[Any]) -> tuple[PieceGraph | None, Any]:
@@ -463,11 +469,8 @@ class PiecewiseRuntime:
         made = list(vals)  # the values as eager steps made them (before the copies below)
         handed = {w for ws in self._handoffs.values() for w in ws}
         copies, written = graph_reads(piece, vals, self._inputs, self._from_eager, handed, self._alloc)
-        # (restore_state=False: a large buffer keeps what each warm-up writes, copied for none)
-        initial = saved_copies([(self._slot_name(piece.reads[pos]), vals[pos]) for pos in sorted(written)
-                          if isinstance(vals[pos], _Tensor)
-                          and (self.config.restore_state or not large_tensors([vals[pos]]))],
-                         self.device, fix=COMPILE_FIX)  # type: ignore[arg-type]
+        named = [(self._reset_copy(piece.reads[pos], vals[pos]), vals[pos]) for pos in sorted(written)]
+        initial = saved_copies([(n, v) for n, v in named if n is not None], self.device, fix=COMPILE_FIX)  # type: ignore[arg-type]
         backs = [(pos, buf) for pos, buf in copies if pos in written and isinstance(buf, _Tensor)]
 
         def reset() -> None:
