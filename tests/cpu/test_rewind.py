@@ -5,6 +5,7 @@ by saving only what each write overwrites. Small tensors are copied whole (test_
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 
 import pytest
@@ -225,6 +226,41 @@ def test_a_whole_copy_that_does_not_fit_on_the_device_is_refused_naming_the_buff
     assert "0.08 GiB in all" in text and "0.05 GiB free" in text and "restore_state=False" in text
     snapshot_mod.check_fits(named[:3], cuda)  # 48 MiB: fits
     snapshot_mod.check_fits(named, CPU)  # (not a CUDA device: nothing to check)
+
+
+def test_copies_that_run_out_of_memory_anyway_are_the_same_error_and_given_back(monkeypatch) -> None:
+    """The check let them through (torch's unused cache counted as free holds a graph pool's
+    blocks, which no copy can take) and a copy ran out of memory: the same CaptureError, what
+    was copied given back to the device first (a capture's pool could not take it from torch's
+    cache), and nothing of it kept."""
+    from torchreplay.core import snapshot as snapshot_mod
+
+    mib = 1 << 20
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * mib, 80 * mib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 60 * mib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    emptied: list[int] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    made: list[torch.Tensor] = []
+    real_clone = torch.Tensor.clone
+
+    def clone(t: torch.Tensor, *a, **k) -> torch.Tensor:
+        if made:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 MiB")
+        made.append(real_clone(t, *a, **k))
+        return made[-1]
+
+    monkeypatch.setattr(torch.Tensor, "clone", clone)
+    named = [("self.k_cache", torch.empty(16 * mib, dtype=torch.uint8)),
+             ("self.v_cache", torch.empty(16 * mib, dtype=torch.uint8))]
+    with pytest.raises(tr.CaptureError) as err:  # 32 MiB against 10 + 60 counted free
+        snapshot_mod.copies(named, torch.device("cuda", 0))
+    text = str(err.value)
+    assert "self.k_cache (0.02 GiB), self.v_cache (0.02 GiB)" in text and "held unused by graphs' memory pools" in text
+    assert emptied == [1] and err.value.__context__ is None
+    monkeypatch.undo()
+    assert len(made) == 1 and gc.get_referrers(made[0]) == [made]  # the copy made: not held
 
 
 class Unseen(BufferCache):

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import traceback
 import warnings
 from typing import Any, Iterator
 
@@ -215,9 +214,8 @@ def copies(
         with torch.no_grad():
             return [(t, t.detach().clone()) for _, t in named]
     except torch.OutOfMemoryError as exc:  # (the check counted memory no copy can have: a
-        # graph pool's unused blocks)
-        traceback.clear_frames(exc.__traceback__)  # (the copies made so far go with it)
-        error = exc
+        # graph pool's unused blocks; the copies made so far are gone with the unfinished list)
+        error = exc  # (raised after the block: the CaptureError does not carry it as context)
     # (their memory back to the device: a graph's pool cannot take it from torch's cache while
     # it captures, and a build with restore_state=False may come next)
     torch.cuda.empty_cache()
