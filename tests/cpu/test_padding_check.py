@@ -681,6 +681,6 @@ def test_large_state_is_compared_by_row_fingerprints_without_a_copy(cpu_graphs: 
     f = padcheck.fingerprint(t)
     t[2] = t[2].clone()
     assert torch.equal(padcheck.fingerprint(t), f)
-    t[2, 7] += 1e-6
+    t[2, 7] += 1e-3  # (a change within float32 rounding of the row sums, 1e-6, may not show)
     changed = (padcheck.fingerprint(t) != f).any(1)
     assert changed.tolist() == [False, True, False, False]  # (rows 2 and 3 taken together)

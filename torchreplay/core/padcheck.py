@@ -283,7 +283,8 @@ def fingerprint(t: _Tensor) -> _Tensor | None:
     """Three float32 numbers per row of ``t`` (:func:`_row_width`: 1024 to 4096 elements where
     the shape allows): two random projections and the sum of squares, 12 bytes a row. A row nothing
     wrote keeps its fingerprint bit for bit (the same kernels over the same values, on one
-    stream); a row written with other values changes it. Computed a million elements at a time:
+    stream); a row written with other values changes it (a change within float32 rounding of
+    the row's sums, a millionth of its norm, may not: far below the check's tolerances). Computed a million elements at a time:
     no copy of ``t``. None where ``t`` cannot be cut into such rows without a copy (not
     contiguous) or is complex."""
     width = _row_width(t)
