@@ -222,10 +222,25 @@ def test_a_whole_copy_that_does_not_fit_on_the_device_is_refused_naming_the_buff
     with pytest.raises(tr.CaptureError) as err:  # 80 MiB to copy, 40 + 10 MiB free
         snapshot_mod.check_fits(named, cuda)
     text = str(err.value)
-    assert "layers.0.attention.k_cache (0.02 GiB)" in text and "and 1 more" in text
-    assert "0.08 GiB in all" in text and "0.05 GiB free" in text and "restore_state=False" in text
+    assert "layers.0.attention.k_cache (16 MiB)" in text and "and 1 more" in text
+    assert "80 MiB in all" in text and "50 MiB free" in text and "restore_state=False" in text
     snapshot_mod.check_fits(named[:3], cuda)  # 48 MiB: fits
     snapshot_mod.check_fits(named, CPU)  # (not a CUDA device: nothing to check)
+
+
+def test_a_snapshot_copying_large_buffers_whole_is_refused_when_they_do_not_fit(monkeypatch) -> None:
+    """``large="copy"`` (a breakable graph's captures): the refusal names the cache by its
+    qualified name, before any copy was made."""
+    mib = 1 << 20
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 * mib, 80 * mib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: torch.get_rng_state())
+    model = nn.Sequential(_prompted())
+    with pytest.raises(tr.CaptureError, match=r"0\.keys \(2 MiB\).*restore_state=False"):
+        StateSnapshot(model, torch.device("cuda", 0), large="copy")
+    StateSnapshot(model, torch.device("cuda", 0), large="leave")  # (the counter alone: 8 bytes)
 
 
 def test_copies_that_run_out_of_memory_anyway_are_the_same_error_and_given_back(monkeypatch) -> None:
@@ -257,7 +272,7 @@ def test_copies_that_run_out_of_memory_anyway_are_the_same_error_and_given_back(
     with pytest.raises(tr.CaptureError) as err:  # 32 MiB against 10 + 60 counted free
         snapshot_mod.copies(named, torch.device("cuda", 0))
     text = str(err.value)
-    assert "self.k_cache (0.02 GiB), self.v_cache (0.02 GiB)" in text and "held unused by graphs' memory pools" in text
+    assert "self.k_cache (16 MiB), self.v_cache (16 MiB)" in text and "held unused by graphs' memory pools" in text
     assert emptied == [1] and err.value.__context__ is None
     monkeypatch.undo()
     assert len(made) == 1 and gc.get_referrers(made[0]) == [made]  # the copy made: not held

@@ -239,12 +239,17 @@ def check_fits(
     if need <= free and not failed:
         return
     big = sorted(named, key=lambda nt: -nt[1].untyped_storage().nbytes())
-    listed = ", ".join(f"{n} ({t.untyped_storage().nbytes() / _GiB:.2f} GiB)" for n, t in big[:4])
+    listed = ", ".join(f"{n} ({_size(t.untyped_storage().nbytes())})" for n, t in big[:4])
     more = f" and {len(big) - 4} more" if len(big) > 4 else ""
     held = ", some of it held unused by graphs' memory pools" if need <= free else ""
     raise CaptureError(
         f"building the graphs copies the module's buffers to put them back after the calls it "
-        f"makes (restore_state=True, the default): {listed}{more}, {need / _GiB:.2f} GiB in all, "
-        f"and {device} has {free / _GiB:.2f} GiB free{held}. Nothing was captured and the "
+        f"makes (restore_state=True, the default): {listed}{more}, {_size(need)} in all, "
+        f"and {device} has {_size(free)} free{held}. Nothing was captured and the "
         f"module's state is as it was. {fix}"
     )
+
+
+def _size(nbytes: int) -> str:
+    """``1.50 GiB``, or ``12 MiB`` below a GiB."""
+    return f"{nbytes / _GiB:.2f} GiB" if nbytes >= _GiB else f"{nbytes / (1 << 20):.0f} MiB"
