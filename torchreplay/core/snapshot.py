@@ -209,7 +209,6 @@ def copies(
     (:func:`check_fits`), the copies made so far given back."""
     on_device = [(n, t) for n, t in named if t.is_cuda]
     check_fits(on_device, device, fix=fix)
-    error: torch.OutOfMemoryError | None = None
     try:
         with torch.no_grad():
             return [(t, t.detach().clone()) for _, t in named]
