@@ -420,22 +420,22 @@ def test_put_back_restores_tensors_versions_and_rng() -> None:
 
 
 def test_what_a_compile_piece_copies_to_reset_before_each_warm_up() -> None:
-    """pieces/runtime.py: every tensor a piece writes, but with restore_state=False not a module
+    """pieces/putback.py: every tensor a piece writes, but with restore_state=False not a module
     buffer over 1 MiB (a KV cache; it keeps what each warm-up writes)."""
     from types import SimpleNamespace as NS
 
     from torchreplay.config import GraphConfig
     from torchreplay.pieces.program import Input
-    from torchreplay.pieces.runtime import PiecewiseRuntime
+    from torchreplay.pieces.putback import reset_copies
 
     inputs = (Input("self.cache", "static"), Input("x", "tensor"), Input("self.seen", "static"))
-    big, small = torch.empty(1 << 19), torch.empty(4)  # 2 MiB, 16 bytes
+    big, small, other = torch.randn(1 << 19), torch.randn(4), torch.randn(1 << 19)  # 2 MiB, 16 bytes
     for restore in (True, False):
-        rt = NS(_inputs=inputs, config=GraphConfig(restore_state=restore), name="Net")
-        names = [PiecewiseRuntime._reset_copy(rt, slot, v)  # type: ignore[arg-type]
-                 for slot, v in ((0, big), (1, big), (2, small), (5, big), (1, 3))]
-        cache = "self.cache" if restore else None
-        assert names == [cache, "x", "self.seen", "value 5 of 'Net'", None], names
+        rt = NS(_inputs=inputs, config=GraphConfig(restore_state=restore), name="Net", device=torch.device("cpu"))
+        kept = reset_copies(rt, [(0, big), (1, other), (2, small), (5, other), (1, 3)])
+        cache = [big] if restore else []
+        assert [id(t) for t, _ in kept] == [id(t) for t in cache + [other, small, other]]
+        assert all(torch.equal(t, c) and t is not c for t, c in kept)
 
 
 def test_a_breakable_graphs_report() -> None:

@@ -10,14 +10,15 @@ backward may have saved them); and the RNG they drew from.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from torchreplay import _compat
+from torchreplay.core.pystate import large_tensors
 from torchreplay.core.snapshot import copies
 
-__all__ = ["COMPILE_FIX", "put_back"]
+__all__ = ["COMPILE_FIX", "put_back", "reset_copies"]
 
 
 #: How to build without the copies, for the error of one that does not fit
@@ -50,3 +51,19 @@ def put_back(tensors: Sequence[tuple[str, torch.Tensor]], device: torch.device) 
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, device)
+
+
+def reset_copies(runtime: Any, written: Sequence[tuple[int, Any]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of the values a piece writes (``written``: each one's slot and value), to put
+    them back before each of its warm-ups (``runtime``: its
+    :class:`~torchreplay.pieces.runtime.PiecewiseRuntime`). Not copied: a value that is no
+    tensor and, with ``restore_state=False``, a module buffer over 1 MiB (it keeps what each
+    warm-up writes). Copies that do not fit raise, as :func:`put_back`'s."""
+    inputs, restore = runtime._inputs, runtime.config.restore_state
+    named = []
+    for slot, v in written:
+        static = slot < len(inputs) and inputs[slot].kind == "static"
+        if not isinstance(v, torch.Tensor) or static and not restore and large_tensors([v]):
+            continue
+        named.append((inputs[slot].name if slot < len(inputs) else f"value {slot} of '{runtime.name}'", v))
+    return copies(named, runtime.device, fix=COMPILE_FIX)

@@ -34,7 +34,6 @@ from torchreplay.core.io import write_back
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
 from torchreplay.core.pystate import large_tensors
-from torchreplay.core.snapshot import copies as saved_copies
 from torchreplay.core.threads import Callers, follow_stream, get_ident, outputs_to_clones
 from torchreplay.errors import CaptureError
 from torchreplay.pieces.entries import (
@@ -44,7 +43,7 @@ from torchreplay.pieces.entries import (
 from torchreplay.pieces.handoff import DEMOTED, MISSES, MOVED, graph_reads, handed_slots
 from torchreplay.pieces.instances import MOVING, Instances, drop_entries, outputs_held, ptrs_of
 from torchreplay.pieces.padding import check_first_call
-from torchreplay.pieces.putback import COMPILE_FIX, put_back
+from torchreplay.pieces.putback import put_back, reset_copies
 from torchreplay.pieces.program import Program, run_in_order
 from torchreplay.pieces.saved import BLOCKED, SavedActivations, guarded, saved_refs
 from torchreplay.stats import GraphStats
@@ -455,22 +454,12 @@ class PiecewiseRuntime:
             saved_all = [pool_outs[r] for r in saved] + list(kept)
             self.saved.sealed(entry, saved_all, [pool_outs[r] for r in entry.guard])
 
-    def _reset_copy(self, slot: int, v: Any) -> str | None:
-        """The name of a value a piece writes, copied to reset it before each warm-up; None: not
-        copied (not a tensor, or with restore_state=False a module buffer over 1 MiB, which
-        keeps what each warm-up writes)."""
-        static = slot < len(self._inputs) and self._inputs[slot].kind == "static"
-        if not isinstance(v, _Tensor) or static and not self.config.restore_state and large_tensors([v]):
-            return None
-        return self._inputs[slot].name if slot < len(self._inputs) else f"value {slot} of '{self.name}'"
-
     def _capture_piece(self, k: int, vals: list[Any]) -> tuple[PieceGraph | None, Any]:
         piece = self._pieces[k]
         made = list(vals)  # the values as eager steps made them (before the copies below)
         handed = {w for ws in self._handoffs.values() for w in ws}
         copies, written = graph_reads(piece, vals, self._inputs, self._from_eager, handed, self._alloc)
-        named = [(self._reset_copy(piece.reads[pos], vals[pos]), vals[pos]) for pos in sorted(written)]
-        initial = saved_copies([(n, v) for n, v in named if n is not None], self.device, fix=COMPILE_FIX)  # type: ignore[arg-type]
+        initial = reset_copies(self, [(piece.reads[pos], vals[pos]) for pos in sorted(written)])
         backs = [(pos, buf) for pos, buf in copies if pos in written and isinstance(buf, _Tensor)]
 
         def reset() -> None:
