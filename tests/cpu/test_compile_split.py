@@ -488,3 +488,34 @@ def test_instances_of_one_class_compiled_each_share_one_backend_and_one_compile(
         assert compiled[0].backend.compiles == 2  # the eval graph, then the training graph
     finally:
         torch._dynamo.reset()
+
+
+def test_the_first_call_outputs_that_follow_the_rows_are_traced_dynamic_by_the_next_frame() -> None:
+    """What the backend does to a sized graph's first outputs (``_rows_dynamic``): the frame
+    Dynamo resumes after a graph break takes them as inputs and traces the rows symbolic at
+    once, one compile for every size; unmarked, it compiles static, then again dynamic. An
+    output whose rows are not the padded size is left alone."""
+    from torchreplay.compile.backend import _rows_dynamic
+
+    def compiles(mark: bool, n: int = 3, dims=(0,)) -> int:
+        torch._dynamo.reset()
+        seen: list[int] = []
+
+        def count(gm, example_inputs):
+            seen.append(1)
+            return gm.forward
+
+        after = torch.compile(lambda h: (h * 2).sum(-1), backend=count)
+        try:
+            for k, rows in enumerate((n, 5, 7, 6)):
+                h = torch.randn(rows, 4)
+                if k == 0 and mark:
+                    _rows_dynamic((h,), rows, dims)
+                torch.testing.assert_close(after(h), (h * 2).sum(-1))
+            return len(seen)
+        finally:
+            torch._dynamo.reset()
+
+    assert compiles(mark=False) == 2
+    assert compiles(mark=True) == 1
+    assert compiles(mark=True, dims=(None,)) == 2

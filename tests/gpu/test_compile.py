@@ -1061,6 +1061,34 @@ class _RowsBuffer(nn.Module):
         return y, self.rows[: x.shape[0]] * 2
 
 
+class _Broken(_TwoBlocks):
+    def forward(self, x):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def test_the_graph_after_a_graph_break_compiles_once_for_every_size() -> None:
+    """Under sizes=, Dynamo's graph after a break takes the first graph's outputs; they are
+    marked dynamic at the first call, so it is traced for every size then (2 compiles, not a
+    static one and a dynamic one at the next size), and every size is captured at the first
+    call: no compile or capture in the middle of serving. Outputs equal eager's throughout."""
+    torch.manual_seed(0)
+    model = _Broken().to(DEV).eval()
+    c = tr.compile(model, sizes=[1, 2, 4, 8])
+    with torch.no_grad():
+        for k, n in enumerate((3, 5, 8, 1, 2, 7, 3, 6)):
+            x = torch.randn(n, 64, device=DEV)
+            _close(c(x), model(x), f"call {k} ({n} rows)")
+            if k == 0:
+                captured = sum(r.stats.captures for r in _runtimes(c))
+    rts = _runtimes(c)
+    assert c.backend.compiles == 2 and len(rts) == 2, tr.explain(c)
+    assert all(r.sizes for r in rts), tr.explain(c)  # both padded, not one per shape
+    assert sum(r.stats.captures for r in rts) == captured, tr.explain(c)
+    assert sum(r.stats.padded_rows for r in rts) > 0
+
+
 def test_a_buffer_sliced_by_the_call_rows_is_padded(caplog) -> None:
     """``self.rows[: x.shape[0]].copy_(y)`` under sizes=: torch 2.11 traces the slice's size
     as a symbol of its own and breaks the graph before the copy_, handing the slice out. It is

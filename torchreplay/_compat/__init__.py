@@ -503,11 +503,11 @@ __all__ += ["argument_kinds", "compiled_module", "compiled_target", "custom_op_k
             "modes_active", "plain_value", "static_address", "without_dynamo_guard"]
 from torchreplay._compat.shapes import (  # noqa: E402  (Dynamo's symbolic shapes and graph inputs)
     backed_size_oblivious, dynamo_source_name, fake_mode_of, fresh_unbacked_ignored, is_static_input,
-    new_unbacked_symbols, symbol_of,
+    maybe_mark_dynamic, new_unbacked_symbols, symbol_of,
 )
 
 __all__ += ["backed_size_oblivious", "dynamo_source_name", "fake_mode_of", "fresh_unbacked_ignored",
-            "is_static_input", "new_unbacked_symbols", "symbol_of"]
+            "is_static_input", "maybe_mark_dynamic", "new_unbacked_symbols", "symbol_of"]
 from torchreplay._compat.streams import current_stream  # noqa: E402
 from torchreplay._compat.mempool import PrivateAllocations, private_allocations  # noqa: E402  (a private pool)
 from torchreplay._compat.hooks import (  # noqa: E402

@@ -11,7 +11,7 @@ import torch
 
 __all__ = [
     "new_unbacked_symbols", "fresh_unbacked_ignored", "backed_size_oblivious", "symbol_of",
-    "fake_mode_of", "is_static_input", "dynamo_source_name",
+    "fake_mode_of", "is_static_input", "dynamo_source_name", "maybe_mark_dynamic",
 ]
 
 
@@ -60,6 +60,17 @@ def backed_size_oblivious() -> contextlib.AbstractContextManager[Any]:
     if not hasattr(fx_config, "backed_size_oblivious"):
         return contextlib.nullcontext()
     return fx_config.patch(backed_size_oblivious=True)
+
+
+def maybe_mark_dynamic(t: torch.Tensor, dim: int) -> None:
+    """Hint that dimension ``dim`` of ``t`` varies, for the Dynamo trace that next takes ``t``
+    as an input (the frame resumed after a graph break): it traces that dimension symbolic at
+    once instead of compiling it static and again dynamic at the next size. Soft: Dynamo may
+    still specialise it, and never raises. ``torch._dynamo.maybe_mark_dynamic`` (torch >= 2.1);
+    without it, nothing."""
+    mark = getattr(torch._dynamo, "maybe_mark_dynamic", None)
+    if mark is not None:
+        mark(t, dim)
 
 
 def symbol_of(value: Any) -> Any:

@@ -20,6 +20,7 @@ other compile in the process.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import operator
 import re
@@ -116,6 +117,8 @@ class Backend:
             pool=self._pools.setdefault(device, Pool(device)),
         )
         runtime.segments = segments  # type: ignore[attr-defined]
+        if sized:
+            runtime.on_first = functools.partial(_rows_dynamic, dims=program.output_dims)
         # Collectives inside (tensor parallel): every rank agrees before each replay.
         front = agreed(runtime, gm, cfg.ranks, runtime.sizes, device)
         runtime.compile_seconds = time.perf_counter() - start
@@ -395,6 +398,19 @@ def _inductor_or_fx(
             "captured", name, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "",
         )
         return module.forward
+
+
+def _rows_dynamic(outs: Sequence[Any], n: int | None, dims: Sequence[int | None]) -> None:
+    """Mark each dimension of the first call's outputs that has the call's rows dynamic (soft):
+    Dynamo's frame resumed after a graph break takes them as inputs, and would trace them
+    static, then again dynamic at the next size: under ``sizes=``, a second compile and capture
+    of every size in the middle of serving. Not at one row, which Dynamo specialises whatever
+    the mark says."""
+    if n is None or n < 2:
+        return
+    for value, d in zip(outs, dims):
+        if d is not None and isinstance(value, torch.Tensor) and value.dim() > d:
+            _compat.maybe_mark_dynamic(value, d)
 
 
 def _padded_symbol(placeholders: list[fx.Node], example_inputs: Sequence[Any], cfg: CompileConfig) -> Any:

@@ -97,6 +97,8 @@ class PiecewiseRuntime:
         self.saved = SavedActivations() if guard_outputs else None  # awaiting their backward
         #: a backward's test of new inputs read in place: False when that forward ran ungraphed
         self.admit: Callable[[tuple[Any, ...]], bool] | None = None
+        #: called with the first call's outputs and rows (the compile backend marks them dynamic)
+        self.on_first: Callable[[tuple[Any, ...], int | None], None] | None = None
         self.name = name
         self.sizes = tuple(sorted(set(sizes))) if sizes else None
         self.config = config
@@ -167,18 +169,25 @@ class PiecewiseRuntime:
                 callers.another(get_ident(), self._make_clones)
             if not self._ready:
                 self._setup(args)
-            if self._eager:
+                outs = self._call(args, size)
+                if self.on_first is not None:
+                    self.on_first(outs, self.rows(args))
+                return outs
+            return self._call(args, size)
+
+    def _call(self, args: tuple[Any, ...], size: int | None) -> tuple[Any, ...]:
+        if self._eager:
+            return self._run_ungraphed(args)
+        if self._in_place and not self._statics_unchanged(args):
+            if not self._switch(args):
                 return self._run_ungraphed(args)
-            if self._in_place and not self._statics_unchanged(args):
-                if not self._switch(args):
-                    return self._run_ungraphed(args)
-            route = self._route(args, size)
-            if route is None:
-                return self._run_ungraphed(args)
-            if self.saved is not None and self.saved.blocks(route.entry):  # its replay would
-                self._count_fallback(BLOCKED)  # overwrite activations awaiting their backward
-                return self._run_ungraphed(args)
-            return self._replay(route, args)
+        route = self._route(args, size)
+        if route is None:
+            return self._run_ungraphed(args)
+        if self.saved is not None and self.saved.blocks(route.entry):  # its replay would
+            self._count_fallback(BLOCKED)  # overwrite activations awaiting their backward
+            return self._run_ungraphed(args)
+        return self._replay(route, args)
 
     def _replay(self, route: Route, args: tuple[Any, ...]) -> tuple[Any, ...]:
         entry = route.entry
