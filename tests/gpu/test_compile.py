@@ -1158,6 +1158,54 @@ def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
     return all(torch.equal(a[i:i + 65536], b[i:i + 65536]) for i in range(0, a.shape[0], 65536))
 
 
+class _Table(nn.Module):
+    """A large buffer the call only reads (a quantized model's packed weights are buffers; a
+    lookup table, 1 GiB) and a small one it writes (a call counter)."""
+
+    def __init__(self, rows: int = 1 << 20, width: int = 256) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.register_buffer("table", torch.randn(rows, width))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return self.lin(x) + self.table[idx] * self.calls
+
+
+def test_a_large_buffer_the_graph_only_reads_is_not_copied_at_the_first_call() -> None:
+    """The first call puts back what its warm-ups and captures write, from copies: only of the
+    buffers the graph writes. A 1 GiB buffer it only reads is not copied: the default build
+    fits in 512 MiB left free, and the counter it writes is put back (each call counts once,
+    as eagerly). Outputs equal eager's over 8 calls, the table unchanged."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _Table().to(DEV)
+    ref = copy.deepcopy(model)
+    assert model.table.nbytes == 2**30
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    filler = torch.empty(torch.cuda.mem_get_info()[0] - 512 * 2**20, dtype=torch.uint8, device=DEV)
+    try:
+        c = tr.compile(model, inductor=False)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.no_grad():
+            for k in range(8):
+                x, idx = torch.randn(4, 256, device=DEV), torch.randint(0, 1 << 20, (4,), device=DEV)
+                _close(c(x, idx), ref(x, idx), f"call {k}")
+                assert model.calls.item() == ref.calls.item() == k + 1
+                if k == 0:
+                    assert torch.cuda.max_memory_allocated() - base < 2**29  # no copy of the table
+        assert _same_rows(model.table, ref.table)
+        assert sum(rt.stats.replays for rt in _runtimes(c)) >= 7
+    finally:
+        del filler
+        torch.cuda.empty_cache()
+
+
 def test_a_cache_too_large_to_copy_is_refused_and_restore_state_false_compiles_in_what_is_left() -> None:
     """The first call copies the buffers its warm-ups and captures write, to put them back.
     With the device nearly full (a serving engine's KV cache sized to fill it) the copy does

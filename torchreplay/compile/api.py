@@ -111,9 +111,10 @@ def compile(
             A :class:`~torchreplay.config.RankConfig` changes how (``check=False``: no
             exchange; ``sync_sizes=True``: agree on sizes without a collective inside).
         restore_state: put back what the first call's warm-ups and captures write into the
-            module's buffers (default). ``False``: buffers over 1 MiB are not copied for it and
-            keep those writes, for a KV cache too large to copy (each run writes what the call
-            writes at its positions); wrong for a counter or a sum the call adds to.
+            module's buffers (default; only the buffers the graph writes are copied for it).
+            ``False``: written buffers over 1 MiB are not copied and keep those writes, for a
+            KV cache too large to copy (each run writes what the call writes at its
+            positions); wrong for a counter or a sum the call adds to.
 
     Returns:
         a :class:`Compiled` to call like ``model``.

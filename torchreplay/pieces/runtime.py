@@ -372,9 +372,10 @@ class PiecewiseRuntime:
     ) -> list[Entry]:
         """Capture every key in ``todo`` (largest first), module state put back afterwards."""
         assert self.device is not None
-        kept = [(self._inputs[i].name, args[i]) for i in self._statics + self._pinned  # (pieces/putback.py)
-                if (not isinstance(args[i], torch.nn.Parameter) or self._inputs[i].written)
-                and (self.config.restore_state or i in self._pinned or not large_tensors([args[i]]))]
+        # what the graphs write (pieces/putback.py): a buffer only read is not copied
+        kept = [(self._inputs[i].name, args[i]) for i in self._statics + self._pinned
+                if i in self._pinned or self._inputs[i].written
+                and (self.config.restore_state or not large_tensors([args[i]]))]
         start = time.perf_counter()
         entries = []
         with put_back(kept, self.device) as restore:
