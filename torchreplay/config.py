@@ -247,8 +247,8 @@ class CompileConfig:
         cache_strict: a bad cache entry or an unusable folder raises ``CacheError`` instead of
             one warning and a compile as if there were no cache.
         restore_state: put back, after the first call's warm-ups and captures, what they wrote
-            into the module's buffers (copies made before them, of the buffers the graph
-            writes: one it only reads is not copied). ``False``: written buffers over 1 MiB
+            into the module's buffers (copies made before them; a buffer over 1 MiB the graph
+            only reads is not copied). ``False``: written buffers over 1 MiB
             are not copied and keep those writes: right for a KV cache that the call writes at
             its positions (each run writes what the call writes) and too large to copy, wrong
             for a counter or a sum the call adds to.

@@ -519,3 +519,41 @@ def test_the_first_call_outputs_that_follow_the_rows_are_traced_dynamic_by_the_n
     assert compiles(mark=False) == 2
     assert compiles(mark=True) == 1
     assert compiles(mark=True, dims=(None,)) == 2
+
+
+def test_the_inputs_an_aot_graph_writes_are_found_through_views() -> None:
+    """What a training piece puts back after capture (``written_inputs``): the BatchNorm
+    statistics AOT autograd's forward graph writes with ``copy_`` (not its weights, not the
+    input), and an input written through a view of it (``a[0].add_``), as make_fx records it."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torchreplay.compile.training import written_inputs
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def forward(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).train()
+        backend = aot_autograd(fw_compiler=forward, bw_compiler=lambda gm, ex: make_boxed_func(gm.forward),
+                               keep_inference_input_mutations=True)
+        torch.compile(model, backend=backend)(torch.randn(8, 4, requires_grad=True)).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    places = [n for n in graphs[0].graph.nodes if n.op == "placeholder"]
+    written = written_inputs(graphs[0])
+    assert written is not None
+    shapes = sorted(tuple(places[i].meta["val"].shape) for i in written)
+    assert shapes == [(), (4,), (4,)], shapes  # the count, the mean, the variance: no weight, no input
+
+    def f(a, b):
+        a[0].add_(b)
+        return a * 2
+
+    gm = make_fx(f)(torch.randn(3, 4), torch.randn(4))
+    assert written_inputs(gm) == {0}

@@ -684,3 +684,20 @@ def test_large_state_is_compared_by_row_fingerprints_without_a_copy(cpu_graphs: 
     t[2, 7] += 1e-3  # (a change within float32 rounding of the row sums, 1e-6, may not show)
     changed = (padcheck.fingerprint(t) != f).any(1)
     assert changed.tolist() == [False, True, False, False]  # (rows 2 and 3 taken together)
+
+
+def test_what_the_first_call_copies_to_put_back() -> None:
+    """``to_put_back``: what the graphs write (a large buffer not with restore_state=False),
+    every small buffer (BatchNorm's statistics, which no fake run sees written), a large
+    buffer only read never (quantized weights), a parameter only when written."""
+    from torchreplay.pieces.putback import to_put_back
+
+    small, large = torch.zeros(4), torch.zeros(1 << 19)  # (4 bytes each: 2 MiB)
+    param = torch.nn.Parameter(torch.zeros(4))
+    assert to_put_back(large, written=True, restore_state=True)
+    assert not to_put_back(large, written=True, restore_state=False)
+    assert not to_put_back(large, written=False, restore_state=True)
+    assert to_put_back(small, written=False, restore_state=True)
+    assert to_put_back(small, written=False, restore_state=False)
+    assert not to_put_back(param, written=False, restore_state=True)
+    assert to_put_back(param, written=True, restore_state=False)

@@ -45,7 +45,7 @@ __all__ = [
     "set_grad_scaler_state",
     "supports_amp_scaling",
     "module_hooks",
-    "written_tensors",
+    "written_tensors", "written_arguments", "returns_view",
 ]
 
 
@@ -371,10 +371,16 @@ def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     mutation detection, FX's ``is_impure``); it exists since torch 1.x. An op without a schema
     (a Python-only op) is reported as writing nothing.
     """
+    return written_arguments(func, args, kwargs, torch.Tensor)
+
+
+def written_arguments(func: Any, args: Sequence[Any], kwargs: dict[str, Any], kind: type = object) -> list[Any]:
+    """:func:`written_tensors` for any argument values of type ``kind`` (the FX nodes of an
+    op's call in a graph: which nodes it writes)."""
     schema = getattr(func, "_schema", None)
     if schema is None:
         return []
-    out: list[torch.Tensor] = []
+    out: list[Any] = []
     for i, arg in enumerate(schema.arguments):
         info = arg.alias_info
         if info is None or not info.is_write:
@@ -383,11 +389,18 @@ def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
             value = kwargs.get(arg.name)
         else:
             value = args[i]
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, (list, tuple)):
+            out.extend(t for t in value if isinstance(t, kind))
+        elif isinstance(value, kind) and value is not None:
             out.append(value)
-        elif isinstance(value, (list, tuple)):
-            out.extend(t for t in value if isinstance(t, torch.Tensor))
     return out
+
+
+def returns_view(func: Any) -> bool:
+    """Does an aten op return a view of (an alias of) an argument (its schema's first return
+    is annotated, ``Tensor(a)``: ``select``, ``view``, ``t``)? False without a schema."""
+    returns = getattr(getattr(func, "_schema", None), "returns", ())
+    return bool(returns) and returns[0].alias_info is not None
 
 
 def inductor_compile(
@@ -495,12 +508,12 @@ from torchreplay._compat.distributed import (  # noqa: E402  (the torch.distribu
 
 __all__ += ["default_store", "dist_ready", "group_named", "group_of_arg", "group_ranks"]
 from torchreplay._compat.ops import (  # noqa: E402  (a custom op's kernel and schema, what compile made)
-    argument_kinds, compiled_module, compiled_target, custom_op_kernel, eval_frame_callback, modes_active, plain_value,
-    static_address, without_dynamo_guard,
+    argument_kinds, compiled_module, compiled_target, custom_op_kernel, eval_frame_callback, higher_order, modes_active,
+    plain_value, static_address, without_dynamo_guard,
 )
 
 __all__ += ["argument_kinds", "compiled_module", "compiled_target", "custom_op_kernel", "eval_frame_callback",
-            "modes_active", "plain_value", "static_address", "without_dynamo_guard"]
+            "higher_order", "modes_active", "plain_value", "static_address", "without_dynamo_guard"]
 from torchreplay._compat.shapes import (  # noqa: E402  (Dynamo's symbolic shapes and graph inputs)
     backed_size_oblivious, dynamo_source_name, fake_mode_of, fresh_unbacked_ignored, is_static_input,
     maybe_mark_dynamic, new_unbacked_symbols, symbol_of,

@@ -9,7 +9,7 @@ import torch
 
 __all__ = [
     "custom_op_kernel", "argument_kinds", "plain_value", "modes_active", "without_dynamo_guard",
-    "eval_frame_callback", "compiled_target", "compiled_module", "static_address",
+    "eval_frame_callback", "compiled_target", "compiled_module", "static_address", "higher_order",
 ]
 
 # Python types the dispatcher hands a custom op's kernel unchanged, per schema type: an argument
@@ -155,3 +155,11 @@ def static_address(t: Any) -> bool:
     """Did the caller mark ``t`` with ``torch._dynamo.mark_static_address`` (its address is
     constant across calls; the private attribute that function sets)?"""
     return getattr(t, "_dynamo_static_input_type", None) is not None
+
+
+def higher_order(target: Any) -> bool:
+    """Is an FX node's target a higher-order operator (``torch._ops.HigherOrderOperator``: a
+    user Triton kernel's wrapper, ``auto_functionalized``, control flow), whose writes no schema
+    states? False on a torch without the class."""
+    cls = getattr(getattr(torch, "_ops", None), "HigherOrderOperator", None)
+    return cls is not None and isinstance(target, cls)

@@ -111,7 +111,7 @@ def compile(
             A :class:`~torchreplay.config.RankConfig` changes how (``check=False``: no
             exchange; ``sync_sizes=True``: agree on sizes without a collective inside).
         restore_state: put back what the first call's warm-ups and captures write into the
-            module's buffers (default; only the buffers the graph writes are copied for it).
+            module's buffers (default; a buffer over 1 MiB the graph only reads is not copied).
             ``False``: written buffers over 1 MiB are not copied and keep those writes, for a
             KV cache too large to copy (each run writes what the call writes at its
             positions); wrong for a counter or a sum the call adds to.

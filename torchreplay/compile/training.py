@@ -42,7 +42,7 @@ from torchreplay.pieces.program import Input, Piece, Program, run_in_order
 from torchreplay.pieces.runtime import PiecewiseRuntime
 from torchreplay.pieces.saved import SavedActivations
 
-__all__ = ["GraphingCompiler", "training_program_fn"]
+__all__ = ["GraphingCompiler", "training_program_fn", "written_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +85,11 @@ class GraphingCompiler:
         if not backward:
             static |= self.static
         inputs = []
+        written = written_inputs(gm)  # (a buffer the forward writes: put back after capture)
         for i, ex in enumerate(example_inputs):
             if isinstance(ex, torch.Tensor):
                 kind = ("pinned" if backward else "static") if i in static else "tensor"
-                inputs.append(Input(f"input {i}", kind))  # type: ignore[arg-type]
+                inputs.append(Input(f"input {i}", kind, written=written is None or i in written))  # type: ignore[arg-type]
             elif isinstance(ex, (int, torch.SymInt)):
                 inputs.append(Input(f"input {i}", "int"))
             else:
@@ -219,3 +220,25 @@ def training_program_fn(program: Program) -> Callable[..., tuple[Any, ...]]:
         return run_in_order(program, args, last)
 
     return run
+
+
+def written_inputs(gm: fx.GraphModule) -> set[int] | None:
+    """The positions of the placeholders of an AOT graph that its ops write in place (their
+    schema marks the argument written: the ``copy_`` into a BatchNorm's running statistics
+    that AOT autograd keeps in the forward graph), directly or through a chain of views; None
+    when unknown (a higher-order op, such as a user Triton kernel's wrapper, whose writes no
+    schema says): every input then counts as written."""
+    places = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    found: set[int] = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if _compat.higher_order(n.target):
+            return None
+        for node in _compat.written_arguments(n.target, n.args, n.kwargs, fx.Node):
+            while (node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node)
+                   and _compat.returns_view(node.target)):
+                node = node.args[0]  # (a write through a view writes what it views)
+            if node in places:
+                found.add(places[node])
+    return found

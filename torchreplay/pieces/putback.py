@@ -18,7 +18,7 @@ from torchreplay import _compat
 from torchreplay.core.pystate import large_tensors
 from torchreplay.core.snapshot import copies
 
-__all__ = ["COMPILE_FIX", "put_back", "reset_copies"]
+__all__ = ["COMPILE_FIX", "put_back", "reset_copies", "to_put_back"]
 
 
 #: How to build without the copies, for the error of one that does not fit
@@ -28,6 +28,17 @@ COMPILE_FIX = (
     "warm-ups and captures write: right for a KV cache written at the call's positions (each "
     "run writes what the call writes), wrong for a counter or a sum the call adds to"
 )
+
+
+def to_put_back(t: Any, written: bool, restore_state: bool) -> bool:
+    """Is module state ``t`` copied before the first call's captures, to be put back after
+    them? What the graphs write (``written``, the fake run's finding), unless large with
+    ``restore_state=False``; and every buffer up to 1 MiB (a BatchNorm's statistics:
+    ``native_batch_norm`` writes them where its schema does not say, and no fake run sees it).
+    A large buffer only read (a quantized model's packed weights, a lookup table) is not
+    copied: its memory is not needed twice."""
+    large = bool(large_tensors([t]))
+    return written and (restore_state or not large) or not (large or isinstance(t, torch.nn.Parameter))
 
 
 @contextlib.contextmanager

@@ -33,7 +33,6 @@ from torchreplay.core.capture import capture, side_stream
 from torchreplay.core.io import write_back
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
-from torchreplay.core.pystate import large_tensors
 from torchreplay.core.threads import Callers, follow_stream, get_ident, outputs_to_clones
 from torchreplay.errors import CaptureError
 from torchreplay.pieces.entries import (
@@ -43,7 +42,7 @@ from torchreplay.pieces.entries import (
 from torchreplay.pieces.handoff import DEMOTED, MISSES, MOVED, graph_reads, handed_slots
 from torchreplay.pieces.instances import MOVING, Instances, drop_entries, outputs_held, ptrs_of
 from torchreplay.pieces.padding import check_first_call
-from torchreplay.pieces.putback import put_back, reset_copies
+from torchreplay.pieces.putback import put_back, reset_copies, to_put_back
 from torchreplay.pieces.program import Program, run_in_order
 from torchreplay.pieces.saved import BLOCKED, SavedActivations, guarded, saved_refs
 from torchreplay.stats import GraphStats
@@ -372,10 +371,8 @@ class PiecewiseRuntime:
     ) -> list[Entry]:
         """Capture every key in ``todo`` (largest first), module state put back afterwards."""
         assert self.device is not None
-        # what the graphs write (pieces/putback.py): a buffer only read is not copied
         kept = [(self._inputs[i].name, args[i]) for i in self._statics + self._pinned
-                if i in self._pinned or self._inputs[i].written
-                and (self.config.restore_state or not large_tensors([args[i]]))]
+                if i in self._pinned or to_put_back(args[i], self._inputs[i].written, self.config.restore_state)]
         start = time.perf_counter()
         entries = []
         with put_back(kept, self.device) as restore:
