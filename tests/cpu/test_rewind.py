@@ -350,3 +350,69 @@ def test_writes_seen_while_capturing_are_saved_just_before_the_segment_replays(m
         segments[0]()
     rewind.undo()
     assert rewind.saved_bytes == 0
+
+
+def test_a_checksum_changes_with_the_contents_and_is_stable_otherwise() -> None:
+    """``checksum``: the same for the same bytes, changed by one element next to a NaN (the
+    bits are summed, not the values), by two rows swapped (equal sums, other places), for
+    integers and bytes too; None for a tensor that is not contiguous."""
+    from torchreplay.core.snapshot import checksum
+
+    same = torch.equal
+
+    t = torch.randn(64, 4096)
+    t[3, 5] = float("nan")
+    s = checksum(t)
+    assert same(s, checksum(t.clone()))
+    u = t.clone()
+    u[10, 7] += 1e-3
+    assert not same(s, checksum(u))
+    u = t.clone()
+    u[[1, 2]] = u[[2, 1]]
+    assert not same(s, checksum(u))
+    i = torch.arange(10_000, dtype=torch.int32)
+    j = i.clone()
+    j[9_999] = 0
+    assert not same(checksum(i), checksum(j))
+    b = torch.zeros(4099, dtype=torch.bool)  # (not a whole number of words: bytes)
+    c = b.clone()
+    c[4098] = True
+    assert same(checksum(b), checksum(b.clone())) and not same(checksum(b), checksum(c))
+    assert checksum(t.t()) is None
+
+
+class _Weights(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("packed", torch.randn(1 << 19))  # 2 MiB: large, only read
+        self.register_buffer("cache", torch.zeros(1 << 19))  # 2 MiB: large, written
+        self.register_buffer("count", torch.zeros(()))
+
+
+def test_a_sample_call_tells_which_large_buffers_it_wrote_and_the_capture_copies_only_those() -> None:
+    """With ``sums``, ``written_large`` names the large buffers written since: by an op (the
+    version counter) or where no counter shows (through ``.data``, as a kernel launched outside
+    an aten op would). With ``copy_large``, a large buffer not among them is not copied
+    (``restore`` leaves it) and ``written_large(versions=False)`` names it once it changed."""
+    m = _Weights()
+    snap = StateSnapshot(m, torch.device("cpu"), sums=True)
+    m.count.add_(1)
+    assert snap.written_large() == []
+    m.cache.data[5] = 1.0  # (no version counter moves)
+    assert [n for n, _ in snap.written_large()] == ["_Weights.cache"]
+    m.cache.add_(0.0)  # (a version moved, contents the same)
+    assert [n for n, _ in snap.written_large()] == ["_Weights.cache"]
+    assert [n for n, _ in snap.written_large(versions=False)] == ["_Weights.cache"]
+
+    packed = m.packed.clone()
+    capture = StateSnapshot(m, torch.device("cpu"), large="copy", copy_large={id(m.cache)})
+    assert capture.saved_bytes == m.cache.nbytes + m.count.nbytes  # the packed weights not copied
+    m.cache.add_(1.0)
+    m.count.add_(1)
+    capture.restore()
+    assert m.cache[5].item() == 1.0 and m.count.item() == 1.0  # put back
+    assert capture.written_large(versions=False) == []
+    m.packed.data[0] += 1.0
+    assert [n for n, _ in capture.written_large(versions=False)] == ["_Weights.packed"]
+    capture.restore()
+    assert not torch.equal(m.packed, packed)  # left as written: nothing to put back from

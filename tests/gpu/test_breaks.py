@@ -647,3 +647,68 @@ def test_a_cache_too_large_to_copy_is_refused_and_restore_state_false_builds_in_
     finally:
         del filler
         torch.cuda.empty_cache()
+
+
+def _write_rows(cache: torch.Tensor, pos: torch.Tensor, h: torch.Tensor) -> None:
+    """A break that writes a cache where no version counter shows it (through ``.data``), as a
+    kernel launched outside an aten op (flash-attention's KV-cache write) would."""
+    cache.data.index_copy_(0, pos, h)
+
+
+class _ReadTableWriteCache(nn.Module):
+    """A 1 GiB buffer only read (a quantized model's packed weights, a lookup table) and a
+    cache the break writes at the call's positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(256, 256)
+        self.register_buffer("table", torch.randn(1 << 20, 256))
+        self.register_buffer("cache", torch.randn(1 << 14, 256))  # 16 MiB
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) + self.table[pos]
+        _write_rows(self.cache, pos, h)
+        return h * 2 + self.cache[:64].sum(0)
+
+
+def test_a_large_buffer_only_read_is_not_copied_and_one_a_break_writes_is_put_back(caplog) -> None:
+    """A breakable build copies whole the large buffers its sample call wrote, to put them back
+    after its captures: the cache, though its break writes it where no version counter shows
+    (the checksum of its contents sees it). The 1 GiB table the model only reads is not
+    copied: the default build fits in 512 MiB left free, where a copy of the table would not.
+    The first calls write other rows than the sample's: the caches equal eager's after every
+    call (the build's writes at the sample's rows were put back), and so do the outputs."""
+    import copy
+
+    caplog.set_level(logging.WARNING, logger="torchreplay")
+    torch.manual_seed(0)
+    model = _ReadTableWriteCache().to(DEV)
+    ref = copy.deepcopy(model)
+    assert model.table.nbytes == 2**30
+    perm = torch.randperm(1 << 14, device=DEV)
+    sample = (torch.randn(4, 256, device=DEV), perm[:4])
+    with torch.no_grad():
+        copy.deepcopy(model)(*sample)  # (the library handles, made before the device fills)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    filler = torch.empty(torch.cuda.mem_get_info()[0] - 512 * 2**20, dtype=torch.uint8, device=DEV)
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        g = tr.graph(model, *sample, breaks=[_write_rows])
+        assert torch.cuda.max_memory_allocated() - base < 2**28  # no copy of the table
+        assert torch.equal(model.cache, ref.cache)  # the sample's and captures' writes put back
+        for k in range(8):
+            pos = perm[4 * (k + 1):4 * (k + 2)]  # (rows the sample did not write)
+            x = torch.randn(4, 256, device=DEV)
+            with torch.no_grad():
+                want = ref(x, pos)
+            torch.testing.assert_close(g(x, pos), want, **CLOSE)
+            torch.testing.assert_close(model.cache, ref.cache, **CLOSE)
+        assert g.stats.replays == 8 and g.stats.fallbacks == 0
+        assert torch.equal(model.table, ref.table)
+        assert not [r for r in caplog.records if "the captures wrote" in r.getMessage()]
+    finally:
+        del filler
+        torch.cuda.empty_cache()

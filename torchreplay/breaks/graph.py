@@ -134,6 +134,7 @@ class BreakableGraph:
                 resolved = tuple(Break("module", b.module, b.path) for b in self.auto)
             self._breaks = resolved
             self._placed: Placed | None = None  # at the first capture
+            self._copy_large: set[int] | None = None  # the large buffers the sample call wrote
             self._spec = call.spec
             self._paths = tuple(call.paths)
             self._nargs = call.nargs
@@ -211,7 +212,9 @@ class BreakableGraph:
         tensors = [i for i, x in enumerate(leaves) if isinstance(x, _Tensor) and x.is_cuda]
         recorder = Recorder(leaves, call.paths)
         reached: set[Any] = set()
-        snapshot = StateSnapshot(self._module, device, find=self._module is None)
+        # (a module's large buffers: which of them the call writes, copied whole at capture)
+        sums = self._module is not None and self.config.restore_state
+        snapshot = StateSnapshot(self._module, device, find=self._module is None, sums=sums)
         watch = WriteWatch([leaves[i] for i in tensors])
         args, kwargs = call.unflatten(leaves)
         rng = rng_state(device)
@@ -219,6 +222,7 @@ class BreakableGraph:
             with on_side_stream(side_stream(device), device), torch.no_grad(), self._python.build_call():
                 with watch, intercept(self.fn, self._breaks, recorder, reached), snapshot.running():
                     out = self.fn(*args, **kwargs)
+                self._copy_large = {id(t) for _, t in snapshot.written_large()} if sums else None
                 if self._state_check is not None:  # (all of it: a segment's replay moves no version)
                     self._state_check.after_first(
                         [(n, t) for n, t, _ in snapshot.kept()] + [(n, t) for n, t, _ in self._python.held_tensors()])
@@ -393,7 +397,7 @@ class _Runtime(PiecewiseRuntime):
         # every op of every capture, twice the Llama's 32-size build, for no memory saved)
         # restore_state=False: the large ones (a KV cache) are left as the captures write them
         large = "copy" if self.config.restore_state else "leave"
-        self._snapshot = StateSnapshot(module, self.device, large=large)
+        self._snapshot = StateSnapshot(module, self.device, large=large, copy_large=self._front._copy_large)
         state = [*module.parameters(), *module.buffers()] if module is not None else []
         state += [a for a in args if isinstance(a, _Tensor)]
         self._state_ptrs = {t.untyped_storage().data_ptr() for t in state}
@@ -401,7 +405,13 @@ class _Runtime(PiecewiseRuntime):
             entries = super()._capture_batch(todo, args)
         finally:
             self._snapshot.restore()
+            changed = [n for n, _ in self._snapshot.written_large(versions=False)]
             self._snapshot = None
+        if changed:  # (a write the sample call did not make: nothing to put back from)
+            log.warning(
+                "torchreplay: '%s': the captures wrote %s, which the sample call did not write, "
+                "so it was not copied to be put back: it keeps what the captures wrote", self.name,
+                ", ".join(changed))
         if self._front._placed is None:  # the breaks run eagerly: their own state may change
             eager = [getattr(c.call, "__self__", None) for c in self._front.breaks]
             skip = [m for m in eager if isinstance(m, torch.nn.Module)]

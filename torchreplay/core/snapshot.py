@@ -22,6 +22,13 @@ and ``restore_state=False``, never an out-of-memory error halfway through a buil
 ``large="leave"`` (a breakable graph built with ``restore_state=False``) the large buffers are
 neither copied nor recorded: the build's calls leave their writes there, as a serving engine's
 capture writes its KV cache.
+
+A breakable graph's capture copies whole only the large buffers its sample call wrote
+(``copy_large``): a buffer the model only reads (a quantized model's packed weights) is not
+copied. What the sample call wrote is told by the version counter and, for writes no counter
+shows (a kernel launched outside an aten op in a break: flash-attention's KV-cache write), by
+a :func:`checksum` of the contents taken before and after it (``sums``). A buffer left
+uncopied whose contents the captures changed anyway is named in a warning.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 import torch
 
@@ -70,9 +77,15 @@ class StateSnapshot:
         find: bool = False,
         save: bool = True,
         large: str = "rewind",
+        sums: bool = False,
+        copy_large: Collection[int] | None = None,
     ) -> None:
         self._params = params
         self._large = large
+        self._sums_on = sums
+        self._copy_large = copy_large
+        # large buffers watched by checksum: name, tensor, version counter and checksum then
+        self._sums: list[tuple[str, torch.Tensor, int | None, torch.Tensor | None]] = []
         self._save = save
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its copy)
         # every buffer kept, by name, with its version counter then (before a build call wrote
@@ -116,16 +129,31 @@ class StateSnapshot:
                 named += [(prefix + n, p) for n, p in m.named_parameters(recurse=False)]
         self._kept_versions += [(n, t, _compat.version_of(t)) for n, t in named]
         large = large_tensors([t for _, t in named])
+        big = {id(t) for t in large}
+        if self._sums_on:
+            self._sums += [(n, t, _compat.version_of(t), checksum(t)) for n, t in named if id(t) in big]
         if self._large == "leave":
-            big = {id(t) for t in large}
             named, large = [(n, t) for n, t in named if id(t) not in big], []
         elif compiled or self._large == "copy":  # (writes no mode sees: copied whole)
+            if self._copy_large is not None:  # (but not one the sample call did not write)
+                left = [(n, t, None, checksum(t)) for n, t in named if id(t) in big and id(t) not in self._copy_large]
+                self._sums += [x for x in left if x[3] is not None]
+                gone = {id(x[1]) for x in left if x[3] is not None}
+                named = [(n, t) for n, t in named if id(t) not in gone]
             large = []
         big = {id(t) for t in large}
         self._saved += copies([(n, t) for n, t in named if id(t) not in big], self._device)
         if large:
             assert self._rewind is not None
             self._rewind.watch(large, [n for n, t in named if id(t) in big])
+
+    def written_large(self, versions: bool = True) -> list[tuple[str, torch.Tensor]]:
+        """The large buffers watched by checksum (``sums``, or left uncopied by ``copy_large``)
+        whose contents changed since they were kept, or (``versions``) whose version counter
+        moved; with ``sums``, also those whose checksum cannot be taken (written as far as
+        anyone can tell)."""
+        return [(n, t) for n, t, v, s in self._sums if s is None or (versions and v is not None and _compat.version_of(t) != v)
+                or not torch.equal(s, checksum(t))]  # type: ignore[arg-type]
 
     def kept(self) -> list[tuple[str, torch.Tensor, int | None]]:
         """Every buffer kept (parameters too with ``params``): its name, the tensor, and its
@@ -247,6 +275,26 @@ def check_fits(
         f"and {device} has {_size(free)} free{held}. Nothing was captured and the "
         f"module's state is as it was. {fix}"
     )
+
+
+_SUM_ROW = 4096  # words summed into one number of a checksum's rows
+
+
+def checksum(t: torch.Tensor) -> torch.Tensor | None:
+    """Two int64 numbers that change when ``t``'s bytes do: its memory read as 32-bit words
+    (bytes where its size is not a multiple of 4), the sums of rows of 4096 words, added up
+    plainly and weighted by position (a row moved changes the second), modulo 2**64. Bits, not
+    values: a NaN stays a NaN's bits and hides nothing. The same kernels over the same bytes give
+    them exactly. Not seen: a change within a row that keeps its sum. Temporaries: 24 bytes per
+    row (0.04%). None: not contiguous."""
+    if not t.is_contiguous() or t.layout != torch.strided:
+        return None
+    data = t.detach().reshape(-1).view(torch.uint8)
+    words = data.view(torch.int32) if data.numel() % 4 == 0 else data
+    n = words.numel() - words.numel() % _SUM_ROW
+    rows = words[:n].view(-1, _SUM_ROW).sum(1, dtype=torch.int64)
+    weights = torch.arange(1, rows.numel() + 1, device=t.device, dtype=torch.int64)
+    return torch.stack([rows.sum() + words[n:].sum(dtype=torch.int64), (rows * weights).sum()])
 
 
 def _size(nbytes: int) -> str:
