@@ -278,6 +278,7 @@ def check_fits(
 
 
 _SUM_ROW = 4096  # words summed into one number of a checksum's rows
+_SUM_ROWS = 1 << 18  # rows summed at a time
 
 
 def checksum(t: torch.Tensor) -> torch.Tensor | None:
@@ -285,18 +286,22 @@ def checksum(t: torch.Tensor) -> torch.Tensor | None:
     the sums of rows of 4096 words (in 32 bits: no widened copy of ``t``, and modular sums do
     not depend on the order of the additions), added up plainly and weighted by position (a row
     moved changes the second). Bits, not values: a NaN stays a NaN's bits and hides nothing.
-    Not seen: a change within a row that keeps its sum. Temporaries: 28 bytes per row of 16 KiB.
-    None: not contiguous."""
+    Not seen: a change within a row that keeps its sum. Temporaries: at most 7 MiB. None: not
+    contiguous."""
     if not t.is_contiguous() or t.layout != torch.strided:
         return None
     data = t.detach().reshape(-1).view(torch.uint8)
     whole = data.numel() - data.numel() % 4
     words = data[:whole].view(torch.int32)
     n = words.numel() - words.numel() % _SUM_ROW
-    rows = words[:n].view(-1, _SUM_ROW).sum(1, dtype=torch.int32).long()
-    rest = words[n:].long().sum() + data[whole:].long().sum()
-    weights = torch.arange(1, rows.numel() + 1, device=t.device, dtype=torch.int64)
-    return torch.stack([rows.sum() + rest, (rows * weights).sum()])
+    total = words[n:].long().sum() + data[whole:].long().sum()
+    weighted = torch.zeros_like(total)
+    matrix = words[:n].view(-1, _SUM_ROW)
+    for start in range(0, matrix.shape[0], _SUM_ROWS):  # (4 GiB at a time: 7 MiB of temporaries)
+        rows = matrix[start:start + _SUM_ROWS].sum(1, dtype=torch.int32).long()
+        total += rows.sum()
+        weighted += (rows * torch.arange(start + 1, start + rows.numel() + 1, device=t.device)).sum()
+    return torch.stack([total, weighted])
 
 
 def _size(nbytes: int) -> str:
