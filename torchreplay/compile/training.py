@@ -89,7 +89,8 @@ class GraphingCompiler:
         for i, ex in enumerate(example_inputs):
             if isinstance(ex, torch.Tensor):
                 kind = ("pinned" if backward else "static") if i in static else "tensor"
-                inputs.append(Input(f"input {i}", kind, written=written is None or i in written))  # type: ignore[arg-type]
+                wrote = written is None or i in written
+                inputs.append(Input(f"input {i}", kind, written=wrote))  # type: ignore[arg-type]
             elif isinstance(ex, (int, torch.SymInt)):
                 inputs.append(Input(f"input {i}", "int"))
             else:

@@ -152,7 +152,8 @@ class StateSnapshot:
         whose contents changed since they were kept, or (``versions``) whose version counter
         moved; with ``sums``, also those whose checksum cannot be taken (written as far as
         anyone can tell)."""
-        return [(n, t) for n, t, v, s in self._sums if s is None or (versions and v is not None and _compat.version_of(t) != v)
+        return [(n, t) for n, t, v, s in self._sums
+                if s is None or versions and v is not None and _compat.version_of(t) != v
                 or not torch.equal(s, checksum(t))]  # type: ignore[arg-type]
 
     def kept(self) -> list[tuple[str, torch.Tensor, int | None]]:

@@ -168,25 +168,22 @@ class PiecewiseRuntime:
                 callers.another(get_ident(), self._make_clones)
             if not self._ready:
                 self._setup(args)
-                outs = self._call(args, size)
+                outs = self(*args, size=size)  # (set up now: the call itself; the lock is re-entrant)
                 if self.on_first is not None:
                     self.on_first(outs, self.rows(args))
                 return outs
-            return self._call(args, size)
-
-    def _call(self, args: tuple[Any, ...], size: int | None) -> tuple[Any, ...]:
-        if self._eager:
-            return self._run_ungraphed(args)
-        if self._in_place and not self._statics_unchanged(args):
-            if not self._switch(args):
+            if self._eager:
                 return self._run_ungraphed(args)
-        route = self._route(args, size)
-        if route is None:
-            return self._run_ungraphed(args)
-        if self.saved is not None and self.saved.blocks(route.entry):  # its replay would
-            self._count_fallback(BLOCKED)  # overwrite activations awaiting their backward
-            return self._run_ungraphed(args)
-        return self._replay(route, args)
+            if self._in_place and not self._statics_unchanged(args):
+                if not self._switch(args):
+                    return self._run_ungraphed(args)
+            route = self._route(args, size)
+            if route is None:
+                return self._run_ungraphed(args)
+            if self.saved is not None and self.saved.blocks(route.entry):  # its replay would
+                self._count_fallback(BLOCKED)  # overwrite activations awaiting their backward
+                return self._run_ungraphed(args)
+            return self._replay(route, args)
 
     def _replay(self, route: Route, args: tuple[Any, ...]) -> tuple[Any, ...]:
         entry = route.entry
