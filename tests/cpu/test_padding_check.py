@@ -431,11 +431,41 @@ def test_what_a_compile_piece_copies_to_reset_before_each_warm_up() -> None:
     inputs = (Input("self.cache", "static"), Input("x", "tensor"), Input("self.seen", "static"))
     big, small, other = torch.randn(1 << 19), torch.randn(4), torch.randn(1 << 19)  # 2 MiB, 16 bytes
     for restore in (True, False):
-        rt = NS(_inputs=inputs, config=GraphConfig(restore_state=restore), name="Net", device=torch.device("cpu"))
+        rt = NS(_inputs=inputs, config=GraphConfig(restore_state=restore), name="Net", device=torch.device("cpu"),
+                _putback=None)
         kept = reset_copies(rt, [(0, big), (1, other), (2, small), (5, other), (1, 3)])
         cache = [big] if restore else []
         assert [id(t) for t, _ in kept] == [id(t) for t in cache + [other, small, other]]
         assert all(torch.equal(t, c) and t is not c for t, c in kept)
+
+
+def test_a_piece_reset_starts_from_the_put_backs_copy_while_nothing_wrote_the_tensor() -> None:
+    """A written cache the first call's put-back copied is not copied again for a piece's
+    reset while no piece wrote it since (held twice, not three times); once written, a copy of
+    its own; after the put-back writes its copies back, its copy again."""
+    from types import SimpleNamespace as NS
+
+    from torchreplay.config import GraphConfig
+    from torchreplay.pieces.program import Input
+    from torchreplay.pieces.putback import put_back, reset_copies
+
+    cache, x = torch.randn(1 << 19), torch.randn(4)
+    start = cache.clone()
+    rt = NS(_inputs=(Input("self.cache", "static"), Input("x", "tensor")), config=GraphConfig(),
+            name="Net", device=torch.device("cpu"), _putback=None)
+    with put_back([("self.cache", cache)], torch.device("cpu")) as restore:
+        rt._putback = restore
+        (c, init), (_, own) = reset_copies(rt, [(0, cache), (1, x)])
+        assert c is cache and init is restore.copy_of(cache) and torch.equal(init, start)
+        assert own is not x and torch.equal(own, x)
+        cache.add_(1.0)
+        restore.wrote([cache])
+        ((c, init),) = reset_copies(rt, [(0, cache)])
+        assert init is not restore.copy_of(cache) is None and torch.equal(init, start + 1.0)
+        restore()
+        assert torch.equal(cache, start)
+        ((c, init),) = reset_copies(rt, [(0, cache)])
+        assert torch.equal(init, start) and init is restore.copy_of(cache)
 
 
 def test_a_breakable_graphs_report() -> None:

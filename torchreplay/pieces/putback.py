@@ -18,7 +18,7 @@ from torchreplay import _compat
 from torchreplay.core.pystate import large_tensors
 from torchreplay.core.snapshot import copies
 
-__all__ = ["COMPILE_FIX", "put_back", "reset_copies", "to_put_back"]
+__all__ = ["COMPILE_FIX", "PutBack", "put_back", "reset_copies", "to_put_back"]
 
 
 #: How to build without the copies, for the error of one that does not fit
@@ -41,20 +41,39 @@ def to_put_back(t: Any, written: bool, restore_state: bool) -> bool:
     return written and (restore_state or not large) or not (large or isinstance(t, torch.nn.Parameter))
 
 
+class PutBack:
+    """What :func:`put_back` yields. Called: write the copies back (the state found). While
+    nothing wrote a tensor since (:meth:`wrote`), its copy is what a piece's reset starts from
+    (:meth:`copy_of`): a written KV cache is then held twice, not three times."""
+
+    def __init__(self, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._saved = saved
+        self._versions = _compat.versions_of([t for t, _ in saved])
+        self._copies = {id(t): c for t, c in saved}
+        self._dirty: set[int] = set()
+
+    def __call__(self) -> None:
+        _compat.restore_unversioned(self._saved, self._versions)
+        self._dirty.clear()
+
+    def copy_of(self, t: Any) -> torch.Tensor | None:
+        """The copy of ``t`` made at the start, while ``t`` still equals it; else None."""
+        return None if id(t) in self._dirty else self._copies.get(id(t))
+
+    def wrote(self, values: Sequence[Any]) -> None:
+        """``values`` were written (a piece ran): their copies are no longer their state."""
+        self._dirty.update(id(v) for v in values)
+
+
 @contextlib.contextmanager
-def put_back(tensors: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> Iterator[Callable[[], None]]:
+def put_back(tensors: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> Iterator[PutBack]:
     """Copy ``tensors`` (name, tensor) now; on exit write them back and set the CPU's and
-    ``device``'s RNG back. Yields the write-back alone, for a run inside that must start from
-    the state found. Copies that do not fit in the device's memory raise a ``CaptureError``
-    naming the largest tensors, before anything ran."""
-    saved = copies(list(tensors), device, fix=COMPILE_FIX)
-    versions = _compat.versions_of([t for t, _ in saved])
+    ``device``'s RNG back. Yields the write-back (:class:`PutBack`), for a run inside that
+    must start from the state found. Copies that do not fit in the device's memory raise a
+    ``CaptureError`` naming the largest tensors, before anything ran."""
+    restore = PutBack(copies(list(tensors), device, fix=COMPILE_FIX))
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-    def restore() -> None:
-        _compat.restore_unversioned(saved, versions)
-
     try:
         yield restore
     finally:
@@ -69,12 +88,18 @@ def reset_copies(runtime: Any, written: Sequence[tuple[int, Any]]) -> list[tuple
     them back before each of its warm-ups (``runtime``: its
     :class:`~torchreplay.pieces.runtime.PiecewiseRuntime`). Not copied: a value that is no
     tensor and, with ``restore_state=False``, a module buffer over 1 MiB (it keeps what each
-    warm-up writes). Copies that do not fit raise, as :func:`put_back`'s."""
+    warm-up writes); nor one the first call's put-back holds a copy of that nothing wrote since
+    (``runtime._putback``: its copy is used). Copies that do not fit raise, as
+    :func:`put_back`'s."""
     inputs, restore = runtime._inputs, runtime.config.restore_state
-    named = []
+    held: PutBack | None = runtime._putback
+    named, reused = [], []
     for slot, v in written:
         static = slot < len(inputs) and inputs[slot].kind == "static"
         if not isinstance(v, torch.Tensor) or static and not restore and large_tensors([v]):
             continue
+        if held is not None and (copy := held.copy_of(v)) is not None:
+            reused.append((v, copy))
+            continue
         named.append((inputs[slot].name if slot < len(inputs) else f"value {slot} of '{runtime.name}'", v))
-    return copies(named, runtime.device, fix=COMPILE_FIX)
+    return reused + copies(named, runtime.device, fix=COMPILE_FIX)

@@ -42,7 +42,7 @@ from torchreplay.pieces.entries import (
 from torchreplay.pieces.handoff import DEMOTED, MISSES, MOVED, graph_reads, handed_slots
 from torchreplay.pieces.instances import MOVING, Instances, drop_entries, outputs_held, ptrs_of
 from torchreplay.pieces.padding import check_first_call
-from torchreplay.pieces.putback import put_back, reset_copies, to_put_back
+from torchreplay.pieces.putback import PutBack, put_back, reset_copies, to_put_back
 from torchreplay.pieces.program import Program, run_in_order
 from torchreplay.pieces.saved import BLOCKED, SavedActivations, guarded, saved_refs
 from torchreplay.stats import GraphStats
@@ -157,6 +157,7 @@ class PiecewiseRuntime:
         self._warned: set[str] = set()
         self.compile_seconds = 0.0
         self._callers = Callers()
+        self._putback: PutBack | None = None  # while a first call captures
 
     # ------------------------------------------------------------------ the call
     def __call__(self, *args: Any, size: int | None = None) -> tuple[Any, ...]:
@@ -373,8 +374,14 @@ class PiecewiseRuntime:
         start = time.perf_counter()
         entries = []
         with put_back(kept, self.device) as restore:
-            for size, key in todo:
-                entries.append(self._capture_key(size, key, args))
+            self._putback = restore  # (its copies are a piece's reset's while unwritten)
+            try:
+                for j, (size, key) in enumerate(todo):
+                    if j:
+                        restore()  # each size from the caller's state
+                    entries.append(self._capture_key(size, key, args))
+            finally:
+                self._putback = None
             # The warm-ups of later sizes were not waited for one by one (the GPU ran them while
             # the host captured): an asynchronous error surfaces here, still in the first call.
             self._stream.synchronize()
@@ -406,6 +413,8 @@ class PiecewiseRuntime:
             if graph is None:
                 outs = (self._alloc.wrap(piece.fn) if k in self._handoffs else piece.fn)(*vals)  # type: ignore[union-attr]
             graphs.append(graph)
+            if self._putback is not None:  # (what it wrote no longer equals the put-back's copy)
+                self._putback.wrote([vals[p] for p in piece.written])
             for w, t in zip(piece.writes, outs):
                 env[w] = t
             for f in self._last[k]:
