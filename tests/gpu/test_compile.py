@@ -3,6 +3,7 @@ over many calls (and the caller's tensors after each call where the model writes
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -1153,6 +1154,19 @@ class _SlotCache(nn.Module):
         return h + self.cache[:64].sum(0)
 
 
+@contextlib.contextmanager
+def _left_free(nbytes: int):
+    """The device filled but for ``nbytes`` (a serving engine's KV cache sized to fill it)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    filler = torch.empty(torch.cuda.mem_get_info()[0] - nbytes, dtype=torch.uint8, device=DEV)
+    try:
+        yield
+    finally:
+        del filler
+        torch.cuda.empty_cache()
+
+
 def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``torch.equal`` a chunk at a time (a whole comparison's temporaries would not fit)."""
     return all(torch.equal(a[i:i + 65536], b[i:i + 65536]) for i in range(0, a.shape[0], 65536))
@@ -1184,11 +1198,7 @@ def test_a_large_buffer_the_graph_only_reads_is_not_copied_at_the_first_call() -
     model = _Table().to(DEV)
     ref = copy.deepcopy(model)
     assert model.table.nbytes == 2**30
-
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    filler = torch.empty(torch.cuda.mem_get_info()[0] - 512 * 2**20, dtype=torch.uint8, device=DEV)
-    try:
+    with _left_free(512 * 2**20):
         c = tr.compile(model, inductor=False)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -1201,9 +1211,6 @@ def test_a_large_buffer_the_graph_only_reads_is_not_copied_at_the_first_call() -
                     assert torch.cuda.max_memory_allocated() - base < 2**29  # no copy of the table
         assert _same_rows(model.table, ref.table)
         assert sum(rt.stats.replays for rt in _runtimes(c)) >= 7
-    finally:
-        del filler
-        torch.cuda.empty_cache()
 
 
 def test_a_cache_too_large_to_copy_is_refused_and_restore_state_false_compiles_in_what_is_left() -> None:
@@ -1267,10 +1274,7 @@ def test_a_written_cache_is_held_twice_not_three_times_at_the_first_call() -> No
         model.cache.normal_()
     ref = copy.deepcopy(model)
     cache_bytes = model.cache.nbytes
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    filler = torch.empty(torch.cuda.mem_get_info()[0] - 3 * 2**29, dtype=torch.uint8, device=DEV)
-    try:
+    with _left_free(3 * 2**29):
         c = tr.compile(model, inductor=False)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -1284,6 +1288,3 @@ def test_a_written_cache_is_held_twice_not_three_times_at_the_first_call() -> No
                     assert _same_rows(model.cache, ref.cache)
         assert _same_rows(model.cache, ref.cache)
         assert sum(rt.stats.replays for rt in _runtimes(c)) >= 7
-    finally:
-        del filler
-        torch.cuda.empty_cache()
