@@ -10,7 +10,7 @@ backward may have saved them); and the RNG they drew from.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 

@@ -20,7 +20,6 @@ Calls from several threads: :mod:`~torchreplay.core.threads`."""
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -29,20 +28,20 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.config import SAFE, GraphConfig
-from torchreplay.core.capture import capture, side_stream
+from torchreplay.core.capture import side_stream
 from torchreplay.core.io import write_back
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.pool import Pool
 from torchreplay.core.threads import Callers, follow_stream, get_ident, outputs_to_clones
-from torchreplay.errors import CaptureError
+from torchreplay.pieces.capturing import capture_piece
 from torchreplay.pieces.entries import (
     Entry, PieceGraph, Route, entry_key, hand_out, hold_weakly, pad_shared, set_sources, shared_key,
     stage_entry,
 )
-from torchreplay.pieces.handoff import DEMOTED, MISSES, MOVED, graph_reads, handed_slots
+from torchreplay.pieces.handoff import DEMOTED, MISSES, MOVED, handed_slots
 from torchreplay.pieces.instances import MOVING, Instances, drop_entries, outputs_held, ptrs_of
 from torchreplay.pieces.padding import check_first_call
-from torchreplay.pieces.putback import PutBack, put_back, reset_copies, to_put_back
+from torchreplay.pieces.putback import PutBack, put_back, to_put_back
 from torchreplay.pieces.program import Program, run_in_order
 from torchreplay.pieces.saved import BLOCKED, SavedActivations, guarded, saved_refs
 from torchreplay.stats import GraphStats
@@ -409,7 +408,7 @@ class PiecewiseRuntime:
             vals = [env[r] for r in piece.reads]
             graph = None
             if self._graphable[k]:
-                graph, outs = self._capture_piece(k, vals)
+                graph, outs = capture_piece(self, k, vals)
             if graph is None:
                 outs = (self._alloc.wrap(piece.fn) if k in self._handoffs else piece.fn)(*vals)  # type: ignore[union-attr]
             graphs.append(graph)
@@ -466,55 +465,6 @@ class PiecewiseRuntime:
         if self.saved is not None:
             saved_all = [pool_outs[r] for r in saved] + list(kept)
             self.saved.sealed(entry, saved_all, [pool_outs[r] for r in entry.guard])
-
-    def _capture_piece(self, k: int, vals: list[Any]) -> tuple[PieceGraph | None, Any]:
-        piece = self._pieces[k]
-        made = list(vals)  # the values as eager steps made them (before the copies below)
-        handed = {w for ws in self._handoffs.values() for w in ws}
-        copies, written = graph_reads(piece, vals, self._inputs, self._from_eager, handed, self._alloc)
-        initial = reset_copies(self, [(piece.reads[pos], vals[pos]) for pos in sorted(written)])
-        backs = [(pos, buf) for pos, buf in copies if pos in written and isinstance(buf, _Tensor)]
-
-        def reset() -> None:
-            for v, init in initial:
-                v.copy_(init)
-
-        try:
-            captured = capture(
-                piece.fn,
-                tuple(vals),
-                {},
-                device=self.device,  # type: ignore[arg-type]
-                stream=self._stream,
-                pool=self.pool,  # type: ignore[arg-type]
-                config=self.config if k not in self._warmed else dataclasses.replace(
-                    self.config, num_warmup_iters=min(1, self.config.num_warmup_iters)),
-                sync=k not in self._warmed,  # _capture_batch syncs once after the sizes
-                grad=torch.is_grad_enabled(), reset=reset if initial else None, collectives=False,
-            )
-        except CaptureError as exc:
-            reset()  # the piece runs ungraphed next, from the call's state
-            if self.strict:
-                raise CaptureError(f"'{self.name}' {piece.name}: {exc} (strict=True)") from exc
-            self._graphable[k] = False
-            self.failures[k] = str(exc)
-            log.warning(
-                "torchreplay: '%s' %s could not be captured and runs compiled but without a CUDA "
-                "graph (counted in stats.fallbacks; strict=True raises instead): %s",
-                self.name, piece.name, exc,
-            )
-            return None, None
-        self._graphs.append(captured.graph)
-        self._warmed.add(k)
-        reset()
-        if k < len(self._pieces) - 1:  # real values in its outputs, for the steps that follow
-            captured.graph.replay()
-            with torch.no_grad():
-                for pos, buf in backs:
-                    made[pos].copy_(buf)
-        self.stats.captures += 1
-        self.stats.capture_seconds += captured.seconds
-        return PieceGraph(captured.graph, captured.out, copies, backs), captured.out
 
     # ------------------------------------------------------------------ upkeep
     def _statics_unchanged(self, args: tuple[Any, ...]) -> bool:

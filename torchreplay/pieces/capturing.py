@@ -1,0 +1,82 @@
+"""One piece of a program captured for real, inside a first call's capture of a size.
+
+The values the piece writes are put back before each warm-up (:func:`~.putback.reset_copies`),
+so a sum it adds does not compound; the warm-ups run one at the piece's first capture, one at
+each later size (as cudagraph trees do). A piece that fails to capture runs ungraphed from
+then on, with a warning (``strict``: the error). After its capture it replays once, so that its
+outputs hold real values for the steps that follow, and what it writes into values an eager
+step made is copied there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from torchreplay.core.capture import capture
+from torchreplay.errors import CaptureError
+from torchreplay.pieces.entries import PieceGraph
+from torchreplay.pieces.handoff import graph_reads
+from torchreplay.pieces.putback import reset_copies
+
+__all__ = ["capture_piece"]
+
+log = logging.getLogger("torchreplay.pieces.runtime")  # (its warnings are the runtime's)
+
+_Tensor = torch.Tensor
+
+
+def capture_piece(rt: Any, k: int, vals: list[Any]) -> tuple[PieceGraph | None, Any]:
+    """Capture piece ``k`` of ``rt`` (a :class:`~torchreplay.pieces.runtime.PiecewiseRuntime`)
+    on the slot values ``vals``; return its graph and outputs, or ``(None, None)`` when it
+    failed to capture (it runs ungraphed from then on; ``strict``: raise)."""
+    piece = rt._pieces[k]
+    made = list(vals)  # the values as eager steps made them (before the copies below)
+    handed = {w for ws in rt._handoffs.values() for w in ws}
+    copies, written = graph_reads(piece, vals, rt._inputs, rt._from_eager, handed, rt._alloc)
+    initial = reset_copies(rt, [(piece.reads[pos], vals[pos]) for pos in sorted(written)])
+    backs = [(pos, buf) for pos, buf in copies if pos in written and isinstance(buf, _Tensor)]
+
+    def reset() -> None:
+        for v, init in initial:
+            v.copy_(init)
+
+    try:
+        captured = capture(
+            piece.fn,
+            tuple(vals),
+            {},
+            device=rt.device,  # type: ignore[arg-type]
+            stream=rt._stream,
+            pool=rt.pool,  # type: ignore[arg-type]
+            config=rt.config if k not in rt._warmed else dataclasses.replace(
+                rt.config, num_warmup_iters=min(1, rt.config.num_warmup_iters)),
+            sync=k not in rt._warmed,  # _capture_batch syncs once after the sizes
+            grad=torch.is_grad_enabled(), reset=reset if initial else None, collectives=False,
+        )
+    except CaptureError as exc:
+        reset()  # the piece runs ungraphed next, from the call's state
+        if rt.strict:
+            raise CaptureError(f"'{rt.name}' {piece.name}: {exc} (strict=True)") from exc
+        rt._graphable[k] = False
+        rt.failures[k] = str(exc)
+        log.warning(
+            "torchreplay: '%s' %s could not be captured and runs compiled but without a CUDA "
+            "graph (counted in stats.fallbacks; strict=True raises instead): %s",
+            rt.name, piece.name, exc,
+        )
+        return None, None
+    rt._graphs.append(captured.graph)
+    rt._warmed.add(k)
+    reset()
+    if k < len(rt._pieces) - 1:  # real values in its outputs, for the steps that follow
+        captured.graph.replay()
+        with torch.no_grad():
+            for pos, buf in backs:
+                made[pos].copy_(buf)
+    rt.stats.captures += 1
+    rt.stats.capture_seconds += captured.seconds
+    return PieceGraph(captured.graph, captured.out, copies, backs), captured.out
