@@ -25,11 +25,11 @@ from torchreplay.breaks.graph import BreakableGraph
 from torchreplay.core.capture import capture_stream
 from torchreplay.core.graphed import Graphed
 from torchreplay.core.pool import Pool
-from torchreplay.api import graph
+from torchreplay.api import graph, make_graphed_callables
 from torchreplay.sizes.bucketed import BucketedGraph
 from torchreplay.sizes.plan import default_sizes
 from torchreplay.stats import GraphStats, TrainingStats
-from torchreplay.training.callables import GraphedCallable, make_graphed_callables
+from torchreplay.training.callables import GraphedCallable
 from torchreplay.training.step import GraphedStep, graph_step
 from torchreplay._version import __version__ as __version__
 

@@ -1,8 +1,9 @@
 """``tr.graph``: the entry point that returns a :class:`~torchreplay.core.graphed.Graphed` (one
 shape), a :class:`~torchreplay.sizes.bucketed.BucketedGraph` (``sizes=``) or a
-:class:`~torchreplay.breaks.graph.BreakableGraph` (``breaks=``).
+:class:`~torchreplay.breaks.graph.BreakableGraph` (``breaks=``); and ``tr.make_graphed_callables``,
+which takes ``breaks=`` too (:mod:`torchreplay.breaks.training`).
 
-It lives here, above all three, so that none of them imports another.
+They live here, above what they return, so that none of those imports another.
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ import torch
 
 from torchreplay.breaks.auto import suggest
 from torchreplay.breaks.graph import BreakableGraph
+from torchreplay.breaks.training import graph_around_breaks
 from torchreplay.config import RANKS, BucketConfig, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, infer_device
 from torchreplay.core.graphed import Graphed, resolve_config, resolve_pool
 from torchreplay.errors import CaptureError
 from torchreplay.core.pool import Pool
 from torchreplay.sizes.bucketed import BucketedGraph
+from torchreplay.training import callables as _training
 
-__all__ = ["graph"]
+__all__ = ["graph", "make_graphed_callables"]
 
 
 @overload
@@ -342,3 +345,47 @@ def _accepts_keyword(fn: Callable[..., Any], name: str) -> bool:
     except (TypeError, ValueError):
         return True
     return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def make_graphed_callables(
+    callables: Any,
+    sample_args: Any,
+    num_warmup_iters: int | None = None,
+    allow_unused_input: bool = False,
+    pool: Any = None,
+    *,
+    sample_kwargs: Any = None,
+    outputs: str | None = None,
+    capture_error_mode: str | None = None,
+    config: GraphConfig | None = None,
+    verify: int = 0,
+    verify_tol: Any = None,
+    breaks: Any = None,
+) -> Any:
+    if breaks is None:
+        return _training.make_graphed_callables(
+            callables, sample_args, num_warmup_iters, allow_unused_input, pool,
+            sample_kwargs=sample_kwargs, outputs=outputs, capture_error_mode=capture_error_mode,
+            config=config, verify=verify, verify_tol=verify_tol,
+        )
+    return graph_around_breaks(
+        callables, sample_args, breaks, sample_kwargs=sample_kwargs,
+        allow_unused_input=allow_unused_input, num_warmup_iters=num_warmup_iters, pool=pool,
+        outputs=outputs, capture_error_mode=capture_error_mode, config=config, verify=verify,
+        verify_tol=verify_tol,
+    )
+
+
+_BREAKS_DOC = """        breaks: what runs eagerly, named as for :func:`torchreplay.graph` (module instances or
+            classes, functions, ops) or ``"auto"``; ``callables`` is then one module. One eager
+            run of it (its buffers and RNG put back after) finds the largest submodules that
+            hold no break, run inside none and ran once; each is graphed (forward and
+            backward, one autograd node per call, one pool, in the order they ran) and its
+            ``forward`` replaced. The breaks and the code of the modules that hold one (a
+            decoder layer's residual adds) run eagerly, with eager autograd between the graphs.
+            Returns the module. ``tr.explain(model)`` lists the graphed submodules. Arguments
+            a submodule does not differentiate through are allowed (``allow_unused_input``).
+"""
+_AT = "        verify_tol: ``(rtol, atol)`` for ``verify`` (default: per dtype).\n"
+assert _training.make_graphed_callables.__doc__ is not None and _AT in _training.make_graphed_callables.__doc__
+make_graphed_callables.__doc__ = _training.make_graphed_callables.__doc__.replace(_AT, _AT + _BREAKS_DOC)

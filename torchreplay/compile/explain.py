@@ -17,6 +17,7 @@ from torchreplay.compile.api import Compiled
 from torchreplay.compile.backend import Backend, runtimes_by_name
 from torchreplay.distributed import describe
 from torchreplay.pieces.runtime import PiecewiseRuntime
+from torchreplay.training.graphed_callable import GraphedCallable
 
 __all__ = ["explain", "piece_line"]
 
@@ -48,6 +49,13 @@ def explain(obj: Any) -> str:
     stats = getattr(obj, "stats", None)
     if stats is not None and hasattr(stats, "explain"):
         return f"{obj!r}\n  {stats.explain()}{_ranks(obj)}"
+    if isinstance(obj, torch.nn.Module):  # tr.make_graphed_callables(model, ...), breaks= or not
+        graphed = [
+            (path, m.__dict__["forward"]) for path, m in obj.named_modules()
+            if isinstance(m.__dict__.get("forward"), GraphedCallable)
+        ]
+        if graphed:
+            return _graphed_modules(obj, graphed)
     raise TypeError(
         f"tr.explain takes what tr.compile, tr.graph, tr.graph_step or "
         f"tr.make_graphed_callables returned (or torch.compile(..., backend='torchreplay')), "
@@ -76,6 +84,19 @@ def _by_name(target: Any) -> str:
             "without CUDA graphs)"
         )
     return "\n".join([head, *(_runtime(r) for r in runtimes)])
+
+
+def _graphed_modules(model: torch.nn.Module, graphed: list[tuple[str, GraphedCallable]]) -> str:
+    """A module whose forward, or whose submodules' forwards, ``tr.make_graphed_callables``
+    replaced: each graphed one with its counters; the rest runs eagerly."""
+    if graphed[0][0] == "":
+        return f"{graphed[0][1]!r}\n  {graphed[0][1].stats.explain()}{_ranks(graphed[0][1])}"
+    head = (
+        f"{type(model).__name__}: {len(graphed)} submodule(s) graphed for training (forward and "
+        "backward, one pool); its own code and the rest run eagerly"
+    )
+    lines = [f"  {path} ({type(r.fn).__name__}): {r.stats.explain()}" for path, r in graphed]
+    return "\n".join([head, *lines])
 
 
 def _ranks(obj: Any) -> str:

@@ -35,7 +35,7 @@ from torchreplay.training.pair import Order, Pair, retire_pair
 from torchreplay.training.state import StateKeeper
 from torchreplay.training.verify import check_verify, resolve_tolerance
 
-__all__ = ["make_graphed_callables", "GraphedCallable", "TrainingStats"]
+__all__ = ["make_graphed_callables", "graph_callables", "GraphedCallable", "TrainingStats"]
 
 log = logging.getLogger(__name__)
 
@@ -369,22 +369,10 @@ def make_graphed_callables(
     the_pool = resolve_pool(pool)
     if the_pool is None:
         the_pool = Pool(device)
-    order = Order()
-    runners = [
-        GraphedCallable(
-            fn,
-            a,
-            k,
-            device=device,
-            config=cfg,
-            order=order,
-            allow_unused=allow_unused_input,
-            verify=verify,
-            tol=tol,
-        )
-        for fn, a, k in zip(fns, args_list, kwargs_list)
-    ]
-    _build(runners, device, the_pool, cfg)
+    runners = graph_callables(
+        fns, args_list, kwargs_list, device=device, pool=the_pool, config=cfg,
+        allow_unused=allow_unused_input, verify=verify, tol=tol,
+    )
     results: list[Any] = []
     for fn, r in zip(fns, runners):
         if isinstance(fn, torch.nn.Module):
@@ -393,6 +381,41 @@ def make_graphed_callables(
         else:
             results.append(r)
     return results[0] if single else tuple(results)
+
+
+def graph_callables(
+    fns: Sequence[Callable[..., Any]],
+    args_list: Sequence[tuple[Any, ...]],
+    kwargs_list: Sequence[dict[str, Any]],
+    *,
+    device: torch.device,
+    pool: Pool,
+    config: GraphConfig,
+    allow_unused: bool,
+    verify: int,
+    tol: Any,
+    names: Sequence[str] | None = None,
+) -> list[GraphedCallable]:
+    """Capture forward and backward graphs of each callable (checked arguments, in the order
+    they run) into ``pool``; ``names`` name them in messages (default: the class or function)."""
+    order = Order()
+    runners = [
+        GraphedCallable(
+            fn,
+            a,
+            k,
+            device=device,
+            config=config,
+            order=order,
+            allow_unused=allow_unused,
+            verify=verify,
+            tol=tol,
+            name=names[i] if names is not None else None,
+        )
+        for i, (fn, a, k) in enumerate(zip(fns, args_list, kwargs_list))
+    ]
+    _build(runners, device, pool, config)
+    return runners
 
 
 def _check_distinct_modules(fns: Sequence[Any]) -> None:

@@ -94,9 +94,12 @@ class GraphedCallable:
         allow_unused: bool,
         verify: int,
         tol: Tolerance | None,
+        name: str | None = None,
     ) -> None:
         self.fn = fn
-        self.name = fn_name(fn)
+        self.name = name or fn_name(fn)
+        #: appended to an argument's error (a submodule graphed around breaks says what to do)
+        self.input_hint = ""
         self.device = device
         self._ranks: Any = None  # set at _adopt when the graphs hold collectives
         self.config = config
@@ -343,7 +346,10 @@ class GraphedCallable:
         grad_on = torch.is_grad_enabled()
         if grad_on and self.pool.awaits(self._fwd_pos):  # type: ignore[union-attr]
             return self._awaiting_fallback(args, kwargs)
-        leaves = self._inputs.copy_in(args, kwargs)
+        try:
+            leaves = self._inputs.copy_in(args, kwargs)
+        except ReplayInputError as e:  # which graph: one of many submodules (breaks=)
+            raise ReplayInputError(f"'{self.name}': {e}{self.input_hint}") from None
         if grad_on and self._no_grad_slots:
             for k, slot in zip(self._no_grad_pos, self._no_grad_slots):
                 if leaves[self._tensor_idx[k]].requires_grad and k not in self._warned_grad:

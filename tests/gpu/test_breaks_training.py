@@ -1,0 +1,235 @@
+"""Training with breaks (``tr.make_graphed_callables(model, args, breaks=...)``) on a real GPU,
+each against an eager twin from the same weights over many steps with fresh random inputs: an
+attention that reads host-side lengths changing every step, HF Llama with its attention as the
+break, ``breaks="auto"`` at an ``.item()``, a graphed submodule whose rows change, and two
+micro-batches before one backward."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchreplay as tr
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+DEV = "cuda"
+H, T, V, B = 64, 8, 96, 4
+STEPS = 12
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def full_fp32_matmul():
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+class HostAttention(nn.Module):
+    """Row ``b`` attends to its first ``lengths[b]`` positions; ``lengths`` is a CPU tensor read
+    with ``tolist`` (a graph would freeze it), different at every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(H, 3 * H)
+        self.o = nn.Linear(H, H)
+        self.calls = 0
+
+    def forward(self, x, lengths):
+        self.calls += 1
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        rows = []
+        for b, n in enumerate(lengths.tolist()):
+            s = (q[b] @ k[b, :n].transpose(0, 1)) / math.sqrt(H)
+            rows.append(s.softmax(-1) @ v[b, :n])
+        return self.o(torch.stack(rows))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n1 = nn.LayerNorm(H)
+        self.attn = HostAttention()
+        self.n2 = nn.LayerNorm(H)
+        self.mlp = nn.Sequential(nn.Linear(H, 4 * H), nn.GELU(), nn.Linear(4 * H, H))
+
+    def forward(self, x, lengths):
+        x = x + self.attn(self.n1(x), lengths)
+        return x + self.mlp(self.n2(x))
+
+
+class Model(nn.Module):
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, H)
+        self.blocks = nn.ModuleList([Block() for _ in range(layers)])
+        self.norm = nn.LayerNorm(H)
+        self.head = nn.Linear(H, V)
+
+    def forward(self, ids, lengths):
+        h = self.embed(ids)
+        for blk in self.blocks:
+            h = blk(h, lengths)
+        return self.head(self.norm(h))
+
+
+def _batch(g: torch.Generator):
+    ids = torch.randint(0, V, (B, T), device=DEV, generator=g)
+    lengths = torch.randint(1, T + 1, (B,), generator=torch.Generator().manual_seed(int(ids.sum())))
+    return ids, lengths
+
+
+def _assert_same(a: nn.Module, b: nn.Module, what: str, grads: bool = True) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, msg=lambda m: f"{what}: {name}: {m}", **TOL)
+        if grads:
+            assert (p.grad is None) == (q.grad is None), f"{what}: {name}.grad"
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{what}: {name}.grad: {m}", **TOL)
+
+
+def _step(model, opt, ids, lengths, targets):
+    opt.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(ids, lengths).flatten(0, 1), targets.flatten())
+    loss.backward()
+    return loss
+
+
+def test_host_lengths_attention_trains_like_eager_around_the_graphed_modules():
+    torch.manual_seed(0)
+    model = Model().to(DEV)
+    ref = copy.deepcopy(model)
+    g = torch.Generator(device=DEV).manual_seed(1)
+    sample = _batch(g)
+    tr.make_graphed_callables(model, sample, breaks=[HostAttention])
+    report = tr.explain(model)
+    for path in ["embed", "blocks.0.n1", "blocks.0.mlp", "blocks.2.n2", "norm", "head"]:
+        assert f"\n  {path} (" in report, report
+    assert "blocks.0.attn" not in report and "blocks.0 (" not in report
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    _assert_same(model, ref, "after graphing", grads=False)  # the build left the weights as they were
+    seen_lengths = set()
+    for step in range(STEPS):
+        ids, lengths = _batch(g)
+        seen_lengths.add(tuple(lengths.tolist()))
+        targets = torch.randint(0, V, (B, T), device=DEV, generator=g)
+        loss = _step(model, opt, ids, lengths, targets)
+        loss_ref = _step(ref, opt_ref, ids, lengths, targets)
+        torch.testing.assert_close(loss, loss_ref, **TOL)
+        _assert_same(model, ref, f"step {step}")
+        opt.step()
+        opt_ref.step()
+    assert len(seen_lengths) > 1
+    for m in [model.embed, model.blocks[1].mlp, model.head]:
+        assert m.forward.stats.replays == STEPS and m.forward.stats.fallbacks == 0
+        assert m.forward.stats.backward_replays == STEPS
+    assert all(b.attn.calls == STEPS + 1 for b in model.blocks)  # each step, eagerly (+ the plan's run)
+
+
+def test_two_micro_batches_before_one_backward_match_eager():
+    torch.manual_seed(0)
+    model = Model(layers=2).to(DEV)
+    ref = copy.deepcopy(model)
+    g = torch.Generator(device=DEV).manual_seed(2)
+    tr.make_graphed_callables(model, _batch(g), breaks=[HostAttention])
+    for _ in range(3):
+        (a, la), (b, lb) = _batch(g), _batch(g)
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            loss = m(a, la).square().mean() + m(b, lb).square().mean()
+            loss.backward()
+        _assert_same(model, ref, "accumulated")
+
+
+def test_hf_llama_with_its_attention_as_the_break_trains_like_eager():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(DEV).train()
+    ref = copy.deepcopy(model)
+    g = torch.Generator(device=DEV).manual_seed(3)
+    ids = torch.randint(0, 128, (2, 16), device=DEV, generator=g)
+    tr.make_graphed_callables(model, (ids,), sample_kwargs={"labels": ids}, breaks=[modeling_llama.LlamaAttention])
+    report = tr.explain(model)
+    assert "model.layers.1.mlp (LlamaMLP)" in report and "lm_head" in report, report
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for step in range(6):
+        ids = torch.randint(0, 128, (2, 16), device=DEV, generator=g)
+        for m, o in ((model, opt), (ref, opt_ref)):
+            o.zero_grad(set_to_none=True)
+            m(ids, labels=ids).loss.backward()
+        _assert_same(model, ref, f"step {step}")
+        opt.step()
+        opt_ref.step()
+    assert model.lm_head.forward.stats.fallbacks == 0
+
+
+class Clip(nn.Module):
+    """Clips at half the largest magnitude, read on the host (``.item()``)."""
+
+    def forward(self, h):
+        return h.clamp(-0.5 * h.detach().abs().max().item(), 0.5 * h.detach().abs().max().item())
+
+
+def test_auto_breaks_at_the_item_and_trains_like_eager(caplog):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(H, H), nn.Tanh(), Clip(), nn.Linear(H, H), nn.ReLU(), nn.Linear(H, 8)).to(DEV)
+    ref = copy.deepcopy(model)
+    x = torch.randn(B, H, device=DEV)
+    with caplog.at_level(logging.INFO, logger="torchreplay"):
+        tr.make_graphed_callables(model, (x,), breaks="auto")
+    assert any("breaks at 2 (Clip)" in r.getMessage() for r in caplog.records), caplog.text
+    report = tr.explain(model)
+    assert "\n  0 (Linear)" in report and "\n  5 (Linear)" in report and "(Clip)" not in report
+    for _ in range(STEPS):
+        x = torch.randn(B, H, device=DEV)
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            m(x).square().sum().backward()
+        _assert_same(model, ref, "auto")
+    # nothing to break at: the whole model is one graph
+    plain = nn.Sequential(nn.Linear(H, H), nn.ReLU()).to(DEV)
+    tr.make_graphed_callables(plain, (x,), breaks="auto")
+    assert isinstance(plain.__dict__["forward"], tr.GraphedCallable)
+
+
+class Experts(nn.Module):
+    """Rows picked by a router (``nonzero``) go through one linear: their count changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(H, 1)
+        self.expert = nn.Linear(H, H)
+
+    def forward(self, h):
+        picked = (self.gate(h)[:, 0] > 0).nonzero()[:, 0]
+        out = h.clone()
+        out[picked] = self.expert(h[picked])
+        return out
+
+
+def test_a_graphed_module_whose_rows_change_raises_naming_it_and_the_fix():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(H, H), Experts(), nn.Linear(H, 8)).to(DEV)
+    tr.make_graphed_callables(model, (torch.randn(64, H, device=DEV),), breaks=["aten.nonzero"])
+    with pytest.raises(tr.ReplayInputError, match=r"1\.expert \(Linear\).*model\.get_submodule\('1\.expert'\)"):
+        for _ in range(20):  # another count of picked rows
+            model(torch.randn(64, H, device=DEV)).sum().backward()
