@@ -35,7 +35,7 @@ import torch
 
 from torchreplay._compat import LightDispatchMode
 
-__all__ = ["Finding", "Report", "check", "check_call", "diagnose", "KINDS", "NO_CUDA_OP"]
+__all__ = ["Finding", "Report", "check", "check_call", "diagnose", "user_line", "KINDS", "NO_CUDA_OP"]
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +262,13 @@ def _user_location(frame: FrameType | None) -> tuple[str, int] | None:
             return filename, frame.f_lineno
         frame = frame.f_back
     return None
+
+
+def user_line() -> str:
+    """``file:line`` of the first frame of the caller's stack outside torch and torchreplay
+    (the user's code that got there), or ``""``."""
+    loc = _user_location(sys._getframe(1))
+    return f"{loc[0]}:{loc[1]}" if loc is not None else ""
 
 
 def _definition_location(fn: Any) -> tuple[str, int] | None:

@@ -1,15 +1,21 @@
-"""Training with breaks (``tr.make_graphed_callables(model, args, breaks=...)``), on the CPU:
-which submodules one eager run chooses to graph and which run eagerly around the breaks, for
-each way of naming a break; state put back after the run; option errors."""
+"""Training with breaks (``tr.make_graphed_callables(model, args, breaks=...)``), on the CPU: the
+program one eager run records (segments between the breaks, what each reads and gives, where
+each break's arguments come from) for each way of naming a break, run eagerly (each segment's
+ops again, through autograd) against the model over fresh inputs, outputs and gradients;
+what is refused at record time; option errors."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 import torch.nn as nn
 
 import torchreplay as tr
-from torchreplay.breaks.training import plan_modules
+from torchreplay.breaks.program import Call, record
+from torchreplay.breaks.training import BreakTraining
+from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.errors import CaptureError
 
 CPU = torch.device("cpu")
@@ -29,26 +35,35 @@ class Attention(nn.Module):
         return host_mask(self.q(h), lengths)
 
 
-class Router(nn.Module):
-    """A MoE-style router: a data-dependent count (``nonzero``) between two linears."""
+@torch.library.custom_op("trbreakstrain::host_scale", mutates_args=())
+def host_scale(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """host_mask as a custom op with its own backward."""
+    return host_mask(x, lengths)
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = nn.Linear(8, 1)
-        self.expert = nn.Linear(8, 8)
 
-    def forward(self, h):
-        picked = (self.gate(h)[..., 0] > 0).nonzero()
-        out = h.clone()
-        out[picked[:, 0], picked[:, 1]] = 0
-        return self.expert(out)
+@host_scale.register_fake
+def _(x, lengths):
+    return torch.empty_like(x)
+
+
+def _setup(ctx, inputs, output):
+    x, lengths = inputs
+    ctx.keep = (torch.arange(x.shape[1])[None, :] < lengths[:, None]).to(x.dtype)[..., None]
+
+
+host_scale.register_autograd(lambda ctx, grad: (grad * ctx.keep, None), setup_context=_setup)
+
+
+class OpAttention(Attention):
+    def forward(self, h, lengths):
+        return torch.ops.trbreakstrain.host_scale(self.q(h), lengths)
 
 
 class Layer(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, attention: type = Attention) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(8)
-        self.attn = Attention()
+        self.attn = attention()
         self.norm2 = nn.LayerNorm(8)
         self.mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
         self.act = nn.Tanh()  # called twice per forward
@@ -59,11 +74,10 @@ class Layer(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, router: bool = False) -> None:
+    def __init__(self, attention: type = Attention) -> None:
         super().__init__()
         self.embed = nn.Embedding(32, 8)
-        self.layers = nn.ModuleList([Layer(), Layer()])
-        self.router = Router() if router else None
+        self.layers = nn.ModuleList([Layer(attention), Layer(attention)])
         self.bn = nn.BatchNorm1d(4)
         self.unused = nn.Linear(8, 8)  # never called
         self.head = nn.Linear(8, 32)
@@ -72,105 +86,165 @@ class Model(nn.Module):
         h = self.embed(ids)
         for layer in self.layers:
             h = layer(h, lengths)
-        if self.router is not None:
-            h = self.router(h)
         return self.head(self.bn(h))
 
 
-def _sample():
+def _sample(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 32, (2, 4), generator=g), torch.randint(1, 5, (2,), generator=g)
+
+
+def _eager_program(model, breaks, *sample):
+    """The recorded program run without graphs: each segment is its own function. The
+    recording ran the model for real: its state is put back, as the build does."""
+    snapshot = StateSnapshot(model, CPU, large="copy")
+    program = record(model, sample, {}, breaks, CPU)
+    snapshot.restore()
+    return program, BreakTraining(model, program, [s.function() for s in program.segments], model.forward)
+
+
+@pytest.mark.parametrize("how", ["class", "instances", "function", "op"])
+def test_the_program_runs_like_the_model_over_fresh_inputs_outputs_and_gradients(how):
     torch.manual_seed(0)
-    return torch.randint(0, 32, (2, 4)), torch.tensor([3, 2])
-
-
-def _paths(seen):
-    return [s.path for s in seen]
-
-
-@pytest.mark.parametrize("how", ["class", "instances", "function"])
-def test_the_largest_break_free_submodules_are_graphed_in_the_order_they_ran(how):
-    model = Model()
+    model = Model(OpAttention if how == "op" else Attention)
+    ref = copy.deepcopy(model)
     breaks = {
         "class": [Attention],
         "instances": [model.layers[0].attn, model.layers[1].attn],
         "function": [host_mask],
+        "op": ["trbreakstrain.host_scale"],
     }[how]
-    graphed, eager = plan_modules(model, _sample(), {}, breaks, CPU)
-    # Inside each layer: its norms and MLP (not the MLP's linears: the MLP is whole); not the
-    # attention (a break) nor its q (inside it), not the Tanh (ran twice), not `unused`. A
-    # function break makes the attention hold it: its q, which runs before it, is graphed.
-    want = ["embed"]
-    for i in range(2):
-        q = [f"layers.{i}.attn.q"] if how == "function" else []
-        want += [f"layers.{i}.norm1", *q, f"layers.{i}.norm2", f"layers.{i}.mlp"]
-    assert _paths(graphed) == want + ["bn", "head"]
-    # The layers hold a break and run eagerly; a function break makes its caller hold it
-    assert {"layers", "layers.0", "layers.1", "layers.0.attn", "layers.1.attn"} - {"layers"} <= set(_paths(eager))
-    mlp = next(s for s in graphed if s.path == "layers.1.mlp")
-    (h,) = mlp.args
-    assert h.requires_grad and h.grad_fn is None  # a detached sample that wants its gradient
-    embed = graphed[0]
-    assert not embed.args[0].requires_grad and embed.args[0].dtype == torch.int64
+    program, run = _eager_program(model, breaks, *_sample())
+    kinds = [type(s).__name__ for s in program.steps]
+    assert kinds == ["Segment", "Call"] * 2 + ["Segment"]
+    first = program.steps[0]
+    assert first.name == "segment 0 (first)" and program.steps[2].name.startswith("segment 1 (after ")
+    # the first segment reads the ids and gives what the break and the residual read
+    assert first.inputs == [program.inputs[0]] and len(first.outputs) >= 1
+    brk = program.steps[1]
+    assert isinstance(brk, Call)
+    for step in range(4):
+        ids, lengths = _sample(step + 1)
+        out, want = run(ids, lengths), ref(ids, lengths)
+        torch.testing.assert_close(out, want)
+        out.square().mean().backward()
+        want.square().mean().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, msg=name)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    for name, b in model.bn.named_buffers():  # BatchNorm statistics moved at every call, as eager
+        torch.testing.assert_close(b, dict(ref.bn.named_buffers())[name])
 
 
-def test_an_op_break_leaves_its_modules_children_graphed():
-    model = Model(router=True)
-    graphed, eager = plan_modules(model, _sample(), {}, ["aten.nonzero", Attention], CPU)
-    paths = _paths(graphed)
-    assert "router.gate" in paths and "router.expert" in paths and "router" not in paths
-    assert "router" in _paths(eager)
-
-
-def test_the_run_puts_module_state_and_rng_back():
-    model = Model()
-    model.train()
-    before = {k: v.clone() for k, v in model.bn.state_dict().items()}
-    sample = _sample()
-    torch.manual_seed(5)
-    rng = torch.get_rng_state()
-    plan_modules(model, sample, {}, [Attention], CPU)
-    for k, v in model.bn.state_dict().items():
-        assert torch.equal(v, before[k]), k
-    assert torch.equal(torch.get_rng_state(), rng)
-    # and no hook or forward of ours is left on the model
-    for m in model.modules():
-        assert not m._forward_hooks and not m._forward_pre_hooks
-        assert "forward" not in m.__dict__
-
-
-def test_a_break_never_reached_and_nothing_left_to_graph_are_errors():
-    model = Model()
-    with pytest.raises(CaptureError, match="Router never ran"):
-        plan_modules(model, _sample(), {}, [Router], CPU)
-
-    class Whole(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.attn = Attention()
-
-        def forward(self, h, lengths):
-            return self.attn(h, lengths)
-
-    with pytest.raises(CaptureError, match="nothing is left to graph"):
-        plan_modules(Whole(), (torch.randn(2, 4, 8), torch.tensor([3, 2])), {}, [Attention], CPU)
-
-
-def test_a_submodule_that_gives_no_tensor_is_not_graphed():
-    class Count(nn.Module):
-        def forward(self, h):
-            return int(h.shape[0])
+def test_host_lengths_reach_the_break_from_each_call():
+    """A CPU tensor the caller passes goes to the break as it is, each call; a Python int only a
+    break reads is taken from each call too, one a segment reads is guarded."""
 
     class M(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.count = Count()
+            self.lin = nn.Linear(8, 8)
+            self.attn = Attention()
+
+        def forward(self, h, lengths, scale: float, rows: int):
+            return self.lin(self.attn(h, lengths)) * scale + rows
+
+    torch.manual_seed(0)
+    model = M()
+    h = torch.randn(2, 4, 8)
+    program, run = _eager_program(model, [Attention], h, torch.tensor([3, 2]), 0.5, 7)
+    assert set(program.guarded) == {2, 3}  # scale and rows: read between breaks
+    for lengths in ([1, 4], [4, 1], [2, 2]):
+        lengths = torch.tensor(lengths)
+        torch.testing.assert_close(run(h, lengths, 0.5, 7), model(h, lengths, 0.5, 7))
+    with pytest.raises(tr.ReplayInputError, match="args\\[2\\] 'scale' is 0.25, but the model was graphed around its breaks with 0.5"):
+        run(h, lengths, 0.25, 7)
+
+
+def test_a_break_whose_output_changes_shape_raises_naming_it_and_both_shapes():
+    class Pick(nn.Module):
+        def forward(self, h, lengths):
+            return h[: int(lengths.max())]
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pick = Pick()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, h, lengths):
+            return self.lin(self.pick(self.lin(h), lengths))
+
+    model = M()
+    h = torch.randn(4, 8)
+    _, run = _eager_program(model, [Pick], h, torch.tensor([3]))
+    run(h, torch.tensor([3]))
+    with pytest.raises(tr.ReplayInputError, match=r"break Pick \(at .*\) returned \(\(2, 8\).*where it returned \(\(3, 8\)"):
+        run(h, torch.tensor([2]))
+
+
+def test_record_refuses_what_a_graph_would_freeze_naming_the_line():
+    class HostRead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = Attention()
+
+        def forward(self, h, lengths):
+            h = self.attn(h, lengths)
+            return h * h.abs().max().item()  # a host read between breaks
+
+    with pytest.raises(CaptureError, match=r"_local_scalar_dense.*test_breaks_training.py:\d+.*breaks='auto'"):
+        record(HostRead(), (torch.randn(2, 4, 8), torch.tensor([3, 2])), {}, [Attention], CPU)
+
+    class Keeps(nn.Module):
+        """A break that keeps a tensor for the model's code to read."""
+
+        def forward(self, h):
+            self.kept = h * 2
+            return h + 1
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.keeps = Keeps()
+
+        def forward(self, h):
+            return self.keeps(h) + self.keeps.kept
+
+    with pytest.raises(CaptureError, match="a break made and did not return"):
+        record(M(), (torch.randn(3),), {}, [Keeps], CPU)
+
+
+def test_a_branch_on_a_tensors_truth_value_is_taken_as_it_went_and_listed():
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
             self.attn = Attention()
             self.lin = nn.Linear(8, 8)
 
         def forward(self, h, lengths):
-            return self.lin(self.attn(h, lengths)) * self.count(h)
+            h = self.attn(h, lengths)
+            if (h > -1e9).all():  # HF's packed-sequence check is of this kind
+                h = self.lin(h)
+            return h
 
-    graphed, _ = plan_modules(M(), (torch.randn(2, 4, 8), torch.tensor([3, 2])), {}, [Attention], CPU)
-    assert _paths(graphed) == ["lin"]
+    torch.manual_seed(0)
+    model = M()
+    program, run = _eager_program(model, [Attention], torch.randn(2, 4, 8), torch.tensor([3, 2]))
+    assert len(program.branches) == 1 and "test_breaks_training.py:" in program.branches[0]
+    h, lengths = torch.randn(2, 4, 8), torch.tensor([1, 4])
+    torch.testing.assert_close(run(h, lengths), model(h, lengths))
+
+
+def test_a_break_never_reached_is_an_error_and_the_model_is_left_as_it_was():
+    model = Model()
+    with pytest.raises(CaptureError, match="OpAttention never ran"):
+        record(model, _sample(), {}, [OpAttention], CPU)
+    for m in model.modules():
+        assert "forward" not in m.__dict__
 
 
 def test_options_with_breaks():

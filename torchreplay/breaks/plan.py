@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from torchreplay import _compat
+from torchreplay.check import user_line
 from torchreplay.core.args import CallArgs, format_path
 from torchreplay.errors import CaptureError
 
@@ -354,7 +355,7 @@ class Recorder:
             else:
                 rules.append(ArgRule(path, "constant"))
         record = BreakCall(
-            len(self.calls), brk, tuple(rules), _user_line(), call, spec, tuple(v for _, v in flat)
+            len(self.calls), brk, tuple(rules), user_line(), call, spec, tuple(v for _, v in flat)
         )
         out = call(*a, **k) if self._run is None else self._run(record, call, a, k)
         outs, out_spec = _compat.tree_flatten(out)
@@ -437,18 +438,6 @@ def _source(caller: dict[Any, int], leaf: Any) -> int | None:
     if isinstance(leaf, (bool, int, float)):
         return caller.get((type(leaf), leaf))
     return caller.get(id(leaf))
-
-
-def _user_line() -> str:
-    """The first frame outside torchreplay and torch: where the model called the break (frames
-    walked, not ``inspect.stack()``, which reads every file's source)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        f = frame.f_code.co_filename
-        if "/torchreplay/" not in f and "/torch/" not in f and "contextlib" not in f:
-            return f"{f}:{frame.f_lineno}"
-        frame = frame.f_back  # type: ignore[assignment]
-    return ""
 
 
 def same_path(

@@ -1,190 +1,156 @@
 """Training with breaks: ``tr.make_graphed_callables(model, sample_args, breaks=[...])``.
 
-Module by module. One eager run of the model (its state put back after) finds, for each
-submodule, whether a break ran inside it and how often it ran. Every largest submodule that holds
-no break, runs inside none, ran once and gives tensors on the model's device is graphed, forward
-and backward (:func:`torchreplay.training.callables.graph_callables`: one pool, in the order they
-ran, each its own autograd node). The breaks, and the code of the modules that hold one (a decoder
-layer's residual adds around its attention), run eagerly, with eager autograd between the graphs.
-
-Why not a segment per stretch between breaks, as inference has (:mod:`.graph`): a segment's
-backward needs an autograd node whose inputs are every tensor the segment reads from earlier code
-and whose outputs are everything later code reads. The breakable runtime knows a run by
-addresses, not by that tensor-level flow; and a break's own backward (attention over host-side
-lengths) must run eagerly inside autograd's backward, which a captured backward cannot stop for.
-Modules give both for free: their calls are where autograd nodes can begin and end.
+One eager run of the model is recorded as a program of segments and breaks
+(:mod:`.program`). Each segment, the ops between two breaks, is graphed forward and backward as
+one autograd node (:func:`torchreplay.training.callables.graph_callables`: one pool, in the order
+they run, backwards in reverse). At each call :class:`BreakTraining` (the model's new
+``forward``) replays the segments and calls the breaks eagerly between them, with eager autograd,
+so a break's backward runs eagerly too (attention over host-side lengths). None of the model's
+own Python runs at a call, only the breaks'.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from torchreplay import _compat
 from torchreplay.breaks.auto import find_on_copies
-from torchreplay.breaks.plan import check_reached, intercept, resolve_breaks
+from torchreplay.breaks.program import Call, Program, Rebound, Ref, Segment, record
 from torchreplay.core.args import CallArgs, infer_device
 from torchreplay.core.graphed import resolve_config, resolve_pool
 from torchreplay.core.modes import refuse_inference_capture
 from torchreplay.core.pool import Pool
 from torchreplay.core.snapshot import StateSnapshot
-from torchreplay.errors import CaptureError
-from torchreplay.training.callables import graph_callables, make_graphed_callables
+from torchreplay.errors import CaptureError, ReplayInputError
+from torchreplay.stats import TrainingStats
+from torchreplay.training.callables import GraphedCallable, graph_callables, make_graphed_callables
 from torchreplay.training.verify import check_verify, resolve_tolerance
 
-__all__ = ["Seen", "plan_modules", "auto_breaks", "graph_around_breaks"]
+__all__ = ["BreakTraining", "auto_breaks", "graph_around_breaks"]
 
 log = logging.getLogger(__name__)
 
+_Tensor = torch.Tensor
 
-@dataclasses.dataclass(eq=False)
-class Seen:
-    """One submodule as the sample run saw it.
+
+class BreakTraining:
+    """A model's ``forward`` after ``make_graphed_callables(model, ..., breaks=...)``: its
+    segments replayed (each its forward graph and an autograd node whose backward replays its
+    backward graph), its breaks called eagerly between them.
 
     Attributes:
-        path: its name in the model (``"layers.0.mlp"``).
-        module: the submodule.
-        order: when it was first called, among all submodule calls.
-        calls: how often it ran.
-        holds_break: a break ran while it ran (or it is one).
-        in_break: it ran inside a break.
-        other_device: an argument tensor on another device than the model's (a graph would
-            freeze it), or no output tensor on the model's device (nothing to graph).
-        args, kwargs: its first call's arguments (tensors detached, ``requires_grad`` as they
-            came).
+        segments: one :class:`~torchreplay.training.callables.GraphedCallable` per segment.
+        stats: calls and eager fallbacks of the whole forward (each segment keeps its own).
     """
 
-    path: str
-    module: nn.Module
-    order: int
-    calls: int = 0
-    holds_break: bool = False
-    in_break: bool = False
-    other_device: bool = False
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    def __init__(self, model: nn.Module, program: Program, runners: list[GraphedCallable], original: Any) -> None:
+        self._model = model
+        self._program = program
+        self._original = original
+        self._training = model.training
+        self.segments = runners
+        self.stats = TrainingStats()
+        self._warned = False
+        by_index = {s.index: r for s, r in zip(program.segments, runners)}
+        # per step: (the graphed segment, its inputs, outputs) or the break call
+        self._steps = [
+            (by_index[s.index], s.inputs, s.outputs) if isinstance(s, Segment) else s
+            for s in program.steps
+        ]
+        self._leaf_count = len(program.paths)
 
-    @property
-    def graphable(self) -> bool:
-        return self.calls == 1 and not (self.holds_break or self.in_break or self.other_device)
-
-    def __str__(self) -> str:
-        return f"{self.path} ({type(self.module).__name__})"
-
-
-def _sample(x: Any) -> Any:
-    """A module's argument as the graph's sample: a tensor detached (no autograd history kept
-    alive), wanting a gradient as it did."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    d = x.detach()
-    if x.requires_grad and (x.dtype.is_floating_point or x.dtype.is_complex):
-        d.requires_grad_(True)
-    return d
-
-
-def _on(device: torch.device, values: Any) -> tuple[bool, bool]:
-    """(any tensor leaf on ``device``'s type, any tensor leaf elsewhere)."""
-    on = off = False
-    for leaf in _compat.tree_flatten(values)[0]:
-        if isinstance(leaf, torch.Tensor):
-            if leaf.device.type == device.type:
-                on = True
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        prog = self._program
+        if self._model.training != self._training:
+            return self._fallback(args, kwargs)
+        leaves, spec = _compat.tree_flatten((args, kwargs))
+        if spec != prog.spec:
+            raise ReplayInputError(
+                f"{type(self._model).__name__} (graphed around breaks) was called with another "
+                f"structure of arguments than its sample ({len(leaves)} leaves, {self._leaf_count} "
+                "at capture); call it as it was graphed"
+            )
+        for k, value in prog.guarded.items():
+            now = leaves[k]
+            if now is not value and not (type(now) is type(value) and now == value):
+                raise ReplayInputError(
+                    f"{prog.paths[k]} is {now!r}, but the model was graphed around its breaks with "
+                    f"{value!r}: the code between breaks ran once with it. Pass it to a break only "
+                    "(it is then taken from each call), or as a tensor, or graph again"
+                )
+        env: list[Any] = [None] * prog.n_values
+        for k, v in prog.inputs.items():
+            env[v] = leaves[k]
+        for step in self._steps:
+            if type(step) is tuple:
+                runner, ins, outs = step
+                got = runner(*[env[i] for i in ins])
+                for v, o in zip(outs, got):
+                    env[v] = o
             else:
-                off = True
-    return on, off
+                self._call_break(step, env, leaves)
+        self.stats.replays += 1
+        out = [env[x.i] if type(x) is Ref else x for x in prog.out_flat]
+        return _compat.tree_unflatten(out, prog.out_spec)
 
-
-def plan_modules(
-    model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any], breaks: Any, device: torch.device
-) -> tuple[list[Seen], list[Seen]]:
-    """Run ``model(*args, **kwargs)`` once, eagerly (buffers and RNG put back after), and
-    return ``(graphed, eager)``: the largest submodules to graph, in the order they ran, and the
-    modules that hold a break (which run eagerly around them).
-
-    Raises:
-        CaptureError: a break that never ran; nothing left to graph.
-    """
-    resolved = resolve_breaks(breaks)
-    seen: dict[int, Seen] = {}
-    paths = {id(m): p for p, m in model.named_modules() if m is not model}
-    stack: list[Seen] = []
-    inside = [0]  # breaks running now
-    counter = [0]
-
-    def pre(m: nn.Module, a: Any, k: Any) -> None:
-        s = seen.get(id(m))
-        if s is None:
-            s = seen[id(m)] = Seen(paths[id(m)], m, counter[0])
-            s.args = tuple(_sample(x) for x in a)
-            s.kwargs = {key: _compat.tree_map(_sample, v) for key, v in k.items()}
-            s.other_device = _on(device, (a, k))[1]
-        else:
-            s.args, s.kwargs = (), {}  # ran twice: not graphed, its sample is not needed
-        counter[0] += 1
-        s.calls += 1
-        s.in_break = s.in_break or inside[0] > 0
-        stack.append(s)
-
-    def post(m: nn.Module, a: Any, k: Any, out: Any) -> None:
-        s = stack.pop()
-        on, off = _on(device, out)
-        s.other_device = s.other_device or off or not on
-        if not s.graphable:
-            s.args, s.kwargs = (), {}
-
-    def on_break(brk: Any, call: Any, a: Any, k: Any) -> Any:
-        for s in stack:
-            s.holds_break = True
-        inside[0] += 1
-        try:
-            return call(*a, **k)
-        finally:
-            inside[0] -= 1
-
-    handles = []
-    reached: set[Any] = set()
-    snapshot = StateSnapshot(model, device)  # a run for real: BatchNorm statistics, dropout's RNG
-    try:
-        for m in model.modules():
-            if m is not model:
-                handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-                handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
-        with snapshot.running(), intercept(model, resolved, on_break, reached):
-            model(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-        snapshot.restore()
-    check_reached(resolved, reached)
-    graphed: list[Seen] = []
-    eager: list[Seen] = []
-
-    def walk(m: nn.Module) -> None:
-        for child in m.children():
-            s = seen.get(id(child))
-            if s is not None and s.graphable:
-                graphed.append(s)
+    def _call_break(self, step: Call, env: list[Any], leaves: list[Any]) -> None:
+        flat = [env[x.i] if type(x) is Ref else leaves[x.leaf] if type(x) is Rebound else x for x in step.flat]
+        a, k = _compat.tree_unflatten(flat, step.spec)
+        out = step.call(*a, **k)
+        got = _compat.tree_flatten(out)[0]
+        if len(got) != len(step.outs):
+            raise ReplayInputError(
+                f"break {step.brk.name} (at {step.where}) returned {len(got)} values, "
+                f"{len(step.outs)} when the model was graphed around it"
+            )
+        for v, o, meta in zip(step.outs, got, step.meta):
+            if v is None:
                 continue
-            if s is not None and s.holds_break and not s.in_break:
-                eager.append(s)
-            walk(child)
+            if not isinstance(o, _Tensor) or (tuple(o.shape), o.dtype, o.device) != meta:
+                seen = (tuple(o.shape), o.dtype, o.device) if isinstance(o, _Tensor) else type(o).__name__
+                raise ReplayInputError(
+                    f"break {step.brk.name} (at {step.where}) returned {seen} where it returned "
+                    f"{meta} when the model was graphed around it; the segment after it reads "
+                    "that shape. Keep a break's outputs' shapes fixed (pad them)"
+                )
+            env[v] = o
 
-    walk(model)
-    graphed = list({id(s): s for s in graphed}.values())  # a submodule under two names: once
-    graphed.sort(key=lambda s: s.order)
-    if not graphed:
-        raise CaptureError(
-            f"make_graphed_callables(breaks=...): every submodule of {type(model).__name__} that "
-            "ran holds a break, runs inside one, ran more than once or gives no tensor on "
-            f"{device}, so nothing is left to graph; break at smaller modules (the attention, "
-            "not the decoder layer)"
-        )
-    return graphed, eager
+    def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.stats.fallbacks += 1
+        if not self._warned:
+            self._warned = True
+            mode = "training" if self._training else "eval"
+            log.warning(
+                "torchreplay: %s was graphed around its breaks in %s mode and is called in the "
+                "other: running eagerly (counted in stats.fallbacks). Graph it again in this mode",
+                type(self._model).__name__, mode,
+            )
+        return self._original(*args, **kwargs)
+
+    def explain(self) -> str:
+        """Each step in order: a segment with its ops and counters, or a break."""
+        lines = [
+            f"{type(self._model).__name__}: graphed around its breaks for training, "
+            f"{len(self.segments)} segment(s); calls={self.stats.replays} fallbacks={self.stats.fallbacks}"
+        ]
+        by_index = {s.index: (s, r) for s, r in zip(self._program.segments, self.segments)}
+        for step in self._program.steps:
+            if isinstance(step, Segment):
+                seg, r = by_index[step.index]
+                lines.append(
+                    f"  {seg.name}: {len(seg.ops)} ops, {len(seg.inputs)} in, {len(seg.outputs)} out; "
+                    f"{r.stats.explain()}"
+                )
+            else:
+                lines.append(f"  break {step.brk.name} at {step.where}: eager")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"BreakTraining({type(self._model).__name__}, {len(self.segments)} segments)"
 
 
 def auto_breaks(model: nn.Module, call: CallArgs, device: torch.device) -> list[nn.Module]:
@@ -243,33 +209,44 @@ def graph_around_breaks(
                 model, call.args, sample_kwargs=call.kwargs, pool=pool, config=cfg,
                 allow_unused_input=allow_unused_input, verify=verify, verify_tol=verify_tol,
             )
-    graphed, eager = plan_modules(model, call.args, call.kwargs, breaks, device)
-    runners = graph_callables(
-        [s.module for s in graphed],
-        [s.args for s in graphed],
-        [s.kwargs for s in graphed],
-        device=device,
-        pool=resolve_pool(pool) or Pool(device),
-        config=cfg,
-        # an argument a submodule does not differentiate through (a rotary embedding reads
-        # only the hidden states' dtype) is the model's business, not the caller's
-        allow_unused=True,
-        verify=verify,
-        tol=tol,
-        names=[str(s) for s in graphed],
-    )
-    for s, r in zip(graphed, runners):
-        s.module.forward = r  # type: ignore[method-assign]
-        r.input_hint = (
-            f". It was graphed around the breaks from one run; if its arguments change shape "
-            f"from call to call (rows picked by a router), name it, or a module around it, in "
-            f"breaks= to run it eagerly: model.get_submodule({s.path!r})"
+    original = model.forward
+    # The recorded run and the captures run the model for real: its buffers (BatchNorm
+    # statistics), copied whole, and the RNG are put back after.
+    snapshot = StateSnapshot(model, device, large="copy")
+    try:
+        program = record(model, call.args, call.kwargs, breaks, device)
+        if program.branches:
+            log.warning(
+                "torchreplay: %s graphed around its breaks: a branch on a tensor's value between "
+                "breaks (%s) is taken as it went in the recorded run at every call, as in a "
+                "graph; if it can go the other way, name the code around it in breaks=",
+                type(model).__name__, "; ".join(program.branches),
+            )
+        segments = program.segments
+        if not segments:
+            raise CaptureError(
+                f"make_graphed_callables(breaks=...): every op of {type(model).__name__} ran "
+                "inside a break, so nothing is left to graph; break at smaller modules (the "
+                "attention, not the decoder layer)"
+            )
+        runners = graph_callables(
+            [s.function() for s in segments],
+            [tuple(program.samples[i] for i in s.inputs) for s in segments],
+            [{} for _ in segments],
+            device=device,
+            pool=resolve_pool(pool) or Pool(device),
+            config=cfg,
+            # a value a segment reads but does not differentiate through (a rotary
+            # embedding reads only the hidden states' dtype) is the model's business
+            allow_unused=True,
+            verify=verify,
+            tol=tol,
+            names=[s.name for s in segments],
         )
-        s.args, s.kwargs = (), {}
-    log.info(
-        "torchreplay: %s graphed for training in %d pieces around its breaks; eager: %s",
-        type(model).__name__,
-        len(graphed),
-        ", ".join(str(s) for s in eager),
-    )
+    finally:
+        snapshot.restore()
+    program.samples.clear()
+    runtime = BreakTraining(model, program, runners, original)
+    model.forward = runtime  # type: ignore[method-assign]
+    log.info("torchreplay: %s", runtime.explain())
     return model

@@ -50,6 +50,9 @@ def explain(obj: Any) -> str:
     if stats is not None and hasattr(stats, "explain"):
         return f"{obj!r}\n  {stats.explain()}{_ranks(obj)}"
     if isinstance(obj, torch.nn.Module):  # tr.make_graphed_callables(model, ...), breaks= or not
+        forward = obj.__dict__.get("forward")
+        if callable(getattr(forward, "explain", None)):  # graphed around its breaks
+            return str(forward.explain())
         graphed = [
             (path, m.__dict__["forward"]) for path, m in obj.named_modules()
             if isinstance(m.__dict__.get("forward"), GraphedCallable)

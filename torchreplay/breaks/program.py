@@ -1,0 +1,374 @@
+"""A model's forward as a program of segments and breaks, recorded from one eager run: what
+training with breaks (:mod:`.training`) graphs.
+
+Inference graphs the stretches between breaks by capturing the model's own run
+(:mod:`.graph`). Training needs more: each stretch must be an autograd node of its own, a
+forward graph and a backward graph, with the breaks' eager autograd between them. So one eager
+run of the model is recorded at the aten level (a ``TorchDispatchMode``, below autograd):
+
+- every op outside the breaks, in order, with which earlier values it reads: a caller's
+  tensor, a value an earlier op or break made, or a constant (a parameter, a buffer, any
+  tensor made before the run, taken as it is: in-place updates by an optimizer reach it);
+- every break call (:func:`torchreplay.breaks.plan.intercept`), with where each argument
+  comes from, and what it returned.
+
+The ops between two breaks form a **segment**: a plain function of the values it reads from
+outside that re-runs its ops from Python, through autograd, and returns the values later steps
+read. :mod:`.training` graphs each one with ``make_graphed_callables``' machinery (forward and
+backward, one autograd node). Running the ops again rather than the model's code is what makes a
+stretch callable on its own: its inputs and outputs are known tensor by tensor.
+
+What is refused at record time, as a graph would freeze or fail on it: an op between breaks
+whose tensors are on another device than the model's (a CPU tensor other than a 0-dim scalar),
+``.item()`` and other host reads of numbers, and a tensor made inside a break and read outside it
+without being returned. The model's Python between breaks runs once, at record time: a branch is
+taken as it went then, as in any graph. That includes a branch on a tensor's truth value (``if
+mask.all():``, HF's check for packed sequences, which HF itself skips under a capture): the read
+is left out of the program and listed in :attr:`Program.branches` (a warning names each line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+
+from torchreplay import _compat
+from torchreplay.breaks.plan import Break, intercept, resolve_breaks, check_reached
+from torchreplay.check import user_line
+from torchreplay.core.args import CallArgs
+from torchreplay.errors import CaptureError
+
+__all__ = ["Ref", "Rebound", "Op", "Segment", "Call", "Program", "record", "sample"]
+
+_Tensor = torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    """A value of the recorded run, by its number."""
+
+    i: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Rebound:
+    """A caller's non-tensor argument leaf, taken from each call (a break's host lengths)."""
+
+    leaf: int
+
+
+@dataclasses.dataclass
+class Op:
+    """One aten op: its flat arguments (values as :class:`Ref`), their structure, the grad
+    mode it ran under, and the numbers of the tensors it returned (None for other leaves)."""
+
+    func: Any
+    flat: list[Any]
+    spec: Any
+    grad: bool
+    outs: list[int | None]
+
+
+@dataclasses.dataclass
+class Segment:
+    """The ops between two breaks; ``inputs``: the values they read from outside, ``outputs``:
+    the values they make that later steps read."""
+
+    index: int
+    ops: list[Op] = dataclasses.field(default_factory=list)
+    inputs: list[int] = dataclasses.field(default_factory=list)
+    outputs: list[int] = dataclasses.field(default_factory=list)
+    name: str = ""
+
+    def function(self) -> Callable[..., tuple[Any, ...]]:
+        """The segment as a function of its inputs: its ops run again, through autograd."""
+        ops, inputs, outputs = self.ops, self.inputs, self.outputs
+
+        def segment(*xs: Any) -> tuple[Any, ...]:
+            env = dict(zip(inputs, xs))
+            grad = torch.is_grad_enabled()
+            try:
+                for op in ops:
+                    flat = [env[x.i] if type(x) is Ref else x for x in op.flat]
+                    a, k = _compat.tree_unflatten(flat, op.spec)
+                    if op.grad != torch.is_grad_enabled():
+                        torch.set_grad_enabled(op.grad and grad)
+                    out = op.func(*a, **k)
+                    for vid, o in zip(op.outs, _compat.tree_flatten(out)[0]):
+                        if vid is not None:
+                            env[vid] = o
+            finally:
+                torch.set_grad_enabled(grad)
+            return tuple(env[i] for i in outputs)
+
+        segment.__qualname__ = self.name
+        return segment
+
+
+@dataclasses.dataclass
+class Call:
+    """One break call: what runs it, its argument leaves (:class:`Ref`, :class:`Rebound` or a
+    constant), and the values it returned, with their shape, dtype and device then."""
+
+    brk: Break
+    call: Callable[..., Any]
+    flat: list[Any]
+    spec: Any
+    outs: list[int | None]
+    out_spec: Any
+    meta: list[tuple[Any, ...] | None]
+    where: str
+
+
+@dataclasses.dataclass
+class Program:
+    """The recorded run: its steps in order, how the caller's leaves map to values, which
+    non-tensor leaves must equal the sample's, and the model's output."""
+
+    steps: list[Segment | Call]
+    inputs: dict[int, int]  # caller leaf -> value
+    guarded: dict[int, Any]  # caller leaf -> the sample's non-tensor value
+    paths: list[str]
+    spec: Any
+    out_flat: list[Any]
+    out_spec: Any
+    n_values: int
+    samples: dict[int, Any]  # value -> the run's tensor (the segments' sample inputs)
+    branches: list[str] = dataclasses.field(default_factory=list)  # host bools read between breaks
+
+    @property
+    def segments(self) -> list[Segment]:
+        return [s for s in self.steps if isinstance(s, Segment)]
+
+
+class _Recorder(_compat.LightDispatchMode):
+    """Records each op outside the breaks (see the module)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.ids: dict[int, int] = {}  # id(tensor) -> value
+        self.keep: list[Any] = []  # every value's tensor, alive so that ids stay unique
+        self.others: list[Any] = []  # the tensors breaks made, alive for the same reason
+        self.producer: list[int] = []  # value -> step index (-1: a caller's)
+        self.steps: list[Segment | Call] = [Segment(0)]
+        self.inside = 0  # breaks running now
+        self.made_in_break: dict[int, str] = {}  # id(tensor) -> the break's name
+        self.problem: str | None = None
+        self.branches: list[str] = []  # where a branch read a bool on the host
+
+    def value(self, t: _Tensor, producer: int) -> int:
+        i = len(self.keep)
+        self.ids[id(t)] = i
+        self.keep.append(t)
+        self.producer.append(producer)
+        return i
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.inside:
+            for o in _compat.tree_flatten(out)[0]:
+                if isinstance(o, _Tensor):
+                    self.made_in_break.setdefault(id(o), "")
+                    self.others.append(o)  # (its id must stay unique)
+            return out
+        if func is _ITEM and args[0].dtype == torch.bool:  # `if mask.all():` decides a branch
+            self.branches.append(user_line())  # (taken as it went now: the op is not kept)
+            return out
+        flat, spec = _compat.tree_flatten((args, kwargs))
+        refs: list[Any] = []
+        for x in flat:
+            if isinstance(x, _Tensor):
+                i = self.ids.get(id(x))
+                if i is None and id(x) in self.made_in_break and self.problem is None:
+                    self.problem = (
+                        f"{func} reads a tensor a break made and did not return (it keeps it, or "
+                        "sets it on a module): the next call's break makes another, which a "
+                        "segment would not see. Return it from the break"
+                    )
+                self._check_device(func, x)
+                refs.append(Ref(i) if i is not None else x)
+            else:
+                refs.append(x)
+        if self.problem is None and func in _HOST_READS:
+            self.problem = f"{func} reads a value on the host (a sync), which a graph cannot"
+        segment = self.steps[-1]
+        assert isinstance(segment, Segment)
+        outs: list[int | None] = []
+        for o in _compat.tree_flatten(out)[0]:
+            if isinstance(o, _Tensor):
+                known = self.ids.get(id(o))  # an in-place op returns its argument
+                outs.append(known if known is not None else self.value(o, len(self.steps) - 1))
+                self._check_device(func, o)
+            else:
+                outs.append(None)
+        segment.ops.append(Op(func, refs, spec, torch.is_grad_enabled(), outs))
+        if self.problem is not None and not hasattr(self, "where"):
+            self.where = user_line()
+        return out
+
+    def _check_device(self, func: Any, t: _Tensor) -> None:
+        if self.problem is None and t.device.type != self.device.type and t.dim() > 0:
+            self.problem = (
+                f"{func} works on a {t.device.type} tensor of shape {tuple(t.shape)}: a graph "
+                "would freeze it"
+            )
+
+
+_ITEM = torch.ops.aten._local_scalar_dense.default
+_HOST_READS = {_ITEM, torch.ops.aten.nonzero.default,
+               torch.ops.aten.masked_select.default, torch.ops.aten.unique_consecutive.default}
+
+
+def _caller_leaves(leaves: Sequence[Any]) -> dict[Any, int]:
+    """The caller's non-tensor leaves, to be found again in a break's arguments: objects by
+    identity, numbers by value when one leaf alone has it (as :mod:`.plan` does)."""
+    found: dict[Any, int] = {}
+    by_value: dict[Any, list[int]] = {}
+    for i, v in enumerate(leaves):
+        if isinstance(v, _Tensor) or v is None or isinstance(v, str):
+            continue
+        if isinstance(v, (bool, int, float)):
+            by_value.setdefault((type(v), v), []).append(i)
+        else:
+            found[id(v)] = i
+    for key, idx in by_value.items():
+        if len(idx) == 1:
+            found[key] = idx[0]
+    return found
+
+
+def record(
+    model: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], breaks: Any, device: torch.device
+) -> Program:
+    """Run ``model(*args, **kwargs)`` once, eagerly, recording it as a :class:`Program`.
+
+    The caller puts module state and RNG back afterwards (the run is real: BatchNorm
+    statistics move, dropout draws).
+
+    Raises:
+        CaptureError: a break that never ran; an op between breaks that a graph would freeze or
+            fail on (see the module), named with the user's line.
+    """
+    resolved = resolve_breaks(breaks)
+    call = CallArgs(model, tuple(args), dict(kwargs))
+    rec = _Recorder(device)
+    inputs: dict[int, int] = {}
+    for k, leaf in enumerate(call.leaves):
+        if isinstance(leaf, _Tensor):
+            inputs[k] = rec.ids[id(leaf)] if id(leaf) in rec.ids else rec.value(leaf, -1)
+    caller = _caller_leaves(call.leaves)
+    rebound: set[int] = set()
+
+    def on_break(brk: Break, fn: Callable[..., Any], a: Any, k: Any) -> Any:
+        flat, spec = _compat.tree_flatten((tuple(a), dict(k)))
+        refs: list[Any] = []
+        for x in flat:
+            if isinstance(x, _Tensor):
+                i = rec.ids.get(id(x))
+                refs.append(Ref(i) if i is not None else x)
+                continue
+            key = (type(x), x) if isinstance(x, (bool, int, float)) else id(x)
+            leaf = caller.get(key) if x is not None and not isinstance(x, str) else None
+            if leaf is not None:
+                rebound.add(leaf)
+                refs.append(Rebound(leaf))
+            else:
+                refs.append(x)
+        where = user_line()
+        rec.inside += 1
+        try:
+            out = fn(*a, **k)
+        finally:
+            rec.inside -= 1
+        step = len(rec.steps)
+        outs: list[int | None] = []
+        meta: list[tuple[Any, ...] | None] = []
+        out_flat, out_spec = _compat.tree_flatten(out)
+        for o in out_flat:
+            if isinstance(o, _Tensor):
+                known = rec.ids.get(id(o))
+                outs.append(known if known is not None else rec.value(o, step))
+                meta.append((tuple(o.shape), o.dtype, o.device))
+            else:
+                outs.append(None)
+                meta.append(None)
+        rec.steps.append(Call(brk, fn, refs, spec, outs, out_spec, meta, where))
+        rec.steps.append(Segment(len(rec.steps)))
+        return out
+
+    reached: set[Break] = set()
+    with rec, intercept(model, resolved, on_break, reached):
+        out = model(*call.args, **call.kwargs)
+    check_reached(resolved, reached)
+    if rec.problem is not None:
+        raise CaptureError(
+            f"training with breaks: between two breaks, {rec.problem} (at {getattr(rec, 'where', '?')}). "
+            "Name the module or function around it in breaks=, or use breaks='auto'"
+        )
+    out_leaves, out_spec = _compat.tree_flatten(out)
+    out_flat = [Ref(rec.ids[id(o)]) if isinstance(o, _Tensor) and id(o) in rec.ids else o for o in out_leaves]
+    program = Program(
+        steps=[s for s in rec.steps if not (isinstance(s, Segment) and not s.ops)],
+        inputs=inputs,
+        guarded={k: v for k, v in enumerate(call.leaves) if not isinstance(v, _Tensor) and k not in rebound},
+        paths=list(call.paths),
+        spec=call.spec,
+        out_flat=out_flat,
+        out_spec=out_spec,
+        n_values=len(rec.producer),
+        samples={},
+        branches=sorted(set(rec.branches)),
+    )
+    _link(program, rec.producer)
+    for s in program.segments:
+        for i in s.inputs:
+            program.samples[i] = sample(rec.keep[i])
+    return program
+
+
+def sample(x: _Tensor) -> _Tensor:
+    """A segment's sample argument: the recorded tensor detached (the run's autograd graph, and
+    the gradient accumulators of the parameters in it, must not outlive the run: a capture of a
+    backward would accumulate into them across streams), wanting a gradient as it did."""
+    d = x.detach()
+    if x.requires_grad and (x.dtype.is_floating_point or x.dtype.is_complex):
+        d.requires_grad_(True)
+    return d
+
+
+def _refs(step: Segment | Call) -> list[int]:
+    flats = [op.flat for op in step.ops] if isinstance(step, Segment) else [step.flat]
+    return [x.i for flat in flats for x in flat if type(x) is Ref]
+
+
+def _link(program: Program, producer: list[int]) -> None:
+    """Each segment's inputs (what it reads from outside), outputs (what later steps or the
+    model's output read) and name."""
+    last_reader: dict[int, int] = {}  # value -> the last position of a step that reads it
+    for pos, step in enumerate(program.steps):
+        for v in _refs(step):
+            last_reader[v] = pos
+    end = len(program.steps)
+    for x in program.out_flat:
+        if type(x) is Ref:
+            last_reader[x.i] = end
+    after, n = "first", 0
+    for pos, step in enumerate(program.steps):
+        if isinstance(step, Call):
+            after = f"after {step.brk.name} at {step.where}"
+            continue
+        seen: set[int] = set()
+        made: list[int] = []
+        for op in step.ops:
+            for x in op.flat:
+                if type(x) is Ref and producer[x.i] != step.index and x.i not in seen:
+                    seen.add(x.i)
+                    step.inputs.append(x.i)
+            made += [v for v in op.outs if v is not None and producer[v] == step.index]
+        step.outputs = sorted({v for v in made if last_reader.get(v, -1) > pos})
+        step.name = f"segment {n} ({after})"
+        n += 1
