@@ -100,7 +100,7 @@ def _eager_program(model, breaks, *sample):
     snapshot = StateSnapshot(model, CPU, large="copy")
     program = record(model, sample, {}, breaks, CPU)
     snapshot.restore()
-    return program, BreakTraining(model, program, [s.function() for s in program.segments], model.forward)
+    return program, BreakTraining(model, program, [s.function() for s in program.segments], model.forward, CPU)
 
 
 @pytest.mark.parametrize("how", ["class", "instances", "function", "op"])
@@ -237,6 +237,47 @@ def test_a_branch_on_a_tensors_truth_value_is_taken_as_it_went_and_listed():
     assert len(program.branches) == 1 and "test_breaks_training.py:" in program.branches[0]
     h, lengths = torch.randn(2, 4, 8), torch.tensor([1, 4])
     torch.testing.assert_close(run(h, lengths), model(h, lengths))
+
+
+class Straight(torch.autograd.Function):
+    """A straight-through round: its backward is not its forward's ops'."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_an_autograd_function_between_breaks_is_refused_naming_its_line():
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = Attention()
+
+        def forward(self, h, lengths):
+            return Straight.apply(self.attn(h, lengths))
+
+    with pytest.raises(CaptureError, match=r"autograd off but its result requires grad.*test_breaks_training.py:\d+"):
+        record(M(), (torch.randn(2, 4, 8), torch.tensor([3, 2])), {}, [Attention], CPU)
+
+
+def test_a_replaced_weight_raises_and_a_weight_loaded_in_place_is_read():
+    torch.manual_seed(0)
+    model = Model()
+    _, run = _eager_program(model, [Attention], *_sample())
+    ids, lengths = _sample(1)
+    with torch.no_grad():
+        model.head.weight.mul_(2)  # in place: the program reads it
+        model.layers[0].attn.q.weight.mul_(2)
+    torch.testing.assert_close(run(ids, lengths), model(ids, lengths))
+    model.layers[0].attn.q = nn.Linear(8, 8)  # inside a break: its own business
+    torch.testing.assert_close(run(ids, lengths), model(ids, lengths))
+    model.head.weight = nn.Parameter(model.head.weight.detach().clone())
+    with pytest.raises(tr.ReplayInputError, match="head.weight"):
+        run(ids, lengths)
 
 
 def test_a_break_never_reached_is_an_error_and_the_model_is_left_as_it_was():

@@ -62,13 +62,15 @@ class Rebound:
 @dataclasses.dataclass
 class Op:
     """One aten op: its flat arguments (values as :class:`Ref`), their structure, the grad
-    mode it ran under, and the numbers of the tensors it returned (None for other leaves)."""
+    mode it ran under, and the numbers of the tensors it returned (None for other leaves, and
+    for a constant it wrote in place and returned)."""
 
     func: Any
     flat: list[Any]
     spec: Any
     grad: bool
     outs: list[int | None]
+    where: str = ""  # the user's line, kept for ops run with autograd off (for errors)
 
 
 @dataclasses.dataclass
@@ -201,11 +203,15 @@ class _Recorder(_compat.LightDispatchMode):
         for o in _compat.tree_flatten(out)[0]:
             if isinstance(o, _Tensor):
                 known = self.ids.get(id(o))  # an in-place op returns its argument
+                if known is None and any(o is x for x in flat):  # a buffer written in place
+                    outs.append(None)  # (stays a constant: later ops read the buffer itself)
+                    continue
                 outs.append(known if known is not None else self.value(o, len(self.steps) - 1))
                 self._check_device(func, o)
             else:
                 outs.append(None)
-        segment.ops.append(Op(func, refs, spec, torch.is_grad_enabled(), outs))
+        grad = torch.is_grad_enabled()
+        segment.ops.append(Op(func, refs, spec, grad, outs, "" if grad else user_line()))
         if self.problem is not None and not hasattr(self, "where"):
             self.where = user_line()
         return out
@@ -221,6 +227,28 @@ class _Recorder(_compat.LightDispatchMode):
 _ITEM = torch.ops.aten._local_scalar_dense.default
 _HOST_READS = {_ITEM, torch.ops.aten.nonzero.default,
                torch.ops.aten.masked_select.default, torch.ops.aten.unique_consecutive.default}
+
+
+def _check_differentiable(rec: _Recorder) -> None:
+    """A value made with autograd off that requires grad after the run got its history from
+    something the program does not run again: a ``torch.autograd.Function`` (its forward runs
+    with autograd off; the program would replay its ops without its backward) or a
+    ``requires_grad_()`` on a tensor made inside the model."""
+    for step in rec.steps:
+        if not isinstance(step, Segment):
+            continue
+        for op in step.ops:
+            if op.grad:
+                continue
+            for v in op.outs:
+                if v is not None and rec.keep[v].requires_grad:
+                    rec.problem = (
+                        f"{op.func} ran with autograd off but its result requires grad: a "
+                        "torch.autograd.Function (or a requires_grad_() on a tensor made inside "
+                        "the model), whose backward a segment would not run"
+                    )
+                    rec.where = op.where
+                    return
 
 
 def _caller_leaves(leaves: Sequence[Any]) -> dict[Any, int]:
@@ -304,6 +332,8 @@ def record(
     with rec, intercept(model, resolved, on_break, reached):
         out = model(*call.args, **call.kwargs)
     check_reached(resolved, reached)
+    if rec.problem is None:
+        _check_differentiable(rec)
     if rec.problem is not None:
         raise CaptureError(
             f"training with breaks: between two breaks, {rec.problem} (at {getattr(rec, 'where', '?')}). "

@@ -23,6 +23,7 @@ from torchreplay.breaks.program import Call, Program, Rebound, Ref, Segment, rec
 from torchreplay.core.args import CallArgs, infer_device
 from torchreplay.core.graphed import resolve_config, resolve_pool
 from torchreplay.core.modes import refuse_inference_capture
+from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import Pool
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.errors import CaptureError, ReplayInputError
@@ -47,8 +48,17 @@ class BreakTraining:
         stats: calls and eager fallbacks of the whole forward (each segment keeps its own).
     """
 
-    def __init__(self, model: nn.Module, program: Program, runners: list[GraphedCallable], original: Any) -> None:
+    def __init__(
+        self, model: nn.Module, program: Program, runners: list[GraphedCallable], original: Any,
+        device: torch.device | None = None,
+    ) -> None:
         self._model = model
+        # Weights and submodules the segments read where the record found them (core/placed.py);
+        # a module break's own state is its business (it runs eagerly).
+        breaks = [m for m in model.modules() if any(
+            c.brk.kind == "module" and c.brk.target is m or c.brk.kind == "class" and isinstance(m, c.brk.target)
+            for c in program.steps if isinstance(c, Call))]
+        self._placed = Placed.of(model, device, objects=True, skip=breaks) if device is not None else None
         self._program = program
         self._original = original
         self._training = model.training
@@ -67,6 +77,11 @@ class BreakTraining:
         prog = self._program
         if self._model.training != self._training:
             return self._fallback(args, kwargs)
+        placed = self._placed
+        if placed is not None and (
+            placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
+        ) and placed.moved():
+            raise placed.error(type(self._model).__name__)
         leaves, spec = _compat.tree_flatten((args, kwargs))
         if spec != prog.spec:
             raise ReplayInputError(
@@ -246,7 +261,7 @@ def graph_around_breaks(
     finally:
         snapshot.restore()
     program.samples.clear()
-    runtime = BreakTraining(model, program, runners, original)
+    runtime = BreakTraining(model, program, runners, original, device)
     model.forward = runtime  # type: ignore[method-assign]
     log.info("torchreplay: %s", runtime.explain())
     return model
