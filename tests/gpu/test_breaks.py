@@ -712,3 +712,44 @@ def test_a_large_buffer_only_read_is_not_copied_and_one_a_break_writes_is_put_ba
     finally:
         del filler
         torch.cuda.empty_cache()
+
+
+def _write_first_row(cache: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    cache[0, : h.shape[-1]].copy_(h[0])
+    return h * 2
+
+
+class _CacheArg(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x, cache):
+        return self.lin(_write_first_row(cache, self.lin(x)))
+
+
+def test_a_cache_argument_too_large_to_copy_is_refused_naming_it_and_the_process_goes_on() -> None:
+    """The sample call runs on copies of the caller's tensors; a 1 GiB cache argument with
+    512 MiB left is a CaptureError naming it, not CUDA's out-of-memory error."""
+    model = _CacheArg().to(DEV)
+    cache = torch.randn(2**18, 1024, device=DEV)  # 1 GiB
+    x = torch.randn(4, H, device=DEV)
+    before = cache[:2].clone()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    filler = torch.empty(torch.cuda.mem_get_info()[0] - 512 * 2**20, dtype=torch.uint8, device=DEV)
+    try:
+        with pytest.raises(tr.CaptureError, match=r"the sample's tensor arguments.*args\[1\] 'cache' \(1\.00 GiB\)"):
+            tr.graph(model, x, cache, breaks=[_write_first_row])
+    finally:
+        del filler
+        torch.cuda.empty_cache()
+    assert torch.equal(cache[:2], before)
+    small = torch.randn(8, 1024, device=DEV)
+    g = tr.graph(model, x, small, breaks=[_write_first_row])
+    want_cache = small.clone()
+    with torch.no_grad():
+        want = model(x, want_cache)
+    torch.testing.assert_close(g(x, small), want)
+    torch.testing.assert_close(small, want_cache)

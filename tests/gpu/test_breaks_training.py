@@ -232,3 +232,105 @@ def test_a_break_whose_output_changes_shape_raises_naming_it_and_both_shapes():
     with pytest.raises(tr.ReplayInputError, match=r"break aten.nonzero \(at .*\) returned \(\(\d+, 1\).* where it returned \(\(\d+, 1\)"):
         for _ in range(20):  # another count of picked rows
             model(torch.randn(64, H, device=DEV)).sum().backward()
+
+
+class NormedBlock(nn.Module):
+    """BatchNorm statistics (written in place between breaks) and a break that reads host lengths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(H, H)
+        self.bn = nn.BatchNorm1d(T)
+        self.attn = HostAttention()
+        self.out = nn.Linear(H, 8)
+
+    def forward(self, x, lengths):
+        h = self.bn(self.inp(x))
+        return self.out(h + self.attn(h, lengths))
+
+
+def test_batchnorm_statistics_move_once_per_step_and_a_replaced_weight_raises():
+    torch.manual_seed(0)
+    model = NormedBlock().to(DEV)
+    ref = copy.deepcopy(model)
+    g = torch.Generator(device=DEV).manual_seed(4)
+
+    def batch():
+        x = torch.randn(B, T, H, device=DEV, generator=g)
+        return x, torch.randint(1, T + 1, (B,), generator=torch.Generator().manual_seed(int(x.sum().abs() * 1000)))
+
+    tr.make_graphed_callables(model, batch(), breaks=[HostAttention])
+    for name, b in model.bn.named_buffers():  # the record and the captures left them as they were
+        torch.testing.assert_close(b, dict(ref.bn.named_buffers())[name])
+    for step in range(STEPS):
+        x, lengths = batch()
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            m(x, lengths).square().mean().backward()
+        _assert_same(model, ref, f"step {step}")
+        for name, b in model.bn.named_buffers():
+            torch.testing.assert_close(b, dict(ref.bn.named_buffers())[name], msg=f"step {step}: bn.{name}")
+    model.out.weight = nn.Parameter(model.out.weight.detach().clone())
+    with pytest.raises(tr.ReplayInputError, match="out.weight"):
+        model(*batch())
+
+
+class DropBlock(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(H, 4 * H), nn.GELU(), nn.Dropout(0.2), nn.Linear(4 * H, H))
+
+
+def test_dropout_between_breaks_draws_the_masks_eager_draws_from_the_same_seed():
+    torch.manual_seed(0)
+    model = nn.ModuleList([DropBlock(), DropBlock()]).to(DEV)
+
+    class Two(nn.Module):
+        def __init__(self, blocks):
+            super().__init__()
+            self.blocks = blocks
+
+        def forward(self, x, lengths):
+            for b in self.blocks:
+                x = b(x, lengths)
+            return x
+
+    graphed, ref = Two(model), Two(copy.deepcopy(model))
+    g = torch.Generator(device=DEV).manual_seed(5)
+    x = torch.randn(B, T, H, device=DEV, generator=g)
+    tr.make_graphed_callables(graphed, (x, torch.tensor([T] * B)), breaks=[HostAttention])
+    outs = []  # a mask frozen at capture would differ from eager's from the second step on
+    for step in range(6):
+        x = torch.randn(B, T, H, device=DEV, generator=g)
+        lengths = torch.randint(1, T + 1, (B,), generator=torch.Generator().manual_seed(step))
+        for m in (graphed, ref):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(100 + step)
+            out = m(x, lengths)
+            out.square().mean().backward()
+            outs.append(out.detach().clone())
+        torch.testing.assert_close(outs[-2], outs[-1], **TOL)
+        _assert_same(graphed, ref, f"step {step}")
+
+
+def test_bf16_autocast_trains_like_eager():
+    torch.manual_seed(0)
+    model = Model(layers=2).to(DEV)
+    ref = copy.deepcopy(model)
+    g = torch.Generator(device=DEV).manual_seed(6)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        tr.make_graphed_callables(model, _batch(g), breaks=[HostAttention])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(6):
+        ids, lengths = _batch(g)
+        targets = torch.randint(0, V, (B, T), device=DEV, generator=g)
+        for m, o in ((model, opt), (ref, opt_ref)):
+            o.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = m(ids, lengths)
+            F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-3, msg=lambda m: f"step {step}: {name}: {m}")
+        opt.step()
+        opt_ref.step()

@@ -35,7 +35,7 @@ from torchreplay import _compat
 from torchreplay.config import RANKS, BucketConfig, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
 from torchreplay.core.capture import Segments, capture, on_side_stream, side_stream
-from torchreplay.core.snapshot import StateSnapshot
+from torchreplay.core.snapshot import StateSnapshot, copies
 from torchreplay.core.effects import PyState
 from torchreplay.core.modes import GRAD, EagerCalls, tracked_leaf
 from torchreplay.core.padcheck import Checked, StateCheck, distributed, rng_state, same_rng
@@ -65,6 +65,10 @@ log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
 _LEAF = _compat.tree_flatten(0)[1]
+# A CaptureError's words when the build's copies of the caller's tensors do not fit
+_SAMPLE_COPIES = "the sample's tensor arguments, to run the sample call on copies (yours stay as they are)"
+_WRITTEN_COPIES = "the arguments the model writes, once per size, to start each capture from their values"
+_SAMPLE_FIX = "Build the graph before allocating other large tensors"
 
 
 class _Eager:
@@ -190,10 +194,13 @@ class BreakableGraph:
                 raise CaptureError(f"{path} is on {leaf.device}, but '{self.name}' runs on {self.device}")
 
     def _copies(self, call: CallArgs) -> list[Any]:
-        """The sample's leaves, tensors cloned (a run on them leaves the caller's alone)."""
+        """The sample's leaves, tensors cloned (a run on them leaves the caller's alone); copies
+        that do not fit are a :class:`CaptureError` naming the largest."""
         self._check_devices(call)
-        with torch.no_grad(), _compat.normal_tensors():  # their version counters tell the writes
-            return [x.clone() if isinstance(x, _Tensor) else x for x in call.leaves]
+        named = [(p, x) for p, x in zip(call.paths, call.leaves) if isinstance(x, _Tensor)]
+        with _compat.normal_tensors():  # their version counters tell the writes
+            copied = iter(copies(named, self.device, fix=_SAMPLE_FIX, what=_SAMPLE_COPIES))
+        return [next(copied)[1] if isinstance(x, _Tensor) else x for x in call.leaves]
 
     def _find(self, call: CallArgs) -> list[AutoBreak]:
         """``breaks="auto"``: one checked eager run on copies of the sample finds the modules."""
@@ -473,8 +480,8 @@ class _Runtime(PiecewiseRuntime):
         entry, env = self._stage(size, args)
         self._capturing = size
         leaves = env[: len(self._inputs)]
-        with torch.no_grad():
-            initial = [(leaves[i], leaves[i].clone()) for i in self._tensors if self._inputs[i].written]
+        written = [(front._paths[i], leaves[i]) for i in self._tensors if self._inputs[i].written]
+        initial = copies(written, self.device, fix=_SAMPLE_FIX, what=_WRITTEN_COPIES)
         snapshot = self._snapshot
 
         def reset() -> None:

@@ -230,14 +230,18 @@ GRAPH_FIX = (
 )
 
 
+#: What :func:`copies` copies and why, by default (the error's words)
+BUFFERS = "the module's buffers to put them back after the calls it makes (restore_state=True, the default)"
+
+
 def copies(
-    named: list[tuple[str, torch.Tensor]], device: torch.device, fix: str = GRAPH_FIX
+    named: list[tuple[str, torch.Tensor]], device: torch.device, fix: str = GRAPH_FIX, what: str = BUFFERS
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each tensor of ``named`` (name, tensor) with a copy of it. Copies that do not fit in
     ``device``'s memory raise a :class:`CaptureError` naming the largest tensors and ``fix``
     (:func:`check_fits`), the copies made so far given back."""
     on_device = [(n, t) for n, t in named if t.is_cuda]
-    check_fits(on_device, device, fix=fix)
+    check_fits(on_device, device, fix=fix, what=what)
     try:
         with torch.no_grad():
             return [(t, t.detach().clone()) for _, t in named]
@@ -247,12 +251,13 @@ def copies(
     # (their memory back to the device: a graph's pool cannot take it from torch's cache while
     # it captures, and a build with restore_state=False may come next)
     torch.cuda.empty_cache()
-    check_fits(on_device, device, failed=True, fix=fix)
+    check_fits(on_device, device, failed=True, fix=fix, what=what)
     raise error
 
 
 def check_fits(
-    named: list[tuple[str, torch.Tensor]], device: torch.device, failed: bool = False, fix: str = GRAPH_FIX
+    named: list[tuple[str, torch.Tensor]], device: torch.device, failed: bool = False, fix: str = GRAPH_FIX,
+    what: str = BUFFERS,
 ) -> None:
     """Raise a :class:`CaptureError` when copies of ``named`` (name, CUDA tensor) would not fit
     in what ``device`` has free: the driver's free memory and what torch's allocator holds
@@ -271,8 +276,7 @@ def check_fits(
     more = f" and {len(big) - 4} more" if len(big) > 4 else ""
     held = ", some of it held unused by graphs' memory pools" if need <= free else ""
     raise CaptureError(
-        f"building the graphs copies the module's buffers to put them back after the calls it "
-        f"makes (restore_state=True, the default): {listed}{more}, {_size(need)} in all, "
+        f"building the graphs copies {what}: {listed}{more}, {_size(need)} in all, "
         f"and {device} has {_size(free)} free{held}. Nothing was captured and the "
         f"module's state is as it was. {fix}"
     )
