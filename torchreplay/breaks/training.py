@@ -229,7 +229,10 @@ def graph_around_breaks(
     # statistics), copied whole, and the RNG are put back after.
     snapshot = StateSnapshot(model, device, large="copy")
     try:
-        program = record(model, call.args, call.kwargs, breaks, device)
+        # (autocast's cache would keep the run's casts of the weights, with their autograd
+        # graph made on this stream, alive into the backward captures)
+        with _compat.autocast_cache_disabled():
+            program = record(model, call.args, call.kwargs, breaks, device)
         if program.branches:
             log.warning(
                 "torchreplay: %s graphed around its breaks: a branch on a tensor's value between "
