@@ -186,6 +186,29 @@ def test_a_break_whose_output_changes_shape_raises_naming_it_and_both_shapes():
         run(h, torch.tensor([2]))
 
 
+def test_a_number_a_break_returns_must_stay_the_same():
+    class Count(nn.Module):
+        def forward(self, h, lengths):
+            return h * 2, int(lengths.max())
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = Count()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, h, lengths):
+            h, n = self.count(h, lengths)
+            return self.lin(h)[:, :n]
+
+    model = M()
+    h = torch.randn(2, 4, 8)
+    _, run = _eager_program(model, [Count], h, torch.tensor([3, 2]))
+    torch.testing.assert_close(run(h, torch.tensor([1, 3])), model(h, torch.tensor([1, 3])))
+    with pytest.raises(tr.ReplayInputError, match=r"break Count \(at .*\) returned 2 where it returned 3"):
+        run(h, torch.tensor([2, 1]))
+
+
 def test_record_refuses_what_a_graph_would_freeze_naming_the_line():
     class HostRead(nn.Module):
         def __init__(self) -> None:
@@ -235,6 +258,10 @@ def test_a_branch_on_a_tensors_truth_value_is_taken_as_it_went_and_listed():
     model = M()
     program, run = _eager_program(model, [Attention], torch.randn(2, 4, 8), torch.tensor([3, 2]))
     assert len(program.branches) == 1 and "test_breaks_training.py:" in program.branches[0]
+    # the condition's ops are left out: nothing reads their result
+    funcs = {str(op.func) for s in program.segments for op in s.ops}
+    assert "aten.all.default" not in funcs and "aten.gt.Scalar" not in funcs, funcs
+    assert "aten.addmm.default" in funcs or "aten.mm.default" in funcs, funcs
     h, lengths = torch.randn(2, 4, 8), torch.tensor([1, 4])
     torch.testing.assert_close(run(h, lengths), model(h, lengths))
 

@@ -71,6 +71,7 @@ class Op:
     grad: bool
     outs: list[int | None]
     where: str = ""  # the user's line, kept for ops run with autograd off (for errors)
+    effect: bool = True  # writes a tensor or draws random numbers: kept even if nothing reads it
 
 
 @dataclasses.dataclass
@@ -120,7 +121,7 @@ class Call:
     spec: Any
     outs: list[int | None]
     out_spec: Any
-    meta: list[tuple[Any, ...] | None]
+    meta: list[tuple[Any, ...]]  # (shape, dtype, device) of a tensor, ("value", v) of another leaf
     where: str
 
 
@@ -211,7 +212,12 @@ class _Recorder(_compat.LightDispatchMode):
             else:
                 outs.append(None)
         grad = torch.is_grad_enabled()
-        segment.ops.append(Op(func, refs, spec, grad, outs, "" if grad else user_line()))
+        effect = (
+            getattr(func, "_schema", None) is None
+            or torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+            or bool(_compat.written_tensors(func, args, kwargs))
+        )
+        segment.ops.append(Op(func, refs, spec, grad, outs, "" if grad else user_line(), effect))
         if self.problem is not None and not hasattr(self, "where"):
             self.where = user_line()
         return out
@@ -323,7 +329,7 @@ def record(
                 meta.append((tuple(o.shape), o.dtype, o.device))
             else:
                 outs.append(None)
-                meta.append(None)
+                meta.append(("value", o))  # a number it returns: the same at every call
         rec.steps.append(Call(brk, fn, refs, spec, outs, out_spec, meta, where))
         rec.steps.append(Segment(len(rec.steps)))
         return out
@@ -341,6 +347,7 @@ def record(
         )
     out_leaves, out_spec = _compat.tree_flatten(out)
     out_flat = [Ref(rec.ids[id(o)]) if isinstance(o, _Tensor) and id(o) in rec.ids else o for o in out_leaves]
+    _drop_dead(rec.steps, out_flat)
     program = Program(
         steps=[s for s in rec.steps if not (isinstance(s, Segment) and not s.ops)],
         inputs=inputs,
@@ -368,6 +375,25 @@ def sample(x: _Tensor) -> _Tensor:
     if x.requires_grad and (x.dtype.is_floating_point or x.dtype.is_complex):
         d.requires_grad_(True)
     return d
+
+
+def _drop_dead(steps: list[Segment | Call], out_flat: list[Any]) -> None:
+    """Leave out each op whose results nothing reads and that writes nothing and draws no random
+    numbers (a branch's condition, autograd's own ``detach`` of what it saves): a graph need not
+    run it."""
+    live = {x.i for x in out_flat if type(x) is Ref}
+    for step in steps:
+        if isinstance(step, Call):
+            live.update(x.i for x in step.flat if type(x) is Ref)
+    for step in reversed(steps):
+        if not isinstance(step, Segment):
+            continue
+        kept = []
+        for op in reversed(step.ops):
+            if op.effect or any(v is not None and v in live for v in op.outs):
+                kept.append(op)
+                live.update(x.i for x in op.flat if type(x) is Ref)
+        step.ops = kept[::-1]
 
 
 def _refs(step: Segment | Call) -> list[int]:

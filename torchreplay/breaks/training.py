@@ -124,6 +124,12 @@ class BreakTraining:
             )
         for v, o, meta in zip(step.outs, got, step.meta):
             if v is None:
+                if meta[0] == "value" and not (o is meta[1] or type(o) is type(meta[1]) and o == meta[1]):
+                    raise ReplayInputError(
+                        f"break {step.brk.name} (at {step.where}) returned {o!r} where it returned "
+                        f"{meta[1]!r} when the model was graphed around it; the code after it ran "
+                        "once, with that value. Return it as a tensor, or keep it fixed"
+                    )
                 continue
             if not isinstance(o, _Tensor) or (tuple(o.shape), o.dtype, o.device) != meta:
                 seen = (tuple(o.shape), o.dtype, o.device) if isinstance(o, _Tensor) else type(o).__name__
