@@ -186,6 +186,45 @@ def test_a_break_whose_output_changes_shape_raises_naming_it_and_both_shapes():
         run(h, torch.tensor([2]))
 
 
+def test_a_value_written_in_place_after_a_break_is_written_on_a_copy_the_segment_returns():
+    """``h += attn(h)``: h, made before the break, is a graph input of the segment after it, a
+    leaf that autograd lets no in-place op change; the segment writes a copy and returns it."""
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin1 = nn.Linear(8, 8)
+            self.attn = Attention()
+            self.lin2 = nn.Linear(8, 8)
+
+        def forward(self, x, lengths):
+            h = self.lin1(x)
+            h += self.attn(h * 1, lengths)
+            return self.lin2(h), h
+
+    torch.manual_seed(0)
+    model = M()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 4, 8)
+    program, run = _eager_program(model, [Attention], x, torch.tensor([3, 2]))
+    after = program.segments[1]
+    (h,) = after.copied
+    assert h in after.inputs and h in after.outputs
+    leaves = [program.samples[i] for i in after.inputs]
+    out = after.function()(*leaves)  # as the graph's warm-up calls it: leaves that want grad
+    sum(o.sum() for o in out if o.requires_grad).backward()
+    assert all(t.grad is not None for t in leaves if t.requires_grad)
+    model.zero_grad(set_to_none=True)  # (that backward reached lin2's parameters)
+    lengths = torch.tensor([1, 4])
+    (y, hy), (want, hwant) = run(x, lengths), ref(x, lengths)
+    torch.testing.assert_close(y, want)
+    torch.testing.assert_close(hy, hwant)
+    (y.sum() + hy.sum()).backward()
+    (want.sum() + hwant.sum()).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
 def test_a_number_a_break_returns_must_stay_the_same():
     class Count(nn.Module):
         def forward(self, h, lengths):

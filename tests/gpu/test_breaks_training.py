@@ -150,6 +150,13 @@ def test_two_micro_batches_before_one_backward_match_eager():
             loss = m(a, la).square().mean() + m(b, lb).square().mean()
             loss.backward()
         _assert_same(model, ref, "accumulated")
+    a, la = _batch(g)
+    with torch.no_grad():  # forward graphs alone
+        torch.testing.assert_close(model(a, la), ref(a, la), **TOL)
+    model.eval()
+    ref.eval()
+    torch.testing.assert_close(model(a, la), ref(a, la), **TOL)  # the other mode: eagerly
+    assert model.forward.stats.fallbacks == 1
 
 
 def test_hf_llama_with_its_attention_as_the_break_trains_like_eager():
@@ -334,3 +341,34 @@ def test_bf16_autocast_trains_like_eager():
             torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-3, msg=lambda m: f"step {step}: {name}: {m}")
         opt.step()
         opt_ref.step()
+
+
+class InPlaceResidual(nn.Module):
+    """``h += attn(...)`` after the break: h, made before it, is written in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(H, H)
+        self.attn = HostAttention()
+        self.lin2 = nn.Linear(H, 8)
+
+    def forward(self, x, lengths):
+        h = self.lin1(x)
+        h += self.attn(h * 1, lengths)
+        return self.lin2(h)
+
+
+def test_a_value_written_in_place_after_a_break_trains_like_eager():
+    torch.manual_seed(0)
+    model = InPlaceResidual().to(DEV)
+    ref = copy.deepcopy(model)
+    g = torch.Generator(device=DEV).manual_seed(7)
+    x = torch.randn(B, T, H, device=DEV, generator=g)
+    tr.make_graphed_callables(model, (x, torch.tensor([T] * B)), breaks=[HostAttention])
+    for step in range(6):
+        x = torch.randn(B, T, H, device=DEV, generator=g)
+        lengths = torch.randint(1, T + 1, (B,), generator=torch.Generator().manual_seed(step))
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            m(x, lengths).square().mean().backward()
+        _assert_same(model, ref, f"step {step}")

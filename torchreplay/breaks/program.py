@@ -72,6 +72,7 @@ class Op:
     outs: list[int | None]
     where: str = ""  # the user's line, kept for ops run with autograd off (for errors)
     effect: bool = True  # writes a tensor or draws random numbers: kept even if nothing reads it
+    writes: tuple[int, ...] = ()  # the values it writes in place
 
 
 @dataclasses.dataclass
@@ -84,13 +85,18 @@ class Segment:
     inputs: list[int] = dataclasses.field(default_factory=list)
     outputs: list[int] = dataclasses.field(default_factory=list)
     name: str = ""
+    #: inputs it writes in place, made by an earlier step: written on a copy (a graph's input
+    #: is a leaf, which autograd does not let an in-place op change), which it then returns
+    copied: list[int] = dataclasses.field(default_factory=list)
 
     def function(self) -> Callable[..., tuple[Any, ...]]:
         """The segment as a function of its inputs: its ops run again, through autograd."""
-        ops, inputs, outputs = self.ops, self.inputs, self.outputs
+        ops, inputs, outputs, copied = self.ops, self.inputs, self.outputs, self.copied
 
         def segment(*xs: Any) -> tuple[Any, ...]:
             env = dict(zip(inputs, xs))
+            for v in copied:
+                env[v] = env[v].clone()
             grad = torch.is_grad_enabled()
             try:
                 for op in ops:
@@ -212,12 +218,14 @@ class _Recorder(_compat.LightDispatchMode):
             else:
                 outs.append(None)
         grad = torch.is_grad_enabled()
+        written = _compat.written_tensors(func, args, kwargs)
         effect = (
             getattr(func, "_schema", None) is None
             or torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
-            or bool(_compat.written_tensors(func, args, kwargs))
+            or bool(written)
         )
-        segment.ops.append(Op(func, refs, spec, grad, outs, "" if grad else user_line(), effect))
+        writes = tuple(i for t in written if (i := self.ids.get(id(t))) is not None)
+        segment.ops.append(Op(func, refs, spec, grad, outs, "" if grad else user_line(), effect, writes))
         if self.problem is not None and not hasattr(self, "where"):
             self.where = user_line()
         return out
@@ -361,6 +369,8 @@ def record(
         branches=sorted(set(rec.branches)),
     )
     _link(program, rec.producer)
+    for s in program.segments:  # (a copy is needed where autograd tracks the value)
+        s.copied = [v for v in s.copied if rec.keep[v].requires_grad]
     for s in program.segments:
         for i in s.inputs:
             program.samples[i] = sample(rec.keep[i])
@@ -425,6 +435,9 @@ def _link(program: Program, producer: list[int]) -> None:
                     seen.add(x.i)
                     step.inputs.append(x.i)
             made += [v for v in op.outs if v is not None and producer[v] == step.index]
+            step.copied += [v for v in op.writes if producer[v] >= 0 and producer[v] != step.index
+                            and v not in step.copied]
+        made += step.copied  # (the copy is what later steps read)
         step.outputs = sorted({v for v in made if last_reader.get(v, -1) > pos})
         step.name = f"segment {n} ({after})"
         n += 1
