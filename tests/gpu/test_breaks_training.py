@@ -372,3 +372,20 @@ def test_a_value_written_in_place_after_a_break_trains_like_eager():
             m.zero_grad(set_to_none=True)
             m(x, lengths).square().mean().backward()
         _assert_same(model, ref, f"step {step}")
+
+
+class HostScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = HostAttention()
+
+    def forward(self, x, lengths, scale):
+        return self.attn(x, lengths) * scale  # a 0-dim host tensor, read between breaks
+
+
+def test_a_host_scalar_the_code_between_breaks_reads_is_refused():
+    """A graph would take a CPU scalar's value at capture and keep it: refused, naming it."""
+    model = HostScale().to(DEV)
+    x = torch.randn(B, T, H, device=DEV)
+    with pytest.raises(tr.CaptureError, match=r"reads the caller's cpu tensor of shape \(\).*test_breaks_training.py:\d+"):
+        tr.make_graphed_callables(model, (x, torch.tensor([T] * B), torch.tensor(0.5)), breaks=[HostAttention])

@@ -199,6 +199,12 @@ class _Recorder(_compat.LightDispatchMode):
                         "segment would not see. Return it from the break"
                     )
                 self._check_device(func, x)
+                if i is not None and self.producer[i] < 0 and x.device.type != self.device.type:
+                    self.problem = self.problem or (
+                        f"{func} reads the caller's {x.device.type} tensor of shape "
+                        f"{tuple(x.shape)}: a graph would take its value at capture and keep it. "
+                        "Pass it to a break only (it is then taken from each call), or on the GPU"
+                    )
                 refs.append(Ref(i) if i is not None else x)
             else:
                 refs.append(x)
