@@ -14,7 +14,8 @@ import torch.nn as nn
 
 import torchreplay as tr
 from torchreplay.breaks.program import Call, record
-from torchreplay.breaks.training import BreakTraining
+from torchreplay.breaks.training import BreakTraining, record_checked
+from torchreplay.core.args import CallArgs
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.errors import CaptureError
 
@@ -98,9 +99,9 @@ def _eager_program(model, breaks, *sample):
     """The recorded program run without graphs: each segment is its own function. The
     recording ran the model for real: its state is put back, as the build does."""
     snapshot = StateSnapshot(model, CPU, large="copy")
-    program = record(model, sample, {}, breaks, CPU)
+    program, reads = record_checked(model, CallArgs(model, sample, {}), breaks, CPU)
     snapshot.restore()
-    return program, BreakTraining(model, program, [s.function() for s in program.segments], model.forward, CPU)
+    return program, BreakTraining(model, program, [s.function() for s in program.segments], model.forward, CPU, reads)
 
 
 @pytest.mark.parametrize("how", ["class", "instances", "function", "op"])
@@ -344,6 +345,60 @@ def test_a_replaced_weight_raises_and_a_weight_loaded_in_place_is_read():
     model.head.weight = nn.Parameter(model.head.weight.detach().clone())
     with pytest.raises(tr.ReplayInputError, match="head.weight"):
         run(ids, lengths)
+
+
+class Counted(Attention):
+    def forward(self, h, lengths):
+        self.calls = getattr(self, "calls", 0) + 1  # a break's own Python: runs at every call
+        return super().forward(h, lengths)
+
+
+def test_python_state_the_code_between_breaks_changes_is_refused_and_a_breaks_is_its_own():
+    class Steps(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = Counted()
+            self.steps = 0
+
+        def forward(self, h, lengths):
+            self.steps += 1  # between breaks: it would run once, at record time
+            return self.attn(h, lengths)
+
+    sample = (torch.randn(2, 4, 8), torch.tensor([3, 2]))
+    model = Steps()
+    with pytest.raises(CaptureError, match="changes Python state.*steps"):
+        _eager_program(model, [Counted], *sample)
+
+    class Fine(Steps):
+        def forward(self, h, lengths):
+            return self.attn(h, lengths) * 2
+
+    model = Fine()
+    _, run = _eager_program(model, [Counted], *sample)
+    before = model.attn.calls
+    run(*sample)
+    run(*sample)
+    assert model.attn.calls == before + 2
+
+
+def test_a_tensor_in_python_state_read_between_breaks_and_replaced_raises():
+    class Table(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = Attention()
+            self.scale = torch.full((8,), 0.5)  # a plain attribute: neither parameter nor buffer
+
+        def forward(self, h, lengths):
+            return self.attn(h, lengths) * self.scale
+
+    model = Table()
+    sample = (torch.randn(2, 4, 8), torch.tensor([3, 2]))
+    _, run = _eager_program(model, [Attention], *sample)
+    model.scale.mul_(2)  # in place: read where it is
+    torch.testing.assert_close(run(*sample), model(*sample))
+    model.scale = torch.full((8,), 3.0)
+    with pytest.raises(tr.ReplayInputError, match="scale"):
+        run(*sample)
 
 
 def test_a_break_never_reached_is_an_error_and_the_model_is_left_as_it_was():

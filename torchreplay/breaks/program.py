@@ -29,6 +29,7 @@ is left out of the program and listed in :attr:`Program.branches` (a warning nam
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Sequence
 
@@ -290,12 +291,15 @@ def _caller_leaves(leaves: Sequence[Any]) -> dict[Any, int]:
 
 
 def record(
-    model: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], breaks: Any, device: torch.device
+    model: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], breaks: Any, device: torch.device,
+    python: Any = None,
 ) -> Program:
     """Run ``model(*args, **kwargs)`` once, eagerly, recording it as a :class:`Program`.
 
     The caller puts module state and RNG back afterwards (the run is real: BatchNorm
-    statistics move, dropout draws).
+    statistics move, dropout draws). ``python``: a :class:`~torchreplay.core.effects.PyState`
+    comparing the Python state around the run; each break runs in its ``eager_part`` (what a
+    break changes, it changes at every call).
 
     Raises:
         CaptureError: a break that never ran; an op between breaks that a graph would freeze or
@@ -329,7 +333,8 @@ def record(
         where = user_line()
         rec.inside += 1
         try:
-            out = fn(*a, **k)
+            with python.eager_part(f"break {brk.name} at {where}") if python is not None else contextlib.nullcontext():
+                out = fn(*a, **k)
         finally:
             rec.inside -= 1
         step = len(rec.steps)

@@ -21,6 +21,7 @@ from torchreplay import _compat
 from torchreplay.breaks.auto import find_on_copies
 from torchreplay.breaks.program import Call, Program, Rebound, Ref, Segment, record
 from torchreplay.core.args import CallArgs, infer_device
+from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import resolve_config, resolve_pool
 from torchreplay.core.modes import refuse_inference_capture
 from torchreplay.core.placed import CHANGES, GONE, Placed
@@ -50,9 +51,10 @@ class BreakTraining:
 
     def __init__(
         self, model: nn.Module, program: Program, runners: list[GraphedCallable], original: Any,
-        device: torch.device | None = None,
+        device: torch.device | None = None, reads: Any = None,
     ) -> None:
         self._model = model
+        self._reads = reads  # tensors in Python state the segments read (core/effects.py)
         # Weights and submodules the segments read where the record found them (core/placed.py);
         # a module break's own state is its business (it runs eagerly).
         breaks = [m for m in model.modules() if any(
@@ -82,6 +84,10 @@ class BreakTraining:
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
         ) and placed.moved():
             raise placed.error(type(self._model).__name__)
+        if self._reads is not None:
+            stale = self._reads.replaced(type(self._model).__name__)
+            if stale is not None:
+                raise stale
         leaves, spec = _compat.tree_flatten((args, kwargs))
         if spec != prog.spec:
             raise ReplayInputError(
@@ -174,6 +180,29 @@ class BreakTraining:
         return f"BreakTraining({type(self._model).__name__}, {len(self.segments)} segments)"
 
 
+def record_checked(model: nn.Module, call: CallArgs, breaks: Any, device: torch.device) -> tuple[Program, Any]:
+    """:func:`~torchreplay.breaks.program.record`, with the Python state the model reaches
+    compared around the recorded run (core/effects.py), as for any graph: the model's code
+    between breaks ran once, so a change it makes there (a counter, a list grown, a tensor
+    replaced after being read) is a :class:`CaptureError`; what a break changes is its own. One
+    eager call first, without autograd, shows what every call changes (a first call's setup is
+    no change). Returns the program and the tensors in Python state it reads
+    (:class:`~torchreplay.core.effects.StateReads`, checked at each call; None: none)."""
+    python = PyState(type(model).__name__, model, call.args, call.kwargs, modules=lambda: [model], reads=True)
+    # (autocast's cache would keep the run's casts of the weights, with their autograd graph
+    # made on this stream, alive into the backward captures)
+    with python.building(), _compat.autocast_cache_disabled():
+        with python.warmup(last=True), torch.no_grad():
+            model(*call.args, **call.kwargs)
+        python.put_back_tensors()
+        with python.captured():
+            program = record(model, call.args, call.kwargs, breaks, device, python)
+        error = python.verdict()
+        if error is not None:
+            raise error
+    return program, python.reads()
+
+
 def auto_breaks(model: nn.Module, call: CallArgs, device: torch.device) -> list[nn.Module]:
     """``breaks="auto"``: the modules :func:`torchreplay.breaks.auto.find_breaks` chooses
     around each op that cannot be captured (none: the whole model can be graphed)."""
@@ -235,10 +264,7 @@ def graph_around_breaks(
     # statistics), copied whole, and the RNG are put back after.
     snapshot = StateSnapshot(model, device, large="copy")
     try:
-        # (autocast's cache would keep the run's casts of the weights, with their autograd
-        # graph made on this stream, alive into the backward captures)
-        with _compat.autocast_cache_disabled():
-            program = record(model, call.args, call.kwargs, breaks, device)
+        program, reads = record_checked(model, call, breaks, device)
         if program.branches:
             log.warning(
                 "torchreplay: %s graphed around its breaks: a branch on a tensor's value between "
@@ -270,7 +296,7 @@ def graph_around_breaks(
     finally:
         snapshot.restore()
     program.samples.clear()
-    runtime = BreakTraining(model, program, runners, original, device)
+    runtime = BreakTraining(model, program, runners, original, device, reads)
     model.forward = runtime  # type: ignore[method-assign]
     log.info("torchreplay: %s", runtime.explain())
     return model
