@@ -165,8 +165,9 @@ class _Recorder(_compat.LightDispatchMode):
         self.producer: list[int] = []  # value -> step index (-1: a caller's)
         self.steps: list[Segment | Call] = [Segment(0)]
         self.inside = 0  # breaks running now
-        self.made_in_break: dict[int, str] = {}  # id(tensor) -> the break's name
-        self.problem: str | None = None
+        self.made_in_break: set[int] = set()  # ids of tensors made inside breaks
+        self.problem: str | None = None  # the first op a graph would freeze or fail on
+        self.where = ""  # ... and the user's line
         self.branches: list[str] = []  # where a branch read a bool on the host
 
     def value(self, t: _Tensor, producer: int) -> int:
@@ -182,7 +183,7 @@ class _Recorder(_compat.LightDispatchMode):
         if self.inside:
             for o in _compat.tree_flatten(out)[0]:
                 if isinstance(o, _Tensor):
-                    self.made_in_break.setdefault(id(o), "")
+                    self.made_in_break.add(id(o))
                     self.others.append(o)  # (its id must stay unique)
             return out
         if func is _ITEM and args[0].dtype == torch.bool:  # `if mask.all():` decides a branch
@@ -233,7 +234,7 @@ class _Recorder(_compat.LightDispatchMode):
         )
         writes = tuple(i for t in written if (i := self.ids.get(id(t))) is not None)
         segment.ops.append(Op(func, refs, spec, grad, outs, "" if grad else user_line(), effect, writes))
-        if self.problem is not None and not hasattr(self, "where"):
+        if self.problem is not None and not self.where:
             self.where = user_line()
         return out
 
@@ -361,7 +362,7 @@ def record(
         _check_differentiable(rec)
     if rec.problem is not None:
         raise CaptureError(
-            f"training with breaks: between two breaks, {rec.problem} (at {getattr(rec, 'where', '?')}). "
+            f"training with breaks: between two breaks, {rec.problem} (at {rec.where or '?'}). "
             "Name the module or function around it in breaks=, or use breaks='auto'"
         )
     out_leaves, out_spec = _compat.tree_flatten(out)
