@@ -415,3 +415,38 @@ def test_options_with_breaks():
     with pytest.raises(TypeError, match="sample_args must be a tuple"):
         tr.make_graphed_callables(Model(), torch.randn(2), breaks=[Attention])
     assert "breaks:" in (tr.make_graphed_callables.__doc__ or "")
+
+
+@pytest.mark.parametrize("where", ["module", "kernel op"])
+def test_hf_llama_program_trains_like_the_model(where):
+    """HF Llama's training forward (loss included), recorded with its attention module or only
+    SDPA's CPU kernel op as the break: loss and every gradient equal the model's over fresh
+    batches; its packed-sequence check is the one branch taken as recorded."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 16))
+    breaks = [modeling_llama.LlamaAttention] if where == "module" else ["aten._scaled_dot_product_flash_attention_for_cpu"]
+    snapshot = StateSnapshot(model, CPU, large="copy")
+    program, reads = record_checked(model, CallArgs(model, (ids,), {"labels": ids}), breaks, CPU)
+    snapshot.restore()
+    assert [type(s).__name__ for s in program.steps] == ["Segment", "Call"] * 2 + ["Segment"]
+    assert len(program.branches) == 1 and "masking_utils.py" in program.branches[0]
+    run = BreakTraining(model, program, [s.function() for s in program.segments], model.forward, CPU, reads)
+    for _ in range(3):
+        ids = torch.randint(0, 128, (2, 16))
+        out, want = run(ids, labels=ids), ref(ids, labels=ids)
+        torch.testing.assert_close(out.loss, want.loss)
+        out.loss.backward()
+        want.loss.backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
