@@ -431,22 +431,79 @@ def test_hf_llama_program_trains_like_the_model(where):
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).train()
-    ref = copy.deepcopy(model)
-    ids = torch.randint(0, 128, (2, 16))
     breaks = [modeling_llama.LlamaAttention] if where == "module" else ["aten._scaled_dot_product_flash_attention_for_cpu"]
-    snapshot = StateSnapshot(model, CPU, large="copy")
-    program, reads = record_checked(model, CallArgs(model, (ids,), {"labels": ids}), breaks, CPU)
-    snapshot.restore()
+    program = _program_trains_like(model, breaks, _tokens(128))
     assert [type(s).__name__ for s in program.steps] == ["Segment", "Call"] * 2 + ["Segment"]
     assert len(program.branches) == 1 and "masking_utils.py" in program.branches[0]
+
+
+def _program_trains_like(model, breaks, batch, steps=3):
+    """Record ``model``'s program on ``batch(0)`` and run it against a copy on ``batch(1)``,
+    ``batch(2)``, ... from the same seeds (dropout draws the same masks): loss and every
+    gradient equal. ``batch(i)`` gives ``(args, kwargs)``, fresh random tokens."""
+    ref = copy.deepcopy(model)
+    args, kwargs = batch(0)
+    snapshot = StateSnapshot(model, CPU, large="copy")
+    program, reads = record_checked(model, CallArgs(model, args, kwargs), breaks, CPU)
+    snapshot.restore()
     run = BreakTraining(model, program, [s.function() for s in program.segments], model.forward, CPU, reads)
-    for _ in range(3):
-        ids = torch.randint(0, 128, (2, 16))
-        out, want = run(ids, labels=ids), ref(ids, labels=ids)
-        torch.testing.assert_close(out.loss, want.loss)
-        out.loss.backward()
-        want.loss.backward()
+    for step in range(1, steps + 1):
+        args, kwargs = batch(step)
+        torch.manual_seed(step)
+        loss = run(*args, **kwargs).loss
+        torch.manual_seed(step)
+        want = ref(*args, **kwargs).loss
+        torch.testing.assert_close(loss, want)
+        loss.backward()
+        want.backward()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, msg=name)
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, msg=name)
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
+    return program
+
+
+def _tokens(vocab, mask=False):
+    def batch(i):
+        ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(i))
+        kwargs = {"labels": ids}
+        if mask:
+            m = torch.ones(2, 16, dtype=torch.long)
+            m[1, 8 + i:] = 0  # another padding at each call
+            kwargs["attention_mask"] = m
+        return (ids,), kwargs
+    return batch
+
+
+def test_hf_gpt2_with_dropout_and_bert_with_a_padding_mask_train_like_the_model():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.bert import modeling_bert
+    from transformers.models.gpt2 import modeling_gpt2
+
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32, use_cache=False,
+        bos_token_id=0, eos_token_id=0,
+    )).train()
+    _program_trains_like(gpt2, [modeling_gpt2.GPT2Attention], _tokens(100))
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=100,
+    )).train()
+    _program_trains_like(bert, [modeling_bert.BertSelfAttention], _tokens(100, mask=True))
+
+
+def test_an_object_the_model_makes_at_each_call_and_hands_a_break_is_refused():
+    """HF GPT-2 with its cache on makes a DynamicCache in each forward, which the attention
+    fills: as a constant, every call would get the recorded call's, keys and all."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt2 import modeling_gpt2
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32, use_cache=True,
+        bos_token_id=0, eos_token_id=0,
+    )).train()
+    ids = torch.randint(0, 100, (2, 16))
+    with pytest.raises(CaptureError, match=r"break GPT2Attention gets a DynamicCache the model makes anew at each call.*use_cache=False"):
+        record_checked(gpt2, CallArgs(gpt2, (ids,), {"labels": ids}), [modeling_gpt2.GPT2Attention], CPU)

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
+import types
 from typing import Any, Callable, Sequence
 
 import torch
@@ -41,7 +43,7 @@ from torchreplay.check import user_line
 from torchreplay.core.args import CallArgs
 from torchreplay.errors import CaptureError
 
-__all__ = ["Ref", "Rebound", "Op", "Segment", "Call", "Program", "record", "sample"]
+__all__ = ["Ref", "Rebound", "Op", "Segment", "Call", "Program", "Seen", "observe", "record", "sample"]
 
 _Tensor = torch.Tensor
 
@@ -167,7 +169,8 @@ class _Recorder(_compat.LightDispatchMode):
         self.inside = 0  # breaks running now
         self.made_in_break: set[int] = set()  # ids of tensors made inside breaks
         self.problem: str | None = None  # the first op a graph would freeze or fail on
-        self.where = ""  # ... and the user's line
+        self.where = ""  # ... the user's line
+        self.fix = ""  # ... and what to do
         self.branches: list[str] = []  # where a branch read a bool on the host
 
     def value(self, t: _Tensor, producer: int) -> int:
@@ -194,24 +197,24 @@ class _Recorder(_compat.LightDispatchMode):
         for x in flat:
             if isinstance(x, _Tensor):
                 i = self.ids.get(id(x))
-                if i is None and id(x) in self.made_in_break and self.problem is None:
-                    self.problem = (
+                if i is None and id(x) in self.made_in_break:
+                    self.fail(
                         f"{func} reads a tensor a break made and did not return (it keeps it, or "
                         "sets it on a module): the next call's break makes another, which a "
-                        "segment would not see. Return it from the break"
+                        "segment would not see; return it from the break"
                     )
                 self._check_device(func, x)
                 if i is not None and self.producer[i] < 0 and x.device.type != self.device.type:
-                    self.problem = self.problem or (
+                    self.fail(
                         f"{func} reads the caller's {x.device.type} tensor of shape "
-                        f"{tuple(x.shape)}: a graph would take its value at capture and keep it. "
-                        "Pass it to a break only (it is then taken from each call), or on the GPU"
+                        f"{tuple(x.shape)}: a graph would take its value at capture and keep it; "
+                        "pass it to a break only (it is then taken from each call), or on the GPU"
                     )
                 refs.append(Ref(i) if i is not None else x)
             else:
                 refs.append(x)
-        if self.problem is None and func in _HOST_READS:
-            self.problem = f"{func} reads a value on the host (a sync), which a graph cannot"
+        if func in _HOST_READS:
+            self.fail(f"{func} reads a value on the host (a sync), which a graph cannot")
         segment = self.steps[-1]
         assert isinstance(segment, Segment)
         outs: list[int | None] = []
@@ -238,17 +241,30 @@ class _Recorder(_compat.LightDispatchMode):
             self.where = user_line()
         return out
 
+    def fail(self, problem: str, fix: str = "") -> None:
+        """Note the first thing a program cannot do as the model does (an op between breaks
+        that a graph would freeze or fail on, by default), and its fix."""
+        if self.problem is None:
+            self.problem = problem if fix else f"between two breaks, {problem}"
+            self.fix = fix or _BREAK_IT
+
     def _check_device(self, func: Any, t: _Tensor) -> None:
-        if self.problem is None and t.device.type != self.device.type and t.dim() > 0:
-            self.problem = (
-                f"{func} works on a {t.device.type} tensor of shape {tuple(t.shape)}: a graph "
-                "would freeze it"
-            )
+        if t.device.type != self.device.type and t.dim() > 0:
+            self.fail(f"{func} works on a {t.device.type} tensor of shape {tuple(t.shape)}: a graph would freeze it")
 
 
+_BREAK_IT = "Name the module or function around it in breaks=, or use breaks='auto'"
 _ITEM = torch.ops.aten._local_scalar_dense.default
 _HOST_READS = {_ITEM, torch.ops.aten.nonzero.default,
                torch.ops.aten.masked_select.default, torch.ops.aten.unique_consecutive.default}
+
+
+def _made_anew_problem(obj: Any, what: str) -> tuple[str, str]:
+    return (
+        f"{what} a {type(obj).__name__} the model makes anew at each call: the program would "
+        "hand every call the recorded call's, with what was put in it then",
+        "Make it once and pass it to the model, or leave it out (HF: use_cache=False)",
+    )
 
 
 def _check_differentiable(rec: _Recorder) -> None:
@@ -264,7 +280,7 @@ def _check_differentiable(rec: _Recorder) -> None:
                 continue
             for v in op.outs:
                 if v is not None and rec.keep[v].requires_grad:
-                    rec.problem = (
+                    rec.fail(
                         f"{op.func} ran with autograd off but its result requires grad: a "
                         "torch.autograd.Function (or a requires_grad_() on a tensor made inside "
                         "the model), whose backward a segment would not run"
@@ -291,16 +307,59 @@ def _caller_leaves(leaves: Sequence[Any]) -> dict[Any, int]:
     return found
 
 
+_PLAIN = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+          torch.memory_format, enum.Enum, type, types.FunctionType, types.BuiltinFunctionType,
+          types.MethodType, torch.nn.Module)
+
+
+def _objects(leaves: Sequence[Any]) -> list[tuple[int, Any]]:
+    """The leaves that are objects a call may make anew (a cache object), by position: not
+    tensors, numbers, strings, dtypes, classes, functions or modules."""
+    return [(j, x) for j, x in enumerate(leaves)
+            if x is not None and not isinstance(x, _Tensor) and not isinstance(x, _PLAIN)]
+
+
+@dataclasses.dataclass
+class Seen:
+    """What one eager call of the model handed its breaks and returned: the object leaves (see
+    :func:`_objects`) of each break call's arguments, and of the output."""
+
+    calls: list[list[tuple[int, Any]]]
+    out: list[tuple[int, Any]]
+
+
+def observe(model: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], breaks: Any) -> Seen:
+    """Call the model once, noting the objects its breaks get and it returns, for
+    :func:`record` to compare its own run with: an object that is another one at each call
+    (HF's ``DynamicCache``, made in the forward, filled by the attention) cannot be a constant."""
+    calls: list[list[tuple[int, Any]]] = []
+
+    def note(brk: Break, fn: Callable[..., Any], a: Any, k: Any) -> Any:
+        calls.append(_objects(_compat.tree_flatten((tuple(a), dict(k)))[0]))
+        return fn(*a, **k)
+
+    with intercept(model, resolve_breaks(breaks), note):
+        out = model(*args, **kwargs)
+    return Seen(calls, _objects(_compat.tree_flatten(out)[0]))
+
+
+def _made_anew(now: list[tuple[int, Any]], before: list[tuple[int, Any]]) -> Any:
+    """The first object of ``now`` that is another object than ``before``'s at its place."""
+    was = dict(before)
+    return next((x for j, x in now if j in was and was[j] is not x), None)
+
+
 def record(
     model: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], breaks: Any, device: torch.device,
-    python: Any = None,
+    python: Any = None, seen: Seen | None = None,
 ) -> Program:
     """Run ``model(*args, **kwargs)`` once, eagerly, recording it as a :class:`Program`.
 
     The caller puts module state and RNG back afterwards (the run is real: BatchNorm
     statistics move, dropout draws). ``python``: a :class:`~torchreplay.core.effects.PyState`
     comparing the Python state around the run; each break runs in its ``eager_part`` (what a
-    break changes, it changes at every call).
+    break changes, it changes at every call). ``seen``: what an earlier call handed the breaks
+    and returned (:func:`observe`); an object that differs here is made anew at each call.
 
     Raises:
         CaptureError: a break that never ran; an op between breaks that a graph would freeze or
@@ -332,6 +391,12 @@ def record(
             else:
                 refs.append(x)
         where = user_line()
+        calls = sum(isinstance(c, Call) for c in rec.steps)
+        if seen is not None and calls < len(seen.calls) and rec.problem is None:
+            anew = _made_anew(_objects(flat), seen.calls[calls])
+            if anew is not None:
+                rec.fail(*_made_anew_problem(anew, f"break {brk.name} gets"))
+                rec.where = where
         rec.inside += 1
         try:
             with python.eager_part(f"break {brk.name} at {where}") if python is not None else contextlib.nullcontext():
@@ -358,14 +423,16 @@ def record(
     with rec, intercept(model, resolved, on_break, reached):
         out = model(*call.args, **call.kwargs)
     check_reached(resolved, reached)
+    out_leaves, out_spec = _compat.tree_flatten(out)
+    if seen is not None and rec.problem is None:
+        anew = _made_anew(_objects(out_leaves), seen.out)
+        if anew is not None:
+            rec.fail(*_made_anew_problem(anew, "the model returns"))
+            rec.where = "its output"
     if rec.problem is None:
         _check_differentiable(rec)
     if rec.problem is not None:
-        raise CaptureError(
-            f"training with breaks: between two breaks, {rec.problem} (at {rec.where or '?'}). "
-            "Name the module or function around it in breaks=, or use breaks='auto'"
-        )
-    out_leaves, out_spec = _compat.tree_flatten(out)
+        raise CaptureError(f"training with breaks: {rec.problem} (at {rec.where or '?'}). {rec.fix}")
     out_flat = [Ref(rec.ids[id(o)]) if isinstance(o, _Tensor) and id(o) in rec.ids else o for o in out_leaves]
     _drop_dead(rec.steps, out_flat)
     program = Program(

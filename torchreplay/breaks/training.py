@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from torchreplay import _compat
 from torchreplay.breaks.auto import find_on_copies
-from torchreplay.breaks.program import Call, Program, Rebound, Ref, Segment, record
+from torchreplay.breaks.program import Call, Program, Rebound, Ref, Segment, observe, record
 from torchreplay.core.args import CallArgs, infer_device
 from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import resolve_config, resolve_pool
@@ -193,10 +193,10 @@ def record_checked(model: nn.Module, call: CallArgs, breaks: Any, device: torch.
     # made on this stream, alive into the backward captures)
     with python.building(), _compat.autocast_cache_disabled():
         with python.warmup(last=True), torch.no_grad():
-            model(*call.args, **call.kwargs)
+            seen = observe(model, call.args, call.kwargs, breaks)
         python.put_back_tensors()
         with python.captured():
-            program = record(model, call.args, call.kwargs, breaks, device, python)
+            program = record(model, call.args, call.kwargs, breaks, device, python, seen)
         error = python.verdict()
         if error is not None:
             raise error
