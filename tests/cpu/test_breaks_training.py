@@ -507,3 +507,65 @@ def test_an_object_the_model_makes_at_each_call_and_hands_a_break_is_refused():
     ids = torch.randint(0, 100, (2, 16))
     with pytest.raises(CaptureError, match=r"break GPT2Attention gets a DynamicCache the model makes anew at each call.*use_cache=False"):
         record_checked(gpt2, CallArgs(gpt2, (ids,), {"labels": ids}), [modeling_gpt2.GPT2Attention], CPU)
+
+
+class _Basic(nn.Module):
+    """torchvision's BasicBlock: BatchNorm, ReLU(inplace=True), ``out += identity``."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class _HostPool(nn.Module):
+    """Pools over the first ``k`` rows, ``k`` read on the host at each call."""
+
+    def forward(self, x, k):
+        return x[:, :, : int(k)].mean(dim=2, keepdim=True).expand_as(x).contiguous() + x
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True))
+        self.b1 = _Basic(8)
+        self.pool = _HostPool()
+        self.b2 = _Basic(8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x, k):
+        h = self.b2(self.pool(self.b1(self.stem(x)), k))
+        return self.head(h.mean(dim=(2, 3)))
+
+
+def test_a_resnet_style_net_with_batchnorm_and_in_place_adds_trains_like_the_model():
+    torch.manual_seed(0)
+    model = _Net().train()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 3, 8, 8, generator=g)
+    _, run = _eager_program(model, [_HostPool], x, torch.tensor(3))
+    for step in range(4):
+        x = torch.randn(4, 3, 8, 8, generator=g)
+        k = torch.tensor(step + 2)
+        out, want = run(x, k), ref(x, k)
+        torch.testing.assert_close(out, want)
+        out.square().mean().backward()
+        want.square().mean().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    for (name, b), c in zip(model.named_buffers(), ref.buffers()):  # statistics, step counts
+        torch.testing.assert_close(b, c, msg=name)
