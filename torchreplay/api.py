@@ -377,14 +377,18 @@ def make_graphed_callables(
 
 
 _BREAKS_DOC = """        breaks: what runs eagerly, named as for :func:`torchreplay.graph` (module instances or
-            classes, functions, ops) or ``"auto"``; ``callables`` is then one module. One eager
-            run of it (its buffers and RNG put back after) finds the largest submodules that
-            hold no break, run inside none and ran once; each is graphed (forward and
-            backward, one autograd node per call, one pool, in the order they ran) and its
-            ``forward`` replaced. The breaks and the code of the modules that hold one (a
-            decoder layer's residual adds) run eagerly, with eager autograd between the graphs.
-            Returns the module. ``tr.explain(model)`` lists the graphed submodules. Arguments
-            a submodule does not differentiate through are allowed (``allow_unused_input``).
+            classes, functions, ops) or ``"auto"``; ``callables`` is then one module, and the
+            module comes back with its ``forward`` replaced by a
+            :class:`~torchreplay.breaks.training.BreakTraining`. One eager run of it (its
+            buffers and RNG put back after) is recorded op by op; the ops between two breaks
+            are a segment, graphed forward and backward as one autograd node. At each call the
+            segments replay and the breaks run eagerly between them, with eager autograd; none
+            of the model's own Python runs. A branch on a tensor's truth value between breaks
+            is taken as recorded (a warning names it); a host read of a number, an op on a CPU
+            tensor, an ``autograd.Function`` between breaks, a change to Python state there,
+            and an object the model makes anew at each call and hands a break (HF's
+            ``DynamicCache``: pass ``use_cache=False``) are a :class:`~torchreplay.CaptureError`.
+            ``tr.explain(model)`` lists the segments and breaks.
 """
 _AT = "        verify_tol: ``(rtol, atol)`` for ``verify`` (default: per dtype).\n"
 assert _training.make_graphed_callables.__doc__ is not None and _AT in _training.make_graphed_callables.__doc__
