@@ -227,14 +227,15 @@ def graph_around_breaks(
     verify: int,
     verify_tol: Any,
 ) -> nn.Module:
-    """``tr.make_graphed_callables(model, sample_args, breaks=...)``: graph the submodules
-    :func:`plan_modules` chooses (their ``forward`` replaced, as torch's tool replaces a
-    module's) and return ``model``, whose own code and breaks run eagerly."""
+    """``tr.make_graphed_callables(model, sample_args, breaks=...)``: record the model
+    (:func:`record_checked`), graph each segment, and return ``model`` with its ``forward``
+    replaced by the :class:`BreakTraining` that runs them (as torch's tool replaces a
+    module's ``forward``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(
-            f"make_graphed_callables(breaks=...) graphs a module's submodules around its breaks: "
-            f"pass the model (an nn.Module), got {type(model).__name__}; for a tuple of "
-            "callables, graph each piece between the breaks yourself (without breaks=)"
+            f"make_graphed_callables(breaks=...) graphs a module around its breaks: pass the "
+            f"model (an nn.Module), got {type(model).__name__}; for a tuple of callables, graph "
+            "each piece between the breaks yourself (without breaks=)"
         )
     if not isinstance(sample_args, (tuple, list)):
         raise TypeError(
