@@ -106,7 +106,7 @@ def _step(model, opt, ids, lengths, targets):
     return loss
 
 
-def test_host_lengths_attention_trains_like_eager_around_the_graphed_modules():
+def test_host_lengths_attention_trains_like_eager_around_the_graphed_segments():
     torch.manual_seed(0)
     model = Model().to(DEV)
     ref = copy.deepcopy(model)
