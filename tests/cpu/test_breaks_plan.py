@@ -4,6 +4,8 @@ The interception is undone afterwards and the model's result is eager's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -270,3 +272,44 @@ def test_the_diagnosis_of_a_failed_segment_does_not_look_inside_the_breaks() -> 
     host = [f for f in seen if f.kind == "host-sync"]
     assert len(host) == 1 and "LINE: seg" in host[0].code
     assert "forward" not in model.__dict__
+
+
+class _Box:
+    """A cache-like object with no value equality."""
+
+    def __init__(self) -> None:
+        self.items: list[torch.Tensor] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    scale: float
+
+
+def _fill(h: torch.Tensor, box: _Box, frozen: _Frozen) -> torch.Tensor:
+    box.items.append(h)
+    return h * frozen.scale
+
+
+def test_an_object_the_model_makes_at_each_call_and_hands_a_break_is_refused():
+    """HF's DynamicCache made in the forward (use_cache=True) and filled by the attention: a
+    replay would hand the break the capture's. An equal frozen value made at each call is fine."""
+    from torchreplay.breaks.plan import same_path
+
+    class M(nn.Module):
+        def forward(self, h, fresh: bool):
+            box = _Box() if fresh else SHARED
+            return _fill(h, box, _Frozen(0.5))
+
+    SHARED = _Box()
+    model = M()
+    h = torch.randn(2, 4)
+    for fresh in (False, True):
+        plan = plan_breaks(model, (h, fresh), {}, [_fill])
+        again = plan_breaks(model, (h, fresh), {}, [_fill])
+        spec = torch.utils._pytree.tree_flatten(model(h, fresh))[1]
+        if fresh:
+            with pytest.raises(CaptureError, match="break _fill .* gets a _Box the model makes anew at each call"):
+                same_path("M", plan, again, spec, model(h, fresh), None)
+        else:
+            same_path("M", plan, again, spec, model(h, fresh), None)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import inspect
 import sys
 import types
@@ -41,7 +42,7 @@ from torchreplay.errors import CaptureError
 
 __all__ = [
     "Break", "ArgRule", "BreakCall", "Recorder", "resolve_breaks", "intercept", "plan_breaks",
-    "check_reached", "outside_breaks", "same_path",
+    "check_reached", "outside_breaks", "same_path", "objects", "made_anew",
 ]
 
 BreakKind = Literal["module", "class", "function", "op"]
@@ -440,12 +441,43 @@ def _source(caller: dict[Any, int], leaf: Any) -> int | None:
     return caller.get(id(leaf))
 
 
+_PLAIN = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+          torch.memory_format, enum.Enum, type, types.FunctionType, types.BuiltinFunctionType,
+          types.MethodType, nn.Module)
+
+
+def objects(leaves: Sequence[Any]) -> list[tuple[int, Any]]:
+    """The leaves that are objects a call may make anew (a cache object), by position: not
+    tensors, numbers, strings, dtypes, classes, functions or modules."""
+    return [(j, x) for j, x in enumerate(leaves)
+            if x is not None and not isinstance(x, torch.Tensor) and not isinstance(x, _PLAIN)]
+
+
+def made_anew(now: list[tuple[int, Any]], before: list[tuple[int, Any]]) -> Any:
+    """The first object of ``now`` (:func:`objects`) that is another object than ``before``'s
+    at its place, and not an equal one (a frozen dataclass made at each call is harmless)."""
+    was = dict(before)
+    for j, x in now:
+        if j in was and was[j] is not x and not (type(x) is type(was[j]) and _equal(x, was[j])):
+            return x
+    return None
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an __eq__ that cannot say: not equal
+        return False
+
+
 def same_path(
     name: str, plan: Sequence[BreakCall], calls: Sequence[BreakCall], out_spec: Any, out: Any,
     size: int | None,
 ) -> None:
     """Raise when a capture's run took another path than the plan's (other breaks, other
-    argument rules, another output structure): its segments would not fit the program."""
+    argument rules, another output structure): its segments would not fit the program. Or
+    when a break got an object the model made anew for this run (HF's ``DynamicCache`` with
+    ``use_cache=True``, filled by the attention): at replay the break would get the capture's."""
     at = f"at size {size}" if size is not None else "at capture"
     want = [(c.brk, tuple((r.kind, r.leaf) for r in c.rules), len(c.outputs)) for c in plan]
     got = [(c.brk, tuple((r.kind, r.leaf) for r in c.rules), len(c.outputs)) for c in calls]
@@ -459,3 +491,12 @@ def same_path(
         )
     if _compat.tree_flatten(out)[1] != out_spec:
         raise CaptureError(f"'{name}' {at} returned another output structure than the sample call")
+    for c, p in zip(calls, plan):
+        anew = made_anew(objects(c.values), objects(p.values))
+        if anew is not None:
+            raise CaptureError(
+                f"'{name}': break {c.brk.name} (at {c.where}) gets a {type(anew).__name__} the "
+                "model makes anew at each call: every replay would hand it the capture's, with "
+                "what was put in it then. Make it once and pass it to the model, or leave it out "
+                "(HF: use_cache=False, or pass a StaticCache)"
+            )

@@ -31,14 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
-import types
 from typing import Any, Callable, Sequence
 
 import torch
 
 from torchreplay import _compat
-from torchreplay.breaks.plan import Break, intercept, resolve_breaks, check_reached
+from torchreplay.breaks.plan import Break, check_reached, intercept, made_anew, objects, resolve_breaks
 from torchreplay.check import user_line
 from torchreplay.core.args import CallArgs
 from torchreplay.errors import CaptureError
@@ -307,22 +305,10 @@ def _caller_leaves(leaves: Sequence[Any]) -> dict[Any, int]:
     return found
 
 
-_PLAIN = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
-          torch.memory_format, enum.Enum, type, types.FunctionType, types.BuiltinFunctionType,
-          types.MethodType, torch.nn.Module)
-
-
-def _objects(leaves: Sequence[Any]) -> list[tuple[int, Any]]:
-    """The leaves that are objects a call may make anew (a cache object), by position: not
-    tensors, numbers, strings, dtypes, classes, functions or modules."""
-    return [(j, x) for j, x in enumerate(leaves)
-            if x is not None and not isinstance(x, _Tensor) and not isinstance(x, _PLAIN)]
-
-
 @dataclasses.dataclass
 class Seen:
     """What one eager call of the model handed its breaks and returned: the object leaves (see
-    :func:`_objects`) of each break call's arguments, and of the output."""
+    :func:`~torchreplay.breaks.plan.objects`) of each break call's arguments, and of the output."""
 
     calls: list[list[tuple[int, Any]]]
     out: list[tuple[int, Any]]
@@ -335,18 +321,12 @@ def observe(model: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, An
     calls: list[list[tuple[int, Any]]] = []
 
     def note(brk: Break, fn: Callable[..., Any], a: Any, k: Any) -> Any:
-        calls.append(_objects(_compat.tree_flatten((tuple(a), dict(k)))[0]))
+        calls.append(objects(_compat.tree_flatten((tuple(a), dict(k)))[0]))
         return fn(*a, **k)
 
     with intercept(model, resolve_breaks(breaks), note):
         out = model(*args, **kwargs)
-    return Seen(calls, _objects(_compat.tree_flatten(out)[0]))
-
-
-def _made_anew(now: list[tuple[int, Any]], before: list[tuple[int, Any]]) -> Any:
-    """The first object of ``now`` that is another object than ``before``'s at its place."""
-    was = dict(before)
-    return next((x for j, x in now if j in was and was[j] is not x), None)
+    return Seen(calls, objects(_compat.tree_flatten(out)[0]))
 
 
 def record(
@@ -393,7 +373,7 @@ def record(
         where = user_line()
         calls = sum(isinstance(c, Call) for c in rec.steps)
         if seen is not None and calls < len(seen.calls) and rec.problem is None:
-            anew = _made_anew(_objects(flat), seen.calls[calls])
+            anew = made_anew(objects(flat), seen.calls[calls])
             if anew is not None:
                 rec.fail(*_made_anew_problem(anew, f"break {brk.name} gets"))
                 rec.where = where
@@ -425,7 +405,7 @@ def record(
     check_reached(resolved, reached)
     out_leaves, out_spec = _compat.tree_flatten(out)
     if seen is not None and rec.problem is None:
-        anew = _made_anew(_objects(out_leaves), seen.out)
+        anew = made_anew(objects(out_leaves), seen.out)
         if anew is not None:
             rec.fail(*_made_anew_problem(anew, "the model returns"))
             rec.where = "its output"
