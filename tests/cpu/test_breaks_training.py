@@ -226,6 +226,27 @@ def test_a_value_written_in_place_after_a_break_is_written_on_a_copy_the_segment
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
+def test_a_value_written_in_place_after_a_break_through_which_another_is_read_is_refused():
+    """``h`` and its view ``v`` made before the break, ``v`` written after it and ``h`` read: the
+    copy the segment writes would not carry the write to ``h``."""
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin1 = nn.Linear(8, 8)
+            self.attn = Attention()
+
+        def forward(self, x, lengths):
+            h = self.lin1(x)
+            v = h[:, :2]
+            a = self.attn(x, lengths)
+            v.mul_(2)
+            return h + a
+
+    with pytest.raises(CaptureError, match="shares its memory with another that is read after it"):
+        _eager_program(M(), [Attention], torch.randn(2, 4, 8), torch.tensor([3, 2]))
+
+
 def test_a_number_a_break_returns_must_stay_the_same():
     class Count(nn.Module):
         def forward(self, h, lengths):

@@ -265,6 +265,37 @@ def _made_anew_problem(obj: Any, what: str) -> tuple[str, str]:
     )
 
 
+def _check_copies_alias_nothing(program: Program, rec: _Recorder) -> None:
+    """A value written on a copy (:attr:`Segment.copied`) must share its memory with no value
+    made before that segment and read from it on: eagerly the write would show through the
+    other tensor (a view of it, what it is a view of, a buffer), and through the copy it does
+    not."""
+    copied = [(s, v) for s in program.segments for v in s.copied]
+    if not copied:
+        return
+    by_storage: dict[int, list[int]] = {}
+    for i, t in enumerate(rec.keep):
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(i)
+    position = {id(step): n for n, step in enumerate(program.steps)}
+    for seg, v in copied:
+        t = rec.keep[v]
+        read = {x.i for x in program.out_flat if type(x) is Ref}
+        for step in program.steps[position[id(seg)]:]:
+            read.update(_refs(step))
+        # (a value the segment makes from v after the write is made from the copy: fine)
+        others = [u for u in by_storage[t.untyped_storage().data_ptr()]
+                  if u != v and u in read and rec.producer[u] < seg.index]
+        if others or t._is_view() and id(t._base) not in rec.ids:
+            raise CaptureError(
+                f"training with breaks: {seg.name} writes in place a tensor of shape "
+                f"{tuple(t.shape)} made before the break, which shares its memory with another "
+                "that is read after it (a view of it, what it is a view of, a buffer). A graph's "
+                "input is a leaf that autograd lets no in-place op change, so the segment writes "
+                "a copy, and the write would not show through the other. Write it out of place "
+                "(h = h + x), or before the break"
+            )
+
+
 def _check_differentiable(rec: _Recorder) -> None:
     """A value made with autograd off that requires grad after the run got its history from
     something the program does not run again: a ``torch.autograd.Function`` (its forward runs
@@ -430,6 +461,7 @@ def record(
     _link(program, rec.producer)
     for s in program.segments:  # (a copy is needed where autograd tracks the value)
         s.copied = [v for v in s.copied if rec.keep[v].requires_grad]
+    _check_copies_alias_nothing(program, rec)
     for s in program.segments:
         for i in s.inputs:
             program.samples[i] = sample(rec.keep[i])
