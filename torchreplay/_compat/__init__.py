@@ -21,7 +21,6 @@ __all__ = [
     "tree_flatten",
     "tree_flatten_with_path",
     "tree_unflatten",
-    "tree_map",
     "keystr",
     "register_pytree_node",
     "is_leaf_treespec",
@@ -66,7 +65,6 @@ TreeSpec = _pytree.TreeSpec
 tree_flatten = _pytree.tree_flatten
 tree_flatten_with_path = _pytree.tree_flatten_with_path
 tree_unflatten = _pytree.tree_unflatten
-tree_map = _pytree.tree_map
 keystr = _pytree.keystr
 register_pytree_node = _pytree.register_pytree_node
 

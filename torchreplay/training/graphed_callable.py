@@ -98,8 +98,6 @@ class GraphedCallable:
     ) -> None:
         self.fn = fn
         self.name = name or fn_name(fn)
-        #: appended to an argument's error (a submodule graphed around breaks says what to do)
-        self.input_hint = ""
         self.device = device
         self._ranks: Any = None  # set at _adopt when the graphs hold collectives
         self.config = config
@@ -348,8 +346,8 @@ class GraphedCallable:
             return self._awaiting_fallback(args, kwargs)
         try:
             leaves = self._inputs.copy_in(args, kwargs)
-        except ReplayInputError as e:  # which graph: one of many submodules (breaks=)
-            raise ReplayInputError(f"'{self.name}': {e}{self.input_hint}") from None
+        except ReplayInputError as e:  # which graph: one of many (a segment of breaks=)
+            raise ReplayInputError(f"'{self.name}': {e}") from None
         if grad_on and self._no_grad_slots:
             for k, slot in zip(self._no_grad_pos, self._no_grad_slots):
                 if leaves[self._tensor_idx[k]].requires_grad and k not in self._warned_grad:
