@@ -65,10 +65,9 @@ log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
 _LEAF = _compat.tree_flatten(0)[1]
-# A CaptureError's words when the build's copies of the caller's tensors do not fit
 _SAMPLE_COPIES = "the sample's tensor arguments, to run the sample call on copies (yours stay as they are)"
 _WRITTEN_COPIES = "the arguments the model writes, once per size, to start each capture from their values"
-_SAMPLE_FIX = "Build the graph before allocating other large tensors"
+_BEFORE = "Build the graph before allocating other large tensors"  # (the fix those copies' error names)
 
 
 class _Eager:
@@ -194,12 +193,11 @@ class BreakableGraph:
                 raise CaptureError(f"{path} is on {leaf.device}, but '{self.name}' runs on {self.device}")
 
     def _copies(self, call: CallArgs) -> list[Any]:
-        """The sample's leaves, tensors cloned (a run on them leaves the caller's alone); copies
-        that do not fit are a :class:`CaptureError` naming the largest."""
+        """The sample's leaves, tensors copied (a run on them leaves the caller's alone)."""
         self._check_devices(call)
         named = [(p, x) for p, x in zip(call.paths, call.leaves) if isinstance(x, _Tensor)]
         with _compat.normal_tensors():  # their version counters tell the writes
-            copied = iter(copies(named, self.device, fix=_SAMPLE_FIX, what=_SAMPLE_COPIES))
+            copied = iter(copies(named, self.device, fix=_BEFORE, what=_SAMPLE_COPIES))
         return [next(copied)[1] if isinstance(x, _Tensor) else x for x in call.leaves]
 
     def _find(self, call: CallArgs) -> list[AutoBreak]:
@@ -481,7 +479,7 @@ class _Runtime(PiecewiseRuntime):
         self._capturing = size
         leaves = env[: len(self._inputs)]
         written = [(front._paths[i], leaves[i]) for i in self._tensors if self._inputs[i].written]
-        initial = copies(written, self.device, fix=_SAMPLE_FIX, what=_WRITTEN_COPIES)
+        initial = copies(written, self.device, fix=_BEFORE, what=_WRITTEN_COPIES)
         snapshot = self._snapshot
 
         def reset() -> None:
