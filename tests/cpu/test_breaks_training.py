@@ -590,3 +590,45 @@ def test_a_resnet_style_net_with_batchnorm_and_in_place_adds_trains_like_the_mod
         ref.zero_grad(set_to_none=True)
     for (name, b), c in zip(model.named_buffers(), ref.buffers()):  # statistics, step counts
         torch.testing.assert_close(b, c, msg=name)
+
+
+def _hf_models(transformers):
+    """name -> (model, breaks, batch(i) -> (args, kwargs)): decoders, an encoder-decoder, a
+    vision transformer, each with its attention as the break."""
+    from transformers.models.gemma import modeling_gemma
+    from transformers.models.qwen2 import modeling_qwen2
+    from transformers.models.t5 import modeling_t5
+    from transformers.models.vit import modeling_vit
+
+    lm = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+
+    def seq2seq(i):
+        g = torch.Generator().manual_seed(i)
+        return (torch.randint(0, 100, (2, 12), generator=g),), {"labels": torch.randint(0, 100, (2, 8), generator=g)}
+
+    def images(i):
+        g = torch.Generator().manual_seed(i)
+        return (torch.randn(2, 3, 32, 32, generator=g),), {"labels": torch.randint(0, 5, (2,), generator=g)}
+
+    return {
+        "qwen2": lambda: (transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**lm)),
+                          [modeling_qwen2.Qwen2Attention], _tokens(100)),
+        "gemma": lambda: (transformers.GemmaForCausalLM(transformers.GemmaConfig(**lm, head_dim=16)),
+                          [modeling_gemma.GemmaAttention], _tokens(100)),
+        "t5": lambda: (transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=100, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, use_cache=False,
+            decoder_start_token_id=0)), [modeling_t5.T5Attention], seq2seq),
+        "vit": lambda: (transformers.ViTForImageClassification(transformers.ViTConfig(
+            image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=128, num_labels=5)), [modeling_vit.ViTAttention], images),
+    }
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma", "t5", "vit"])
+def test_more_hf_architectures_train_like_the_model(name):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, breaks, batch = _hf_models(transformers)[name]()
+    program = _program_trains_like(model.train(), breaks, batch)
+    assert len(program.segments) >= 3
