@@ -99,7 +99,7 @@ def _eager_program(model, breaks, *sample):
     """The recorded program run without graphs: each segment is its own function. The
     recording ran the model for real: its state is put back, as the build does."""
     snapshot = StateSnapshot(model, CPU, large="copy")
-    program, reads = record_checked(model, CallArgs(model, sample, {}), breaks, CPU)
+    program, reads, _ = record_checked(model, CallArgs(model, sample, {}), breaks, CPU)
     snapshot.restore()
     return program, BreakTraining(model, program, [s.function() for s in program.segments], model.forward, CPU, reads)
 
@@ -465,7 +465,7 @@ def _program_trains_like(model, breaks, batch, steps=3):
     ref = copy.deepcopy(model)
     args, kwargs = batch(0)
     snapshot = StateSnapshot(model, CPU, large="copy")
-    program, reads = record_checked(model, CallArgs(model, args, kwargs), breaks, CPU)
+    program, reads, _ = record_checked(model, CallArgs(model, args, kwargs), breaks, CPU)
     snapshot.restore()
     run = BreakTraining(model, program, [s.function() for s in program.segments], model.forward, CPU, reads)
     for step in range(1, steps + 1):
@@ -632,3 +632,29 @@ def test_more_hf_architectures_train_like_the_model(name):
     model, breaks, batch = _hf_models(transformers)[name]()
     program = _program_trains_like(model.train(), breaks, batch)
     assert len(program.segments) >= 3
+
+
+def test_a_state_tensor_advanced_in_place_between_breaks_counts_the_calls_not_the_build():
+    """A position counter kept as a plain tensor attribute, advanced in place between breaks:
+    each call advances it once, as eagerly; the build's own runs (the first eager call, the
+    record, the graphs' warm-ups) leave it where it was."""
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = Attention()
+            self.lin = nn.Linear(8, 8)
+            self.position = [torch.zeros((), dtype=torch.long)]  # Python state, not a buffer
+
+        def forward(self, h, lengths):
+            self.position[0].add_(1)
+            return self.lin(self.attn(h, lengths)) * self.position[0]
+
+    model = M()
+    ref = copy.deepcopy(model)
+    sample = (torch.randn(2, 4, 8), torch.tensor([3, 2]))
+    _, run = _eager_program(model, [Attention], *sample)
+    assert int(model.position[0]) == 0
+    for _ in range(3):
+        torch.testing.assert_close(run(*sample), ref(*sample))
+    assert int(model.position[0]) == int(ref.position[0]) == 3

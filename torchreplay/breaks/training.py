@@ -12,7 +12,7 @@ own Python runs at a call, only the breaks'.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -180,14 +180,19 @@ class BreakTraining:
         return f"BreakTraining({type(self._model).__name__}, {len(self.segments)} segments)"
 
 
-def record_checked(model: nn.Module, call: CallArgs, breaks: Any, device: torch.device) -> tuple[Program, Any]:
+def record_checked(
+    model: nn.Module, call: CallArgs, breaks: Any, device: torch.device,
+    build: Callable[[Program], Any] = lambda program: None,
+) -> tuple[Program, Any, Any]:
     """:func:`~torchreplay.breaks.program.record`, with the Python state the model reaches
     compared around the recorded run (core/effects.py), as for any graph: the model's code
     between breaks ran once, so a change it makes there (a counter, a list grown, a tensor
     replaced after being read) is a :class:`CaptureError`; what a break changes is its own. One
     eager call first, without autograd, shows what every call changes (a first call's setup is
-    no change). Returns the program and the tensors in Python state it reads
-    (:class:`~torchreplay.core.effects.StateReads`, checked at each call; None: none)."""
+    no change). ``build(program)`` then graphs it. What these runs and the build write in place
+    into tensors of Python state (a position counter) is put back. Returns the program, the
+    tensors in Python state it reads (:class:`~torchreplay.core.effects.StateReads`, checked
+    at each call; None: none) and what ``build`` returned."""
     python = PyState(type(model).__name__, model, call.args, call.kwargs, modules=lambda: [model], reads=True)
     # (autocast's cache would keep the run's casts of the weights, with their autograd graph
     # made on this stream, alive into the backward captures)
@@ -200,7 +205,10 @@ def record_checked(model: nn.Module, call: CallArgs, breaks: Any, device: torch.
         error = python.verdict()
         if error is not None:
             raise error
-    return program, python.reads()
+        python.put_back_tensors()
+        built = build(program)
+        python.put_back_tensors()
+    return program, python.reads(), built
 
 
 def auto_breaks(model: nn.Module, call: CallArgs, device: torch.device) -> list[nn.Module]:
@@ -261,11 +269,8 @@ def graph_around_breaks(
                 allow_unused_input=allow_unused_input, verify=verify, verify_tol=verify_tol,
             )
     original = model.forward
-    # The recorded run and the captures run the model for real: its buffers (BatchNorm
-    # statistics), copied whole, and the RNG are put back after.
-    snapshot = StateSnapshot(model, device, large="copy")
-    try:
-        program, reads = record_checked(model, call, breaks, device)
+
+    def graph(program: Program) -> list[GraphedCallable]:
         if program.branches:
             log.warning(
                 "torchreplay: %s graphed around its breaks: a branch on a tensor's value between "
@@ -280,7 +285,7 @@ def graph_around_breaks(
                 "inside a break, so nothing is left to graph; break at smaller modules (the "
                 "attention, not the decoder layer)"
             )
-        runners = graph_callables(
+        return graph_callables(
             [s.function() for s in segments],
             [tuple(program.samples[i] for i in s.inputs) for s in segments],
             [{} for _ in segments],
@@ -294,6 +299,12 @@ def graph_around_breaks(
             tol=tol,
             names=[s.name for s in segments],
         )
+
+    # The recorded run and the captures run the model for real: its buffers (BatchNorm
+    # statistics), copied whole, and the RNG are put back after.
+    snapshot = StateSnapshot(model, device, large="copy")
+    try:
+        program, reads, runners = record_checked(model, call, breaks, device, build=graph)
     finally:
         snapshot.restore()
     program.samples.clear()
