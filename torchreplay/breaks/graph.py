@@ -35,7 +35,7 @@ from torchreplay import _compat
 from torchreplay.config import RANKS, BucketConfig, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
 from torchreplay.core.capture import Segments, capture, on_side_stream, side_stream
-from torchreplay.core.snapshot import StateSnapshot, copies
+from torchreplay.core.snapshot import BUILD_FIRST, SAMPLE_COPIES, WRITTEN_COPIES, StateSnapshot, copies
 from torchreplay.core.effects import PyState
 from torchreplay.core.modes import GRAD, EagerCalls, tracked_leaf
 from torchreplay.core.padcheck import Checked, StateCheck, distributed, rng_state, same_rng
@@ -65,9 +65,6 @@ log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
 _LEAF = _compat.tree_flatten(0)[1]
-_SAMPLE_COPIES = "the sample's tensor arguments, to run the sample call on copies (yours stay as they are)"
-_WRITTEN_COPIES = "the arguments the model writes, once per size, to start each capture from their values"
-_BEFORE = "Build the graph before allocating other large tensors"  # (the fix those copies' error names)
 
 
 class _Eager:
@@ -197,7 +194,7 @@ class BreakableGraph:
         self._check_devices(call)
         named = [(p, x) for p, x in zip(call.paths, call.leaves) if isinstance(x, _Tensor)]
         with _compat.normal_tensors():  # their version counters tell the writes
-            copied = iter(copies(named, self.device, fix=_BEFORE, what=_SAMPLE_COPIES))
+            copied = iter(copies(named, self.device, fix=BUILD_FIRST, what=SAMPLE_COPIES))
         return [next(copied)[1] if isinstance(x, _Tensor) else x for x in call.leaves]
 
     def _find(self, call: CallArgs) -> list[AutoBreak]:
@@ -479,7 +476,7 @@ class _Runtime(PiecewiseRuntime):
         self._capturing = size
         leaves = env[: len(self._inputs)]
         written = [(front._paths[i], leaves[i]) for i in self._tensors if self._inputs[i].written]
-        initial = copies(written, self.device, fix=_BEFORE, what=_WRITTEN_COPIES)
+        initial = copies(written, self.device, fix=BUILD_FIRST, what=WRITTEN_COPIES)
         snapshot = self._snapshot
 
         def reset() -> None:

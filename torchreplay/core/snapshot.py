@@ -232,6 +232,10 @@ GRAPH_FIX = (
 
 #: What :func:`copies` copies and why, by default (the error's words)
 BUFFERS = "the module's buffers to put them back after the calls it makes (restore_state=True, the default)"
+#: ... a breakable graph's copies of the caller's tensors, and their fix
+SAMPLE_COPIES = "the sample's tensor arguments, to run the sample call on copies (yours stay as they are)"
+WRITTEN_COPIES = "the arguments the model writes, once per size, to start each capture from their values"
+BUILD_FIRST = "Build the graph before allocating other large tensors"
 
 
 def copies(

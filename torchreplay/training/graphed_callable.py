@@ -544,8 +544,7 @@ class GraphedCallable:
     # -- eager paths -------------------------------------------------------------------------
 
     def _awaiting_fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Called again while the last replay's activations await their backward (two
-        micro-batches, another thread's step): a replay would overwrite them; run eagerly."""
+        """Called again while the last replay's activations await their backward: eagerly."""
         self.stats.fallbacks += 1
         if not self._warned_awaiting:
             self._warned_awaiting = True
@@ -558,8 +557,7 @@ class GraphedCallable:
         return self._run_fn(*args, **kwargs)
 
     def _inside_capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Called inside another graph's capture (core/threads.py one_at_a_time): the module
-        runs as is, with autograd, recorded into that graph (a whole training step graphed)."""
+        """Inside another graph's capture (a whole step graphed): run as is, recorded there."""
         self.stats.fallbacks += 1
         return self._run_fn(*args, **kwargs)
 
@@ -584,8 +582,7 @@ class _GraphedFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, runner: GraphedCallable, outs: tuple[torch.Tensor, ...], *tensors: Any) -> Any:  # type: ignore[override]
-        # ``outs`` are this call's outputs, handed out by the replay that just ran; ``tensors``
-        # are the node's inputs (the caller's tensors and the differentiated parameters).
+        # outs: this call's outputs (just replayed); tensors: the node's inputs (args, params)
         ctx.set_materialize_grads(False)  # an unused output's gradient is None: zero it once
         ctx.runner = runner
         return outs
