@@ -658,3 +658,93 @@ def test_a_state_tensor_advanced_in_place_between_breaks_counts_the_calls_not_th
     for _ in range(3):
         torch.testing.assert_close(run(*sample), ref(*sample))
     assert int(model.position[0]) == int(ref.position[0]) == 3
+
+
+def test_hooks_added_after_the_build_run_the_model_eagerly_until_removed(caplog):
+    """A forward hook added to a module between breaks would run at no call: while the hooks
+    differ from the build's, calls run the model eagerly (counted, one warning). One inside a
+    break runs with the break, so calls keep replaying."""
+    torch.manual_seed(0)
+    model = Model()
+    _, run = _eager_program(model, [Attention], *_sample())
+    seen = []
+
+    def double(module, args, out):
+        seen.append(out.shape)
+        return out * 2
+
+    ids, lengths = _sample(1)
+    handle = model.layers[0].mlp.register_forward_hook(double)
+    with caplog.at_level("WARNING", logger="torchreplay"):
+        out = run(ids, lengths)
+    assert len(seen) == 1 and run.stats.fallbacks == 1 and run.stats.replays == 0
+    assert "hooks of 'Model' changed since capture (on Sequential)" in caplog.text
+    torch.testing.assert_close(out, model(ids, lengths))  # the hook doubled both
+    handle.remove()
+    inner = model.layers[0].attn.q.register_forward_hook(double)  # inside the break
+    out = run(ids, lengths)
+    assert run.stats.fallbacks == 1 and run.stats.replays == 1 and len(seen) == 3  # ran in the break
+    torch.testing.assert_close(out, model(ids, lengths))
+    inner.remove()
+    torch.testing.assert_close(run(ids, lengths), model(ids, lengths))
+    assert run.stats.replays == 2
+
+
+class Hooked(nn.Module):
+    """Registers a gradient hook on a value it makes: ``where`` says between breaks or inside
+    the break."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+        self.attn = HookedAttention() if where == "break" else Attention()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, h, lengths):
+        h = self.lin(h)
+        if self.where == "between" and h.requires_grad:
+            h.register_hook(lambda g: g * 3)
+        return self.attn(h, lengths).sum(-1)
+
+
+class HookedAttention(Attention):
+    def forward(self, h, lengths):
+        out = super().forward(h, lengths)
+        if out.requires_grad:
+            out.register_hook(lambda g: g * 3)  # the break's own: it runs at every call
+        return out
+
+
+def test_backward_hooks_and_hooks_registered_between_breaks_are_refused(caplog):
+    """A segment's backward is graphed from the recorded ops: a module's backward hook, or a
+    gradient hook the code between breaks registers, would never run. Refused at the build,
+    naming it; the same inside a break is the break's own (it runs eagerly). A forward hook with
+    Python side effects at the build is said once."""
+    sample = _sample()
+    model = Model()
+    handle = model.layers[1].mlp.register_full_backward_hook(lambda m, gi, go: None)
+    with pytest.raises(CaptureError, match=r"backward hooks \(on Sequential\).*inside a break"):
+        record_checked(model, CallArgs(model, sample, {}), [Attention], CPU)
+    handle.remove()
+    model.layers[1].attn.q.register_full_backward_hook(lambda m, gi, go: None)  # inside the break
+    features = []
+    model.head.register_forward_hook(lambda m, a, out: features.append(out))
+    with caplog.at_level("WARNING", logger="torchreplay"):
+        _eager_program(model, [Attention], *sample)
+    assert "'Model' has forward hooks (on Linear)" in caplog.text
+
+    h = torch.randn(2, 4, 8)
+    lengths = torch.tensor([3, 2])
+    with pytest.raises(CaptureError, match=r"a hook was registered while the code between breaks ran .* \(at .*test_breaks_training.py:\d+\)"):
+        record_checked(Hooked("between"), CallArgs(None, (h, lengths), {}), [Attention], CPU)
+    torch.manual_seed(0)
+    model = Hooked("break")
+    ref = copy.deepcopy(model)
+    _, run = _eager_program(model, [HookedAttention], h, lengths)
+    for _ in range(2):
+        x = torch.randn(2, 4, 8, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_(True)
+        run(x, lengths).sum().backward()
+        ref(x_ref, lengths).sum().backward()
+        torch.testing.assert_close(x.grad, x_ref.grad)  # the break's hook tripled both
+        torch.testing.assert_close(model.lin.weight.grad, ref.lin.weight.grad)

@@ -389,3 +389,53 @@ def test_a_host_scalar_the_code_between_breaks_reads_is_refused():
     x = torch.randn(B, T, H, device=DEV)
     with pytest.raises(tr.CaptureError, match=r"reads the caller's cpu tensor of shape \(\).*test_breaks_training.py:\d+"):
         tr.make_graphed_callables(model, (x, torch.tensor([T] * B), torch.tensor(0.5)), breaks=[HostAttention])
+
+
+def test_a_hook_added_after_the_build_runs_eagerly_and_a_backward_hook_is_refused(caplog):
+    """A forward hook (feature collector that also scales) added after the build to a module
+    between breaks runs at every call, as eagerly, while it is there; removed, the segments
+    replay again. A backward hook between breaks is refused at the build."""
+    torch.manual_seed(0)
+    model = Model(layers=2).to(DEV)
+    ref = copy.deepcopy(model)
+    g = torch.Generator(device=DEV).manual_seed(5)
+    sample = _batch(g)
+    handle = model.blocks[0].mlp.register_full_backward_hook(lambda m, gi, go: None)
+    with pytest.raises(tr.CaptureError, match="backward hooks"):
+        tr.make_graphed_callables(model, sample, breaks=[HostAttention])
+    handle.remove()
+    tr.make_graphed_callables(model, sample, breaks=[HostAttention])
+    runtime = model.forward
+    feats, feats_ref = [], []
+
+    def collect(into):
+        def hook(module, args, out):
+            into.append(out.detach().clone())
+            return out * 1.5
+        return hook
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
+    handles = []
+    for step in range(6):
+        if step == 2:
+            handles = [model.blocks[1].n2.register_forward_hook(collect(feats)),
+                       ref.blocks[1].n2.register_forward_hook(collect(feats_ref))]
+        if step == 4:
+            for h in handles:
+                h.remove()
+        ids, lengths = _batch(g)
+        targets = torch.randint(0, V, (B, T), device=DEV, generator=g)
+        with caplog.at_level(logging.WARNING, logger="torchreplay"):
+            loss = _step(model, opt, ids, lengths, targets)
+        loss_ref = _step(ref, opt_ref, ids, lengths, targets)
+        torch.testing.assert_close(loss, loss_ref, **TOL)
+        _assert_same(model, ref, f"step {step}")
+        opt.step()
+        opt_ref.step()
+    assert len(feats) == len(feats_ref) == 2
+    for a, b in zip(feats, feats_ref):
+        torch.testing.assert_close(a, b, **TOL)
+    assert runtime.stats.fallbacks == 2 and runtime.stats.replays == 4
+    assert "hooks of 'Model' changed since capture (on LayerNorm)" in caplog.text
+    assert all(seg.stats.replays == 4 and seg.stats.backward_replays == 4 for seg in runtime.segments)

@@ -44,6 +44,7 @@ from torchreplay.errors import CaptureError
 __all__ = ["Ref", "Rebound", "Op", "Segment", "Call", "Program", "Seen", "observe", "record", "sample"]
 
 _Tensor = torch.Tensor
+_Handles = _compat.hook_handles_made  # its next_id counts every hook handle torch made
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +171,7 @@ class _Recorder(_compat.LightDispatchMode):
         self.where = ""  # ... the user's line
         self.fix = ""  # ... and what to do
         self.branches: list[str] = []  # where a branch read a bool on the host
+        self.handles = _Handles.next_id  # hook handles made so far, those of breaks included
 
     def value(self, t: _Tensor, producer: int) -> int:
         i = len(self.keep)
@@ -187,6 +189,8 @@ class _Recorder(_compat.LightDispatchMode):
                     self.made_in_break.add(id(o))
                     self.others.append(o)  # (its id must stay unique)
             return out
+        if _Handles.next_id != self.handles:  # a hook registered since the last op or break
+            self.hooked()
         if func is _ITEM and args[0].dtype == torch.bool:  # `if mask.all():` decides a branch
             self.branches.append(user_line())  # (taken as it went now: the op is not kept)
             return out
@@ -245,6 +249,19 @@ class _Recorder(_compat.LightDispatchMode):
         if self.problem is None:
             self.problem = problem if fix else f"between two breaks, {problem}"
             self.fix = fix or _BREAK_IT
+
+    def hooked(self) -> None:
+        """A hook handle was made between breaks: a tensor's gradient hook (or a module's hook)
+        registered by the code a segment replaces; its backward is graphed from the recorded
+        ops and would run none of the hook's code."""
+        self.fail(
+            "a hook was registered while the code between breaks ran (a tensor's register_hook "
+            "or a module hook): that code runs once, at the build, and a segment's graphed "
+            "backward runs none of the hook's code",
+            "Register it inside a break (the code named in breaks= runs at every call), or "
+            "graph without breaks",
+        )
+        self.handles = _Handles.next_id
 
     def _check_device(self, func: Any, t: _Tensor) -> None:
         if t.device.type != self.device.type and t.dim() > 0:
@@ -408,12 +425,16 @@ def record(
             if anew is not None:
                 rec.fail(*_made_anew_problem(anew, f"break {brk.name} gets"))
                 rec.where = where
+        if _Handles.next_id != rec.handles:  # registered just before the break
+            rec.hooked()
+            rec.where = rec.where or where
         rec.inside += 1
         try:
             with python.eager_part(f"break {brk.name} at {where}") if python is not None else contextlib.nullcontext():
                 out = fn(*a, **k)
         finally:
             rec.inside -= 1
+            rec.handles = _Handles.next_id  # (a break's own hooks are its business)
         step = len(rec.steps)
         outs: list[int | None] = []
         meta: list[tuple[Any, ...] | None] = []
@@ -433,6 +454,9 @@ def record(
     reached: set[Break] = set()
     with rec, intercept(model, resolved, on_break, reached):
         out = model(*call.args, **call.kwargs)
+        if _Handles.next_id != rec.handles:  # (after the last op)
+            rec.hooked()
+            rec.where = rec.where or "after the last op"
     check_reached(resolved, reached)
     out_leaves, out_spec = _compat.tree_flatten(out)
     if seen is not None and rec.problem is None:

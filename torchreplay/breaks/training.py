@@ -19,11 +19,13 @@ import torch.nn as nn
 
 from torchreplay import _compat
 from torchreplay.breaks.auto import find_on_copies
+from torchreplay.breaks.plan import resolve_breaks
 from torchreplay.breaks.program import Call, Program, Rebound, Ref, Segment, observe, record
 from torchreplay.core.args import CallArgs, infer_device
 from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import resolve_config, resolve_pool
-from torchreplay.core.modes import refuse_inference_capture
+from torchreplay.core.modes import HOOKS, TRAIN_MODE, Hooks, refuse_inference_capture, warn_hooks_changed
+from torchreplay.core.modes import warn_hooks_with_effects
 from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import Pool
 from torchreplay.core.snapshot import StateSnapshot
@@ -32,11 +34,12 @@ from torchreplay.stats import TrainingStats
 from torchreplay.training.callables import GraphedCallable, graph_callables, make_graphed_callables
 from torchreplay.training.verify import check_verify, resolve_tolerance
 
-__all__ = ["BreakTraining", "auto_breaks", "graph_around_breaks"]
+__all__ = ["BreakTraining", "auto_breaks", "break_modules", "graph_around_breaks", "inside"]
 
 log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
+_Handles = _compat.hook_handles_made  # its next_id counts every hook handle torch made
 
 
 class BreakTraining:
@@ -57,16 +60,17 @@ class BreakTraining:
         self._reads = reads  # tensors in Python state the segments read (core/effects.py)
         # Weights and submodules the segments read where the record found them (core/placed.py);
         # a module break's own state is its business (it runs eagerly).
-        breaks = [m for m in model.modules() if any(
-            c.brk.kind == "module" and c.brk.target is m or c.brk.kind == "class" and isinstance(m, c.brk.target)
-            for c in program.steps if isinstance(c, Call))]
+        breaks = break_modules(model, [c.brk for c in program.steps if isinstance(c, Call)])
         self._placed = Placed.of(model, device, objects=True, skip=breaks) if device is not None else None
+        # hooks of the modules between breaks and of the breaks themselves (none runs at a call;
+        # the model's own run around this forward, those inside a break run with it)
+        self._hooks = Hooks(model, own=False, backward=True, skip=inside(breaks))
         self._program = program
         self._original = original
         self._training = model.training
         self.segments = runners
         self.stats = TrainingStats()
-        self._warned = False
+        self._warned: set[str] = set()
         by_index = {s.index: r for s, r in zip(program.segments, runners)}
         # per step: (the graphed segment, its inputs, outputs) or the break call
         self._steps = [
@@ -78,7 +82,10 @@ class BreakTraining:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         prog = self._program
         if self._model.training != self._training:
-            return self._fallback(args, kwargs)
+            return self._fallback(args, kwargs, TRAIN_MODE)
+        hooks = self._hooks
+        if hooks.at != _Handles.next_id and not hooks.look():  # added or removed since the build
+            return self._fallback(args, kwargs, HOOKS)
         placed = self._placed
         if placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
@@ -146,10 +153,13 @@ class BreakTraining:
                 )
             env[v] = o
 
-    def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any], why: str) -> Any:
         self.stats.fallbacks += 1
-        if not self._warned:
-            self._warned = True
+        if why not in self._warned:
+            self._warned.add(why)
+            if why == HOOKS:
+                warn_hooks_changed(type(self._model).__name__, self._hooks)
+                return self._original(*args, **kwargs)
             mode = "training" if self._training else "eval"
             log.warning(
                 "torchreplay: %s was graphed around its breaks in %s mode and is called in the "
@@ -180,6 +190,38 @@ class BreakTraining:
         return f"BreakTraining({type(self._model).__name__}, {len(self.segments)} segments)"
 
 
+def break_modules(model: nn.Module, breaks: Any) -> list[nn.Module]:
+    """The modules of ``model`` that are module or class breaks."""
+    return [m for m in model.modules() if any(
+        b.kind == "module" and b.target is m or b.kind == "class" and isinstance(m, b.target) for b in breaks)]
+
+
+def inside(breaks: list[nn.Module]) -> list[nn.Module]:
+    """The modules inside module breaks (not the breaks themselves): a break calls them, hooks
+    and all, at every call."""
+    return [d for b in breaks for d in b.modules() if d is not b]
+
+
+def _check_hooks(model: nn.Module, breaks: Any) -> None:
+    """Hooks at the build: a backward hook of a module between breaks (or of a break, whose
+    ``forward`` is called without its hooks) is refused, since a segment's backward is graphed
+    from ops recorded below autograd and runs none of its code; forward hooks whose Python does
+    more than compute tensors run it at the build only (a warning, as for every graph)."""
+    mods = break_modules(model, resolve_breaks(breaks))
+    hooks = Hooks(model, own=False, backward=True, skip=inside(mods))
+    name = type(model).__name__
+    back = hooks.backward_ones()
+    if back:
+        raise CaptureError(
+            f"make_graphed_callables(breaks=...): {name} has backward hooks (on "
+            f"{', '.join(sorted(set(back))[:5])}): a segment's backward is graphed from the ops "
+            "its forward ran and would run none of their code, so a gradient they change would "
+            "differ from eager's. Remove them while training with breaks, register them on a "
+            "module inside a break (which runs eagerly), or graph without breaks"
+        )
+    warn_hooks_with_effects(name, hooks)
+
+
 def record_checked(
     model: nn.Module, call: CallArgs, breaks: Any, device: torch.device,
     build: Callable[[Program], Any] = lambda program: None,
@@ -193,6 +235,7 @@ def record_checked(
     into tensors of Python state (a position counter) is put back. Returns the program, the
     tensors in Python state it reads (:class:`~torchreplay.core.effects.StateReads`, checked
     at each call; None: none) and what ``build`` returned."""
+    _check_hooks(model, breaks)
     python = PyState(type(model).__name__, model, call.args, call.kwargs, modules=lambda: [model], reads=True)
     # (autocast's cache would keep the run's casts of the weights, with their autograd graph
     # made on this stream, alive into the backward captures)

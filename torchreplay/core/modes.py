@@ -63,7 +63,7 @@ from torchreplay.errors import CaptureError
 __all__ = [
     "TRAIN_MODE", "AUTOCAST", "DISPATCH_MODE", "GRAD", "CAPTURE", "NO_GRAD", "HOOKS", "REQUIRES_GRAD",
     "EagerCalls", "GradFlags", "Hooks", "autocast_changed", "autocast_name", "refuse_inference_capture",
-    "tracked_leaf", "warn_hooks_changed", "warn_requires_grad",
+    "tracked_leaf", "warn_hooks_changed", "warn_hooks_with_effects", "warn_requires_grad",
 ]
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,8 @@ class Hooks:
     capture: forward hooks; with ``backward``, backward hooks too, and the gradient hooks of
     ``tensors`` and the step hooks of ``optimizers`` (a training graph replays none of their code
     either). ``own`` False leaves out the module's own hooks (``make_graphed_callables``: they run
-    eagerly around the graphed forward). The per-call test is ``at != RemovableHandle.next_id and
+    eagerly around the graphed forward); ``skip``, those of modules that run eagerly at every
+    call (inside a break). The per-call test is ``at != RemovableHandle.next_id and
     not look()``: one attribute read while no hook handle was made anywhere since the last look
     (which compares them all, O(modules + tensors)). While they differ, ``at`` is -1: every call
     looks again, so removing the hook lets calls replay again."""
@@ -109,10 +110,13 @@ class Hooks:
         backward: bool = False,
         tensors: Sequence[torch.Tensor] = (),
         optimizers: Sequence[torch.optim.Optimizer] = (),
+        skip: Sequence[torch.nn.Module] = (),
     ) -> None:
         roots = [] if module is None else [module] if isinstance(module, torch.nn.Module) else module
         mods = [m for root in roots for m in root.modules()]
-        self._modules = mods if own else mods[1:]  # not own: of one module
+        mods = mods if own else mods[1:]  # not own: of one module
+        skipped = {id(m) for m in skip}
+        self._modules = [m for m in mods if id(m) not in skipped] if skipped else mods
         self._backward = backward
         self._tensors = list(tensors)
         self._optimizers = list(optimizers)
@@ -164,6 +168,27 @@ class Hooks:
             type(m).__name__ for m in self._modules for hooks in _forward_hooks(m)
             for h in hooks.values() if not (getattr(h, "__module__", None) or "").startswith("torch.")
         ]
+
+    def backward_ones(self) -> list[str]:
+        """Modules with backward hooks or pre-hooks now, and the global ones: code that a
+        backward graphed from ops recorded below autograd (training with breaks) never runs."""
+        found = [type(m).__name__ for m in self._modules if any(_compat.backward_hooks(m))]
+        if any(_compat.global_backward_hooks()):
+            found.append("every module (register_module_full_backward_hook)")
+        return found
+
+
+def warn_hooks_with_effects(name: str, hooks: Hooks) -> None:
+    """Log that hooks present at capture run their Python only then (none: nothing)."""
+    hooked = hooks.with_effects()
+    if hooked:
+        log.warning(
+            "torchreplay: '%s' has forward hooks (on %s): they run while the graph is "
+            "captured, so their tensor work replays every call, but their Python side effects "
+            "(appending to a list, logging, counting) happen only then. Hooks added or "
+            "removed after capture make calls run eagerly.",
+            name, ", ".join(sorted(set(hooked))[:5]),
+        )
 
 
 def warn_hooks_changed(name: str, hooks: Hooks) -> None:
@@ -280,15 +305,7 @@ class EagerCalls:
         self.autocast = _compat.cuda_autocast()
         self.hooks = Hooks(module)
         self._warned: set[str] = set()
-        hooked = self.hooks.with_effects()
-        if hooked:
-            log.warning(
-                "torchreplay: '%s' has forward hooks (on %s): they run while the graph is "
-                "captured, so their tensor work replays every call, but their Python side effects "
-                "(appending to a list, logging, counting) happen only then. Hooks added or "
-                "removed after capture make calls run eagerly.",
-                name, ", ".join(sorted(set(hooked))[:5]),
-            )
+        warn_hooks_with_effects(name, self.hooks)
 
     def autocast_changed(self) -> bool:
         return (self.autocast is not None or _any_autocast()) and _cuda_autocast() != self.autocast
