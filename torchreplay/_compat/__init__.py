@@ -21,6 +21,7 @@ __all__ = [
     "tree_flatten",
     "tree_flatten_with_path",
     "tree_unflatten",
+    "call_unflattener",
     "keystr",
     "register_pytree_node",
     "is_leaf_treespec",
@@ -75,11 +76,15 @@ def is_leaf_treespec(spec: TreeSpec) -> bool:
     return spec.is_leaf()
 
 
+def _children(spec: TreeSpec) -> list[TreeSpec]:
+    return list(spec.children() if hasattr(spec, "children") else spec.children_specs)
+
+
 def unflattener(spec: TreeSpec) -> Callable[[list[Any]], Any]:
     """``tree_unflatten(leaves, spec)`` as one callable, made once per spec: for a list, tuple
     or dict of leaves (what a model or a piece most often returns) the container is built
     directly, a tenth of the cost of the general walk; anything else takes the walk."""
-    children = spec.children() if hasattr(spec, "children") else spec.children_specs
+    children = _children(spec)
     if spec.type in (list, tuple, dict) and all(c.is_leaf() for c in children):
         if spec.type is list:
             return list
@@ -88,6 +93,32 @@ def unflattener(spec: TreeSpec) -> Callable[[list[Any]], Any]:
         keys = list(spec.context)
         return lambda leaves: dict(zip(keys, leaves))
     return lambda leaves: _pytree.tree_unflatten(leaves, spec)
+
+
+def call_unflattener(spec: TreeSpec) -> Callable[[list[Any]], Any]:
+    """``tree_unflatten(flat, spec)`` for the spec of a call's ``(args, kwargs)``, made once:
+    where each argument is one leaf or ``None`` (an op's call), ``(args, kwargs)`` is built
+    directly, without the general walk; anything else takes the walk."""
+    walk = lambda flat: _pytree.tree_unflatten(flat, spec)  # noqa: E731
+    kids = _children(spec)
+    if spec.type is not tuple or len(kids) != 2 or kids[0].type is not tuple or kids[1].type is not dict:
+        return walk
+    slots: list[int] = []  # per argument: its index in flat, -1 for None
+    leaves = 0
+    for c in [*_children(kids[0]), *_children(kids[1])]:
+        if c.is_leaf():
+            slots.append(leaves)
+            leaves += 1
+        elif c.type is type(None):
+            slots.append(-1)
+        else:
+            return walk
+    keys = list(kids[1].context)
+    pos, kw = slots[:len(slots) - len(keys)], slots[len(slots) - len(keys):]
+    return lambda flat: (
+        tuple([flat[j] if j >= 0 else None for j in pos]),
+        {k: flat[j] if j >= 0 else None for k, j in zip(keys, kw)},
+    )
 
 
 # The dispatch mode that check.py uses to see every aten op. Private module, public in spirit:
@@ -532,9 +563,9 @@ __all__ += ["forward_hooks", "global_forward_hooks", "hook_handles_made", "backw
             "private_allocations"]
 from torchreplay._compat.amp import any_autocast, cuda_autocast, dispatch_modes  # noqa: E402
 from torchreplay._compat.autograd import (  # noqa: E402  (autograd's node order and version counters)
-    foreach_copy_untracked, in_backward, is_accumulate_grad, is_view, normal_tensors, restore_unversioned,
-    sequence_nr, set_sequence_nr, version_of, versions_of,
+    direct_apply, foreach_copy_untracked, in_backward, is_accumulate_grad, is_view, normal_tensors,
+    restore_unversioned, sequence_nr, set_sequence_nr, version_of, versions_of,
 )
-__all__ += ["any_autocast", "cuda_autocast", "dispatch_modes", "current_stream", "foreach_copy_untracked",
+__all__ += ["any_autocast", "cuda_autocast", "dispatch_modes", "current_stream", "direct_apply", "foreach_copy_untracked",
             "in_backward", "is_accumulate_grad", "is_view", "normal_tensors", "restore_unversioned", "sequence_nr",
             "set_sequence_nr", "version_of", "versions_of"]

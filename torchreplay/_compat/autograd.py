@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 __all__ = [
-    "foreach_copy_untracked", "set_sequence_nr", "sequence_nr", "restore_unversioned", "in_backward",
+    "direct_apply", "foreach_copy_untracked", "set_sequence_nr", "sequence_nr", "restore_unversioned", "in_backward",
     "is_accumulate_grad", "is_view", "normal_tensors", "versions_of",
 ]
 
@@ -32,6 +32,31 @@ def foreach_copy_untracked(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Te
         _foreach_copy(dsts, srcs)
     finally:
         _set_grad_enabled(True)
+
+
+_FunctionBase = getattr(torch._C, "_FunctionBase", None)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
+def direct_apply(cls: type) -> Callable[..., Any]:
+    """``cls.apply`` for a ``torch.autograd.Function`` without a ``setup_context``, with no
+    Python preamble where it has nothing to do. ``Function.apply`` binds default arguments (only
+    for a ``setup_context``) and passes every argument through functorch's
+    ``unwrap_dead_wrappers`` (a loop of C calls, about 10 us for a graphed call with a few dozen
+    tensors; it only matters inside a functorch transform). Outside a transform this calls the
+    C++ apply bound to ``cls`` (what ``Function.apply`` ends in); inside one, or on a torch
+    without those names, ``cls.apply``."""
+    raw = _FunctionBase.__dict__.get("apply") if _FunctionBase is not None else None
+    if raw is None or _functorch_active is None or "setup_context" in cls.__dict__:
+        return cls.apply  # type: ignore[attr-defined, no-any-return]
+    c_apply = raw.__get__(None, cls)
+    slow = cls.apply  # type: ignore[attr-defined]
+    active = _functorch_active
+
+    def apply(*args: Any) -> Any:
+        return slow(*args) if active() else c_apply(*args)
+
+    return apply
 
 
 def in_backward() -> bool:

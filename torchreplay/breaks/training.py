@@ -72,12 +72,17 @@ class BreakTraining:
         self.stats = TrainingStats()
         self._warned: set[str] = set()
         by_index = {s.index: r for s, r in zip(program.segments, runners)}
-        # per step: (the graphed segment, its inputs, outputs) or the break call
+        # per step: (True, the graphed segment, its inputs, its outputs) or (False, the break
+        # call, what rebuilds its arguments, whether it returned a tuple of leaves)
         self._steps = [
-            (by_index[s.index], s.inputs, s.outputs) if isinstance(s, Segment) else s
+            (True, by_index[s.index], s.inputs, s.outputs) if isinstance(s, Segment) else
+            (False, s, _compat.call_unflattener(s.spec), _compat.unflattener(s.out_spec) is tuple)
             for s in program.steps
         ]
-        self._leaf_count = len(program.paths)
+        self._leaf_count = n = len(program.paths)
+        # the sample's arguments were n positional leaves: a call of n tensors is taken as it
+        # is, without the pytree walk (the guards still hold)
+        self._plain = _compat.tree_flatten(((0,) * n, {}))[1] == program.spec
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         prog = self._program
@@ -95,7 +100,10 @@ class BreakTraining:
             stale = self._reads.replaced(type(self._model).__name__)
             if stale is not None:
                 raise stale
-        leaves, spec = _compat.tree_flatten((args, kwargs))
+        if self._plain and not kwargs and len(args) == self._leaf_count and all(type(a) is _Tensor for a in args):
+            leaves, spec = args, prog.spec
+        else:
+            leaves, spec = _compat.tree_flatten((args, kwargs))
         if spec != prog.spec:
             raise ReplayInputError(
                 f"{type(self._model).__name__} (graphed around breaks) was called with another "
@@ -113,23 +121,25 @@ class BreakTraining:
         env: list[Any] = [None] * prog.n_values
         for k, v in prog.inputs.items():
             env[v] = leaves[k]
-        for step in self._steps:
-            if type(step) is tuple:
-                runner, ins, outs = step
-                got = runner(*[env[i] for i in ins])
+        for segment, step, ins, outs in self._steps:
+            if segment:
+                got = step(*[env[i] for i in ins])
                 for v, o in zip(outs, got):
                     env[v] = o
             else:
-                self._call_break(step, env, leaves)
+                self._call_break(step, ins, outs, env, leaves)
         self.stats.replays += 1
         out = [env[x.i] if type(x) is Ref else x for x in prog.out_flat]
         return _compat.tree_unflatten(out, prog.out_spec)
 
-    def _call_break(self, step: Call, env: list[Any], leaves: list[Any]) -> None:
+    def _call_break(
+        self, step: Call, unflatten: Callable[[list[Any]], Any], tuple_out: bool, env: list[Any], leaves: Any,
+    ) -> None:
         flat = [env[x.i] if type(x) is Ref else leaves[x.leaf] if type(x) is Rebound else x for x in step.flat]
-        a, k = _compat.tree_unflatten(flat, step.spec)
+        a, k = unflatten(flat)
         out = step.call(*a, **k)
-        got = _compat.tree_flatten(out)[0]
+        # (another structure than the recorded one fails the count or the checks below)
+        got = [out] if type(out) is _Tensor else list(out) if tuple_out and type(out) is tuple else _compat.tree_flatten(out)[0]
         if len(got) != len(step.outs):
             raise ReplayInputError(
                 f"break {step.brk.name} (at {step.where}) returned {len(got)} values, "

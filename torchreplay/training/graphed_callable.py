@@ -102,8 +102,7 @@ class GraphedCallable:
         self._ranks: Any = None  # set at _adopt when the graphs hold collectives
         self.config = config
         self._module = owning_module(fn)
-        # Capture and eager fallback run the forward itself: a module's own hooks stay outside
-        # the graph and run eagerly around every call, as they do for an eager module.
+        # Capture and eager fallback run the forward itself: a module's own hooks run around it
         self._run_fn: Callable[..., Any] = _original_forward(fn)
         self._training = self._module.training if self._module is not None else False
         self._order = order
@@ -269,9 +268,8 @@ class GraphedCallable:
         self._fwd_replay = pair.fwd_replay
         self._bwd_replay = pair.bwd_replay
         self._outputs = Outputs(tuple(pair.leaves), self.config.outputs, self.name, pair.owned, reuse=True)
-        # The node's outputs are new tensors over the handed-out memory, not the handed-out
-        # tensors themselves: autograd would set a grad_fn on those, and a checked output
-        # with a grad_fn cannot be handed out again (a new tensor and storage every call).
+        # The node's outputs are new tensors over the handed-out memory: a checked output with
+        # a grad_fn cannot be handed out again (a new tensor and storage every call).
         self._detach_diff = self._outputs.policy != "clone"
         self._spec = pair.spec
         self._single = _compat.is_leaf_treespec(pair.spec)
@@ -378,7 +376,7 @@ class GraphedCallable:
                 flat[i].detach() if self._detach_diff else flat[i] for i in self._diff_idx
             )
             tensors = [leaves[i] for i in self._tensor_idx]
-            outs = _GraphedFunction.apply(self, diff, *tensors, *self._surface_t)
+            outs = _graphed_apply(self, diff, *tensors, *self._surface_t)
             node = outs[0].grad_fn
             if node is not None:
                 self._attach(node, verify)
@@ -590,6 +588,9 @@ class _GraphedFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
         return (None, None, *ctx.runner._backward(ctx, grads))
+
+
+_graphed_apply = _compat.direct_apply(_GraphedFunction)  # its apply, without the Python preamble
 
 
 def _original_forward(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,0 +1,92 @@
+"""Where the host time of a training step with breaks goes: HF Llama (4 layers, hidden 512, b4 x
+64, fp32) broken at SDPA's kernel op, as in ``breaks_training.py``. Host time per step (no
+synchronize inside the loop) for eager, the model graphed whole, and with breaks; then a
+cProfile of the steps with breaks, by own time and by cumulative time.
+
+Usage: ``PYTHONPATH=. python benchmarks/breaks_training_profile.py [--steps 200] [--rounds 15]``
+(``--steps 0``: the timings alone)
+"""
+import argparse
+import copy
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+import torchreplay as tr
+
+print(f"torchreplay from {tr.__file__}")
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=200)
+p.add_argument("--top", type=int, default=45)
+p.add_argument("--rounds", type=int, default=15)
+a = p.parse_args()
+torch.backends.cuda.matmul.allow_tf32 = False
+cfg = transformers.LlamaConfig(
+    vocab_size=1024, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+    num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=128, use_cache=False,
+)
+torch.manual_seed(0)
+base = transformers.LlamaForCausalLM(cfg).cuda().train()
+ids = torch.randint(0, 1024, (4, 64), device="cuda")
+models = {"eager": copy.deepcopy(base), "whole graph": copy.deepcopy(base), "breaks": copy.deepcopy(base)}
+tr.make_graphed_callables(models["whole graph"], (ids,))
+tr.make_graphed_callables(models["breaks"], (ids,), breaks=["aten._scaled_dot_product_efficient_attention"])
+if a.steps:
+    print(tr.explain(models["breaks"]))
+
+
+def stepper(m):
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        logits = m(ids).logits
+        F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+        opt.step()
+    return step
+
+
+steps = {k: stepper(m) for k, m in models.items()}
+for s in steps.values():
+    for _ in range(5):
+        s()
+torch.cuda.synchronize()
+host = {k: [] for k in steps}
+done = {k: [] for k in steps}
+for r in range(a.rounds):
+    for k, s in steps.items():
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(10):
+            s()
+        host[k].append((time.perf_counter() - t) / 10 * 1e6)
+        torch.cuda.synchronize()
+        done[k].append((time.perf_counter() - t) / 10 * 1e6)
+for k in steps:
+    h, d = sorted(host[k]), sorted(done[k])
+    print(f"{k:12s} us/step: host min {h[0]:7.0f} median {h[len(h) // 2]:7.0f}; synchronized min {d[0]:7.0f} median {d[len(d) // 2]:7.0f}")
+if not a.steps:
+    sys.exit(0)
+runner = models["breaks"].forward
+segs = runner.segments
+print(f"{len(segs)} segments; params per segment:", [len(getattr(g, '_params', ()) or ()) for g in segs])
+prof = cProfile.Profile()
+step = steps["breaks"]
+torch.cuda.synchronize()
+prof.enable()
+for _ in range(a.steps):
+    step()
+torch.cuda.synchronize()
+prof.disable()
+for key in ("tottime", "cumulative"):
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats(key).print_stats(a.top)
+    print(f"== cProfile of {a.steps} steps with breaks, by {key}")
+    print("\n".join(l for l in out.getvalue().splitlines() if l.strip())[:12000])
