@@ -748,3 +748,55 @@ def test_backward_hooks_and_hooks_registered_between_breaks_are_refused(caplog):
         ref(x_ref, lengths).sum().backward()
         torch.testing.assert_close(x.grad, x_ref.grad)  # the break's hook tripled both
         torch.testing.assert_close(model.lin.weight.grad, ref.lin.weight.grad)
+
+
+def test_hf_activation_checkpointing_reentrant_is_refused_by_name_and_non_reentrant_trains_with_a_warning(caplog):
+    """HF's gradient_checkpointing_enable(): with use_reentrant=True the checkpoint is a
+    torch.autograd.Function, refused naming it and the fix; without, the program trains like the
+    model (gradients equal) and a warning says the memory it would save is not saved."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    args, kwargs = _tokens(128)(0)
+    with pytest.raises(CaptureError, match="torch.autograd.Function CheckpointFunction.*use_reentrant=False"):
+        record_checked(model, CallArgs(model, args, kwargs), [modeling_llama.LlamaAttention], CPU)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with caplog.at_level("WARNING", logger="torchreplay"):
+        program = _program_trains_like(model, [modeling_llama.LlamaAttention], _tokens(128))
+    assert program.saved_hooks is not None and "modeling_llama.py" in program.saved_hooks[1]
+    assert "saved-tensor hooks were active between breaks" in caplog.text
+
+
+def test_a_view_of_a_weight_made_under_no_grad_is_not_taken_for_an_autograd_function():
+    """``w.t()`` under no_grad requires grad with no history; eager's autograd ends there, and so
+    does the program's: gradients equal, nothing refused."""
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.attn = Attention()
+
+        def forward(self, h, lengths):
+            with torch.no_grad():
+                frozen = self.lin.weight.t()
+            return self.attn(self.lin(h) @ frozen, lengths)
+
+    torch.manual_seed(0)
+    model = M()
+    ref = copy.deepcopy(model)
+    h = torch.randn(2, 4, 8)
+    _, run = _eager_program(model, [Attention], h, torch.tensor([3, 2]))
+    for lengths in ([1, 4], [4, 2]):
+        lengths = torch.tensor(lengths)
+        run(h, lengths).sum().backward()
+        ref(h, lengths).sum().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)

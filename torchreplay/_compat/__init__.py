@@ -564,8 +564,9 @@ __all__ += ["forward_hooks", "global_forward_hooks", "hook_handles_made", "backw
 from torchreplay._compat.amp import any_autocast, cuda_autocast, dispatch_modes  # noqa: E402
 from torchreplay._compat.autograd import (  # noqa: E402  (autograd's node order and version counters)
     direct_apply, foreach_copy_untracked, in_backward, is_accumulate_grad, is_view, normal_tensors,
-    restore_unversioned, sequence_nr, set_sequence_nr, version_of, versions_of,
+    restore_unversioned, saved_tensor_hooks, sequence_nr, set_sequence_nr, version_of, versions_of,
 )
 __all__ += ["any_autocast", "cuda_autocast", "dispatch_modes", "current_stream", "direct_apply", "foreach_copy_untracked",
-            "in_backward", "is_accumulate_grad", "is_view", "normal_tensors", "restore_unversioned", "sequence_nr",
+            "in_backward", "is_accumulate_grad", "is_view", "normal_tensors", "restore_unversioned",
+            "saved_tensor_hooks", "sequence_nr",
             "set_sequence_nr", "version_of", "versions_of"]

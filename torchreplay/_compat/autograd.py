@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 __all__ = [
-    "direct_apply", "foreach_copy_untracked", "set_sequence_nr", "sequence_nr", "restore_unversioned", "in_backward",
+    "direct_apply", "foreach_copy_untracked", "saved_tensor_hooks", "set_sequence_nr", "sequence_nr", "restore_unversioned", "in_backward",
     "is_accumulate_grad", "is_view", "normal_tensors", "versions_of",
 ]
 
@@ -57,6 +57,19 @@ def direct_apply(cls: type) -> Callable[..., Any]:
         return slow(*args) if active() else c_apply(*args)
 
     return apply
+
+
+_top_saved_hooks = getattr(getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks", None)
+
+
+def saved_tensor_hooks() -> str | None:
+    """The pack hook of the innermost ``torch.autograd.graph.saved_tensors_hooks`` active now
+    (activation checkpointing without reentrance, ``save_on_cpu``), by its qualified name; None
+    when none is (or torch cannot tell)."""
+    if _top_saved_hooks is None:
+        return None
+    hooks = _top_saved_hooks(False)
+    return None if hooks is None else getattr(hooks[0], "__qualname__", repr(hooks[0]))
 
 
 def in_backward() -> bool:

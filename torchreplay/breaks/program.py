@@ -148,6 +148,8 @@ class Program:
     n_values: int
     samples: dict[int, Any]  # value -> the run's tensor (the segments' sample inputs)
     branches: list[str] = dataclasses.field(default_factory=list)  # host bools read between breaks
+    #: saved-tensor hooks active between breaks (checkpointing, offloading): (pack hook, line)
+    saved_hooks: tuple[str, str] | None = None
 
     @property
     def segments(self) -> list[Segment]:
@@ -172,6 +174,7 @@ class _Recorder(_compat.LightDispatchMode):
         self.fix = ""  # ... and what to do
         self.branches: list[str] = []  # where a branch read a bool on the host
         self.handles = _Handles.next_id  # hook handles made so far, those of breaks included
+        self.saved_hooks: tuple[str, str] | None = None  # the first saved-tensor hooks seen
 
     def value(self, t: _Tensor, producer: int) -> int:
         i = len(self.keep)
@@ -231,6 +234,10 @@ class _Recorder(_compat.LightDispatchMode):
             else:
                 outs.append(None)
         grad = torch.is_grad_enabled()
+        if grad and self.saved_hooks is None:
+            hooks = _compat.saved_tensor_hooks()
+            if hooks is not None:
+                self.saved_hooks = (hooks, user_line())
         written = _compat.written_tensors(func, args, kwargs)
         effect = (
             getattr(func, "_schema", None) is None
@@ -325,14 +332,27 @@ def _check_differentiable(rec: _Recorder) -> None:
             if op.grad:
                 continue
             for v in op.outs:
-                if v is not None and rec.keep[v].requires_grad:
-                    rec.fail(
-                        f"{op.func} ran with autograd off but its result requires grad: a "
-                        "torch.autograd.Function (or a requires_grad_() on a tensor made inside "
-                        "the model), whose backward a segment would not run"
-                    )
-                    rec.where = op.where
-                    return
+                t = rec.keep[v] if v is not None else None
+                # (a view of a parameter made under no_grad requires grad with no history, and
+                # eager's autograd ends at it as the program's does)
+                if t is None or not t.requires_grad or t.grad_fn is None and t._is_view():
+                    continue
+                node = type(t.grad_fn).__name__.removesuffix("Backward") if t.grad_fn is not None else ""
+                what = f"torch.autograd.Function {node}" if node else "requires_grad_() on a tensor made inside the model"
+                rec.fail(
+                    f"{op.func} ran with autograd off but its result requires grad: a {what}, "
+                    "whose backward a segment would not run",
+                    _CHECKPOINT_FIX if node.startswith("CheckpointFunction") else "",
+                )
+                rec.where = op.where
+                return
+
+
+_CHECKPOINT_FIX = (
+    "This is activation checkpointing with use_reentrant=True. Pass use_reentrant=False (HF: "
+    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})) "
+    "or turn it off: a graphed segment keeps the activations its backward needs either way"
+)
 
 
 def _caller_leaves(leaves: Sequence[Any]) -> dict[Any, int]:
@@ -481,6 +501,7 @@ def record(
         n_values=len(rec.producer),
         samples={},
         branches=sorted(set(rec.branches)),
+        saved_hooks=rec.saved_hooks,
     )
     _link(program, rec.producer)
     for s in program.segments:  # (a copy is needed where autograd tracks the value)

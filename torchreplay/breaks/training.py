@@ -232,6 +232,25 @@ def _check_hooks(model: nn.Module, breaks: Any) -> None:
     warn_hooks_with_effects(name, hooks)
 
 
+def _warn_program(name: str, program: Program) -> None:
+    """What the program takes as the recorded run did, said once at the build."""
+    if program.branches:
+        log.warning(
+            "torchreplay: %s graphed around its breaks: a branch on a tensor's value between "
+            "breaks (%s) is taken as it went in the recorded run at every call, as in a "
+            "graph; if it can go the other way, name the code around it in breaks=",
+            name, "; ".join(program.branches),
+        )
+    if program.saved_hooks is not None:
+        log.warning(
+            "torchreplay: %s graphed around its breaks: saved-tensor hooks were active between "
+            "breaks (%s, at %s): activation checkpointing (use_reentrant=False) or offloading "
+            "(save_on_cpu). A segment's graphed backward reads what its forward saved in the "
+            "graph's own memory and runs none of them: gradients are eager's, but the memory "
+            "they save is not saved", name, *program.saved_hooks,
+        )
+
+
 def record_checked(
     model: nn.Module, call: CallArgs, breaks: Any, device: torch.device,
     build: Callable[[Program], Any] = lambda program: None,
@@ -258,6 +277,7 @@ def record_checked(
         error = python.verdict()
         if error is not None:
             raise error
+        _warn_program(type(model).__name__, program)
         python.put_back_tensors()
         built = build(program)
         python.put_back_tensors()
@@ -324,13 +344,6 @@ def graph_around_breaks(
     original = model.forward
 
     def graph(program: Program) -> list[GraphedCallable]:
-        if program.branches:
-            log.warning(
-                "torchreplay: %s graphed around its breaks: a branch on a tensor's value between "
-                "breaks (%s) is taken as it went in the recorded run at every call, as in a "
-                "graph; if it can go the other way, name the code around it in breaks=",
-                type(model).__name__, "; ".join(program.branches),
-            )
         segments = program.segments
         if not segments:
             raise CaptureError(
