@@ -26,6 +26,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=200)
 p.add_argument("--top", type=int, default=45)
 p.add_argument("--rounds", type=int, default=15)
+p.add_argument("--counts", action="store_true", help="how often checked outputs were made anew")
 a = p.parse_args()
 torch.backends.cuda.matmul.allow_tf32 = False
 cfg = transformers.LlamaConfig(
@@ -72,6 +73,10 @@ for r in range(a.rounds):
 for k in steps:
     h, d = sorted(host[k]), sorted(done[k])
     print(f"{k:12s} us/step: host min {h[0]:7.0f} median {h[len(h) // 2]:7.0f}; synchronized min {d[0]:7.0f} median {d[len(d) // 2]:7.0f}")
+if a.counts:
+    from _counts import new_tensor_counts
+
+    print("breaks, 100 steps: new tensors made by", new_tensor_counts(steps["breaks"]) or "nothing")
 if not a.steps:
     sys.exit(0)
 runner = models["breaks"].forward

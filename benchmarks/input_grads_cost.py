@@ -9,7 +9,8 @@ torch's tool does), interleaved: 200 rounds of 20 steps, the order rotated each 
 paired differences (median, 25th and 75th percentile), and torch's ``make_graphed_callables``
 on the same chain as the anchor. Each method's first-layer gradient is checked against eager's
 first. Usage:
-``python benchmarks/input_grads_cost.py [--profile] [--no-gc]``.
+``python benchmarks/input_grads_cost.py [--profile] [--no-gc] [--counts]`` (``--counts``: how many
+times ``"checked"`` made new output tensors in 100 steps, by graph).
 """
 import os
 import statistics
@@ -109,6 +110,11 @@ for k in names:
           f"paired vs static: {paired(k, 'static')}")
 print(f"  checked - checked with buffers, per step: "
       f"{paired('checked', 'checked, grads as buffers')} ({DEPTH - 1} gradients handed per step)")
+
+if "--counts" in sys.argv:  # how often "checked" made new tensors, per graph's outputs
+    from _counts import new_tensor_counts
+
+    print("  checked, 100 steps: new tensors made by", new_tensor_counts(methods["checked"]) or "nothing")
 
 if "--profile" in sys.argv:  # where the host time of a step goes, per method
     import cProfile
