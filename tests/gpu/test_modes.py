@@ -156,6 +156,49 @@ def test_a_call_under_a_dispatch_mode_runs_eagerly_so_the_mode_sees_every_op(fro
         assert g.stats.replays - replays == CALLS
 
 
+def gelu_break(x):
+    return F.gelu(x)
+
+
+class BrokenNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 128), nn.Linear(128, 64)
+
+    def forward(self, x):
+        return self.b(gelu_break(self.a(x)))
+
+
+def test_make_graphed_callables_and_training_with_breaks_under_a_dispatch_mode_run_eagerly() -> None:
+    """A training step under ``FlopCounterMode`` counts eager's flops, forward and backward
+    (a replay would hide them), for ``make_graphed_callables`` of a module and of a module
+    around its breaks; outside the mode they replay again, with eager's gradients."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    for breaks in (None, [gelu_break]):
+        torch.manual_seed(0)
+        model = BrokenNet().to(DEV)
+        ref = copy.deepcopy(model)
+        x = torch.randn(4, 64, device=DEV, requires_grad=True)
+        graphed = tr.make_graphed_callables(model, (x,), breaks=breaks)
+        stats = graphed.forward.stats
+        with FlopCounterMode(display=False) as eager:
+            ref(x).sum().backward()
+        with FlopCounterMode(display=False) as ours:
+            graphed(x).sum().backward()
+        assert ours.get_total_flops() == eager.get_total_flops() > 0, breaks
+        assert stats.fallbacks == 1, breaks
+        for _ in range(CALLS):
+            for m in (model, ref):
+                m.zero_grad(set_to_none=True)
+            x = torch.randn(4, 64, device=DEV)
+            graphed(x).square().mean().backward()
+            ref(x).square().mean().backward()
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+        assert stats.replays >= CALLS and stats.fallbacks == 1, breaks
+
+
 # -- a graph called inside another graph's capture -------------------------------------------
 
 

@@ -24,8 +24,8 @@ from torchreplay.breaks.program import Call, Program, Rebound, Ref, Segment, obs
 from torchreplay.core.args import CallArgs, infer_device
 from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import resolve_config, resolve_pool
-from torchreplay.core.modes import HOOKS, TRAIN_MODE, Hooks, refuse_inference_capture, warn_hooks_changed
-from torchreplay.core.modes import warn_hooks_with_effects
+from torchreplay.core.modes import DISPATCH_MODE, HOOKS, TRAIN_MODE, Hooks, note_dispatch_mode
+from torchreplay.core.modes import refuse_inference_capture, warn_hooks_changed, warn_hooks_with_effects
 from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import Pool
 from torchreplay.core.snapshot import StateSnapshot
@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
 _Handles = _compat.hook_handles_made  # its next_id counts every hook handle torch made
+_dispatch_modes = _compat.dispatch_modes
 
 
 class BreakTraining:
@@ -91,6 +92,8 @@ class BreakTraining:
         hooks = self._hooks
         if hooks.at != _Handles.next_id and not hooks.look():  # added or removed since the build
             return self._fallback(args, kwargs, HOOKS)
+        if _dispatch_modes():  # FlopCounterMode, a tracer: they see each op, eagerly
+            return self._fallback(args, kwargs, DISPATCH_MODE)
         placed = self._placed
         if placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
@@ -165,17 +168,19 @@ class BreakTraining:
 
     def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any], why: str) -> Any:
         self.stats.fallbacks += 1
+        name = type(self._model).__name__
         if why not in self._warned:
             self._warned.add(why)
             if why == HOOKS:
-                warn_hooks_changed(type(self._model).__name__, self._hooks)
-                return self._original(*args, **kwargs)
-            mode = "training" if self._training else "eval"
-            log.warning(
-                "torchreplay: %s was graphed around its breaks in %s mode and is called in the "
-                "other: running eagerly (counted in stats.fallbacks). Graph it again in this mode",
-                type(self._model).__name__, mode,
-            )
+                warn_hooks_changed(name, self._hooks)
+            elif why == DISPATCH_MODE:
+                note_dispatch_mode(name)
+            else:
+                log.warning(
+                    "torchreplay: %s was graphed around its breaks in %s mode and is called in "
+                    "the other: running eagerly (counted in stats.fallbacks). Graph it again in "
+                    "this mode", name, "training" if self._training else "eval",
+                )
         return self._original(*args, **kwargs)
 
     def explain(self) -> str:

@@ -63,7 +63,8 @@ from torchreplay.errors import CaptureError
 __all__ = [
     "TRAIN_MODE", "AUTOCAST", "DISPATCH_MODE", "GRAD", "CAPTURE", "NO_GRAD", "HOOKS", "REQUIRES_GRAD",
     "EagerCalls", "GradFlags", "Hooks", "autocast_changed", "autocast_name", "refuse_inference_capture",
-    "tracked_leaf", "warn_hooks_changed", "warn_hooks_with_effects", "warn_requires_grad",
+    "note_dispatch_mode", "tracked_leaf", "warn_hooks_changed", "warn_hooks_with_effects", "warn_no_sample_grad",
+    "warn_requires_grad",
 ]
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,14 @@ class Hooks:
         return found
 
 
+def note_dispatch_mode(name: str) -> None:
+    """Log (what the caller asked for: no warning) that a call runs eagerly under a mode."""
+    log.info(
+        "torchreplay: '%s' is called under a TorchDispatchMode: it runs its callable, so that "
+        "the mode sees every op as it would eagerly", name,
+    )
+
+
 def warn_hooks_with_effects(name: str, hooks: Hooks) -> None:
     """Log that hooks present at capture run their Python only then (none: nothing)."""
     hooked = hooks.with_effects()
@@ -266,6 +275,17 @@ def autocast_changed(name: str, captured: torch.dtype | None) -> str:
     )
 
 
+def warn_no_sample_grad(name: str, path: str) -> None:
+    """Log (once per argument: the caller keeps the flags) that a training graph's argument
+    requires grad while its sample did not, so it gets no gradient."""
+    log.warning(
+        "torchreplay: %s of '%s' requires grad, but its sample argument did not, so the "
+        "backward graph computes no gradient for it (its .grad stays None, and nothing flows "
+        "back through it). Graph with a sample that has requires_grad=True to get it, or pass "
+        "it .detach()ed to silence this", path, name,
+    )
+
+
 def warn_requires_grad(name: str, what: str) -> None:
     log.warning(
         "torchreplay: requires_grad of parameters of '%s' changed since capture: %s. Eagerly a "
@@ -349,10 +369,7 @@ class EagerCalls:
         if why == TRAIN_MODE:
             warn_mode_changed(self.name, self.training)
         elif why == DISPATCH_MODE:  # what the caller asked for: no warning
-            log.info(
-                "torchreplay: '%s' is called under a TorchDispatchMode: it runs its callable, "
-                "so that the mode sees every op as it would eagerly", self.name,
-            )
+            note_dispatch_mode(self.name)
         elif why == CAPTURE:  # what eager code does there: not a degradation, no warning
             log.info(
                 "torchreplay: '%s' is called inside another CUDA graph's capture: it runs its "

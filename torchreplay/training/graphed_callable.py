@@ -68,6 +68,7 @@ _Handles = _compat.hook_handles_made  # its next_id counts every hook handle tor
 _Tensor = torch.Tensor
 _any_autocast = _compat.any_autocast
 _cuda_autocast = _compat.cuda_autocast
+_dispatch_modes = _compat.dispatch_modes
 
 
 class GraphedCallable:
@@ -315,6 +316,8 @@ class GraphedCallable:
             why = HOOKS  # added or removed since capture: eagerly they would run, or not
         if why is None and self._grad_flags.changed():
             why = modes.REQUIRES_GRAD
+        if why is None and _dispatch_modes():  # FlopCounterMode, a tracer: they see each op
+            why = modes.DISPATCH_MODE
         placed = self._placed  # the model moved, or weights or submodules replaced
         moved = placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
@@ -349,17 +352,8 @@ class GraphedCallable:
         if grad_on and self._no_grad_slots:
             for k, slot in zip(self._no_grad_pos, self._no_grad_slots):
                 if leaves[self._tensor_idx[k]].requires_grad and k not in self._warned_grad:
-                    # torch's accepts this silently; a refusal would break drop-in use, silence
-                    # would hide a missing gradient: warn once, naming it.
-                    self._warned_grad.add(k)
-                    log.warning(
-                        "torchreplay: %s of '%s' requires grad, but its sample argument did not, "
-                        "so the backward graph computes no gradient for it (its .grad stays "
-                        "None, and nothing flows back through it). Graph with a sample that has "
-                        "requires_grad=True to get it, or pass it .detach()ed to silence this",
-                        slot.path,
-                        self.name,
-                    )
+                    self._warned_grad.add(k)  # (torch's tool is silent; a refusal breaks drop-in)
+                    modes.warn_no_sample_grad(self.name, slot.path)
         if self._writes:
             self._inputs.check_aliasing(leaves)
         pool = self.pool
@@ -567,6 +561,8 @@ class GraphedCallable:
                 warn_hooks_changed(self.name, self._hooks)
             elif why == modes.REQUIRES_GRAD:
                 modes.warn_requires_grad(self.name, self._grad_flags.describe())
+            elif why == modes.DISPATCH_MODE:
+                modes.note_dispatch_mode(self.name)
             else:
                 warn_mode_changed(self.name, self._training)
         return self._run_fn(*args, **kwargs)
