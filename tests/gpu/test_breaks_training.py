@@ -320,7 +320,7 @@ def test_dropout_between_breaks_draws_the_masks_eager_draws_from_the_same_seed()
         _assert_same(graphed, ref, f"step {step}")
 
 
-def test_bf16_autocast_trains_like_eager():
+def test_bf16_autocast_trains_like_eager(caplog):
     torch.manual_seed(0)
     model = Model(layers=2).to(DEV)
     ref = copy.deepcopy(model)
@@ -341,6 +341,13 @@ def test_bf16_autocast_trains_like_eager():
             torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-3, msg=lambda m: f"step {step}: {name}: {m}")
         opt.step()
         opt_ref.step()
+    assert model.forward.stats.fallbacks == 0
+    ids, lengths = _batch(g)  # without autocast: eagerly, in fp32 as eager (counted, warned)
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        out = model(ids, lengths)
+    assert out.dtype == torch.float32 and model.forward.stats.fallbacks == 1
+    assert "captured under autocast(bfloat16) but is called under no autocast" in caplog.text
+    torch.testing.assert_close(out, ref(ids, lengths), rtol=2e-2, atol=2e-3)  # (weights after bf16 steps)
 
 
 class InPlaceResidual(nn.Module):

@@ -24,8 +24,9 @@ from torchreplay.breaks.program import Call, Program, Rebound, Ref, Segment, obs
 from torchreplay.core.args import CallArgs, infer_device
 from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import resolve_config, resolve_pool
-from torchreplay.core.modes import DISPATCH_MODE, HOOKS, TRAIN_MODE, Hooks, note_dispatch_mode
-from torchreplay.core.modes import refuse_inference_capture, warn_hooks_changed, warn_hooks_with_effects
+from torchreplay.core.modes import AUTOCAST, DISPATCH_MODE, HOOKS, TRAIN_MODE, Hooks, note_dispatch_mode
+from torchreplay.core.modes import refuse_inference_capture, warn_autocast, warn_hooks_changed
+from torchreplay.core.modes import warn_hooks_with_effects
 from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import Pool
 from torchreplay.core.snapshot import StateSnapshot
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 _Tensor = torch.Tensor
 _Handles = _compat.hook_handles_made  # its next_id counts every hook handle torch made
 _dispatch_modes = _compat.dispatch_modes
+_any_autocast = _compat.any_autocast
+_cuda_autocast = _compat.cuda_autocast
 
 
 class BreakTraining:
@@ -69,6 +72,7 @@ class BreakTraining:
         self._program = program
         self._original = original
         self._training = model.training
+        self._autocast = _compat.cuda_autocast()  # as the record ran: its dtype, None when off
         self.segments = runners
         self.stats = TrainingStats()
         self._warned: set[str] = set()
@@ -94,6 +98,9 @@ class BreakTraining:
             return self._fallback(args, kwargs, HOOKS)
         if _dispatch_modes():  # FlopCounterMode, a tracer: they see each op, eagerly
             return self._fallback(args, kwargs, DISPATCH_MODE)
+        autocast = self._autocast  # the recorded ops are autocast's casts and kernels
+        if (autocast is not None or _any_autocast()) and _cuda_autocast() != autocast:
+            return self._fallback(args, kwargs, AUTOCAST)
         placed = self._placed
         if placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
@@ -175,6 +182,8 @@ class BreakTraining:
                 warn_hooks_changed(name, self._hooks)
             elif why == DISPATCH_MODE:
                 note_dispatch_mode(name)
+            elif why == AUTOCAST:
+                warn_autocast(name, self._autocast)
             else:
                 log.warning(
                     "torchreplay: %s was graphed around its breaks in %s mode and is called in "

@@ -63,7 +63,7 @@ from torchreplay.errors import CaptureError
 __all__ = [
     "TRAIN_MODE", "AUTOCAST", "DISPATCH_MODE", "GRAD", "CAPTURE", "NO_GRAD", "HOOKS", "REQUIRES_GRAD",
     "EagerCalls", "GradFlags", "Hooks", "autocast_changed", "autocast_name", "refuse_inference_capture",
-    "note_dispatch_mode", "tracked_leaf", "warn_hooks_changed", "warn_hooks_with_effects", "warn_no_sample_grad",
+    "note_dispatch_mode", "tracked_leaf", "warn_autocast", "warn_hooks_changed", "warn_hooks_with_effects", "warn_no_sample_grad",
     "warn_requires_grad",
 ]
 
@@ -177,6 +177,17 @@ class Hooks:
         if any(_compat.global_backward_hooks()):
             found.append("every module (register_module_full_backward_hook)")
         return found
+
+
+def warn_autocast(name: str, captured: torch.dtype | None) -> None:
+    """Log (once per graph: the caller keeps the flag) that calls under another autocast
+    setting than the capture's run eagerly."""
+    log.warning(
+        "torchreplay: '%s' was captured under %s but is called under %s: a graph computes in the "
+        "dtypes it was captured in, so calls under this setting run eagerly (counted in "
+        "stats.fallbacks). Graph it under this setting to replay it there.",
+        name, autocast_name(captured), autocast_name(_cuda_autocast()),
+    )
 
 
 def note_dispatch_mode(name: str) -> None:
@@ -388,12 +399,7 @@ class EagerCalls:
         elif why == REQUIRES_GRAD:
             warn_requires_grad(self.name, what)
         elif why == AUTOCAST:
-            log.warning(
-                "torchreplay: '%s' was captured under %s but is called under %s: a graph computes "
-                "in the dtypes it was captured in, so calls under this setting run eagerly "
-                "(counted in stats.fallbacks). Graph it under this setting to replay it there.",
-                self.name, autocast_name(self.autocast), autocast_name(_cuda_autocast()),
-            )
+            warn_autocast(self.name, self.autocast)
         else:
             log.warning(
                 "torchreplay: '%s' is called with autograd on and %s requiring grad: eagerly the "
