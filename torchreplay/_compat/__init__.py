@@ -566,7 +566,7 @@ from torchreplay._compat.autograd import (  # noqa: E402  (autograd's node order
     direct_apply, foreach_copy_untracked, in_backward, is_accumulate_grad, is_view, normal_tensors,
     restore_unversioned, saved_tensor_hooks, sequence_nr, set_sequence_nr, version_of, versions_of,
 )
-__all__ += ["any_autocast", "cuda_autocast", "dispatch_modes", "current_stream", "direct_apply", "foreach_copy_untracked",
-            "in_backward", "is_accumulate_grad", "is_view", "normal_tensors", "restore_unversioned",
-            "saved_tensor_hooks", "sequence_nr",
-            "set_sequence_nr", "version_of", "versions_of"]
+__all__ += ["any_autocast", "cuda_autocast", "dispatch_modes", "current_stream", "direct_apply",
+            "foreach_copy_untracked", "in_backward", "is_accumulate_grad", "is_view", "normal_tensors",
+            "restore_unversioned", "saved_tensor_hooks", "sequence_nr", "set_sequence_nr", "version_of",
+            "versions_of"]

@@ -8,8 +8,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 __all__ = [
-    "direct_apply", "foreach_copy_untracked", "saved_tensor_hooks", "set_sequence_nr", "sequence_nr", "restore_unversioned", "in_backward",
-    "is_accumulate_grad", "is_view", "normal_tensors", "versions_of",
+    "direct_apply", "foreach_copy_untracked", "saved_tensor_hooks", "set_sequence_nr", "sequence_nr",
+    "restore_unversioned", "in_backward", "is_accumulate_grad", "is_view", "normal_tensors", "versions_of",
 ]
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)

@@ -338,7 +338,8 @@ def _check_differentiable(rec: _Recorder) -> None:
                 if t is None or not t.requires_grad or t.grad_fn is None and t._is_view():
                     continue
                 node = type(t.grad_fn).__name__.removesuffix("Backward") if t.grad_fn is not None else ""
-                what = f"torch.autograd.Function {node}" if node else "requires_grad_() on a tensor made inside the model"
+                what = f"torch.autograd.Function {node}" if node else (
+                    "requires_grad_() on a tensor made inside the model")
                 rec.fail(
                     f"{op.func} ran with autograd off but its result requires grad: a {what}, "
                     "whose backward a segment would not run",

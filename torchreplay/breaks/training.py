@@ -149,7 +149,10 @@ class BreakTraining:
         a, k = unflatten(flat)
         out = step.call(*a, **k)
         # (another structure than the recorded one fails the count or the checks below)
-        got = [out] if type(out) is _Tensor else list(out) if tuple_out and type(out) is tuple else _compat.tree_flatten(out)[0]
+        if type(out) is _Tensor:
+            got = [out]
+        else:
+            got = list(out) if tuple_out and type(out) is tuple else _compat.tree_flatten(out)[0]
         if len(got) != len(step.outs):
             raise ReplayInputError(
                 f"break {step.brk.name} (at {step.where}) returned {len(got)} values, "

@@ -63,8 +63,8 @@ from torchreplay.errors import CaptureError
 __all__ = [
     "TRAIN_MODE", "AUTOCAST", "DISPATCH_MODE", "GRAD", "CAPTURE", "NO_GRAD", "HOOKS", "REQUIRES_GRAD",
     "EagerCalls", "GradFlags", "Hooks", "autocast_changed", "autocast_name", "refuse_inference_capture",
-    "note_dispatch_mode", "tracked_leaf", "warn_autocast", "warn_hooks_changed", "warn_hooks_with_effects", "warn_no_sample_grad",
-    "warn_requires_grad",
+    "note_dispatch_mode", "tracked_leaf", "warn_autocast", "warn_hooks_changed", "warn_hooks_with_effects",
+    "warn_no_sample_grad", "warn_requires_grad",
 ]
 
 log = logging.getLogger(__name__)
