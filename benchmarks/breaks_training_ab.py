@@ -13,18 +13,16 @@ import copy
 import os
 import statistics
 import sys
-import time
 
 import torch
-import torch.nn.functional as F
-import transformers
+
+from _llama_train import BREAK, block, llama_and_tokens, stepper
 
 p = argparse.ArgumentParser()
 p.add_argument("--old", required=True)
 p.add_argument("--new", default=".")
 p.add_argument("--rounds", type=int, default=40)
 a = p.parse_args()
-torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def load(path: str):
@@ -45,23 +43,7 @@ def use(mods: dict) -> None:
     sys.modules.update(mods)
 
 
-cfg = transformers.LlamaConfig(
-    vocab_size=1024, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-    num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=128, use_cache=False,
-)
-torch.manual_seed(0)
-base = transformers.LlamaForCausalLM(cfg).cuda().train()
-ids = torch.randint(0, 1024, (4, 64), device="cuda")
-
-
-def stepper(m):
-    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(m(ids).logits.flatten(0, 1), ids.flatten()).backward()
-        opt.step()
-    return step
+base, ids = llama_and_tokens()
 
 
 runs = {}  # (lib, method) -> (modules, step)
@@ -70,10 +52,10 @@ for lib, path in (("old", a.old), ("new", a.new)):
     print(f"{lib}: torchreplay from {tr.__file__}")
     whole, brk = copy.deepcopy(base), copy.deepcopy(base)
     tr.make_graphed_callables(whole, (ids,))
-    tr.make_graphed_callables(brk, (ids,), breaks=["aten._scaled_dot_product_efficient_attention"])
-    runs[(lib, "whole graph")] = (mods, stepper(whole))
-    runs[(lib, "breaks")] = (mods, stepper(brk))
-runs[("-", "eager")] = ({}, stepper(copy.deepcopy(base)))
+    tr.make_graphed_callables(brk, (ids,), breaks=[BREAK])
+    runs[(lib, "whole graph")] = (mods, stepper(whole, ids))
+    runs[(lib, "breaks")] = (mods, stepper(brk, ids))
+runs[("-", "eager")] = ({}, stepper(copy.deepcopy(base), ids))
 for mods, s in runs.values():
     if mods:
         use(mods)
@@ -87,12 +69,7 @@ for r in range(a.rounds):
         mods, s = runs[k]
         if mods:
             use(mods)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(10):
-            s()
-        host[k].append((time.perf_counter() - t) / 10 * 1e6)
-        torch.cuda.synchronize()
+        host[k].append(block(s)[0])
 print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; host us per step, {a.rounds} rounds of 10 steps")
 for k, v in host.items():
     print(f"  {k[0]:4s} {k[1]:12s} min {min(v):7.0f}  median {statistics.median(v):7.0f}")

@@ -14,20 +14,13 @@ import time
 
 import torch
 import torch.nn.functional as F
-import transformers
 
 import torchreplay as tr
 from torchreplay.breaks import training as bt
 from torchreplay.training import graphed_callable as gc
+from _llama_train import BREAK, llama_and_tokens
 
-torch.backends.cuda.matmul.allow_tf32 = False
-cfg = transformers.LlamaConfig(
-    vocab_size=1024, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-    num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=128, use_cache=False,
-)
-torch.manual_seed(0)
-base = transformers.LlamaForCausalLM(cfg).cuda().train()
-ids = torch.randint(0, 1024, (4, 64), device="cuda")
+base, ids = llama_and_tokens()
 spent: collections.Counter = collections.Counter()
 calls: collections.Counter = collections.Counter()
 
@@ -48,7 +41,7 @@ def timed(cls, name, key):
 
 models = {"whole graph": copy.deepcopy(base), "breaks": copy.deepcopy(base)}
 tr.make_graphed_callables(models["whole graph"], (ids,))
-tr.make_graphed_callables(models["breaks"], (ids,), breaks=["aten._scaled_dot_product_efficient_attention"])
+tr.make_graphed_callables(models["breaks"], (ids,), breaks=[BREAK])
 from torchreplay.core import io, outputs, pool as pool_mod  # noqa: E402
 from torchreplay.training import pair  # noqa: E402
 

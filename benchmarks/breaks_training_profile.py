@@ -12,13 +12,11 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 
 import torch
-import torch.nn.functional as F
-import transformers
 
 import torchreplay as tr
+from _llama_train import BREAK, block, llama_and_tokens, stepper
 
 print(f"torchreplay from {tr.__file__}")
 
@@ -28,33 +26,13 @@ p.add_argument("--top", type=int, default=45)
 p.add_argument("--rounds", type=int, default=15)
 p.add_argument("--counts", action="store_true", help="how often checked outputs were made anew")
 a = p.parse_args()
-torch.backends.cuda.matmul.allow_tf32 = False
-cfg = transformers.LlamaConfig(
-    vocab_size=1024, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-    num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=128, use_cache=False,
-)
-torch.manual_seed(0)
-base = transformers.LlamaForCausalLM(cfg).cuda().train()
-ids = torch.randint(0, 1024, (4, 64), device="cuda")
+base, ids = llama_and_tokens()
 models = {"eager": copy.deepcopy(base), "whole graph": copy.deepcopy(base), "breaks": copy.deepcopy(base)}
 tr.make_graphed_callables(models["whole graph"], (ids,))
-tr.make_graphed_callables(models["breaks"], (ids,), breaks=["aten._scaled_dot_product_efficient_attention"])
+tr.make_graphed_callables(models["breaks"], (ids,), breaks=[BREAK])
 if a.steps:
     print(tr.explain(models["breaks"]))
-
-
-def stepper(m):
-    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        logits = m(ids).logits
-        F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
-        opt.step()
-    return step
-
-
-steps = {k: stepper(m) for k, m in models.items()}
+steps = {k: stepper(m, ids) for k, m in models.items()}
 for s in steps.values():
     for _ in range(5):
         s()
@@ -63,13 +41,9 @@ host = {k: [] for k in steps}
 done = {k: [] for k in steps}
 for r in range(a.rounds):
     for k, s in steps.items():
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(10):
-            s()
-        host[k].append((time.perf_counter() - t) / 10 * 1e6)
-        torch.cuda.synchronize()
-        done[k].append((time.perf_counter() - t) / 10 * 1e6)
+        h, d = block(s)
+        host[k].append(h)
+        done[k].append(d)
 for k in steps:
     h, d = sorted(host[k]), sorted(done[k])
     print(f"{k:12s} us/step: host min {h[0]:7.0f} median {h[len(h) // 2]:7.0f}; synchronized min {d[0]:7.0f} median {d[len(d) // 2]:7.0f}")

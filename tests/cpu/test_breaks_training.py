@@ -446,16 +446,21 @@ def test_hf_llama_program_trains_like_the_model(where):
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama import modeling_llama
 
+    model = _tiny_llama(transformers)
+    breaks = [modeling_llama.LlamaAttention] if where == "module" else ["aten._scaled_dot_product_flash_attention_for_cpu"]
+    program = _program_trains_like(model, breaks, _tokens(128))
+    assert [type(s).__name__ for s in program.steps] == ["Segment", "Call"] * 2 + ["Segment"]
+    assert len(program.branches) == 1 and "masking_utils.py" in program.branches[0]
+
+
+def _tiny_llama(transformers):
+    """A 2-layer HF Llama (hidden 64, vocab 128), seeded, in training mode."""
     cfg = transformers.LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).train()
-    breaks = [modeling_llama.LlamaAttention] if where == "module" else ["aten._scaled_dot_product_flash_attention_for_cpu"]
-    program = _program_trains_like(model, breaks, _tokens(128))
-    assert [type(s).__name__ for s in program.steps] == ["Segment", "Call"] * 2 + ["Segment"]
-    assert len(program.branches) == 1 and "masking_utils.py" in program.branches[0]
+    return transformers.LlamaForCausalLM(cfg).train()
 
 
 def _program_trains_like(model, breaks, batch, steps=3):
@@ -757,12 +762,7 @@ def test_hf_activation_checkpointing_reentrant_is_refused_by_name_and_non_reentr
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama import modeling_llama
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).train()
+    model = _tiny_llama(transformers)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     args, kwargs = _tokens(128)(0)
     with pytest.raises(CaptureError, match="torch.autograd.Function CheckpointFunction.*use_reentrant=False"):

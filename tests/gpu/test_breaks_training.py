@@ -106,6 +106,20 @@ def _step(model, opt, ids, lengths, targets):
     return loss
 
 
+def _twin_step(model, ref, opts, g: torch.Generator, step: int):
+    """One SGD step of the graphed model and of its eager twin on a fresh batch: loss, weights
+    and gradients equal. Returns the batch's lengths."""
+    ids, lengths = _batch(g)
+    targets = torch.randint(0, V, (B, T), device=DEV, generator=g)
+    loss = _step(model, opts[0], ids, lengths, targets)
+    loss_ref = _step(ref, opts[1], ids, lengths, targets)
+    torch.testing.assert_close(loss, loss_ref, **TOL)
+    _assert_same(model, ref, f"step {step}")
+    for opt in opts:
+        opt.step()
+    return lengths
+
+
 def test_host_lengths_attention_trains_like_eager_around_the_graphed_segments():
     torch.manual_seed(0)
     model = Model().to(DEV)
@@ -121,15 +135,7 @@ def test_host_lengths_attention_trains_like_eager_around_the_graphed_segments():
     _assert_same(model, ref, "after graphing", grads=False)  # the build left the weights as they were
     seen_lengths = set()
     for step in range(STEPS):
-        ids, lengths = _batch(g)
-        seen_lengths.add(tuple(lengths.tolist()))
-        targets = torch.randint(0, V, (B, T), device=DEV, generator=g)
-        loss = _step(model, opt, ids, lengths, targets)
-        loss_ref = _step(ref, opt_ref, ids, lengths, targets)
-        torch.testing.assert_close(loss, loss_ref, **TOL)
-        _assert_same(model, ref, f"step {step}")
-        opt.step()
-        opt_ref.step()
+        seen_lengths.add(tuple(_twin_step(model, ref, (opt, opt_ref), g, step).tolist()))
     assert len(seen_lengths) > 1
     for seg in runtime.segments:  # every step replayed every segment, forward and backward
         assert seg.stats.replays == STEPS and seg.stats.fallbacks == 0, seg
@@ -431,15 +437,8 @@ def test_a_hook_added_after_the_build_runs_eagerly_and_a_backward_hook_is_refuse
         if step == 4:
             for h in handles:
                 h.remove()
-        ids, lengths = _batch(g)
-        targets = torch.randint(0, V, (B, T), device=DEV, generator=g)
         with caplog.at_level(logging.WARNING, logger="torchreplay"):
-            loss = _step(model, opt, ids, lengths, targets)
-        loss_ref = _step(ref, opt_ref, ids, lengths, targets)
-        torch.testing.assert_close(loss, loss_ref, **TOL)
-        _assert_same(model, ref, f"step {step}")
-        opt.step()
-        opt_ref.step()
+            _twin_step(model, ref, (opt, opt_ref), g, step)
     assert len(feats) == len(feats_ref) == 2
     for a, b in zip(feats, feats_ref):
         torch.testing.assert_close(a, b, **TOL)
