@@ -187,9 +187,11 @@ def test_a_break_whose_output_changes_shape_raises_naming_it_and_both_shapes():
         run(h, torch.tensor([2]))
 
 
-def test_a_value_written_in_place_after_a_break_is_written_on_a_copy_the_segment_returns():
+@pytest.mark.parametrize("through", ["itself", "a view"])
+def test_a_value_written_in_place_after_a_break_is_written_on_a_copy_the_segment_returns(through):
     """``h += attn(h)``: h, made before the break, is a graph input of the segment after it, a
-    leaf that autograd lets no in-place op change; the segment writes a copy and returns it."""
+    leaf that autograd lets no in-place op change; the segment writes a copy and returns it.
+    The same when the write goes through a view the segment makes of h."""
 
     class M(nn.Module):
         def __init__(self) -> None:
@@ -200,7 +202,11 @@ def test_a_value_written_in_place_after_a_break_is_written_on_a_copy_the_segment
 
         def forward(self, x, lengths):
             h = self.lin1(x)
-            h += self.attn(h * 1, lengths)
+            if through == "itself":
+                h += self.attn(h * 1, lengths)
+            else:
+                a = self.attn(h * 1, lengths)
+                h.view(-1, 8)[1:].add_(a.view(-1, 8)[1:])  # (the view made after the break)
             return self.lin2(h), h
 
     torch.manual_seed(0)

@@ -357,23 +357,30 @@ def test_bf16_autocast_trains_like_eager(caplog):
 
 
 class InPlaceResidual(nn.Module):
-    """``h += attn(...)`` after the break: h, made before it, is written in place."""
+    """``h += attn(...)`` after the break: h, made before it, is written in place, itself or
+    through a view made after the break."""
 
-    def __init__(self) -> None:
+    def __init__(self, through: str = "itself") -> None:
         super().__init__()
         self.lin1 = nn.Linear(H, H)
         self.attn = HostAttention()
         self.lin2 = nn.Linear(H, 8)
+        self.through = through
 
     def forward(self, x, lengths):
         h = self.lin1(x)
-        h += self.attn(h * 1, lengths)
+        a = self.attn(h * 1, lengths)
+        if self.through == "itself":
+            h += a
+        else:
+            h.view(-1, H)[1:].add_(a.view(-1, H)[1:])
         return self.lin2(h)
 
 
-def test_a_value_written_in_place_after_a_break_trains_like_eager():
+@pytest.mark.parametrize("through", ["itself", "a view"])
+def test_a_value_written_in_place_after_a_break_trains_like_eager(through):
     torch.manual_seed(0)
-    model = InPlaceResidual().to(DEV)
+    model = InPlaceResidual(through).to(DEV)
     ref = copy.deepcopy(model)
     g = torch.Generator(device=DEV).manual_seed(7)
     x = torch.randn(B, T, H, device=DEV, generator=g)

@@ -504,7 +504,7 @@ def record(
         branches=sorted(set(rec.branches)),
         saved_hooks=rec.saved_hooks,
     )
-    _link(program, rec.producer)
+    _link(program, rec.producer, rec.keep)
     for s in program.segments:  # (a copy is needed where autograd tracks the value)
         s.copied = [v for v in s.copied if rec.keep[v].requires_grad]
     _check_copies_alias_nothing(program, rec)
@@ -548,9 +548,10 @@ def _refs(step: Segment | Call) -> list[int]:
     return [x.i for flat in flats for x in flat if type(x) is Ref]
 
 
-def _link(program: Program, producer: list[int]) -> None:
+def _link(program: Program, producer: list[int], keep: list[Any]) -> None:
     """Each segment's inputs (what it reads from outside), outputs (what later steps or the
-    model's output read) and name."""
+    model's output read), the values it writes on a copy (made before it and written in place
+    in it, directly or through a view it makes of them) and its name."""
     last_reader: dict[int, int] = {}  # value -> the last position of a step that reads it
     for pos, step in enumerate(program.steps):
         for v in _refs(step):
@@ -566,14 +567,24 @@ def _link(program: Program, producer: list[int]) -> None:
             continue
         seen: set[int] = set()
         made: list[int] = []
+        view_of: dict[int, int] = {}  # a view this segment makes -> the value it is a view of
         for op in step.ops:
-            for x in op.flat:
-                if type(x) is Ref and producer[x.i] != step.index and x.i not in seen:
-                    seen.add(x.i)
-                    step.inputs.append(x.i)
-            made += [v for v in op.outs if v is not None and producer[v] == step.index]
-            step.copied += [v for v in op.writes if producer[v] >= 0 and producer[v] != step.index
-                            and v not in step.copied]
+            refs = [x.i for x in op.flat if type(x) is Ref]
+            for i in refs:
+                if producer[i] != step.index and i not in seen:
+                    seen.add(i)
+                    step.inputs.append(i)
+            for v in op.outs:
+                if v is not None and producer[v] == step.index:
+                    made.append(v)
+                    if keep[v]._is_view():
+                        at = keep[v].untyped_storage().data_ptr()
+                        view_of.update((v, i) for i in refs[:1] if i < v and keep[i].untyped_storage().data_ptr() == at)
+            for v in op.writes:
+                while v in view_of:  # (written through a view: the copy is of what it views)
+                    v = view_of[v]
+                if producer[v] >= 0 and producer[v] != step.index and v not in step.copied:
+                    step.copied.append(v)
         made += step.copied  # (the copy is what later steps read)
         step.outputs = sorted({v for v in made if last_reader.get(v, -1) > pos})
         step.name = f"segment {n} ({after})"
