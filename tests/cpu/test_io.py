@@ -233,6 +233,60 @@ def test_unflattener_builds_what_tree_unflatten_builds(out) -> None:
         assert list(got) == list(want)  # the keys in the captured order
 
 
+@pytest.mark.parametrize(
+    "args, kwargs",
+    [
+        ((torch.ones(2), None, 3), {"scale": 0.5, "mask": None}),  # an op's call: leaves and None
+        ((), {"x": torch.ones(1)}),
+        ((torch.ones(1),), {}),
+        (([torch.ones(1), 2], (3, None)), {"d": {"k": torch.ones(1)}}),  # nested: the general walk
+        ((None, None), {}),
+    ],
+    ids=["op call", "kwargs only", "one arg", "nested", "only None"],
+)
+def test_call_unflattener_builds_what_tree_unflatten_builds(args, kwargs) -> None:
+    leaves, spec = _compat.tree_flatten((args, kwargs))
+    fresh = [torch.randn(1) if isinstance(x, torch.Tensor) else x for x in leaves]
+    got, want = _compat.call_unflattener(spec)(list(fresh)), _compat.tree_unflatten(list(fresh), spec)
+    assert type(got[0]) is tuple and type(got[1]) is dict and list(got[1]) == list(want[1])
+    assert _compat.tree_flatten(got)[1] == spec
+    assert all(a is b for a, b in zip(_compat.tree_flatten(got)[0], fresh))
+
+
+def test_direct_apply_is_the_functions_apply_outside_functorch_and_its_own_inside() -> None:
+    """The C++ apply gives the same values, node and gradients; inside a functorch transform
+    it defers to ``Function.apply``, which raises there for a Function without setup_context
+    (as it would without us)."""
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, scale):
+            ctx.scale = scale
+            return x * 2 * scale
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2 * ctx.scale, None
+
+    apply = _compat.direct_apply(Twice)
+    x = torch.randn(3, requires_grad=True)
+    y = apply(x, 3.0)
+    assert type(y.grad_fn).__name__ == "TwiceBackward"
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 6.0))
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda t: Twice.apply(t, 3.0).sum())(torch.randn(3))
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda t: apply(t, 3.0).sum())(torch.randn(3))
+
+
+def test_saved_tensor_hooks_names_the_innermost_pack_hook() -> None:
+    assert _compat.saved_tensor_hooks() is None
+    with torch.autograd.graph.save_on_cpu():
+        assert "pack_to_cpu" in (_compat.saved_tensor_hooks() or "")
+    assert _compat.saved_tensor_hooks() is None
+
+
 @pytest.mark.parametrize("n", [1, 2], ids=["one tensor", "several"])
 def test_copy_in_of_an_input_that_requires_grad_is_not_recorded_by_autograd(n) -> None:
     """A training call copies the previous layer's output (it requires grad) into a static

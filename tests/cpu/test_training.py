@@ -622,6 +622,43 @@ def test_emulated_gradient_accumulation_is_g1_plus_g2(emulated) -> None:
     assert model.forward.stats.replays == 2 and model.forward.stats.backward_replays == 2
 
 
+class OpCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode that adds no hooks (FlopCounterMode adds global module hooks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_emulated_call_under_a_dispatch_mode_runs_eagerly_and_then_replays(emulated, caplog) -> None:
+    """Under a TorchDispatchMode a graphed forward and backward run eagerly (the mode sees each
+    op of both), counted, logged, never warned about, FlopCounterMode's own hooks included;
+    outside it the call replays again. (The emulated replay runs eagerly too, so the counters,
+    not the ops seen, tell the two apart here; tests/gpu/test_modes.py counts on real graphs.)"""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, ref = _mlp(), _mlp()
+    tr.make_graphed_callables(model, (torch.randn(3, 6),))
+    x = torch.randn(3, 6)
+    with OpCount() as count:
+        model(x).pow(2).sum().backward()
+    assert count.ops > 0 and model.forward.stats.fallbacks == 1 and model.forward.stats.replays == 0
+    with caplog.at_level(logging.WARNING, logger="torchreplay"), FlopCounterMode(display=False) as flops:
+        model(x).pow(2).sum().backward()
+    assert flops.get_total_flops() > 0 and model.forward.stats.fallbacks == 2
+    assert "torchreplay" not in caplog.text  # what the caller asked for: no warning
+    ref(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=n)
+    model(x).pow(2).sum().backward()
+    assert model.forward.stats.replays == 1 and model.forward.stats.backward_replays == 1
+
+
 def test_emulated_steps_equal_eager_with_an_optimizer(emulated) -> None:
     model, ref = _mlp(), _mlp()
     tr.make_graphed_callables(model, (torch.randn(3, 6),))

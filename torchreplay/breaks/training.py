@@ -93,11 +93,11 @@ class BreakTraining:
         prog = self._program
         if self._model.training != self._training:
             return self._fallback(args, kwargs, TRAIN_MODE)
+        if _dispatch_modes():  # a tracer, FlopCounterMode: they see each op, eagerly (before
+            return self._fallback(args, kwargs, DISPATCH_MODE)  # hooks: FlopCounterMode adds some)
         hooks = self._hooks
         if hooks.at != _Handles.next_id and not hooks.look():  # added or removed since the build
             return self._fallback(args, kwargs, HOOKS)
-        if _dispatch_modes():  # FlopCounterMode, a tracer: they see each op, eagerly
-            return self._fallback(args, kwargs, DISPATCH_MODE)
         autocast = self._autocast  # the recorded ops are autocast's casts and kernels
         if (autocast is not None or _any_autocast()) and _cuda_autocast() != autocast:
             return self._fallback(args, kwargs, AUTOCAST)

@@ -312,12 +312,12 @@ class GraphedCallable:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, hooks = self._module, self._hooks
         why = TRAIN_MODE if module is not None and module.training != self._training else None
+        if why is None and _dispatch_modes():  # a tracer, FlopCounterMode: they see each op
+            why = modes.DISPATCH_MODE  # (before hooks: FlopCounterMode adds global ones)
         if why is None and hooks.at != _Handles.next_id and not hooks.look():
             why = HOOKS  # added or removed since capture: eagerly they would run, or not
         if why is None and self._grad_flags.changed():
             why = modes.REQUIRES_GRAD
-        if why is None and _dispatch_modes():  # FlopCounterMode, a tracer: they see each op
-            why = modes.DISPATCH_MODE
         placed = self._placed  # the model moved, or weights or submodules replaced
         moved = placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
