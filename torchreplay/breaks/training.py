@@ -93,8 +93,9 @@ class BreakTraining:
         prog = self._program
         if self._model.training != self._training:
             return self._fallback(args, kwargs, TRAIN_MODE)
-        if _dispatch_modes():  # a tracer, FlopCounterMode: they see each op, eagerly (before
-            return self._fallback(args, kwargs, DISPATCH_MODE)  # hooks: FlopCounterMode adds some)
+        # a tracer, FlopCounterMode: they see each op, eagerly (before the hooks: that one adds some)
+        if _dispatch_modes():
+            return self._fallback(args, kwargs, DISPATCH_MODE)
         hooks = self._hooks
         if hooks.at != _Handles.next_id and not hooks.look():  # added or removed since the build
             return self._fallback(args, kwargs, HOOKS)
