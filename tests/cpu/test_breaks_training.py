@@ -604,9 +604,11 @@ def test_a_resnet_style_net_with_batchnorm_and_in_place_adds_trains_like_the_mod
 
 
 def _hf_models(transformers):
-    """name -> (model, breaks, batch(i) -> (args, kwargs)): decoders, an encoder-decoder, a
-    vision transformer, each with its attention as the break."""
+    """name -> (model, breaks, batch(i) -> (args, kwargs)): decoders (one with mixture-of-experts
+    routing), an encoder-decoder, a vision transformer, each with its attention as the break."""
+    from transformers.models.falcon import modeling_falcon
     from transformers.models.gemma import modeling_gemma
+    from transformers.models.mixtral import modeling_mixtral
     from transformers.models.qwen2 import modeling_qwen2
     from transformers.models.t5 import modeling_t5
     from transformers.models.vit import modeling_vit
@@ -630,13 +632,18 @@ def _hf_models(transformers):
         "t5": lambda: (transformers.T5ForConditionalGeneration(transformers.T5Config(
             vocab_size=100, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, use_cache=False,
             decoder_start_token_id=0)), [modeling_t5.T5Attention], seq2seq),
+        "mixtral": lambda: (transformers.MixtralForCausalLM(transformers.MixtralConfig(  # MoE routing
+            **lm, num_local_experts=4, num_experts_per_tok=2)), [modeling_mixtral.MixtralAttention], _tokens(100)),
+        "falcon": lambda: (transformers.FalconForCausalLM(transformers.FalconConfig(
+            vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, use_cache=False)),
+            [modeling_falcon.FalconAttention], _tokens(100)),
         "vit": lambda: (transformers.ViTForImageClassification(transformers.ViTConfig(
             image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
             intermediate_size=128, num_labels=5)), [modeling_vit.ViTAttention], images),
     }
 
 
-@pytest.mark.parametrize("name", ["qwen2", "gemma", "t5", "vit"])
+@pytest.mark.parametrize("name", ["qwen2", "gemma", "t5", "vit", "mixtral", "falcon"])
 def test_more_hf_architectures_train_like_the_model(name):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
