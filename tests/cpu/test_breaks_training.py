@@ -838,3 +838,8 @@ def test_a_call_under_a_dispatch_mode_runs_the_model_so_the_mode_sees_every_op(c
     assert run.stats.fallbacks == 2 and "torchreplay" not in caplog.text
     torch.testing.assert_close(run(ids, lengths), model(ids, lengths))
     assert run.stats.replays == 1
+    model.eval()
+    run(ids, lengths)
+    for segment in run.segments:  # (plain functions here, not graphed callables with counters)
+        segment.stats = tr.stats.TrainingStats()
+    assert "calls=1 fallbacks=3 (a TorchDispatchMode: 2, train/eval mode: 1)" in run.explain()

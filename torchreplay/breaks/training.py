@@ -76,6 +76,7 @@ class BreakTraining:
         self.segments = runners
         self.stats = TrainingStats()
         self._warned: set[str] = set()
+        self._eager_by_reason: dict[str, int] = {}  # fallbacks by reason, for explain()
         by_index = {s.index: r for s, r in zip(program.segments, runners)}
         # per step: (True, the graphed segment, its inputs, its outputs) or (False, the break
         # call, what rebuilds its arguments, whether it returned a tuple of leaves)
@@ -179,6 +180,7 @@ class BreakTraining:
 
     def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any], why: str) -> Any:
         self.stats.fallbacks += 1
+        self._eager_by_reason[why] = self._eager_by_reason.get(why, 0) + 1
         name = type(self._model).__name__
         if why not in self._warned:
             self._warned.add(why)
@@ -198,9 +200,11 @@ class BreakTraining:
 
     def explain(self) -> str:
         """Each step in order: a segment with its ops and counters, or a break."""
+        reasons = ", ".join(f"{why}: {n}" for why, n in self._eager_by_reason.items())
         lines = [
             f"{type(self._model).__name__}: graphed around its breaks for training, "
             f"{len(self.segments)} segment(s); calls={self.stats.replays} fallbacks={self.stats.fallbacks}"
+            + (f" ({reasons})" if reasons else "")
         ]
         by_index = {s.index: (s, r) for s, r in zip(self._program.segments, self.segments)}
         for step in self._program.steps:
