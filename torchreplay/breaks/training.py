@@ -24,9 +24,8 @@ from torchreplay.breaks.program import Call, Program, Rebound, Ref, Segment, obs
 from torchreplay.core.args import CallArgs, infer_device
 from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import resolve_config, resolve_pool
-from torchreplay.core.modes import AUTOCAST, DISPATCH_MODE, HOOKS, TRAIN_MODE, Hooks, note_dispatch_mode
-from torchreplay.core.modes import refuse_inference_capture, warn_autocast, warn_hooks_changed
-from torchreplay.core.modes import warn_hooks_with_effects
+from torchreplay.core.modes import AUTOCAST, DISPATCH_MODE, HOOKS, TRAIN_MODE, EagerCalls, Hooks
+from torchreplay.core.modes import refuse_inference_capture, warn_hooks_with_effects
 from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import Pool
 from torchreplay.core.snapshot import StateSnapshot
@@ -69,13 +68,14 @@ class BreakTraining:
         # hooks of the modules between breaks and of the breaks themselves (none runs at a call;
         # the model's own run around this forward, those inside a break run with it)
         self._hooks = Hooks(model, own=False, backward=True, skip=inside(breaks))
+        # the reasons to run a call eagerly, and their warnings, as every graph's
+        self._eager = EagerCalls(type(model).__name__, model.training)
+        self._eager.hooks = self._hooks
         self._program = program
         self._original = original
         self._training = model.training
-        self._autocast = _compat.cuda_autocast()  # as the record ran: its dtype, None when off
         self.segments = runners
         self.stats = TrainingStats()
-        self._warned: set[str] = set()
         self._eager_by_reason: dict[str, int] = {}  # fallbacks by reason, for explain()
         by_index = {s.index: r for s, r in zip(program.segments, runners)}
         # per step: (True, the graphed segment, its inputs, its outputs) or (False, the break
@@ -100,7 +100,7 @@ class BreakTraining:
         hooks = self._hooks
         if hooks.at != _Handles.next_id and not hooks.look():  # added or removed since the build
             return self._fallback(args, kwargs, HOOKS)
-        autocast = self._autocast  # the recorded ops are autocast's casts and kernels
+        autocast = self._eager.autocast  # the recorded ops are autocast's casts and kernels
         if (autocast is not None or _any_autocast()) and _cuda_autocast() != autocast:
             return self._fallback(args, kwargs, AUTOCAST)
         placed = self._placed
@@ -179,24 +179,8 @@ class BreakTraining:
             env[v] = o
 
     def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any], why: str) -> Any:
-        self.stats.fallbacks += 1
         self._eager_by_reason[why] = self._eager_by_reason.get(why, 0) + 1
-        name = type(self._model).__name__
-        if why not in self._warned:
-            self._warned.add(why)
-            if why == HOOKS:
-                warn_hooks_changed(name, self._hooks)
-            elif why == DISPATCH_MODE:
-                note_dispatch_mode(name)
-            elif why == AUTOCAST:
-                warn_autocast(name, self._autocast)
-            else:
-                log.warning(
-                    "torchreplay: %s was graphed around its breaks in %s mode and is called in "
-                    "the other: running eagerly (counted in stats.fallbacks). Graph it again in "
-                    "this mode", name, "training" if self._training else "eval",
-                )
-        return self._original(*args, **kwargs)
+        return self._eager.run(self._original, args, kwargs, why, self.stats)
 
     def explain(self) -> str:
         """Each step in order: a segment with its ops and counters, or a break."""
