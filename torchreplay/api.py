@@ -384,10 +384,12 @@ _BREAKS_DOC = """        breaks: what runs eagerly, named as for :func:`torchrep
             are a segment, graphed forward and backward as one autograd node. At each call the
             segments replay and the breaks run eagerly between them, with eager autograd; none
             of the model's own Python runs. A branch on a tensor's truth value between breaks
-            is taken as recorded (a warning names it); a host read of a number, an op on a CPU
-            tensor, an ``autograd.Function`` between breaks, a change to Python state there,
-            and an object the model makes anew at each call and hands a break (HF's
-            ``DynamicCache``: pass ``use_cache=False``) are a :class:`~torchreplay.CaptureError`.
+            is taken as recorded (a warning names it). A ``torch.autograd.Function`` between
+            breaks is recorded as one call of it, run again with its own backward. A host read
+            of a number, an op on a CPU tensor, a Triton kernel launched outside a Function or
+            custom op, a change to Python state there, and an object the model makes anew at
+            each call and hands a break (HF's ``DynamicCache``: pass ``use_cache=False``) are a
+            :class:`~torchreplay.CaptureError`.
             ``tr.explain(model)`` lists the segments and breaks.
 """
 _AT = "        verify_tol: ``(rtol, atol)`` for ``verify`` (default: per dtype).\n"

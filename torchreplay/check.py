@@ -264,10 +264,10 @@ def _user_location(frame: FrameType | None) -> tuple[str, int] | None:
     return None
 
 
-def user_line() -> str:
-    """``file:line`` of the first frame of the caller's stack outside torch and torchreplay
-    (the user's code that got there), or ``""``."""
-    loc = _user_location(sys._getframe(1))
+def user_line(frame: FrameType | None = None) -> str:
+    """``file:line`` of the first frame of the caller's stack (or of ``frame``'s) outside torch
+    and torchreplay (the user's code that got there), or ``""``."""
+    loc = _user_location(frame or sys._getframe(1))
     return f"{loc[0]}:{loc[1]}" if loc is not None else ""
 
 

@@ -452,3 +452,43 @@ def test_a_hook_added_after_the_build_runs_eagerly_and_a_backward_hook_is_refuse
     assert runtime.stats.fallbacks == 2 and runtime.stats.replays == 4
     assert "hooks of 'Model' changed since capture (on LayerNorm)" in caplog.text
     assert all(seg.stats.replays == 4 and seg.stats.backward_replays == 4 for seg in runtime.segments)
+
+
+class TritonBlock(Block):
+    """The MLP's activation is a Triton kernel: through a ``torch.autograd.Function`` whose
+    backward is another Triton kernel (twice SiLU's derivative), or launched raw."""
+
+    def __init__(self, act) -> None:
+        super().__init__()
+        self.act = act
+
+    def forward(self, x, lengths):
+        x = x + self.attn(self.n1(x), lengths)
+        mlp = self.mlp
+        return x + mlp[2](self.act(mlp[0](self.n2(x))))
+
+
+def test_a_triton_kernel_in_an_autograd_function_trains_like_eager_and_a_raw_launch_is_refused():
+    pytest.importorskip("triton")
+    from triton_kernels import TritonSiLU, silu
+
+    torch.manual_seed(0)
+    model = Model(layers=2).to(DEV)
+    for i, blk in enumerate(model.blocks):
+        model.blocks[i] = TritonBlock(TritonSiLU.apply).to(DEV)
+        model.blocks[i].load_state_dict(blk.state_dict())
+    ref = copy.deepcopy(model)
+    g = torch.Generator(device=DEV).manual_seed(5)
+    tr.make_graphed_callables(model, _batch(g), breaks=[HostAttention])
+    assert "3 segment(s)" in tr.explain(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(STEPS):
+        _twin_step(model, ref, (opt, opt_ref), g, step)
+    # the first MLP weight gets its gradient through the Function's own backward kernel
+    assert all(b.mlp[0].weight.grad is not None and b.mlp[0].weight.grad.abs().sum() > 0 for b in model.blocks)
+
+    raw = Model(layers=1).to(DEV)
+    raw.blocks[0] = TritonBlock(silu).to(DEV)
+    with pytest.raises(tr.CaptureError, match=r"Triton kernel silu_forward was launched.*triton_kernels.py:\d+"):
+        tr.make_graphed_callables(raw, _batch(g), breaks=[HostAttention])

@@ -1,8 +1,10 @@
 """Autograd's private names: the order of its nodes, the version counters of saved tensors, and
-copies it must not record; and the version counters of inference tensors, which have none."""
+copies it must not record; the version counters of inference tensors, which have none; and the
+``torch.autograd.Function`` classes a run calls (and Triton's launches, which bypass torch)."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Sequence
 
 import torch
@@ -10,6 +12,7 @@ import torch
 __all__ = [
     "direct_apply", "foreach_copy_untracked", "saved_tensor_hooks", "set_sequence_nr", "sequence_nr",
     "restore_unversioned", "in_backward", "is_accumulate_grad", "is_view", "normal_tensors", "versions_of",
+    "function_forwards", "function_of_ctx", "is_custom_op_function", "triton_launches",
 ]
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
@@ -158,3 +161,54 @@ def is_view(t: torch.Tensor) -> bool:
     without it falls back to."""
     check = getattr(t, "_is_view", None)
     return check() if check is not None else getattr(t, "_base", None) is not None
+
+
+_BackwardCFunction = getattr(torch.autograd.function, "BackwardCFunction", None)
+
+
+def function_forwards() -> dict[Any, list[type]]:
+    """The code of every ``torch.autograd.Function`` subclass's own ``forward``, to the classes
+    that define it (several when one code is shared: a factory's classes), but activation
+    checkpointing's reentrant ``CheckpointFunction``, whose forward runs a whole stretch of the
+    model. A class defined later is not in it."""
+    skip = {getattr(getattr(torch.utils, "checkpoint", None), "CheckpointFunction", None)}
+    found: dict[Any, list[type]] = {}
+    todo = list(torch.autograd.Function.__subclasses__())
+    seen: set[type] = set()
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        todo.extend(cls.__subclasses__())
+        fwd = cls.__dict__.get("forward")
+        code = getattr(getattr(fwd, "__func__", fwd), "__code__", None)
+        if code is not None and cls not in skip:
+            found.setdefault(code, []).append(cls)
+    return found
+
+
+def function_of_ctx(ctx: Any) -> type | None:
+    """The ``torch.autograd.Function`` class whose ``forward`` was handed ``ctx`` (the node
+    ``apply`` made for the call: its class keeps the Function as ``_forward_cls``); None when
+    ``ctx`` is no such node (a Function with a ``setup_context`` gets no ctx)."""
+    if _BackwardCFunction is None or not isinstance(ctx, _BackwardCFunction):
+        return None
+    return getattr(ctx, "_forward_cls", None)
+
+
+def is_custom_op_function(cls: type) -> bool:
+    """Is this the Function ``torch.library``'s ``register_autograd`` made for a custom op? Its
+    forward calls the op again below autograd, so the op itself, called with autograd on, is
+    the same call."""
+    return cls.__module__.startswith("torch._library")
+
+
+def triton_launches() -> dict[Any, str]:
+    """The code of Triton's Python-side kernel launch (``JITFunction.run``), if Triton is
+    imported: a launch never reaches torch's dispatcher. Empty when it is not (nothing
+    imports it here)."""
+    jit = sys.modules.get("triton.runtime.jit")
+    run = getattr(getattr(jit, "JITFunction", None), "run", None)
+    code = getattr(run, "__code__", None)
+    return {code: "triton.runtime.jit.JITFunction.run"} if code is not None else {}

@@ -18,6 +18,9 @@ read. :mod:`.training` graphs each one with ``make_graphed_callables``' machiner
 backward, one autograd node). Running the ops again rather than the model's code is what makes a
 stretch callable on its own: its inputs and outputs are known tensor by tensor.
 
+A ``torch.autograd.Function`` called between breaks is recorded as one op, its ``apply``
+(:mod:`.functions`): its forward's ops, run with autograd off, would lose its backward.
+
 What is refused at record time, as a graph would freeze or fail on it: an op between breaks
 whose tensors are on another device than the model's (a CPU tensor other than a 0-dim scalar),
 ``.item()`` and other host reads of numbers, and a tensor made inside a break and read outside it
@@ -36,7 +39,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from torchreplay import _compat
+from torchreplay.breaks.functions import FunctionWatch, check_differentiable
 from torchreplay.breaks.plan import Break, check_reached, intercept, made_anew, objects, resolve_breaks
+from torchreplay.breaks.recorded import Call, Op, Program, Rebound, Ref, Segment
 from torchreplay.check import user_line
 from torchreplay.core.args import CallArgs
 from torchreplay.errors import CaptureError
@@ -45,115 +50,6 @@ __all__ = ["Ref", "Rebound", "Op", "Segment", "Call", "Program", "Seen", "observ
 
 _Tensor = torch.Tensor
 _Handles = _compat.hook_handles_made  # its next_id counts every hook handle torch made
-
-
-@dataclasses.dataclass(frozen=True)
-class Ref:
-    """A value of the recorded run, by its number."""
-
-    i: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Rebound:
-    """A caller's non-tensor argument leaf, taken from each call (a break's host lengths)."""
-
-    leaf: int
-
-
-@dataclasses.dataclass
-class Op:
-    """One aten op: its flat arguments (values as :class:`Ref`), their structure, the grad
-    mode it ran under, and the numbers of the tensors it returned (None for other leaves, and
-    for a constant it wrote in place and returned)."""
-
-    func: Any
-    flat: list[Any]
-    spec: Any
-    grad: bool
-    outs: list[int | None]
-    where: str = ""  # the user's line, kept for ops run with autograd off (for errors)
-    effect: bool = True  # writes a tensor or draws random numbers: kept even if nothing reads it
-    writes: tuple[int, ...] = ()  # the values it writes in place
-
-
-@dataclasses.dataclass
-class Segment:
-    """The ops between two breaks; ``inputs``: the values they read from outside, ``outputs``:
-    the values they make that later steps read."""
-
-    index: int
-    ops: list[Op] = dataclasses.field(default_factory=list)
-    inputs: list[int] = dataclasses.field(default_factory=list)
-    outputs: list[int] = dataclasses.field(default_factory=list)
-    name: str = ""
-    #: inputs it writes in place, made by an earlier step: written on a copy (a graph's input
-    #: is a leaf, which autograd does not let an in-place op change), which it then returns
-    copied: list[int] = dataclasses.field(default_factory=list)
-
-    def function(self) -> Callable[..., tuple[Any, ...]]:
-        """The segment as a function of its inputs: its ops run again, through autograd."""
-        ops, inputs, outputs, copied = self.ops, self.inputs, self.outputs, self.copied
-
-        def segment(*xs: Any) -> tuple[Any, ...]:
-            env = dict(zip(inputs, xs))
-            for v in copied:
-                env[v] = env[v].clone()
-            grad = torch.is_grad_enabled()
-            try:
-                for op in ops:
-                    flat = [env[x.i] if type(x) is Ref else x for x in op.flat]
-                    a, k = _compat.tree_unflatten(flat, op.spec)
-                    if op.grad != torch.is_grad_enabled():
-                        torch.set_grad_enabled(op.grad and grad)
-                    out = op.func(*a, **k)
-                    for vid, o in zip(op.outs, _compat.tree_flatten(out)[0]):
-                        if vid is not None:
-                            env[vid] = o
-            finally:
-                torch.set_grad_enabled(grad)
-            return tuple(env[i] for i in outputs)
-
-        segment.__qualname__ = self.name
-        return segment
-
-
-@dataclasses.dataclass
-class Call:
-    """One break call: what runs it, its argument leaves (:class:`Ref`, :class:`Rebound` or a
-    constant), and the values it returned, with their shape, dtype and device then."""
-
-    brk: Break
-    call: Callable[..., Any]
-    flat: list[Any]
-    spec: Any
-    outs: list[int | None]
-    out_spec: Any
-    meta: list[tuple[Any, ...]]  # (shape, dtype, device) of a tensor, ("value", v) of another leaf
-    where: str
-
-
-@dataclasses.dataclass
-class Program:
-    """The recorded run: its steps in order, how the caller's leaves map to values, which
-    non-tensor leaves must equal the sample's, and the model's output."""
-
-    steps: list[Segment | Call]
-    inputs: dict[int, int]  # caller leaf -> value
-    guarded: dict[int, Any]  # caller leaf -> the sample's non-tensor value
-    paths: list[str]
-    spec: Any
-    out_flat: list[Any]
-    out_spec: Any
-    n_values: int
-    samples: dict[int, Any]  # value -> the run's tensor (the segments' sample inputs)
-    branches: list[str] = dataclasses.field(default_factory=list)  # host bools read between breaks
-    #: saved-tensor hooks active between breaks (checkpointing, offloading): (pack hook, line)
-    saved_hooks: tuple[str, str] | None = None
-
-    @property
-    def segments(self) -> list[Segment]:
-        return [s for s in self.steps if isinstance(s, Segment)]
 
 
 class _Recorder(_compat.LightDispatchMode):
@@ -168,6 +64,7 @@ class _Recorder(_compat.LightDispatchMode):
         self.producer: list[int] = []  # value -> step index (-1: a caller's)
         self.steps: list[Segment | Call] = [Segment(0)]
         self.inside = 0  # breaks running now
+        self.running = 0  # ops running now (a custom op's Python, a mode's)
         self.made_in_break: set[int] = set()  # ids of tensors made inside breaks
         self.problem: str | None = None  # the first op a graph would freeze or fail on
         self.where = ""  # ... the user's line
@@ -185,7 +82,11 @@ class _Recorder(_compat.LightDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        self.running += 1  # (what the op runs in Python is below this op: not the model's)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.running -= 1
         if self.inside:
             for o in _compat.tree_flatten(out)[0]:
                 if isinstance(o, _Tensor):
@@ -198,26 +99,7 @@ class _Recorder(_compat.LightDispatchMode):
             self.branches.append(user_line())  # (taken as it went now: the op is not kept)
             return out
         flat, spec = _compat.tree_flatten((args, kwargs))
-        refs: list[Any] = []
-        for x in flat:
-            if isinstance(x, _Tensor):
-                i = self.ids.get(id(x))
-                if i is None and id(x) in self.made_in_break:
-                    self.fail(
-                        f"{func} reads a tensor a break made and did not return (it keeps it, or "
-                        "sets it on a module): the next call's break makes another, which a "
-                        "segment would not see; return it from the break"
-                    )
-                self._check_device(func, x)
-                if i is not None and self.producer[i] < 0 and x.device.type != self.device.type:
-                    self.fail(
-                        f"{func} reads the caller's {x.device.type} tensor of shape "
-                        f"{tuple(x.shape)}: a graph would take its value at capture and keep it; "
-                        "pass it to a break only (it is then taken from each call), or on the GPU"
-                    )
-                refs.append(Ref(i) if i is not None else x)
-            else:
-                refs.append(x)
+        refs = self.refs(func, flat)
         if func in _HOST_READS:
             self.fail(f"{func} reads a value on the host (a sync), which a graph cannot")
         segment = self.steps[-1]
@@ -249,6 +131,31 @@ class _Recorder(_compat.LightDispatchMode):
         if self.problem is not None and not self.where:
             self.where = user_line()
         return out
+
+    def refs(self, func: Any, flat: list[Any]) -> list[Any]:
+        """An op's flat arguments, its tensors as the values they are (:class:`Ref`; a tensor
+        made before the run is a constant); noting what it must not read."""
+        refs: list[Any] = []
+        for x in flat:
+            if isinstance(x, _Tensor):
+                i = self.ids.get(id(x))
+                if i is None and id(x) in self.made_in_break:
+                    self.fail(
+                        f"{func} reads a tensor a break made and did not return (it keeps it, or "
+                        "sets it on a module): the next call's break makes another, which a "
+                        "segment would not see; return it from the break"
+                    )
+                self._check_device(func, x)
+                if i is not None and self.producer[i] < 0 and x.device.type != self.device.type:
+                    self.fail(
+                        f"{func} reads the caller's {x.device.type} tensor of shape "
+                        f"{tuple(x.shape)}: a graph would take its value at capture and keep it; "
+                        "pass it to a break only (it is then taken from each call), or on the GPU"
+                    )
+                refs.append(Ref(i) if i is not None else x)
+            else:
+                refs.append(x)
+        return refs
 
     def fail(self, problem: str, fix: str = "") -> None:
         """Note the first thing a program cannot do as the model does (an op between breaks
@@ -318,42 +225,6 @@ def _check_copies_alias_nothing(program: Program, rec: _Recorder) -> None:
                 "a copy, and the write would not show through the other. Write it out of place "
                 "(h = h + x), or before the break"
             )
-
-
-def _check_differentiable(rec: _Recorder) -> None:
-    """A value made with autograd off that requires grad after the run got its history from
-    something the program does not run again: a ``torch.autograd.Function`` (its forward runs
-    with autograd off; the program would replay its ops without its backward) or a
-    ``requires_grad_()`` on a tensor made inside the model."""
-    for step in rec.steps:
-        if not isinstance(step, Segment):
-            continue
-        for op in step.ops:
-            if op.grad:
-                continue
-            for v in op.outs:
-                t = rec.keep[v] if v is not None else None
-                # (a view of a parameter made under no_grad requires grad with no history, and
-                # eager's autograd ends at it as the program's does)
-                if t is None or not t.requires_grad or t.grad_fn is None and t._is_view():
-                    continue
-                node = type(t.grad_fn).__name__.removesuffix("Backward") if t.grad_fn is not None else ""
-                what = f"torch.autograd.Function {node}" if node else (
-                    "requires_grad_() on a tensor made inside the model")
-                rec.fail(
-                    f"{op.func} ran with autograd off but its result requires grad: a {what}, "
-                    "whose backward a segment would not run",
-                    _CHECKPOINT_FIX if node.startswith("CheckpointFunction") else "",
-                )
-                rec.where = op.where
-                return
-
-
-_CHECKPOINT_FIX = (
-    "This is activation checkpointing with use_reentrant=True. Pass use_reentrant=False (HF: "
-    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})) "
-    "or turn it off: a graphed segment keeps the activations its backward needs either way"
-)
 
 
 def _caller_leaves(leaves: Sequence[Any]) -> dict[Any, int]:
@@ -473,7 +344,7 @@ def record(
         return out
 
     reached: set[Break] = set()
-    with rec, intercept(model, resolved, on_break, reached):
+    with rec, FunctionWatch(rec), intercept(model, resolved, on_break, reached):
         out = model(*call.args, **call.kwargs)
         if _Handles.next_id != rec.handles:  # (after the last op)
             rec.hooked()
@@ -486,7 +357,7 @@ def record(
             rec.fail(*_made_anew_problem(anew, "the model returns"))
             rec.where = "its output"
     if rec.problem is None:
-        _check_differentiable(rec)
+        check_differentiable(rec)
     if rec.problem is not None:
         raise CaptureError(f"training with breaks: {rec.problem} (at {rec.where or '?'}). {rec.fix}")
     out_flat = [Ref(rec.ids[id(o)]) if isinstance(o, _Tensor) and id(o) in rec.ids else o for o in out_leaves]

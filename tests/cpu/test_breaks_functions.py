@@ -1,0 +1,180 @@
+"""Training with breaks around ``torch.autograd.Function``s called between the breaks
+(``torchreplay/breaks/functions.py``), on the CPU: each call is recorded as one call of the
+Function, so a segment runs its own forward and backward again. The Functions here have a
+backward that is not their forward's ops' derivative, so a program that replayed the forward's
+ops would give other gradients than the model's; a custom op's ``register_autograd``; what is
+refused, naming the line."""
+
+from __future__ import annotations
+
+import copy
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+from torchreplay.breaks.program import record
+from torchreplay.errors import CaptureError
+
+from test_breaks_training import CPU, Attention, Straight, _eager_program, _sample
+
+
+class ScaledGrad(torch.autograd.Function):
+    """``x * k`` forward, a gradient scaled by ``3 * k`` backward; with a ``setup_context``
+    (its forward gets no ctx); returns two tensors, the second not differentiable, and calls
+    another Function inside (only the outer call is recorded)."""
+
+    @staticmethod
+    def forward(x, k):
+        return Straight.apply(x * k), (x > 0).to(x.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.k = inputs[1]
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        return grad * 3 * ctx.k, None
+
+
+class Noisy(torch.autograd.Function):
+    """Dropout-like: draws random numbers in its forward, saves the mask for its backward,
+    which doubles the gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        mask = (torch.rand_like(x) > 0.3).to(x.dtype)
+        ctx.save_for_backward(mask)
+        return x * mask
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        return 2 * grad * mask
+
+
+@torch.library.custom_op("trbreaksfn::ste", mutates_args=())
+def ste(x: torch.Tensor) -> torch.Tensor:
+    return x.round()
+
+
+@ste.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+ste.register_autograd(lambda ctx, grad: grad * 5)
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.lin = nn.Linear(8, 8)
+        self.attn = Attention()
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, ids, lengths):
+        h = self.lin(self.embed(ids))
+        h, positive = ScaledGrad.apply(h, 0.5)
+        h = Noisy.apply(torch.ops.trbreaksfn.ste(h) + h)
+        h = self.attn(h, lengths) * positive
+        with torch.no_grad():
+            g = Straight.apply(h)  # (under no_grad: no gradient through it, as eagerly)
+        return self.out(Straight.apply(h) + h + g)
+
+
+def test_functions_between_breaks_train_like_the_model_with_their_own_backward():
+    torch.manual_seed(0)
+    model = Model()
+    ref = copy.deepcopy(model)
+    program, run = _eager_program(model, [Attention], *_sample())
+    ops = [op.func for s in program.segments for op in s.ops]
+    applied = [getattr(f, "__self__", None) for f in ops]
+    assert applied.count(ScaledGrad) == 1 and applied.count(Noisy) == 1 and applied.count(Straight) == 2
+    assert torch.ops.trbreaksfn.ste.default in ops  # the custom op itself, not its Function
+    for step in range(4):
+        ids, lengths = _sample(step + 1)
+        torch.manual_seed(100 + step)
+        out = run(ids, lengths)
+        torch.manual_seed(100 + step)
+        want = ref(ids, lengths)
+        torch.testing.assert_close(out, want)
+        out.square().mean().backward()
+        want.square().mean().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                assert q.grad.abs().sum() > 0, name
+                torch.testing.assert_close(p.grad, q.grad, msg=name)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+
+
+def _model(forward):
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = Attention()
+            self.lin = nn.Linear(8, 8)
+
+    M.forward = forward
+    return M()
+
+
+def _args():
+    return (torch.randn(2, 4, 8), torch.tensor([3, 2])), {}
+
+
+def test_a_function_that_returns_its_argument_as_it_is_is_refused_naming_it():
+    class Same(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    model = _model(lambda self, h, lengths: Same.apply(self.lin(self.attn(h, lengths))))
+    with pytest.raises(CaptureError, match=r"Function .*Same returns one of its arguments.*test_breaks_functions.py:\d+"):
+        record(model, *_args(), [Attention], CPU)
+
+
+def test_a_function_defined_while_the_model_runs_is_refused_as_before():
+    def forward(self, h, lengths):
+        class Late(torch.autograd.Function):
+            forward = staticmethod(lambda ctx, x: x.round())
+            backward = staticmethod(lambda ctx, grad: grad)
+
+        return Late.apply(self.lin(self.attn(h, lengths)))
+
+    with pytest.raises(CaptureError, match=r"autograd off but its result requires grad: a torch.autograd.Function Late"):
+        record(_model(forward), *_args(), [Attention], CPU)
+
+
+def test_a_triton_launch_between_breaks_is_refused_and_inside_a_break_runs(monkeypatch):
+    """Triton's launch is seen by its Python code (here a stand-in module under Triton's name:
+    a real kernel is in the GPU tests)."""
+    class JITFunction:
+        __name__ = "double_kernel"
+
+        def run(self, x, out):
+            out.copy_(x * 2)
+
+    monkeypatch.setitem(sys.modules, "triton.runtime.jit", types.SimpleNamespace(JITFunction=JITFunction))
+    kernel = JITFunction()
+
+    def launch(x):
+        out = torch.empty_like(x)
+        kernel.run(x, out)
+        return out
+
+    model = _model(lambda self, h, lengths: self.lin(launch(self.attn(h, lengths))))
+    with pytest.raises(CaptureError, match=r"Triton kernel double_kernel was launched.*test_breaks_functions.py:\d+.*triton_op"):
+        record(model, *_args(), [Attention], CPU)
+    program = record(model, *_args(), [Attention, launch], CPU)  # inside a break: its business
+    assert [type(s).__name__ for s in program.steps] == ["Call", "Call", "Segment"]
