@@ -151,7 +151,7 @@ class FunctionWatch:
         kernel = frame.f_locals.get("self")
         name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "?")
         caller: FrameType | None = frame
-        while caller is not None and str(caller.f_globals.get("__name__", "")).startswith("triton"):
+        while caller is not None and str(caller.f_globals.get("__name__", "")).split(".")[0] == "triton":
             caller = caller.f_back  # (Triton's own launch code)
         self._fail(
             f"the Triton kernel {name} was launched: the recorder sees no op of it and would "
