@@ -6,12 +6,15 @@ with breaks".
 - HF Llama (random weights, 4 layers, hidden 512, fp32, batch 4 x 64 tokens), broken at its
   attention module, or only at SDPA's kernel op; its attention can be captured, so the whole
   model graphed is the bound.
+- The same Llama with Liger's Triton RMSNorm and SwiGLU (``torch.autograd.Function``s between
+  the breaks), when ``liger_kernel`` is installed.
 - The GPU test's toy model (6 blocks, hidden 256, batch 4 x 32) whose attention reads host-side
   lengths (``tolist``) that change every step: it cannot be graphed whole.
 
 Usage: ``PYTHONPATH=. python benchmarks/breaks_training.py``
 """
 import copy
+import importlib.util
 import sys
 
 sys.path.insert(0, ".")
@@ -70,15 +73,35 @@ def llama():
     return transformers.LlamaForCausalLM(cfg).cuda().train()
 
 
-ids = torch.randint(0, 1024, (4, 64), device="cuda")
-rows = {
-    "HF Llama 4x512, b4 x 64": steps(
-        llama, (ids,), lambda: ((ids,), ids), {
-            "breaks=[LlamaAttention]": [modeling_llama.LlamaAttention],
-            "breaks=[SDPA kernel op]": ["aten._scaled_dot_product_efficient_attention"],
-        }, whole=True
-    ),
+def liger_llama():
+    """The same Llama with Liger's Triton RMSNorm and SwiGLU (``torch.autograd.Function``s) in
+    every layer, put in by hand (no patching of transformers)."""
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+
+    model = llama()
+    cfg = model.config
+    for layer in model.model.layers:
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            setattr(layer, name, LigerRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps).cuda())
+        mlp = LigerSwiGLUMLP(cfg).cuda()
+        mlp.load_state_dict(layer.mlp.state_dict())
+        layer.mlp = mlp
+    return model
+
+
+LLAMA_BREAKS = {
+    "breaks=[LlamaAttention]": [modeling_llama.LlamaAttention],
+    "breaks=[SDPA kernel op]": ["aten._scaled_dot_product_efficient_attention"],
 }
+ids = torch.randint(0, 1024, (4, 64), device="cuda")
+rows = {"HF Llama 4x512, b4 x 64": steps(llama, (ids,), lambda: ((ids,), ids), LLAMA_BREAKS, whole=True)}
+if importlib.util.find_spec("liger_kernel") is None:  # (a wheel carried to the GPU machine)
+    print("liger_kernel is not installed: no Liger row")
+else:
+    rows["HF Llama 4x512 + Liger RMSNorm, SwiGLU, b4 x 64"] = steps(
+        liger_llama, (ids,), lambda: ((ids,), ids), LLAMA_BREAKS, whole=True
+    )
 toy.H, toy.T, toy.B = 256, 32, 4
 g = torch.Generator(device="cuda").manual_seed(0)
 sample = toy._batch(g)

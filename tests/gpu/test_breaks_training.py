@@ -492,3 +492,53 @@ def test_a_triton_kernel_in_an_autograd_function_trains_like_eager_and_a_raw_lau
     raw.blocks[0] = TritonBlock(silu).to(DEV)
     with pytest.raises(tr.CaptureError, match=r"Triton kernel silu_forward was launched.*triton_kernels.py:\d+"):
         tr.make_graphed_callables(raw, _batch(g), breaks=[HostAttention])
+
+
+def test_hf_llama_with_liger_kernels_between_its_attention_breaks_trains_like_eager():
+    """Liger's Triton RMSNorm and SwiGLU (``torch.autograd.Function``s, the norm's backward in
+    place on its incoming gradient) in every decoder layer, put in by hand (Liger's own
+    ``apply_liger_kernel_to_llama`` patches transformers for the whole process); the attention
+    is the break. Needs the ``liger_kernel`` package (carried to the GPU machine as a wheel)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("liger_kernel")
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+    from transformers.models.llama import modeling_llama
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    for layer in model.model.layers:
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            norm = LigerRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+            norm.weight.data.uniform_(0.5, 1.5)
+            setattr(layer, name, norm)
+        mlp = LigerSwiGLUMLP(cfg)
+        mlp.load_state_dict(layer.mlp.state_dict())
+        layer.mlp = mlp
+    model = model.to(DEV).train()
+    ref = copy.deepcopy(model)
+    g = torch.Generator(device=DEV).manual_seed(4)
+    ids = torch.randint(0, 128, (2, 16), device=DEV, generator=g)
+    tr.make_graphed_callables(model, (ids,), sample_kwargs={"labels": ids}, breaks=[modeling_llama.LlamaAttention])
+    assert "3 segment(s)" in tr.explain(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for step in range(6):
+        ids = torch.randint(0, 128, (2, 16), device=DEV, generator=g)
+        losses = []
+        for m, o in ((model, opt), (ref, opt_ref)):
+            o.zero_grad(set_to_none=True)
+            loss = m(ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss)
+        torch.testing.assert_close(losses[0], losses[1], **TOL)
+        _assert_same(model, ref, f"step {step}")
+        opt.step()
+        opt_ref.step()
+    assert all(s.stats.fallbacks == 0 and s.stats.replays == 6 for s in model.forward.segments)
+    norms = [layer.input_layernorm.weight.grad for layer in model.model.layers]
+    assert all(n is not None and n.abs().sum() > 0 for n in norms)
