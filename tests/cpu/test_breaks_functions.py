@@ -18,7 +18,7 @@ import torch.nn as nn
 from torchreplay.breaks.program import record
 from torchreplay.errors import CaptureError
 
-from test_breaks_training import CPU, Attention, Straight, _eager_program, _sample
+from test_breaks_training import CPU, Attention, Straight, _eager_program, _sample, same_grads
 
 
 class ScaledGrad(torch.autograd.Function):
@@ -105,13 +105,7 @@ def test_functions_between_breaks_train_like_the_model_with_their_own_backward()
         torch.testing.assert_close(out, want)
         out.square().mean().backward()
         want.square().mean().backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert (p.grad is None) == (q.grad is None), name
-            if p.grad is not None:
-                assert q.grad.abs().sum() > 0, name
-                torch.testing.assert_close(p.grad, q.grad, msg=name)
-        model.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
+        same_grads(model, ref, nonzero=True)
 
 
 def _model(forward):

@@ -104,6 +104,18 @@ def _eager_program(model, breaks, *sample):
     return program, BreakTraining(model, program, [s.function() for s in program.segments], model.forward, CPU, reads)
 
 
+def same_grads(model, ref, nonzero: bool = False) -> None:
+    """Every parameter's gradient of ``model`` equals ``ref``'s (and is not all zero, with
+    ``nonzero``); then both are zeroed."""
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert not nonzero or q.grad.abs().sum() > 0, name
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize("how", ["class", "instances", "function", "op"])
 def test_the_program_runs_like_the_model_over_fresh_inputs_outputs_and_gradients(how):
     torch.manual_seed(0)
@@ -130,12 +142,7 @@ def test_the_program_runs_like_the_model_over_fresh_inputs_outputs_and_gradients
         torch.testing.assert_close(out, want)
         out.square().mean().backward()
         want.square().mean().backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert (p.grad is None) == (q.grad is None), name
-            if p.grad is not None:
-                torch.testing.assert_close(p.grad, q.grad, msg=name)
-        model.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
+        same_grads(model, ref)
     for name, b in model.bn.named_buffers():  # BatchNorm statistics moved at every call, as eager
         torch.testing.assert_close(b, dict(ref.bn.named_buffers())[name])
 
@@ -475,12 +482,7 @@ def _program_trains_like(model, breaks, batch, steps=3):
         torch.testing.assert_close(loss, want)
         loss.backward()
         want.backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert (p.grad is None) == (q.grad is None), name
-            if p.grad is not None:
-                torch.testing.assert_close(p.grad, q.grad, msg=name)
-        model.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
+        same_grads(model, ref)
     return program
 
 
@@ -582,10 +584,7 @@ def test_a_resnet_style_net_with_batchnorm_and_in_place_adds_trains_like_the_mod
         torch.testing.assert_close(out, want)
         out.square().mean().backward()
         want.square().mean().backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, msg=name)
-        model.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
+        same_grads(model, ref)
     for (name, b), c in zip(model.named_buffers(), ref.buffers()):  # statistics, step counts
         torch.testing.assert_close(b, c, msg=name)
 
