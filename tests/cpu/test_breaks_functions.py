@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from torchreplay.breaks.functions import function_calls
 from torchreplay.breaks.program import record
 from torchreplay.errors import CaptureError
 
@@ -96,6 +97,8 @@ def test_functions_between_breaks_train_like_the_model_with_their_own_backward()
     applied = [getattr(f, "__self__", None) for f in ops]
     assert applied.count(ScaledGrad) == 1 and applied.count(Noisy) == 1 and applied.count(Straight) == 2
     assert torch.ops.trbreaksfn.ste.default in ops  # the custom op itself, not its Function
+    listed = [function_calls(s.ops) for s in program.segments]  # (what explain() says)
+    assert listed == ["; Functions: ScaledGrad, Noisy", "; Functions: Straight x2"], listed
     for step in range(4):
         ids, lengths = _sample(step + 1)
         torch.manual_seed(100 + step)

@@ -480,7 +480,8 @@ def test_a_triton_kernel_in_an_autograd_function_trains_like_eager_and_a_raw_lau
     ref = copy.deepcopy(model)
     g = torch.Generator(device=DEV).manual_seed(5)
     tr.make_graphed_callables(model, _batch(g), breaks=[HostAttention])
-    assert "3 segment(s)" in tr.explain(model)
+    report = tr.explain(model)
+    assert "3 segment(s)" in report and report.count("Functions: TritonSiLU") == 2, report
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
     for step in range(STEPS):
@@ -524,7 +525,8 @@ def test_hf_llama_with_liger_kernels_between_its_attention_breaks_trains_like_ea
     g = torch.Generator(device=DEV).manual_seed(4)
     ids = torch.randint(0, 128, (2, 16), device=DEV, generator=g)
     tr.make_graphed_callables(model, (ids,), sample_kwargs={"labels": ids}, breaks=[modeling_llama.LlamaAttention])
-    assert "3 segment(s)" in tr.explain(model)
+    report = tr.explain(model)
+    assert "3 segment(s)" in report and "Functions: LigerRMSNormFunction x2, LigerSiLUMulFunction" in report, report
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     for step in range(6):

@@ -35,7 +35,7 @@ from torchreplay import _compat
 from torchreplay.breaks.recorded import Op, Segment
 from torchreplay.check import user_line
 
-__all__ = ["FunctionWatch", "check_differentiable"]
+__all__ = ["FunctionWatch", "check_differentiable", "function_calls"]
 
 _CO_VARARGS = 0x04
 _BREAK_IT = "Name the module or function around it in breaks=, or use breaks='auto'"
@@ -166,6 +166,18 @@ class FunctionWatch:
         if rec.problem is None:
             rec.fail(f"between two breaks, {problem}", fix or _BREAK_IT)
             rec.where = where or user_line()
+
+
+def function_calls(ops: list[Op]) -> str:
+    """The Function calls among a segment's ops, for ``explain()``: ``"; Functions: A x2, B"``,
+    or ``""``."""
+    counts: dict[str, int] = {}
+    for op in ops:
+        owner = getattr(op.func, "__self__", None)
+        if isinstance(owner, type) and issubclass(owner, torch.autograd.Function):
+            counts[owner.__name__] = counts.get(owner.__name__, 0) + 1
+    listed = ", ".join(name if n == 1 else f"{name} x{n}" for name, n in counts.items())
+    return f"; Functions: {listed}" if listed else ""
 
 
 def check_differentiable(rec: Any) -> None:

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from torchreplay import _compat
 from torchreplay.breaks.auto import find_on_copies
+from torchreplay.breaks.functions import function_calls
 from torchreplay.breaks.plan import resolve_breaks
 from torchreplay.breaks.program import Call, Program, Rebound, Ref, Segment, observe, record
 from torchreplay.core.args import CallArgs, infer_device
@@ -195,8 +196,8 @@ class BreakTraining:
             if isinstance(step, Segment):
                 seg, r = by_index[step.index]
                 lines.append(
-                    f"  {seg.name}: {len(seg.ops)} ops, {len(seg.inputs)} in, {len(seg.outputs)} out; "
-                    f"{r.stats.explain()}"
+                    f"  {seg.name}: {len(seg.ops)} ops{function_calls(seg.ops)}, {len(seg.inputs)} in, "
+                    f"{len(seg.outputs)} out; {r.stats.explain()}"
                 )
             else:
                 lines.append(f"  break {step.brk.name} at {step.where}: eager")
