@@ -942,7 +942,7 @@ class _FakeGraph:
 
 
 def _emulated_step_capture(fn, args, kwargs, *, device, stream, pool, config, grad, warmup, snapshot,
-                           watch=(), effects=None):
+                           watch=(), effects=None, free_warmup=False):
     """capture() for graph_step, emulated: warm-up runs for real; the "graph" re-runs the step
     eagerly on the static inputs with the learning-rate tensors installed (what the captured
     step reads) and writes its outputs into the captured output tensors. The Python state the

@@ -246,6 +246,7 @@ def capture(
     diagnose_fn: Callable[..., Any] | None = None,
     collectives: bool = True,
     effects: PyState | None = None,
+    free_warmup: bool = False,
 ) -> Captured:
     """Warm ``fn`` up on ``stream`` and capture one call of it into a new graph in ``pool``.
 
@@ -278,6 +279,12 @@ def capture(
             (core/effects.py): a change a replay cannot repeat raises, after it was put back.
         diagnose_fn: what the check runs to name the op that broke a failed capture (default
             ``fn``; a breakable graph passes ``fn`` with its breaks unseen).
+        free_warmup: after the warm-up, give torch's cached free memory back to the device
+            (``torch.cuda.empty_cache()``), so that the pool can take what the warm-up's
+            activations held: a pool cannot take memory from torch's cache. Torch's own
+            ``torch.cuda.graph`` does this before every capture; training's builds (a few
+            large captures, forward and backward) ask for it, a ``sizes=`` build (hundreds of
+            small ones) does not.
         collectives: record the ``torch.distributed`` collectives of the captured call
             (``Captured.collectives``; only when a process group exists: a dispatch mode sees
             every op of the capture, so callers that do not use them pass False).
@@ -312,6 +319,8 @@ def capture(
                 from_the_start(snapshot, python)  # (a breakable capture runs its calls for real)
             if sync:
                 stream.synchronize()  # surface asynchronous warm-up errors before capture begins
+            if free_warmup:
+                torch.cuda.empty_cache()
 
         segments = Segments(pool, config.capture_error_mode)
         watcher = WriteWatch(watch) if watch else contextlib.nullcontext()

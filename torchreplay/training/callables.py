@@ -68,6 +68,7 @@ def _capture_pairs(
                 snapshot=r._keeper,  # type: ignore[arg-type]
                 watch=[s.static for s in r._inputs.tensor_slots],
                 effects=python[-1],  # the Python state its forward changes: core/effects.py
+                free_warmup=True,  # (the record's and warm-up's memory, for the pool)
             )
         )
     pairs: list[Pair | None] = [None] * len(runners)

@@ -187,6 +187,7 @@ class GraphedStep:
                     snapshot=keeper,  # type: ignore[arg-type]
                     watch=[s.static for s in self._inputs.tensor_slots],
                     effects=python,  # the Python state it changes: core/effects.py
+                    free_warmup=True,  # (the warm-up step's activations, for the pool)
                 )
         except CaptureError as exc:
             self._uninstall()
