@@ -175,3 +175,39 @@ def test_a_triton_launch_between_breaks_is_refused_and_inside_a_break_runs(monke
         record(model, *_args(), [Attention], CPU)
     program = record(model, *_args(), [Attention, launch], CPU)  # inside a break: its business
     assert [type(s).__name__ for s in program.steps] == ["Call", "Call", "Segment"]
+
+
+class Scaled(torch.autograd.Function):
+    """With a ``setup_context``: ``x * 2`` forward, the gradient doubled."""
+
+    @staticmethod
+    def forward(x):
+        return x * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class Tripled(Scaled):
+    """The same forward (inherited), another backward: which class ran is told by its apply."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 3
+
+
+def test_a_subclass_that_inherits_its_forward_is_recorded_as_itself():
+    torch.manual_seed(0)
+    model = _model(lambda self, h, lengths: Tripled.apply(self.lin(self.attn(h, lengths))).sum())
+    ref = copy.deepcopy(model)
+    program, run = _eager_program(model, [Attention], *_args()[0])
+    assert [getattr(op.func, "__self__", None) for op in program.segments[0].ops].count(Tripled) == 1
+    h, lengths = torch.randn(2, 4, 8), torch.tensor([1, 4])
+    run(h, lengths).backward()
+    ref(h, lengths).backward()
+    same_grads(model, ref, nonzero=True)

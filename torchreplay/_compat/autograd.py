@@ -12,7 +12,7 @@ import torch
 __all__ = [
     "direct_apply", "foreach_copy_untracked", "saved_tensor_hooks", "set_sequence_nr", "sequence_nr",
     "restore_unversioned", "in_backward", "is_accumulate_grad", "is_view", "normal_tensors", "versions_of",
-    "function_forwards", "function_of_ctx", "is_custom_op_function", "triton_launches",
+    "function_forwards", "function_of_call", "function_of_ctx", "is_custom_op_function", "triton_launches",
 ]
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
@@ -166,9 +166,13 @@ def is_view(t: torch.Tensor) -> bool:
 _BackwardCFunction = getattr(torch.autograd.function, "BackwardCFunction", None)
 
 
+_FUNCTION_FILE = torch.autograd.function.__file__  # (the base classes' forward raises)
+
+
 def function_forwards() -> dict[Any, list[type]]:
-    """The code of every ``torch.autograd.Function`` subclass's own ``forward``, to the classes
-    that define it (several when one code is shared: a factory's classes), but activation
+    """The code of every ``torch.autograd.Function`` subclass's ``forward``, to the classes
+    that run it (several when one code is shared: a subclass that inherits it, a factory's
+    classes), but activation
     checkpointing's reentrant ``CheckpointFunction``, whose forward runs a whole stretch of the
     model. A class defined later is not in it."""
     skip = {getattr(getattr(torch.utils, "checkpoint", None), "CheckpointFunction", None)}
@@ -181,11 +185,25 @@ def function_forwards() -> dict[Any, list[type]]:
             continue
         seen.add(cls)
         todo.extend(cls.__subclasses__())
-        fwd = cls.__dict__.get("forward")
-        code = getattr(getattr(fwd, "__func__", fwd), "__code__", None)
-        if code is not None and cls not in skip:
+        fwd = getattr(cls, "forward", None)  # (its own, or the one it inherits)
+        code = getattr(fwd, "__code__", None)
+        if code is not None and cls not in skip and code.co_filename != _FUNCTION_FILE:
             found.setdefault(code, []).append(cls)
     return found
+
+
+_APPLY = getattr(getattr(torch.autograd.Function, "apply", None), "__func__", None)
+_APPLY_CODE = getattr(_APPLY, "__code__", None)
+
+
+def function_of_call(frame: Any) -> type | None:
+    """The ``torch.autograd.Function`` class whose ``forward`` runs in ``frame``, read from the
+    ``Function.apply`` frame that called it (its ``cls``); None when another frame called it."""
+    caller = frame.f_back
+    if caller is None or _APPLY_CODE is None or caller.f_code is not _APPLY_CODE:
+        return None
+    cls = caller.f_locals.get("cls")
+    return cls if isinstance(cls, type) else None
 
 
 def function_of_ctx(ctx: Any) -> type | None:

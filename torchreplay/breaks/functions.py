@@ -99,6 +99,8 @@ class FunctionWatch:
         if cls is not None:
             args = args[1:]  # (the ctx apply made)
         else:  # a Function with a setup_context: its forward gets no ctx
+            cls = _compat.function_of_call(frame)
+        if cls is None:
             classes = self.codes[code]
             if len(classes) != 1:
                 names_ = ", ".join(c.__qualname__ for c in classes)
