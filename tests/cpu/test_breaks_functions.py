@@ -211,3 +211,34 @@ def test_a_subclass_that_inherits_its_forward_is_recorded_as_itself():
     run(h, lengths).backward()
     ref(h, lengths).backward()
     same_grads(model, ref, nonzero=True)
+
+
+def test_a_forward_called_as_a_plain_function_is_plain_ops_and_one_that_raises_is_refused():
+    torch.manual_seed(0)
+    model = _model(lambda self, h, lengths: Scaled.forward(self.lin(self.attn(h, lengths))).sum())
+    ref = copy.deepcopy(model)
+    program, run = _eager_program(model, [Attention], *_args()[0])
+    assert not any(getattr(op.func, "__self__", None) for op in program.segments[0].ops)
+    h, lengths = torch.randn(2, 4, 8), torch.tensor([1, 4])
+    run(h, lengths).backward()
+    ref(h, lengths).backward()
+    same_grads(model, ref, nonzero=True)
+
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            raise ValueError("no")
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    def forward(self, h, lengths):
+        h = self.lin(self.attn(h, lengths))
+        try:
+            return Fails.apply(h)
+        except ValueError:
+            return h * 2
+
+    with pytest.raises(CaptureError, match=r"Function .*Fails's forward raised"):
+        record(_model(forward), *_args(), [Attention], CPU)

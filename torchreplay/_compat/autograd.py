@@ -169,14 +169,13 @@ _BackwardCFunction = getattr(torch.autograd.function, "BackwardCFunction", None)
 _FUNCTION_FILE = torch.autograd.function.__file__  # (the base classes' forward raises)
 
 
-def function_forwards() -> dict[Any, list[type]]:
-    """The code of every ``torch.autograd.Function`` subclass's ``forward``, to the classes
-    that run it (several when one code is shared: a subclass that inherits it, a factory's
-    classes), but activation
-    checkpointing's reentrant ``CheckpointFunction``, whose forward runs a whole stretch of the
-    model. A class defined later is not in it."""
+def function_forwards() -> set[Any]:
+    """The code of every ``torch.autograd.Function`` subclass's ``forward`` (its own, or the
+    one it inherits), but activation checkpointing's reentrant ``CheckpointFunction``, whose
+    forward runs a whole stretch of the model. A class defined later is not in it; which class
+    a run of a shared code is for, :func:`function_of_ctx` or :func:`function_of_call` tell."""
     skip = {getattr(getattr(torch.utils, "checkpoint", None), "CheckpointFunction", None)}
-    found: dict[Any, list[type]] = {}
+    found: set[Any] = set()
     todo = list(torch.autograd.Function.__subclasses__())
     seen: set[type] = set()
     while todo:
@@ -188,7 +187,7 @@ def function_forwards() -> dict[Any, list[type]]:
         fwd = getattr(cls, "forward", None)  # (its own, or the one it inherits)
         code = getattr(fwd, "__code__", None)
         if code is not None and cls not in skip and code.co_filename != _FUNCTION_FILE:
-            found.setdefault(code, []).append(cls)
+            found.add(code)
     return found
 
 

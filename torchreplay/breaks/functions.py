@@ -100,13 +100,8 @@ class FunctionWatch:
             args = args[1:]  # (the ctx apply made)
         else:  # a Function with a setup_context: its forward gets no ctx
             cls = _compat.function_of_call(frame)
-        if cls is None:
-            classes = self.codes[code]
-            if len(classes) != 1:
-                names_ = ", ".join(c.__qualname__ for c in classes)
-                self._fail(f"a torch.autograd.Function's forward shared by {names_} ran, and which one is unknown")
-                return
-            cls = classes[0]
+        if cls is None:  # a forward called as a plain function: its ops are plain ops
+            return
         segment = self.rec.steps[-1]
         self.frame = frame
         self.call = (cls, args, segment, len(segment.ops), len(self.rec.keep), user_line())
@@ -116,6 +111,9 @@ class FunctionWatch:
         self.frame, self.call = None, ()
         rec = self.rec
         name = f"torch.autograd.Function {cls.__qualname__}"
+        if result is None:  # (a forward returns its outputs: None is an exception unwinding)
+            self._fail(f"{name}'s forward raised", where)
+            return
         if _compat.is_custom_op_function(cls):  # the custom op itself (see the module)
             if rec.steps[-1] is segment and len(segment.ops) == first + 1:
                 self.applied.append(segment.ops[first])
