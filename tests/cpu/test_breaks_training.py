@@ -698,6 +698,33 @@ def test_hooks_added_after_the_build_run_the_model_eagerly_until_removed(caplog)
     assert run.stats.replays == 2
 
 
+def test_a_parameter_frozen_at_the_build_and_unfrozen_since_runs_the_model_eagerly(caplog):
+    """A segment's backward graph was captured without a gradient for a frozen parameter: once
+    unfrozen, calls run the model eagerly (one warning naming it) and it gets eager's gradient.
+    One inside a module break is the break's business: calls keep replaying."""
+    torch.manual_seed(0)
+    model = Model()
+    model.layers[0].mlp[0].weight.requires_grad_(False)
+    model.layers[1].attn.q.weight.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    _, run = _eager_program(model, [Attention], *_sample())
+    ids, lengths = _sample(1)
+    model.layers[1].attn.q.weight.requires_grad_(True)  # inside the break
+    ref.layers[1].attn.q.weight.requires_grad_(True)
+    run(ids, lengths).sum().backward()
+    ref(ids, lengths).sum().backward()
+    assert run.stats.replays == 1 and run.stats.fallbacks == 0
+    same_grads(model, ref)
+    model.layers[0].mlp[0].weight.requires_grad_(True)
+    ref.layers[0].mlp[0].weight.requires_grad_(True)
+    with caplog.at_level("WARNING", logger="torchreplay"):
+        run(ids, lengths).sum().backward()
+    assert run.stats.fallbacks == 1 and "layers.0.mlp.0.weight (False -> True)" in caplog.text
+    ref(ids, lengths).sum().backward()
+    assert model.layers[0].mlp[0].weight.grad is not None
+    same_grads(model, ref)
+
+
 class Hooked(nn.Module):
     """Registers a gradient hook on a value it makes: ``where`` says between breaks or inside
     the break."""

@@ -573,3 +573,26 @@ def test_breaks_with_a_graphed_optimizer_step_train_like_eager():
         opt_ref.step()
     _assert_same(model, ref, "after the last step", grads=False)
     assert step is not None and step.stats.replays == STEPS - 1
+
+
+def test_a_layer_frozen_at_the_build_and_unfrozen_later_trains_like_eager(caplog):
+    """Fine-tuning's freeze-then-unfreeze: a segment's backward graph was captured without the
+    frozen layer's gradient. Unfrozen, the model runs eagerly (one warning), so the layer gets
+    eager's gradient and update instead of none."""
+    torch.manual_seed(0)
+    model = Model(layers=2).to(DEV)
+    model.blocks[0].mlp.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    g = torch.Generator(device=DEV).manual_seed(7)
+    tr.make_graphed_callables(model, _batch(g), breaks=[HostAttention])
+    opts = (torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05))
+    for step in range(3):
+        _twin_step(model, ref, opts, g, step)
+    assert model.forward.stats.fallbacks == 0
+    for m in (model, ref):
+        m.blocks[0].mlp.requires_grad_(True)
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        for step in range(3, 6):
+            _twin_step(model, ref, opts, g, step)
+    assert model.blocks[0].mlp[0].weight.grad is not None
+    assert model.forward.stats.fallbacks == 3 and "changed since capture" in caplog.text

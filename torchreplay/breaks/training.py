@@ -25,7 +25,7 @@ from torchreplay.breaks.program import Call, Program, Rebound, Ref, Segment, obs
 from torchreplay.core.args import CallArgs, infer_device
 from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import resolve_config, resolve_pool
-from torchreplay.core.modes import AUTOCAST, DISPATCH_MODE, HOOKS, TRAIN_MODE, EagerCalls, Hooks
+from torchreplay.core.modes import AUTOCAST, DISPATCH_MODE, HOOKS, REQUIRES_GRAD, TRAIN_MODE, EagerCalls, GradFlags, Hooks
 from torchreplay.core.modes import refuse_inference_capture, warn_hooks_with_effects
 from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import Pool
@@ -72,6 +72,12 @@ class BreakTraining:
         # the reasons to run a call eagerly, and their warnings, as every graph's
         self._eager = EagerCalls(type(model).__name__, model.training)
         self._eager.hooks = self._hooks
+        # parameters frozen at the build, outside module breaks: unfrozen since, they would get
+        # no gradient from a segment's backward graph, which was captured without theirs
+        in_breaks = {id(p) for b in breaks for p in b.parameters()}
+        self._grad_flags = GradFlags(
+            [p for p in model.parameters() if id(p) not in in_breaks], [model], only_unfrozen=True
+        )
         self._program = program
         self._original = original
         self._training = model.training
@@ -104,6 +110,8 @@ class BreakTraining:
         autocast = self._eager.autocast  # the recorded ops are autocast's casts and kernels
         if (autocast is not None or _any_autocast()) and _cuda_autocast() != autocast:
             return self._fallback(args, kwargs, AUTOCAST)
+        if self._grad_flags.changed():
+            return self._fallback(args, kwargs, REQUIRES_GRAD, self._grad_flags.describe())
         placed = self._placed
         if placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
@@ -179,9 +187,9 @@ class BreakTraining:
                 )
             env[v] = o
 
-    def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any], why: str) -> Any:
+    def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any], why: str, what: str = "") -> Any:
         self._eager_by_reason[why] = self._eager_by_reason.get(why, 0) + 1
-        return self._eager.run(self._original, args, kwargs, why, self.stats)
+        return self._eager.run(self._original, args, kwargs, why, self.stats, what)
 
     def explain(self) -> str:
         """Each step in order: a segment with its ops and counters, or a break."""
