@@ -17,6 +17,7 @@ import torch.nn as nn
 
 import torchreplay as tr
 
+import blocks
 from memory import reserved
 
 pytestmark = [
@@ -66,17 +67,9 @@ class Attention(nn.Module):
         return self.o(torch.ops.trgpubreaks.host_attention(q, k, v, lengths))
 
 
-class Block(nn.Module):
+class Block(blocks.Block):
     def __init__(self) -> None:
-        super().__init__()
-        self.n1 = nn.LayerNorm(H)
-        self.attn = Attention()
-        self.n2 = nn.LayerNorm(H)
-        self.mlp = nn.Sequential(nn.Linear(H, 4 * H), nn.GELU(), nn.Linear(4 * H, H))
-
-    def forward(self, x, lengths):
-        x = x + self.attn(self.n1(x), lengths)
-        return x + self.mlp(self.n2(x))
+        super().__init__(Attention, H)
 
 
 class Net(nn.Module):

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 import torchreplay as tr
 
+import blocks
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -56,17 +58,9 @@ class HostAttention(nn.Module):
         return self.o(torch.stack(rows))
 
 
-class Block(nn.Module):
+class Block(blocks.Block):
     def __init__(self) -> None:
-        super().__init__()
-        self.n1 = nn.LayerNorm(H)
-        self.attn = HostAttention()
-        self.n2 = nn.LayerNorm(H)
-        self.mlp = nn.Sequential(nn.Linear(H, 4 * H), nn.GELU(), nn.Linear(4 * H, H))
-
-    def forward(self, x, lengths):
-        x = x + self.attn(self.n1(x), lengths)
-        return x + self.mlp(self.n2(x))
+        super().__init__(HostAttention, H)
 
 
 class Model(nn.Module):

@@ -1,0 +1,23 @@
+"""The pre-norm transformer block the GPU tests of breakable graphs build their models from."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    """``x + attn(n1(x), lengths)``, then ``x + mlp(n2(x))``; ``attention()`` makes the
+    attention (the break, in those tests), ``width`` is the hidden size."""
+
+    def __init__(self, attention: Callable[[], nn.Module], width: int) -> None:
+        super().__init__()
+        self.n1 = nn.LayerNorm(width)
+        self.attn = attention()
+        self.n2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x, lengths):
+        x = x + self.attn(self.n1(x), lengths)
+        return x + self.mlp(self.n2(x))
