@@ -242,3 +242,22 @@ def test_a_forward_called_as_a_plain_function_is_plain_ops_and_one_that_raises_i
 
     with pytest.raises(CaptureError, match=r"Function .*Fails's forward raised"):
         record(_model(forward), *_args(), [Attention], CPU)
+
+
+def test_a_break_inside_a_functions_forward_is_refused_naming_the_function():
+    """HF Reformer's reversible layers: one Function around layers whose attention is the break."""
+    attn = Attention()
+
+    class Around(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, h, lengths):
+            return attn(h, lengths) * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2, None
+
+    model = _model(lambda self, h, lengths: self.lin(Around.apply(self.lin(h), lengths)))
+    model.attn = attn
+    with pytest.raises(CaptureError, match=r"a break ran inside torch.autograd.Function .*Around's forward.*Name the module that calls"):
+        record(model, *_args(), [Attention], CPU)

@@ -119,7 +119,11 @@ class FunctionWatch:
                 self.applied.append(segment.ops[first])
             return  # (else it was a break, named as an op)
         if rec.steps[-1] is not segment:
-            self._fail(f"a break ran inside {name}'s forward", where)
+            self._fail(
+                f"a break ran inside {name}'s forward: a Function's forward and backward are one "
+                "call, which a segment cannot split around a break", where,
+                "Name the module that calls the Function in breaks=, or graph without breaks=",
+            )
             return
         inner = segment.ops[first:]
         del segment.ops[first:]
