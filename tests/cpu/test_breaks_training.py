@@ -589,9 +589,18 @@ def test_a_resnet_style_net_with_batchnorm_and_in_place_adds_trains_like_the_mod
         torch.testing.assert_close(b, c, msg=name)
 
 
+def _labels(n: int):
+    """batch(i): 2 x 16 random tokens and a class label per row (a sequence classifier)."""
+    def batch(i):
+        g = torch.Generator().manual_seed(i)
+        return (torch.randint(0, 100, (2, 16), generator=g),), {"labels": torch.randint(0, n, (2,), generator=g)}
+    return batch
+
+
 def _hf_models(transformers):
     """name -> (model, breaks, batch(i) -> (args, kwargs)): decoders (one with mixture-of-experts
     routing, one with a ``torch.autograd.Function`` between breaks), an encoder-decoder, a vision transformer, each with its attention as the break."""
+    from transformers.models.albert import modeling_albert
     from transformers.models.bloom import modeling_bloom
     from transformers.models.falcon import modeling_falcon
     from transformers.models.gemma import modeling_gemma
@@ -627,13 +636,18 @@ def _hf_models(transformers):
         "bloom": lambda: (transformers.BloomForCausalLM(transformers.BloomConfig(  # GeLUFunction in training
             vocab_size=100, hidden_size=64, n_layer=2, n_head=4, use_cache=False)),
             [modeling_bloom.BloomAttention], _tokens(100)),
+        "albert": lambda: (transformers.AlbertForSequenceClassification(transformers.AlbertConfig(  # one
+            # layer's modules called at every depth
+            vocab_size=100, hidden_size=64, embedding_size=32, num_hidden_layers=3, num_attention_heads=4,
+            intermediate_size=128, num_labels=3, max_position_embeddings=64)), [modeling_albert.AlbertAttention],
+            _labels(3)),
         "vit": lambda: (transformers.ViTForImageClassification(transformers.ViTConfig(
             image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
             intermediate_size=128, num_labels=5)), [modeling_vit.ViTAttention], images),
     }
 
 
-@pytest.mark.parametrize("name", ["qwen2", "gemma", "t5", "vit", "mixtral", "falcon", "bloom"])
+@pytest.mark.parametrize("name", ["qwen2", "gemma", "t5", "vit", "mixtral", "falcon", "bloom", "albert"])
 def test_more_hf_architectures_train_like_the_model(name):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
