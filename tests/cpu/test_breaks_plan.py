@@ -135,11 +135,18 @@ def test_a_caller_number_is_rebound_by_value_a_computed_one_is_constant() -> Non
     assert rules["args[2]"] == ("constant", "")
 
 
+class _Identity(torch.autograd.Function):
+    forward = staticmethod(lambda ctx, x: x.clone())
+    backward = staticmethod(lambda ctx, grad: grad)
+
+
 def test_option_errors_name_the_entry_and_the_fix() -> None:
     with pytest.raises(ValueError, match=r"breaks\[1\] = 'nolib.nothing': no such op"):
         resolve_breaks([Attention, "nolib.nothing"])
     with pytest.raises(ValueError, match=r"breaks\[0\] = 3 \(int\)"):
         resolve_breaks([3])
+    with pytest.raises(ValueError, match=r"breaks\[0\] = .*Identity is a torch.autograd.Function: name the module"):
+        resolve_breaks([_Identity])
     with pytest.raises(ValueError, match="found by a run of the model"):
         resolve_breaks("auto")
     model, x, lengths = _sample()

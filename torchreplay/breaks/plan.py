@@ -137,6 +137,12 @@ def resolve_breaks(breaks: Any) -> tuple[Break, ...]:
             out.append(Break("op", op, str(op)))
         elif isinstance(b, types.FunctionType):
             out.append(Break("function", b, b.__qualname__))
+        elif isinstance(b, type) and issubclass(b, torch.autograd.Function):
+            raise ValueError(
+                f"breaks[{i}] = {b.__qualname__} is a torch.autograd.Function: name the module or "
+                "the Python function that calls its apply (flash-attn's flash_attn_func, say), "
+                "or make it a torch.library custom op and name the op"
+            )
         else:
             raise ValueError(
                 f"breaks[{i}] = {b!r} ({type(b).__name__}): expected a module instance or class, a "
