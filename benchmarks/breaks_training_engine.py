@@ -1,3 +1,10 @@
+"""Host time of a training step with breaks, op by op, as torch's profiler sees it (CPU
+activity only): the HF Llama of ``_llama_train.py`` broken at SDPA's kernel op, then graphed
+whole, 20 steps each after 20 warm ones; the table of each by total CPU time. It shows what
+autograd's engine does per node (``evaluate_function: ...``) and the eager ops around the
+graphs (the loss, its backward, the optimizer).
+
+Usage: ``PYTHONPATH=. python benchmarks/breaks_training_engine.py``"""
 import copy, sys
 sys.path.insert(0, "benchmarks")
 import torch
