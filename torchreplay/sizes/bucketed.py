@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
