@@ -25,8 +25,8 @@ from torchreplay.breaks.program import Call, Program, Rebound, Ref, Segment, obs
 from torchreplay.core.args import CallArgs, infer_device
 from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import resolve_config, resolve_pool
-from torchreplay.core.modes import AUTOCAST, DISPATCH_MODE, HOOKS, REQUIRES_GRAD, TRAIN_MODE, EagerCalls, GradFlags, Hooks
-from torchreplay.core.modes import refuse_inference_capture, warn_hooks_with_effects
+from torchreplay.core.modes import AUTOCAST, DISPATCH_MODE, HOOKS, REQUIRES_GRAD, TRAIN_MODE
+from torchreplay.core.modes import EagerCalls, GradFlags, Hooks, refuse_inference_capture, warn_hooks_with_effects
 from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import Pool
 from torchreplay.core.snapshot import StateSnapshot
