@@ -218,7 +218,7 @@ def is_custom_op_function(cls: type) -> bool:
     """Is this the Function ``torch.library``'s ``register_autograd`` made for a custom op? Its
     forward calls the op again below autograd, so the op itself, called with autograd on, is
     the same call."""
-    return cls.__module__.startswith("torch._library")
+    return cls.__module__.startswith(("torch._library", "torch._custom_op"))  # (the older API's)
 
 
 def triton_launches() -> dict[Any, str]:
