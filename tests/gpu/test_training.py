@@ -634,7 +634,8 @@ def test_a_training_build_takes_little_more_memory_than_eager_training(breaks) -
     graph does): 2.0x (whole) and 2.6x (with breaks) of eager's peak before, 1.15x and 1.4 to
     1.55x after (an HF Llama, ``benchmarks/breaks_training_memory.py``). With breaks, the
     record's run keeps every intermediate alive until it ends, and each segment has static
-    input, output and gradient buffers of its own at the boundaries: this MLP measured 1.69x."""
+    input, output and gradient buffers of its own at the boundaries: this MLP measured 1.69x
+    (2.66x without giving the cache back; whole: 2.1x without), so its limit is 2.0x."""
     layers = [nn.Linear(1024, 1024) for _ in range(8)]
     if breaks:
         layers.insert(4, _Eager())
@@ -655,5 +656,5 @@ def test_a_training_build_takes_little_more_memory_than_eager_training(breaks) -
 
     eager = peak(ref, False)
     graphed = peak(model, True)
-    limit = 1.8 if breaks else 1.6  # (with breaks: the segments' boundary buffers, see above)
+    limit = 2.0 if breaks else 1.6  # (with breaks: the segments' boundary buffers, see above)
     assert graphed <= limit * eager, (graphed / 2**20, eager / 2**20)
