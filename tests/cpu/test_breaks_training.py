@@ -239,6 +239,29 @@ def test_a_value_written_in_place_after_a_break_is_written_on_a_copy_the_segment
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
+def test_a_value_a_break_saved_and_written_in_place_after_it_is_refused_as_eager_backward_fails():
+    """``h += attn(h)`` where the attention saves ``h`` for its backward (its first Linear):
+    eagerly the backward raises; the segment after the break would write a copy and not."""
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin1 = nn.Linear(8, 8)
+            self.attn = Attention()
+            self.lin2 = nn.Linear(8, 8)
+
+        def forward(self, x, lengths):
+            h = self.lin1(x)
+            h += self.attn(h, lengths)
+            return self.lin2(h)
+
+    x, lengths = torch.randn(2, 4, 8), torch.tensor([3, 2])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        M()(x, lengths).sum().backward()
+    with pytest.raises(CaptureError, match=r"break Attention \(at .*\) saves a tensor of shape \(2, 4, 8\) .*segment 1 .* writes in place"):
+        record(M(), (x, lengths), {}, [Attention], CPU)
+
+
 def test_a_value_written_in_place_after_a_break_through_which_another_is_read_is_refused():
     """``h`` and its view ``v`` made before the break, ``v`` written after it and ``h`` read: the
     copy the segment writes would not carry the write to ``h``."""

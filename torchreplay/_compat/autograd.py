@@ -4,6 +4,7 @@ copies it must not record; the version counters of inference tensors, which have
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any, Callable, Sequence
 
@@ -13,6 +14,7 @@ __all__ = [
     "direct_apply", "foreach_copy_untracked", "saved_tensor_hooks", "set_sequence_nr", "sequence_nr",
     "restore_unversioned", "in_backward", "is_accumulate_grad", "is_view", "normal_tensors", "versions_of",
     "function_forwards", "function_of_call", "function_of_ctx", "is_custom_op_function", "triton_launches",
+    "watch_saved",
 ]
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
@@ -73,6 +75,23 @@ def saved_tensor_hooks() -> str | None:
         return None
     hooks = _top_saved_hooks(False)
     return None if hooks is None else getattr(hooks[0], "__qualname__", repr(hooks[0]))
+
+
+_hooks_enabled = getattr(getattr(torch._C, "_autograd", None), "_saved_tensors_hooks_is_enabled", None)
+
+
+def watch_saved(on_save: Callable[[torch.Tensor], None]) -> Any:
+    """A context in which every tensor autograd saves for a backward is passed to ``on_save``
+    and saved as it is (``torch.autograd.graph.saved_tensors_hooks``); a null context where such
+    hooks are turned off (torch refuses new ones there)."""
+    if _hooks_enabled is not None and not _hooks_enabled():
+        return contextlib.nullcontext()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        on_save(t)
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
 def in_backward() -> bool:

@@ -72,6 +72,7 @@ class _Recorder(_compat.LightDispatchMode):
         self.branches: list[str] = []  # where a branch read a bool on the host
         self.handles = _Handles.next_id  # hook handles made so far, those of breaks included
         self.saved_hooks: tuple[str, str] | None = None  # the first saved-tensor hooks seen
+        self.saved: list[tuple[int, Any, int | None]] = []  # (break's step, tensor, version) it saved
 
     def value(self, t: _Tensor, producer: int) -> int:
         i = len(self.keep)
@@ -227,6 +228,27 @@ def _check_copies_alias_nothing(program: Program, rec: _Recorder) -> None:
             )
 
 
+def _check_saved_then_written(program: Program, rec: _Recorder) -> None:
+    """A value a break saved for its backward and a later segment writes in place: eager's
+    backward raises ("one of the variables needed for gradient computation has been modified by
+    an inplace operation"). The segment writes a copy (:attr:`Segment.copied`), so the program's
+    backward would not: refused, as eager would fail."""
+    for seg in program.segments:
+        for v in seg.copied:
+            at = rec.keep[v].untyped_storage().data_ptr()
+            for step, t, version in rec.saved:
+                if step < seg.index and t.untyped_storage().data_ptr() == at and _compat.version_of(t) != version:
+                    call = rec.steps[step]
+                    raise CaptureError(
+                        f"training with breaks: break {call.brk.name} (at {call.where}) saves a "
+                        f"tensor of shape {tuple(rec.keep[v].shape)} (or a view of it) for its "
+                        f"backward that {seg.name} then writes in place. Eagerly the backward raises (\"one of the variables needed "
+                        "for gradient computation has been modified by an inplace operation\"); the "
+                        "segment writes a copy and would not. Write it out of place (h = h + x), "
+                        "or clone it before the break"
+                    )
+
+
 def _caller_leaves(leaves: Sequence[Any]) -> dict[Any, int]:
     """The caller's non-tensor leaves, to be found again in a break's arguments: objects by
     identity, numbers by value when one leaf alone has it (as :mod:`.plan` does)."""
@@ -321,8 +343,14 @@ def record(
             rec.hooked()
             rec.where = rec.where or where
         rec.inside += 1
+        at = len(rec.steps)  # (where its Call goes)
+
+        def saved(t: _Tensor) -> None:  # what it saves for its backward, with the version then
+            rec.saved.append((at, t, _compat.version_of(t)))
+
         try:
-            with python.eager_part(f"break {brk.name} at {where}") if python is not None else contextlib.nullcontext():
+            with python.eager_part(f"break {brk.name} at {where}") if python is not None else contextlib.nullcontext(), \
+                    _compat.watch_saved(saved):
                 out = fn(*a, **k)
         finally:
             rec.inside -= 1
@@ -379,6 +407,7 @@ def record(
     for s in program.segments:  # (a copy is needed where autograd tracks the value)
         s.copied = [v for v in s.copied if rec.keep[v].requires_grad]
     _check_copies_alias_nothing(program, rec)
+    _check_saved_then_written(program, rec)
     for s in program.segments:
         for i in s.inputs:
             program.samples[i] = sample(rec.keep[i])
