@@ -261,3 +261,66 @@ def test_a_break_inside_a_functions_forward_is_refused_naming_the_function():
     model.attn = attn
     with pytest.raises(CaptureError, match=r"a break ran inside torch.autograd.Function .*Around's forward.*Name the module that calls"):
         record(model, *_args(), [Attention], CPU)
+
+
+def _contiguous(fn):
+    """Liger's ``ensure_contiguous``: a wrapper of ``(ctx, *args, **kwargs)`` that replaces its
+    arguments, shared by every Function it decorates."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(ctx, *args, **kwargs):
+        args = [a.contiguous() if isinstance(a, torch.Tensor) else a for a in args]
+        return fn(ctx, *args, **kwargs)
+
+    return wrapper
+
+
+class Rms(torch.autograd.Function):
+    """An RMSNorm whose backward is the true one, through a decorated forward."""
+
+    @staticmethod
+    @_contiguous
+    def forward(ctx, x, w, eps):
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, w, r)
+        return x * r * w
+
+    @staticmethod
+    @_contiguous
+    def backward(ctx, g):
+        x, w, r = ctx.saved_tensors
+        xn = x * r
+        gw = (g * xn).reshape(-1, x.shape[-1]).sum(0)
+        gx = r * (g * w - xn * (g * w * xn).mean(-1, keepdim=True))
+        return gx, gw, None
+
+
+class HalfGrad(torch.autograd.Function):
+    """The same decorator on another Function: the shared wrapper code is told apart by ctx."""
+
+    @staticmethod
+    @_contiguous
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 0.5
+
+
+def test_functions_with_a_shared_decorated_forward_are_each_recorded_as_themselves():
+    def forward(self, h, lengths):
+        h = Rms.apply(self.lin(h).transpose(0, 1), self.w, 1e-6)  # (a non-contiguous argument)
+        return HalfGrad.apply(self.attn(h.transpose(0, 1), lengths)).sum()
+
+    torch.manual_seed(0)
+    model = _model(forward)
+    model.w = nn.Parameter(torch.rand(8) + 0.5)
+    ref = copy.deepcopy(model)
+    program, run = _eager_program(model, [Attention], *_args()[0])
+    assert [function_calls(s.ops) for s in program.segments] == ["; Functions: Rms", "; Functions: HalfGrad"]
+    h, lengths = torch.randn(2, 4, 8), torch.tensor([1, 4])
+    run(h, lengths).backward()
+    ref(h, lengths).backward()
+    same_grads(model, ref, nonzero=True)
