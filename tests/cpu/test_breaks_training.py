@@ -256,6 +256,35 @@ def test_a_value_a_break_saved_and_written_in_place_after_it_is_refused_as_eager
         record(InPlaceResidual("saved"), (x, lengths), {}, [Attention], CPU)
 
 
+def test_the_record_leaves_no_autograd_graph_alive():
+    """What a break saves for its backward is seen through saved-tensor hooks at record time.
+    A pack hook that keeps the live tensor keeps the graph of the record's eager run alive
+    for good when the tensor is the output of the node saving it (``sigmoid`` saves its
+    result): no backward ever frees it, no collector can. Its parameters' AccumulateGrad nodes,
+    made on the record's stream, then break the capture of the backward on the GPU."""
+    import gc
+    import weakref
+
+    made: list[weakref.ref] = []
+
+    def gate(h: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        out = torch.sigmoid(h)  # (saves out itself)
+        made.append(weakref.ref(out))
+        return out * lengths.view(-1, 1, 1)
+
+    class Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin1, self.lin2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, lengths):
+            return self.lin2(gate(self.lin1(x), lengths))
+
+    record(Gated(), (torch.randn(2, 4, 8), torch.tensor([3, 2])), {}, [gate], CPU)
+    gc.collect()
+    assert made and made[0]() is None
+
+
 def test_a_value_written_in_place_after_a_break_through_which_another_is_read_is_refused():
     """``h`` and its view ``v`` made before the break, ``v`` written after it and ``h`` read: the
     copy the segment writes would not carry the write to ``h``."""

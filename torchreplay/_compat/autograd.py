@@ -82,12 +82,18 @@ _hooks_enabled = getattr(getattr(torch._C, "_autograd", None), "_saved_tensors_h
 
 def watch_saved(on_save: Callable[[torch.Tensor], None]) -> Any:
     """A context in which every tensor autograd saves for a backward is passed to ``on_save``
-    and saved as it is (``torch.autograd.graph.saved_tensors_hooks``); a null context where such
+    (detached) and saved as it is (``torch.autograd.graph.saved_tensors_hooks``); a null context where such
     hooks are turned off (torch refuses new ones there)."""
     if _hooks_enabled is not None and not _hooks_enabled():
         return contextlib.nullcontext()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        # Detached (same data, same version counter): the live tensor, kept by the node that
+        # saved it, would hold that node's graph in a cycle no collector breaks when no backward
+        # runs (the record's eager run), and with it the parameters' AccumulateGrad nodes made on
+        # this stream, which a captured backward then cannot use (pytorch#189025). Autograd puts
+        # the grad_fn back on unpack.
+        t = t.detach()
         on_save(t)
         return t
 

@@ -343,10 +343,12 @@ def record(
             rec.hooked()
             rec.where = rec.where or where
         rec.inside += 1
-        at = len(rec.steps)  # (where its Call goes)
+        at, into = len(rec.steps), rec.saved  # (where its Call goes)
 
         def saved(t: _Tensor) -> None:  # what it saves for its backward, with the version then
-            rec.saved.append((at, t, _compat.version_of(t)))
+            # (t detached, see watch_saved; autograd keeps this hook as long as the node that
+            # saved t, so it holds the list, never the recorder and the model's values)
+            into.append((at, t, _compat.version_of(t)))
 
         try:
             with python.eager_part(f"break {brk.name} at {where}") if python is not None else contextlib.nullcontext(), \
@@ -408,6 +410,7 @@ def record(
         s.copied = [v for v in s.copied if rec.keep[v].requires_grad]
     _check_copies_alias_nothing(program, rec)
     _check_saved_then_written(program, rec)
+    rec.saved.clear()
     for s in program.segments:
         for i in s.inputs:
             program.samples[i] = sample(rec.keep[i])
