@@ -477,6 +477,40 @@ def test_auto_breaks_at_the_item_and_explain_lists_it() -> None:
     assert "test_breaks.py:" in text
 
 
+class SkipsUnderCapture(WithItem):
+    """transformers' mask functions test their input on the host unless a capture is running
+    (``is_tracing``); eagerly that test is a sync in the model's own code, outside every
+    submodule. Only ``clip`` fails a capture."""
+
+    def forward(self, x):
+        if not torch.cuda.is_current_stream_capturing() and bool((x[:, 0] == 12345).all()):
+            return x  # (never, as a packed mask that is all zeros)
+        return super().forward(x)
+
+
+def test_what_code_skips_under_capture_is_neither_the_error_nor_a_break() -> None:
+    """The check runs eagerly and sees the top-level test first: the capture error named it
+    (and a break there is the whole model, graphed nothing). The error now names the line where
+    the capture failed, and ``breaks="auto"`` breaks at ``clip``: a trial capture passed the
+    test."""
+    torch.manual_seed(0)
+    model = SkipsUnderCapture().to(DEV).eval()
+    x = torch.randn(16, H, device=DEV)
+    with pytest.raises(tr.CaptureError) as info:
+        tr.graph(model, x)
+    text = str(info.value)
+    assert "Tensor.item" in text and "limit = float(x.abs().max().item())" in text, text
+    assert "breaks=[model.get_submodule('clip')]" in text, text
+    g = tr.graph(model, x, breaks="auto")
+    assert [b.path for b in g.auto] == ["clip"]
+    for _ in range(10):
+        x = torch.randn(16, H, device=DEV) * torch.rand(1, device=DEV) * 4
+        with torch.no_grad():
+            want = model(x)
+        torch.testing.assert_close(g(x), want, **CLOSE)
+    assert g.stats.fallbacks == 0 and g.stats.captures == 2
+
+
 def centre(x: torch.Tensor) -> torch.Tensor:
     return x - x.mean(0)  # every row reads the others: the padding rows too
 

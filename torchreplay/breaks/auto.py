@@ -21,7 +21,9 @@ import torch.nn as nn
 from torchreplay import _compat
 from torchreplay.check import NO_CUDA_OP, check_call
 from torchreplay.core.args import CallArgs, owning_module
-from torchreplay.core.capture import on_side_stream, side_stream
+from torchreplay.config import GraphConfig
+from torchreplay.core.capture import capture, failed_lines, on_side_stream, side_stream
+from torchreplay.core.pool import Pool
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.errors import CaptureError
 
@@ -51,10 +53,14 @@ def _sizes(values: Any) -> set[int]:
 
 
 def find_breaks(
-    fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+    fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
+    trial: Callable[[], list[str] | None] | None = None,
 ) -> list[AutoBreak]:
     """Run ``fn(*args, **kwargs)`` once, eagerly, under the check, and return the modules to break
     at, in the order their first finding happened (none when nothing would break capture).
+
+    ``trial``, when given, captures the call once and says where that failed (see
+    :func:`_met_by_capture`); it runs only when the check found something a capture fails at.
 
     Raises:
         CaptureError: a finding outside every submodule (in the top-level code itself).
@@ -95,6 +101,8 @@ def find_breaks(
     finally:
         for u in reversed(undo):
             u()
+    if trial is not None and any(kind in _FAILS for _, kind, _, _ in hits):
+        hits = _met_by_capture(hits, trial())
     paths = {id(m): p for p, m in named}
     chosen: dict[int, AutoBreak] = {}
     for op, kind, where, around in hits:
@@ -109,6 +117,45 @@ def find_breaks(
         if id(module) not in chosen:
             chosen[id(module)] = AutoBreak(paths[id(module)], module, op, kind, where)
     return list(chosen.values())
+
+
+# What a capture fails at (a host read, a data-dependent size, a copy from pageable host
+# memory). The other findings (a pinned copy, the CPU's RNG) freeze a value silently: they break
+# whether or not a capture fails.
+_FAILS = ("host-sync", "dynamic-shape", "host-to-device")
+
+
+def _met_by_capture(hits: list[Any], failed_at: list[str] | None) -> list[Any]:
+    """The findings a capture of the call does not pass. The check runs the call eagerly, and
+    code that asks whether a capture is running (transformers' ``is_tracing`` in its mask
+    functions) takes a data-dependent test there that it skips under capture: a break at it
+    would run the whole model eagerly. So a trial capture runs: where it fails (``failed_at``,
+    each frame's ``file:line``, innermost first) is a finding met for real; the findings of a
+    failing kind before it were passed, and are dropped. None: it captured whole, so no finding
+    of a failing kind is met. No frame at a finding: kept, every one."""
+    if failed_at is None:
+        return [h for h in hits if h[1] not in _FAILS]
+    for at in failed_at:
+        first = next((i for i, h in enumerate(hits) if h[2] == at), None)
+        if first is not None:
+            return [h for i, h in enumerate(hits) if i >= first or h[1] not in _FAILS]
+    return hits
+
+
+def _trial(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], device: torch.device) -> list[str] | None:
+    """Capture the call once (no warm-up: the check just ran it), into a pool of its own that
+    goes with the graph, and return where it failed (:func:`failed_lines`), or None when it
+    captured."""
+    try:
+        captured = capture(fn, tuple(args), dict(kwargs), device=device, stream=side_stream(device),
+                           pool=Pool(device), config=GraphConfig(diagnose=False), warmup=False,
+                           collectives=False)
+    except CaptureError as exc:
+        return failed_lines(exc)
+    for g in captured.graphs:
+        if g is not None:
+            g.reset()
+    return None
 
 
 def suggestion(found: Sequence[AutoBreak]) -> str:
@@ -133,7 +180,7 @@ def find_on_copies(fn: Callable[..., Any], call: CallArgs, device: torch.device)
     snapshot = StateSnapshot(module, device, find=module is None)  # a function's: as they run
     try:
         with on_side_stream(side_stream(device), device), torch.no_grad(), snapshot.running():
-            return find_breaks(fn, a, k)
+            return find_breaks(fn, a, k, trial=lambda: _trial(fn, a, k, device))
     finally:
         snapshot.restore()
 

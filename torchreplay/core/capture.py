@@ -50,9 +50,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
+# (with the separator: torchvision's and torchaudio's files are the user's, not torch's)
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 # The package root (this file is in torchreplay/core/): frames of ours are not the user's line.
-_OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 # One side stream per device for every warm-up and capture in the process. A resource cache, not
@@ -122,8 +123,7 @@ def user_frame(tb: Any) -> tuple[str, int, str] | None:
     """Return ``(filename, lineno, line)`` of the innermost traceback frame outside torch and us."""
     found = None
     for frame in traceback.extract_tb(tb):
-        fname = os.path.abspath(frame.filename)
-        if fname.startswith(_TORCH_DIR) or fname.startswith(_OUR_DIR) or fname.startswith("<"):
+        if _library(frame.filename):
             continue
         found = (frame.filename, frame.lineno or 0, (frame.line or "").strip())
     return found
@@ -507,6 +507,8 @@ def _capture_error(
         # "touched no CUDA tensor" finding there says nothing about why CUDA failed.
         if finding is not None and finding.op == NO_CUDA_OP and _is_cuda_error(root):
             finding = None
+        if finding is not None and _CONSEQUENCE not in str(root):
+            finding = _where_it_failed(report, root, finding)
     if finding is not None:
         return CaptureError(
             f"capture of '{name}' failed at {finding.location} ({finding.code}): {finding.op} "
@@ -521,6 +523,39 @@ def _capture_error(
 
 
 _CONSEQUENCE = "previous error during capture"
+
+
+def failed_lines(exc: CaptureError) -> list[str]:
+    """``file:line`` of each frame the error that failed a capture was raised in, innermost
+    first; empty when it is not known (raised by an earlier op, at the end of the capture)."""
+    root = exc.__cause__
+    while root is not None and _CONSEQUENCE in str(root) and isinstance(root.__context__, Exception):
+        root = root.__context__
+    if root is None or _CONSEQUENCE in str(root):
+        return []
+    return [f"{f.filename}:{f.lineno}" for f in reversed(traceback.extract_tb(root.__traceback__))]
+
+
+def _where_it_failed(report: Any, root: BaseException, first: Any) -> Any:
+    """The finding of the eager check at a line where the capture itself failed, innermost
+    frame first; ``first`` when the error was raised outside the call (no frame of the user's);
+    None when no finding is at any of its lines. The check runs eagerly, and code that asks
+    whether a capture is running (transformers' ``is_tracing``: a data-dependent test skipped
+    under capture) has findings there that the capture never met: the first of them is not
+    what failed."""
+    frames = traceback.extract_tb(root.__traceback__)
+    for frame in reversed(frames):
+        found = next((f for f in report if (f.filename, f.lineno) == (frame.filename, frame.lineno)), None)
+        if found is not None:
+            return found
+    return None if any(not _library(f.filename) for f in frames) else first
+
+
+def _library(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path.startswith(_TORCH_DIR) or path.startswith(_OUR_DIR) or filename.startswith("<")
+
+
 _LEGACY_STREAM = "legacy stream depend on a capturing"
 
 

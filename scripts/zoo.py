@@ -1,0 +1,297 @@
+"""Models nobody here wrote, each tried as a new user would: `tr.graph` for inference (one shape,
+then `sizes=`), `tr.make_graphed_callables` for training, `breaks="auto"` where the whole capture
+is refused; every result compared with eager on fresh random inputs over several calls.
+
+Prints one line per model and mode: ``ok`` with the largest difference, ``DIFF`` (larger than the
+tolerance), ``refused`` (a TorchReplayError, its first line) or ``ERROR`` (anything else: a bug).
+Not a test (it never fails); what it finds becomes one.
+
+Usage (on a CUDA machine): ``PYTHONPATH=. python scripts/zoo.py [--only NAME,NAME] [--modes infer,sizes,train,auto]``
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import traceback
+from typing import Any, Callable
+
+import torch
+
+import torchreplay as tr
+
+DEV = "cuda"
+B, S, V = 2, 16, 512
+
+
+def _cfg(name: str, **kw: Any) -> Any:
+    import transformers as T
+    return getattr(T, name + "Config")(**kw)
+
+
+def _cls(name: str) -> Any:
+    import transformers as T
+    return getattr(T, name)
+
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=V, max_position_embeddings=128)
+
+
+def decoders() -> dict[str, Callable[[], Any]]:
+    out: dict[str, Callable[[], Any]] = {}
+    plain = ["Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2", "Phi3",
+             "Olmo", "Olmo2", "Granite", "Cohere", "Starcoder2", "StableLm", "Phi"]
+    for n in plain:
+        kw = dict(SMALL)
+        if n in ("Gemma", "Gemma2", "Gemma3Text", "Qwen3"):
+            kw["head_dim"] = 16
+        if n == "Phi":
+            kw.pop("num_key_value_heads")
+        if n == "Phi3":
+            kw["pad_token_id"] = 0
+        out[n] = (lambda n=n, kw=kw: _cls(n + "ForCausalLM")(_cfg(n, **kw)))
+    out["GPT2"] = lambda: _cls("GPT2LMHeadModel")(_cfg("GPT2", n_embd=64, n_layer=2, n_head=4,
+                                                        vocab_size=V, n_positions=128))
+    out["GPTNeoX"] = lambda: _cls("GPTNeoXForCausalLM")(_cfg(
+        "GPTNeoX", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, vocab_size=V, max_position_embeddings=128))
+    out["OPT"] = lambda: _cls("OPTForCausalLM")(_cfg(
+        "OPT", hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=V, max_position_embeddings=128, word_embed_proj_dim=64))
+    out["Falcon"] = lambda: _cls("FalconForCausalLM")(_cfg(
+        "Falcon", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=V))
+    out["Bloom"] = lambda: _cls("BloomForCausalLM")(_cfg(
+        "Bloom", hidden_size=64, n_layer=2, n_head=4, vocab_size=V))
+    out["GPTJ"] = lambda: _cls("GPTJForCausalLM")(_cfg(
+        "GPTJ", n_embd=64, n_layer=2, n_head=4, vocab_size=V, n_positions=128, rotary_dim=8))
+    moe = dict(SMALL, num_local_experts=4, num_experts_per_tok=2)
+    out["Mixtral"] = lambda: _cls("MixtralForCausalLM")(_cfg("Mixtral", **moe))
+    out["Qwen2Moe"] = lambda: _cls("Qwen2MoeForCausalLM")(_cfg(
+        "Qwen2Moe", **dict(SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                           shared_expert_intermediate_size=64)))
+    out["Olmoe"] = lambda: _cls("OlmoeForCausalLM")(_cfg(
+        "Olmoe", **dict(SMALL, num_experts=4, num_experts_per_tok=2)))
+    try:
+        import peft
+
+        def lora() -> Any:
+            base = _cls("LlamaForCausalLM")(_cfg("Llama", **SMALL))
+            return peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        out["Llama+LoRA"] = lora
+    except ImportError:
+        pass
+    out["Mamba"] = lambda: _cls("MambaForCausalLM")(_cfg(
+        "Mamba", hidden_size=64, num_hidden_layers=2, vocab_size=V, state_size=8))
+    return out
+
+
+def encoders() -> dict[str, Callable[[], Any]]:
+    enc = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, vocab_size=V, max_position_embeddings=128)
+    out: dict[str, Callable[[], Any]] = {}
+    for n in ["Bert", "Roberta", "Electra", "DebertaV2", "Albert", "ModernBert"]:
+        kw = dict(enc)
+        if n == "Albert":
+            kw["embedding_size"] = 32
+        if n == "ModernBert":
+            kw.update(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+        out[n] = (lambda n=n, kw=kw: _cls(n + "Model")(_cfg(n, **kw)))
+    out["DistilBert"] = lambda: _cls("DistilBertModel")(_cfg(
+        "DistilBert", dim=64, hidden_dim=128, n_layers=2, n_heads=4, vocab_size=V))
+    return out
+
+
+def seq2seq() -> dict[str, Callable[[], Any]]:
+    return {
+        "T5": lambda: _cls("T5ForConditionalGeneration")(_cfg(
+            "T5", d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16, vocab_size=V)),
+        "Bart": lambda: _cls("BartForConditionalGeneration")(_cfg(
+            "Bart", d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=V,
+            max_position_embeddings=128)),
+    }
+
+
+def vision() -> dict[str, Callable[[], Any]]:
+    out: dict[str, Callable[[], Any]] = {
+        "ViT": lambda: _cls("ViTModel")(_cfg(
+            "ViT", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, image_size=32, patch_size=8)),
+        "ConvNext": lambda: _cls("ConvNextModel")(_cfg(
+            "ConvNext", hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1], image_size=32)),
+        "Swin": lambda: _cls("SwinModel")(_cfg(
+            "Swin", image_size=32, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
+            window_size=4)),
+    }
+    try:
+        import timm
+        for n in ["resnet18", "efficientnet_b0", "vit_tiny_patch16_224", "convnext_atto"]:
+            out["timm:" + n] = (lambda n=n: timm.create_model(n, pretrained=False, num_classes=10))
+    except ImportError:
+        pass
+    try:
+        import torchvision
+        for n in ["mobilenet_v3_small", "efficientnet_b0", "regnet_y_400mf"]:
+            out["tv:" + n] = (lambda n=n: getattr(torchvision.models, n)(num_classes=10))
+    except ImportError:
+        pass
+    return out
+
+
+def inputs(name: str, b: int, gen: torch.Generator) -> tuple[tuple, dict]:
+    def ids(s: int = S) -> torch.Tensor:
+        return torch.randint(0, V, (b, s), device=DEV, generator=gen)
+    if name in encoders():
+        return (), {"input_ids": ids(), "attention_mask": torch.ones(b, S, dtype=torch.long, device=DEV)}
+    if name in seq2seq():
+        return (), {"input_ids": ids(), "decoder_input_ids": ids(8)}
+    if name.startswith(("timm:", "tv:")):
+        hw = 224 if "vit" in name else 64
+        return (torch.randn(b, 3, hw, hw, device=DEV, generator=gen),), {}
+    if name in vision():
+        return (), {"pixel_values": torch.randn(b, 3, 32, 32, device=DEV, generator=gen)}
+    return (), {"input_ids": ids()}
+
+
+def leaves(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if hasattr(x, "to_tuple"):
+        x = x.to_tuple()
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in leaves(v)]
+    return []
+
+
+def maxdiff(a: Any, b: Any) -> float:
+    la, lb = leaves(a), leaves(b)
+    if len(la) != len(lb):
+        raise AssertionError(f"{len(la)} tensors vs eager's {len(lb)}")
+    d = 0.0
+    for x, y in zip(la, lb):
+        if x.shape != y.shape:
+            raise AssertionError(f"shape {tuple(x.shape)} vs eager's {tuple(y.shape)}")
+        if x.is_floating_point():
+            d = max(d, (x.float() - y.float()).abs().max().item() / (1 + y.float().abs().max().item()))
+        elif not torch.equal(x, y):
+            d = max(d, float("inf"))
+    return d
+
+
+def lm(name: str) -> bool:
+    return name in decoders()
+
+
+def run_infer(name: str, build: Callable[[], Any], sizes: bool, breaks: Any = None) -> float:
+    torch.manual_seed(0)
+    model = build().to(DEV).eval()
+    gen = torch.Generator(DEV).manual_seed(1)
+    extra = {"use_cache": False} if lm(name) or name in seq2seq() else {}
+    a, kw = inputs(name, 4 if sizes else B, gen)
+    opts: dict[str, Any] = {"sizes": [1, 2, 4, 8]} if sizes else {}
+    if breaks is not None:
+        opts["breaks"] = breaks
+    with torch.no_grad():
+        g = tr.graph(model, *a, sample_kwargs={**kw, **extra}, **opts)
+        if breaks is not None:
+            print(tr.explain(g))
+        d = 0.0
+        for i in range(6):
+            a, kw = inputs(name, [3, 1, 8, 5, 2, 4][i] if sizes else B, gen)
+            want = model(*a, **kw, **extra)
+            got = g(*a, **kw, **extra)
+            d = max(d, maxdiff(got, want))
+    return d
+
+
+def run_compile(name: str, build: Callable[[], Any]) -> float:
+    torch.manual_seed(0)
+    model = build().to(DEV).eval()
+    gen = torch.Generator(DEV).manual_seed(1)
+    extra = {"use_cache": False} if lm(name) or name in seq2seq() else {}
+    compiled = torch.compile(model, backend="torchreplay")
+    d = 0.0
+    with torch.no_grad():
+        for b in [2, 2, 3, 2, 5]:
+            a, kw = inputs(name, b, gen)
+            d = max(d, maxdiff(compiled(*a, **kw, **extra), model(*a, **kw, **extra)))
+    return d
+
+
+def run_train(name: str, build: Callable[[], Any]) -> float:
+    torch.manual_seed(0)
+    ref = build().to(DEV).train()
+    model = copy.deepcopy(ref)
+    gen = torch.Generator(DEV).manual_seed(1)
+    a, kw = inputs(name, B, gen)
+    if lm(name):
+        kw["labels"] = kw["input_ids"]
+        kw["use_cache"] = False
+    graphed = tr.make_graphed_callables(model, a, sample_kwargs=kw)
+    d = 0.0
+    for step in range(4):
+        a, kw = inputs(name, B, gen)
+        if lm(name):
+            kw["labels"] = kw["input_ids"]
+            kw["use_cache"] = False
+        outs = []
+        for m in (graphed, ref):
+            torch.manual_seed(100 + step)
+            out = m(*a, **kw)
+            loss = out.loss if hasattr(out, "loss") and out.loss is not None else sum(
+                t.float().square().mean() for t in leaves(out) if t.is_floating_point())
+            loss.backward()
+            outs.append(loss.detach())
+        d = max(d, maxdiff(outs[0], outs[1]))
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            if (p.grad is None) != (q.grad is None):
+                raise AssertionError(f"{n}.grad is {p.grad is None and 'None' or 'set'}, eager's is not")
+            if p.grad is not None:
+                d = max(d, maxdiff(p.grad, q.grad))
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    return d
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", default="")
+    p.add_argument("--modes", default="infer,sizes,train")
+    p.add_argument("--tol", type=float, default=1e-3)
+    args = p.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    models = {**decoders(), **encoders(), **seq2seq(), **vision()}
+    only = [s for s in args.only.split(",") if s]
+    for name, build in models.items():
+        if only and name not in only:
+            continue
+        for mode in args.modes.split(","):
+            try:
+                if mode == "infer":
+                    d = run_infer(name, build, sizes=False)
+                elif mode == "sizes":
+                    d = run_infer(name, build, sizes=True)
+                elif mode == "auto":
+                    d = run_infer(name, build, sizes=False, breaks="auto")
+                elif mode == "compile":
+                    d = run_compile(name, build)
+                else:
+                    d = run_train(name, build)
+                word = "ok" if d <= args.tol else "DIFF"
+                print(f"{name:24s} {mode:6s} {word:7s} {d:.2e}", flush=True)
+            except tr.errors.TorchReplayError as e:
+                first = str(e).strip().splitlines()[0][:220]
+                print(f"{name:24s} {mode:6s} refused {type(e).__name__}: {first}", flush=True)
+            except Exception as e:  # noqa: BLE001 - a bug to report
+                print(f"{name:24s} {mode:6s} ERROR   {type(e).__name__}: {str(e)[:300]}", flush=True)
+                tb = traceback.format_exc().splitlines()
+                print("    " + "\n    ".join(tb[-8:]), flush=True)
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
