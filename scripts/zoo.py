@@ -20,6 +20,7 @@ import torch
 import torchreplay as tr
 
 DEV = "cuda"
+DTYPE = torch.float32  # --dtype
 B, S, V = 2, 16, 512
 
 
@@ -147,9 +148,9 @@ def inputs(name: str, b: int, gen: torch.Generator) -> tuple[tuple, dict]:
         return (), {"input_ids": ids(), "decoder_input_ids": ids(8)}
     if name.startswith(("timm:", "tv:")):
         hw = 224 if "vit" in name else 64
-        return (torch.randn(b, 3, hw, hw, device=DEV, generator=gen),), {}
+        return (torch.randn(b, 3, hw, hw, device=DEV, generator=gen).to(DTYPE),), {}
     if name in vision():
-        return (), {"pixel_values": torch.randn(b, 3, 32, 32, device=DEV, generator=gen)}
+        return (), {"pixel_values": torch.randn(b, 3, 32, 32, device=DEV, generator=gen).to(DTYPE)}
     return (), {"input_ids": ids()}
 
 
@@ -186,7 +187,7 @@ def lm(name: str) -> bool:
 
 def run_infer(name: str, build: Callable[[], Any], sizes: bool, breaks: Any = None) -> float:
     torch.manual_seed(0)
-    model = build().to(DEV).eval()
+    model = build().to(DEV, DTYPE).eval()
     gen = torch.Generator(DEV).manual_seed(1)
     extra = {"use_cache": False} if lm(name) or name in seq2seq() else {}
     a, kw = inputs(name, 4 if sizes else B, gen)
@@ -260,7 +261,10 @@ def main() -> None:
     p.add_argument("--only", default="")
     p.add_argument("--modes", default="infer,sizes,train")
     p.add_argument("--tol", type=float, default=1e-3)
+    p.add_argument("--dtype", default="float32", help="inference modes only")
     args = p.parse_args()
+    global DTYPE
+    DTYPE = getattr(torch, args.dtype)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     models = {**decoders(), **encoders(), **seq2seq(), **vision()}

@@ -224,6 +224,77 @@ def test_auto_refuses_a_finding_in_the_top_level_code() -> None:
     assert find_breaks(nn.Linear(3, 3), (torch.randn(2, 3),), {}) == []
 
 
+_CAPTURING = [False]  # what torch.cuda.is_current_stream_capturing() says in the tests below
+
+
+class GroupedExperts(nn.Module):
+    """Fails only under capture, with no op the check knows (a kernel that syncs inside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if _CAPTURING[0]:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return self.w(x)
+
+
+class MaskedMoE(nn.Module):
+    """transformers' shape: the model's own code tests its input on the host unless a capture
+    is running; two layers of experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.experts = nn.ModuleList([GroupedExperts(), GroupedExperts()])
+        self.gate = Gate()
+
+    def forward(self, x):
+        if not _CAPTURING[0] and bool((x[:, 0] == 12345).all()):
+            return x
+        x = self.a(x)
+        for e in self.experts:
+            x = e(x)
+        return self.gate(x)
+
+
+def _trial(model, x):
+    """A capture, as far as the model can tell: the error's lines, innermost first."""
+    from torchreplay.breaks.auto import Failed
+    import traceback
+
+    _CAPTURING[0] = True
+    try:
+        model(x)
+    except RuntimeError as exc:
+        frames = reversed(traceback.extract_tb(exc.__traceback__))
+        return Failed(tuple(f"{f.filename}:{f.lineno}" for f in frames if "torch/" not in f.filename), str(exc))
+    finally:
+        _CAPTURING[0] = False
+    return None
+
+
+def test_auto_drops_what_a_trial_capture_passed_and_breaks_where_it_failed() -> None:
+    """The top-level test (a sync, eagerly) is skipped under capture: without the trial it is a
+    finding outside every submodule. The experts fail only under capture: each instance of
+    their class breaks. The Gate's .item() after them stays a break."""
+    model, x = MaskedMoE(), torch.randn(4, 8)
+    with pytest.raises(CaptureError, match="nothing to break at"):
+        find_breaks(model, (x,), {})
+    found = find_breaks(model, (x,), {}, trial=lambda: _trial(model, x))
+    assert [b.path for b in found] == ["experts.0", "experts.1", "gate"]
+    assert found[0].kind == "capture failed" and "operation not permitted" in found[0].op
+    assert "test_breaks_plan.py:" in found[0].where and found[2].kind == "host-sync"
+    assert "forward" not in model.experts[0].__dict__
+
+
+def test_auto_with_a_trial_that_captured_whole_breaks_at_nothing_it_passed() -> None:
+    model = Auto()
+    x = torch.randn(10, 8)
+    assert find_breaks(model, (x,), {}, trial=lambda: None) == []
+
+
 def test_graph_option_errors_with_breaks_come_before_any_device_work() -> None:
     import torchreplay as tr
 

@@ -12,8 +12,9 @@ break at: that is a :class:`~torchreplay.errors.CaptureError` naming it and the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -52,9 +53,79 @@ def _sizes(values: Any) -> set[int]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Hit:
+    """A finding: the op, its kind, the user's ``file:line``, the modules around it (outermost
+    first), and how many module calls had begun when it happened (its place in the call)."""
+
+    op: str
+    kind: str
+    where: str
+    around: tuple[nn.Module, ...]
+    entered: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """Where a trial capture failed: each user frame's ``file:line`` (innermost first), the
+    error's first line."""
+
+    lines: tuple[str, ...]
+    message: str
+
+
+class _Modules:
+    """Each submodule's ``forward`` wrapped while a call runs: the stack of modules being called,
+    how many calls began, which modules' outputs kept their shapes (every size of its outputs is
+    a size of its inputs or of its own parameters and buffers), and the stack where an error was
+    first raised."""
+
+    def __init__(self, named: Sequence[tuple[str, nn.Module]]) -> None:
+        self.named = named
+        self.stack: list[nn.Module] = []
+        self.entered = 0
+        self.keeps: dict[int, bool] = {}
+        self.raised: tuple[tuple[nn.Module, ...], int] | None = None
+
+    def _wrap(self, m: nn.Module, undo: list[Callable[[], None]]) -> None:
+        had = "forward" in m.__dict__
+        original = m.forward
+
+        def forward(*a: Any, **k: Any) -> Any:
+            self.stack.append(m)
+            self.entered += 1
+            try:
+                out = original(*a, **k)
+            except BaseException:
+                if self.raised is None:
+                    self.raised = (tuple(self.stack), self.entered)
+                raise
+            finally:
+                self.stack.pop()
+            own = {int(d) for t in [*m.parameters(), *m.buffers()] for d in t.shape}
+            ok = _sizes(out) <= _sizes((a, k)) | own | {1}
+            self.keeps[id(m)] = self.keeps.get(id(m), True) and ok
+            return out
+
+        m.forward = forward  # type: ignore[method-assign]
+        undo.append(lambda: setattr(m, "forward", original) if had else delattr(m, "forward"))
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        self.entered, self.raised = 0, None
+        undo: list[Callable[[], None]] = []
+        try:
+            for _, m in self.named:
+                self._wrap(m, undo)
+            yield
+        finally:
+            for u in reversed(undo):
+                u()
+
+
 def find_breaks(
     fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
-    trial: Callable[[], list[str] | None] | None = None,
+    trial: Callable[[], Failed | None] | None = None,
 ) -> list[AutoBreak]:
     """Run ``fn(*args, **kwargs)`` once, eagerly, under the check, and return the modules to break
     at, in the order their first finding happened (none when nothing would break capture).
@@ -67,55 +138,36 @@ def find_breaks(
     """
     root = owning_module(fn)
     named = [(p, m) for p, m in root.named_modules() if m is not root] if root is not None else []
-    stack: list[nn.Module] = []
-    keeps: dict[int, bool] = {}  # id(module) -> its outputs kept their shapes at every call
-    hits: list[tuple[str, str, str, tuple[nn.Module, ...]]] = []
-    undo = []
-
-    def wrap(m: nn.Module) -> None:
-        had = "forward" in m.__dict__
-        original = m.forward
-
-        def forward(*a: Any, **k: Any) -> Any:
-            stack.append(m)
-            try:
-                out = original(*a, **k)
-            finally:
-                stack.pop()
-            own = {int(d) for t in [*m.parameters(), *m.buffers()] for d in t.shape}
-            ok = _sizes(out) <= _sizes((a, k)) | own | {1}
-            keeps[id(m)] = keeps.get(id(m), True) and ok
-            return out
-
-        m.forward = forward  # type: ignore[method-assign]
-        undo.append(lambda: setattr(m, "forward", original) if had else delattr(m, "forward"))
+    modules = _Modules(named)
+    hits: list[_Hit] = []
 
     def on_finding(op: str, kind: str, filename: str, lineno: int) -> None:
         if op != NO_CUDA_OP:
-            hits.append((op, kind, f"{filename}:{lineno}", tuple(stack)))
+            hits.append(_Hit(op, kind, f"{filename}:{lineno}", tuple(modules.stack), modules.entered))
 
-    try:
-        for _, m in named:
-            wrap(m)
+    with modules.watching():
         check_call(fn, tuple(args), dict(kwargs), on_finding=on_finding)
-    finally:
-        for u in reversed(undo):
-            u()
-    if trial is not None and any(kind in _FAILS for _, kind, _, _ in hits):
-        hits = _met_by_capture(hits, trial())
+    if trial is not None and any(h.kind in _FAILS for h in hits):
+        with modules.watching():
+            failed = trial()
+        hits = _met_by_capture(hits, failed, modules.raised)
     paths = {id(m): p for p, m in named}
     chosen: dict[int, AutoBreak] = {}
-    for op, kind, where, around in hits:
-        module = next((m for m in reversed(around) if keeps.get(id(m), False)), None)
+    for h in hits:
+        module = next((m for m in reversed(h.around) if modules.keeps.get(id(m), False)), None)
         if module is None:
             raise CaptureError(
-                f'breaks="auto": {op} ({kind}) at {where} cannot be captured and runs outside '
-                "every submodule whose outputs keep their shapes, so there is nothing to break at; "
-                "move it into a function or module and name that in breaks=[...], or keep it out "
-                "of the graphed call"
+                f'breaks="auto": {h.op} ({h.kind}) at {h.where} cannot be captured and runs '
+                "outside every submodule whose outputs keep their shapes, so there is nothing to "
+                "break at; move it into a function or module and name that in breaks=[...], or "
+                "keep it out of the graphed call"
             )
-        if id(module) not in chosen:
-            chosen[id(module)] = AutoBreak(paths[id(module)], module, op, kind, where)
+        # (what only the capture met: every module of its class, as the next call of it fails too)
+        alike = [m for _, m in named if type(m) is type(module) and modules.keeps.get(id(m), False)] \
+            if h.kind == CAPTURE_FAILED else [module]
+        for m in alike:
+            if id(m) not in chosen:
+                chosen[id(m)] = AutoBreak(paths[id(m)], m, h.op, h.kind, h.where)
     return list(chosen.values())
 
 
@@ -123,35 +175,45 @@ def find_breaks(
 # memory). The other findings (a pinned copy, the CPU's RNG) freeze a value silently: they break
 # whether or not a capture fails.
 _FAILS = ("host-sync", "dynamic-shape", "host-to-device")
+#: the kind of a finding that only the trial capture met (an op that syncs inside its kernel)
+CAPTURE_FAILED = "capture failed"
 
 
-def _met_by_capture(hits: list[Any], failed_at: list[str] | None) -> list[Any]:
+def _met_by_capture(
+    hits: list[_Hit], failed: Failed | None, raised: tuple[tuple[nn.Module, ...], int] | None
+) -> list[_Hit]:
     """The findings a capture of the call does not pass. The check runs the call eagerly, and
     code that asks whether a capture is running (transformers' ``is_tracing`` in its mask
     functions) takes a data-dependent test there that it skips under capture: a break at it
-    would run the whole model eagerly. So a trial capture runs: where it fails (``failed_at``,
-    each frame's ``file:line``, innermost first) is a finding met for real; the findings of a
-    failing kind before it were passed, and are dropped. None: it captured whole, so no finding
-    of a failing kind is met. No frame at a finding: kept, every one."""
-    if failed_at is None:
-        return [h for h in hits if h[1] not in _FAILS]
-    for at in failed_at:
-        first = next((i for i, h in enumerate(hits) if h[2] == at), None)
-        if first is not None:
-            return [h for i, h in enumerate(hits) if i >= first or h[1] not in _FAILS]
-    return hits
+    would run the whole model eagerly. So a trial capture runs, under the same module watch.
+
+    - It captured whole (``failed`` None): no finding of a failing kind is met; dropped.
+    - It failed: the findings of a failing kind made before the failure's module call began
+      (``raised``: the modules around the error, and how many calls had begun) were passed, and
+      are dropped, unless one is at a line where it failed. When no finding is at those lines,
+      the check did not see what failed (an op that syncs inside its kernel): the failure is a
+      finding of its own, in the modules around it."""
+    if failed is None:
+        return [h for h in hits if h.kind not in _FAILS]
+    lines = set(failed.lines)
+    around, entered = raised if raised is not None else ((), 0)
+    kept = [h for h in hits if h.kind not in _FAILS or h.where in lines or h.entered >= entered]
+    if failed.lines and around and not any(h.where in lines for h in hits):
+        kept.append(_Hit(failed.message, CAPTURE_FAILED, failed.lines[0], around, entered))
+        kept.sort(key=lambda h: h.entered)
+    return kept
 
 
-def _trial(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], device: torch.device) -> list[str] | None:
+def _trial(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], device: torch.device) -> Failed | None:
     """Capture the call once (no warm-up: the check just ran it), into a pool of its own that
-    goes with the graph, and return where it failed (:func:`failed_lines`), or None when it
-    captured."""
+    goes with the graph; None when it captured."""
     try:
         captured = capture(fn, tuple(args), dict(kwargs), device=device, stream=side_stream(device),
                            pool=Pool(device), config=GraphConfig(diagnose=False), warmup=False,
                            collectives=False)
     except CaptureError as exc:
-        return failed_lines(exc)
+        lines, message = failed_lines(exc)
+        return Failed(tuple(lines), message)
     for g in captured.graphs:
         if g is not None:
             g.reset()

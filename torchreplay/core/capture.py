@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 # The package root (this file is in torchreplay/core/): frames of ours are not the user's line.
 _OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_OUR_MODELS = _OUR_DIR + "models" + os.sep
 
 
 # One side stream per device for every warm-up and capture in the process. A resource cache, not
@@ -525,15 +526,18 @@ def _capture_error(
 _CONSEQUENCE = "previous error during capture"
 
 
-def failed_lines(exc: CaptureError) -> list[str]:
-    """``file:line`` of each frame the error that failed a capture was raised in, innermost
-    first; empty when it is not known (raised by an earlier op, at the end of the capture)."""
+def failed_lines(exc: CaptureError) -> tuple[list[str], str]:
+    """``file:line`` of each of the user's frames the error that failed a capture was raised in
+    (innermost first; empty when not known: raised by an earlier op, at the end of the capture),
+    and the error's first line."""
     root = exc.__cause__
     while root is not None and _CONSEQUENCE in str(root) and isinstance(root.__context__, Exception):
         root = root.__context__
     if root is None or _CONSEQUENCE in str(root):
-        return []
-    return [f"{f.filename}:{f.lineno}" for f in reversed(traceback.extract_tb(root.__traceback__))]
+        return [], _first_line(exc)
+    frames = reversed(traceback.extract_tb(root.__traceback__))
+    return [f"{f.filename}:{f.lineno}" for f in frames if not _library(f.filename)], \
+        f"{type(root).__name__}: {_first_line(root)}"
 
 
 def _where_it_failed(report: Any, root: BaseException, first: Any) -> Any:
@@ -552,8 +556,10 @@ def _where_it_failed(report: Any, root: BaseException, first: Any) -> Any:
 
 
 def _library(filename: str) -> bool:
+    """torch's and ours (the built-in models are the user's, as for the check)."""
     path = os.path.abspath(filename)
-    return path.startswith(_TORCH_DIR) or path.startswith(_OUR_DIR) or filename.startswith("<")
+    ours = path.startswith(_OUR_DIR) and not path.startswith(_OUR_MODELS)
+    return ours or path.startswith(_TORCH_DIR) or filename.startswith("<")
 
 
 _LEGACY_STREAM = "legacy stream depend on a capturing"
