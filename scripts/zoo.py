@@ -217,11 +217,15 @@ def run_compile(name: str, build: Callable[[], Any]) -> float:
     with torch.no_grad():
         for b in [2, 2, 3, 2, 5]:
             a, kw = inputs(name, b, gen)
-            d = max(d, maxdiff(compiled(*a, **kw, **extra), model(*a, **kw, **extra)))
+            e = maxdiff(compiled(*a, **kw, **extra), model(*a, **kw, **extra))
+            print(f"    batch {b}: {e:.2e}", flush=True)
+            d = max(d, e)
+    if d > 1e-3:
+        print(tr.explain(compiled))
     return d
 
 
-def run_train(name: str, build: Callable[[], Any]) -> float:
+def run_train(name: str, build: Callable[[], Any], breaks: Any = None) -> float:
     torch.manual_seed(0)
     ref = build().to(DEV).train()
     model = copy.deepcopy(ref)
@@ -230,7 +234,10 @@ def run_train(name: str, build: Callable[[], Any]) -> float:
     if lm(name):
         kw["labels"] = kw["input_ids"]
         kw["use_cache"] = False
-    graphed = tr.make_graphed_callables(model, a, sample_kwargs=kw)
+    opts = {"breaks": breaks} if breaks is not None else {}
+    graphed = tr.make_graphed_callables(model, a, sample_kwargs=kw, **opts)
+    if breaks is not None:
+        print(tr.explain(graphed))
     d = 0.0
     for step in range(4):
         a, kw = inputs(name, B, gen)
@@ -280,6 +287,8 @@ def main() -> None:
                     d = run_infer(name, build, sizes=True)
                 elif mode == "auto":
                     d = run_infer(name, build, sizes=False, breaks="auto")
+                elif mode == "trainauto":
+                    d = run_train(name, build, breaks="auto")
                 elif mode == "compile":
                     d = run_compile(name, build)
                 else:

@@ -511,6 +511,32 @@ def test_what_code_skips_under_capture_is_neither_the_error_nor_a_break() -> Non
     assert g.stats.fallbacks == 0 and g.stats.captures == 2
 
 
+def test_hf_mixtral_auto_breaks_at_its_experts_and_graphs_the_rest() -> None:
+    """HF Mixtral in float32: the mask function's host test (skipped under capture) and the
+    experts' ``grouped_mm``, which copies to the host inside its kernel (no op the check knows).
+    Before, the capture error named the mask's line and ``breaks="auto"`` broke at the whole
+    model."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, num_local_experts=4, num_experts_per_tok=2)
+    model = transformers.MixtralForCausalLM(cfg).to(DEV).eval()
+    ids = torch.randint(0, 512, (2, 16), device=DEV)
+    with pytest.raises(tr.CaptureError, match=r"failed at \S*moe\.py:\d+ .*grouped_mm") as info:
+        tr.graph(model, ids, use_cache=False)
+    assert "masking_utils" not in str(info.value)
+    assert "would break at model.layers.0.mlp.experts" in str(info.value)  # (the suggestion)
+    g = tr.graph(model, ids, use_cache=False, breaks="auto")
+    assert [b.path for b in g.auto] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    for _ in range(10):
+        ids = torch.randint(0, 512, (2, 16), device=DEV)
+        with torch.no_grad():
+            want = model(ids, use_cache=False).logits
+        torch.testing.assert_close(g(ids, use_cache=False).logits, want, **CLOSE)
+    assert g.stats.fallbacks == 0
+
+
 def centre(x: torch.Tensor) -> torch.Tensor:
     return x - x.mean(0)  # every row reads the others: the padding rows too
 
