@@ -279,3 +279,18 @@ def test_a_parameter_a_graph_returns_is_the_calls_own_not_the_captures() -> None
         ("pool", 0), ("input", 1), ("input", 0), ("env", 5), ("input", 1), ("const", 7),
     ]
     assert len(pool_outs) == 1 and pool_outs[0] is activation
+
+
+def test_the_addresses_explain_matches_a_module_by_are_those_of_live_tensors_only() -> None:
+    """``tr.explain(torch.compile(model, backend="torchreplay"))`` finds the model's graphs by
+    the addresses of its parameters. A dropped model's graphs live on in Dynamo's cache, and the
+    allocator hands its memory to the next model: its graphs were listed as the new model's
+    (found on the GPU when the by-name test ran before the explain test)."""
+    inst = Instances([0], "fwd")
+    old = torch.nn.Parameter(torch.randn(4))
+    inst.add((old,), [old.data_ptr()])
+    at = old.data_ptr()
+    assert inst.live() == {at}
+    del old
+    gc.collect()
+    assert inst.live() == set()

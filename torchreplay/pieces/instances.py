@@ -222,9 +222,11 @@ class Instances:
                 return True
         return False
 
-    def ptrs(self) -> set[int]:
-        """Every address of every set."""
-        return {p for s in self.sets.values() for p in s.ptrs if p is not None}
+    def live(self) -> set[int]:
+        """The addresses of every watched tensor of every set that is still alive (not of those
+        freed: a dropped model's memory goes to the next one, while Dynamo's cache still holds
+        the dropped one's graphs)."""
+        return {_address(t) for s in self.sets.values() for _, ref in s.refs if (t := ref()) is not None}
 
 
 def ptrs_of(args: tuple[Any, ...], in_place: list[int]) -> list[int | None]:

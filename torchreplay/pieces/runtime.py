@@ -540,8 +540,8 @@ class PiecewiseRuntime:
         return self.pool.reserved_bytes() if self.pool is not None else 0
 
     def static_ptrs(self) -> set[int]:
-        """Where the parameters and buffers it reads in place are, for each instance it has."""
-        return self._instances.ptrs()
+        """Where the live parameters and buffers it reads in place are, of each instance it has."""
+        return self._instances.live()
 
     @property
     def instances(self) -> int:
