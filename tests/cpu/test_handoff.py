@@ -42,3 +42,25 @@ def test_host_tensors_and_other_values_are_copied() -> None:
     assert not can_hand_off(t)  # not on a CUDA device
     assert not can_hand_off(3)
     assert not can_hand_off(None)
+
+
+def test_a_piece_that_fails_to_capture_makes_its_outputs_an_eager_steps(monkeypatch) -> None:
+    """A graph after it must copy them in, as from any eager step: they are new tensors at
+    every call (GPU: tests/gpu/test_compile.py, the graph after a failed piece)."""
+    import types
+
+    from torchreplay.config import GraphConfig
+    from torchreplay.errors import CaptureError
+    from torchreplay.pieces import capturing
+
+    def fails(*a, **k):
+        raise CaptureError("capture of 'p' failed at x.py:1: Tensor.tolist ...")
+
+    monkeypatch.setattr(capturing, "capture", fails)
+    piece = _piece([0], [1, 2], True)
+    rt = types.SimpleNamespace(
+        _pieces=[piece], _handoffs={}, _inputs=(Input("x", "tensor"),), _from_eager=set(),
+        _alloc=None, device=torch.device("cpu"), _stream=None, pool=None, config=GraphConfig(),
+        _warmed=set(), strict=False, _graphable=[True], failures={}, name="g", _putback=None)
+    assert capturing.capture_piece(rt, 0, [torch.zeros(2)]) == (None, None)
+    assert rt._from_eager == {1, 2} and rt._graphable == [False] and 0 in rt.failures

@@ -227,6 +227,47 @@ def test_user_splitting_op_runs_eagerly_between_two_graphs() -> None:
     assert fast is not None and "direct_trtest_scaled_softmax" in fast.__self__.code
 
 
+@torch.library.custom_op("trtest::host_scale", mutates_args=())
+def _host_scale(x: torch.Tensor) -> torch.Tensor:
+    """Scales each row by a factor it reads on the host: its capture fails, inside the kernel
+    (the FX graph shows one op, so its piece is planned graphed)."""
+    out = torch.empty_like(x)
+    for i, up in enumerate((x[:, 0] > 0).tolist()):
+        out[i] = x[i] * (2.0 if up else 0.5)
+    return out
+
+
+@_host_scale.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _FailsBetween(_TwoBlocks):
+    def forward(self, x):
+        h = torch.ops.trtest.scaled_softmax(self.a(x))  # an eager step (a splitting op)
+        g = torch.ops.trtest.host_scale(h) * 3  # a piece planned graphed whose capture fails
+        s = torch.ops.trtest.scaled_softmax(x)  # an eager step that reads x only
+        return self.b(g) + s  # a graph that reads g, made by the failed piece
+
+
+def test_a_graph_after_a_piece_that_failed_to_capture_reads_this_calls_values() -> None:
+    """The failed piece runs eagerly at every call, its outputs in fresh memory. The graph after
+    it read them where they were at its capture: freed memory, reused (HF Mixtral with float32
+    experts gave another call's values, silently). Now it copies them in. The freed memory is
+    taken between calls, so that the old place no longer holds the right values by chance."""
+    model = _FailsBetween().to(DEV).eval()
+    c = tr.compile(model, splitting_ops=["trtest.scaled_softmax"])
+    taken = []
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = torch.randn(8, 64, device=DEV)
+            _close(c(x), model(x))
+            taken += [torch.full((8, 64), float("nan"), device=DEV) for _ in range(4)]
+    (rt,) = _runtimes(c)
+    assert [p.graphed for p in rt.program.pieces] == [True, False, True, False, True]
+    assert list(rt.failures) == [2] and rt.stats.captures == 2
+
+
 def test_a_splitting_op_that_writes_its_argument_is_called_directly_and_bumps_versions() -> None:
     # vLLM's style: the op writes an output argument (here a buffer of the model's)
     model = _WritesBuffer().to(DEV).eval()

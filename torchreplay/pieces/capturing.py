@@ -63,6 +63,10 @@ def capture_piece(rt: Any, k: int, vals: list[Any]) -> tuple[PieceGraph | None, 
             raise CaptureError(f"'{rt.name}' {piece.name}: {exc} (strict=True)") from exc
         rt._graphable[k] = False
         rt.failures[k] = str(exc)
+        # Its outputs are an eager step's from now on: a graph after it copies them in. Read
+        # where they are, they were this call's temporaries, freed and reused at the next
+        # call (HF Mixtral compiled with float32 experts: a wrong result, silently).
+        rt._from_eager.update(piece.writes)
         log.warning(
             "torchreplay: '%s' %s could not be captured and runs compiled but without a CUDA "
             "graph (counted in stats.fallbacks; strict=True raises instead): %s",
