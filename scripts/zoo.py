@@ -139,6 +139,11 @@ def vision() -> dict[str, Callable[[], Any]]:
     return out
 
 
+def all_models() -> dict[str, Callable[[], Any]]:
+    """Every model of the zoo by name (timm's, torchvision's and peft's where installed)."""
+    return {**decoders(), **encoders(), **seq2seq(), **vision()}
+
+
 def inputs(name: str, b: int, gen: torch.Generator) -> tuple[tuple, dict]:
     def ids(s: int = S) -> torch.Tensor:
         return torch.randint(0, V, (b, s), device=DEV, generator=gen)
@@ -274,7 +279,7 @@ def main() -> None:
     DTYPE = getattr(torch, args.dtype)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    models = {**decoders(), **encoders(), **seq2seq(), **vision()}
+    models = all_models()
     only = [s for s in args.only.split(",") if s]
     for name, build in models.items():
         if only and name not in only:

@@ -1,0 +1,59 @@
+"""Models nobody here wrote (``scripts/zoo.py``: HF transformers of each family, timm,
+torchvision, a peft LoRA), small and with random weights, each compared with eager over
+several calls with fresh inputs: ``tr.graph`` at one shape, ``tr.graph(sizes=)`` at sizes
+between and at the captured ones, ``tr.make_graphed_callables`` (loss and every gradient, with
+dropout on: same seeds), and training with ``breaks="auto"`` on a MoE. A handful of families
+that exercise different code (encoder-decoder, relative attention, state-space, windowed
+attention, soft-capping, LoRA adapters); ``python scripts/zoo.py`` runs all forty."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import zoo  # noqa: E402
+
+TOL = 1e-3
+MODELS = ["T5", "Bart", "Gemma2", "Phi3", "GPTNeoX", "Mamba", "DebertaV2", "ModernBert", "Swin",
+          "Llama+LoRA", "timm:efficientnet_b0"]
+
+
+@pytest.fixture(autouse=True)
+def full_fp32_matmul():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def _build(name: str):
+    build = zoo.all_models().get(name)
+    if build is None:
+        pytest.skip(f"{name}: its package is not installed here")
+    return build
+
+
+@pytest.mark.parametrize("mode", ["infer", "sizes", "train"])
+@pytest.mark.parametrize("name", MODELS)
+def test_a_model_nobody_here_wrote_matches_eager(name: str, mode: str) -> None:
+    build = _build(name)
+    if mode == "train":
+        assert zoo.run_train(name, build) <= TOL
+    else:
+        assert zoo.run_infer(name, build, sizes=mode == "sizes") <= TOL
+
+
+def test_a_moe_trains_with_auto_breaks_at_its_experts() -> None:
+    """HF Qwen2-MoE in float32: its experts' ``grouped_mm`` copies to the host inside its
+    kernel; the trial capture of ``breaks="auto"`` finds it, and the rest is graphed."""
+    assert zoo.run_train("Qwen2Moe", _build("Qwen2Moe"), breaks="auto") <= TOL
