@@ -557,3 +557,29 @@ def test_the_inputs_an_aot_graph_writes_are_found_through_views() -> None:
 
     gm = make_fx(f)(torch.randn(3, 4), torch.randn(4))
     assert written_inputs(gm) == {0}
+
+
+def test_dynamos_request_to_trace_again_goes_through_the_backend(caplog) -> None:
+    """Inductor asks Dynamo to trace again (``TensorifyScalarRestartAnalysis``) when a float
+    Dynamo made an input is not in the graph it compiles: a piece without the module's ``eps``
+    of a model compiled after one with another ``eps``. Dynamo's call of the backend lets it
+    through and makes the float a constant. Caught as an Inductor failure, the pieces after it
+    got a symbolic float Inductor could not compile ("zf33 is not defined", H200) and ran as FX
+    code. Inductor's own errors still leave the FX code, with a warning."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+
+    from torchreplay.compile.backend import _inductor_or_fx
+
+    gm = torch.fx.symbolic_trace(lambda x: x * 2)
+
+    def restart(m, ex):
+        raise TensorifyScalarRestartAnalysis
+
+    def broken(m, ex):
+        raise RuntimeError("Triton: NameError('zf33 is not defined')")
+
+    with pytest.raises(TensorifyScalarRestartAnalysis):
+        _inductor_or_fx(gm, [], "graph 0 piece 0", restart)
+    with caplog.at_level(logging.WARNING):
+        assert _inductor_or_fx(gm, [], "graph 0 piece 2", broken) == gm.forward
+    assert "Inductor could not compile graph 0 piece 2" in caplog.text

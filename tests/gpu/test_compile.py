@@ -96,6 +96,34 @@ def test_backend_by_name_matches_eager_and_replays() -> None:
             _close(compiled(x), model(x))
 
 
+class _Norm(nn.Module):
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.w = nn.Parameter(torch.randn(64))
+
+    def forward(self, x):
+        return self.w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def test_a_float_seen_with_two_values_is_a_constant_again_and_one_graphed_piece() -> None:
+    """Dynamo makes a module's float an input once it saw two values (two models' RMSNorm
+    ``eps``). Inductor then asks it to trace again with the float a constant; the backend
+    caught that request as an Inductor failure, split the graph at the float's ``.item()`` and
+    ran its pieces as FX code (H200: "zf33 is not defined"). Now the request goes through."""
+    from torchreplay.compile.backend import torchreplay_backend
+
+    for eps in (0.5, 2.0):
+        model = _Norm(eps).to(DEV)
+        c = torch.compile(model, backend=torchreplay_backend)
+        with torch.no_grad():
+            for _ in range(CALLS):
+                x = torch.randn(8, 64, device=DEV)
+                _close(c(x), model(x))
+        report = tr.explain(c)
+        assert "1 piece(s), 1 graphed, 0 eager" in report and "FX code" not in report, report
+
+
 def test_explain_of_torch_compile_with_the_backend_by_name_tells_models_apart() -> None:
     from torchreplay.compile.backend import torchreplay_backend  # what the entry point names
 

@@ -11,8 +11,19 @@ import torch
 
 __all__ = [
     "new_unbacked_symbols", "fresh_unbacked_ignored", "backed_size_oblivious", "symbol_of",
-    "fake_mode_of", "is_static_input", "dynamo_source_name", "maybe_mark_dynamic",
+    "fake_mode_of", "is_static_input", "dynamo_source_name", "maybe_mark_dynamic", "dynamo_restart",
 ]
+
+
+def dynamo_restart(exc: BaseException) -> bool:
+    """Is ``exc`` Dynamo's request to trace the frame again? Inductor raises
+    ``TensorifyScalarRestartAnalysis`` for a float Dynamo made an input (a module's ``eps`` seen
+    with two values) that it cannot take as a tensor; Dynamo's call of the backend lets it
+    through, makes the float a constant and compiles again. A backend that catches it compiles
+    a graph with a symbolic float Inductor cannot handle. False on a torch without it."""
+    exc_module = getattr(getattr(torch, "_dynamo", None), "exc", None)
+    restart = getattr(exc_module, "TensorifyScalarRestartAnalysis", None)
+    return restart is not None and isinstance(exc, restart)
 
 
 def new_unbacked_symbols(value: Any, inputs: Sequence[Any]) -> bool:

@@ -393,6 +393,8 @@ def _inductor_or_fx(
     except CacheError:
         raise
     except Exception as exc:  # Inductor's own errors: codegen, Triton compile, lowering
+        if _compat.dynamo_restart(exc):  # (for Dynamo: trace again, a float made constant)
+            raise
         log.warning(
             "torchreplay: Inductor could not compile %s (%s: %s); it runs as FX code, still "
             "captured", name, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "",
