@@ -38,3 +38,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.gpu)
         if skip is not None and item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def full_fp32_matmul():
+    """TF32 off (GEMMs and cuDNN), so fp32 results of different kernels differ only in
+    summation order; put back after. Used with ``pytest.mark.usefixtures``."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before

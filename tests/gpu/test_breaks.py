@@ -458,6 +458,17 @@ class WithItem(nn.Module):
         return self.b(self.clip(torch.relu(self.a(x))))
 
 
+def _clips_like_eager(model: nn.Module, g, calls: int) -> None:
+    """``g`` (``model`` broken at its ``clip``) equals eager over fresh inputs of other scales,
+    two segments captured, no call eager."""
+    for _ in range(calls):
+        x = torch.randn(16, H, device=DEV) * torch.rand(1, device=DEV) * 4
+        with torch.no_grad():
+            want = model(x)
+        torch.testing.assert_close(g(x), want, **CLOSE)
+    assert g.stats.fallbacks == 0 and g.stats.captures == 2
+
+
 def test_auto_breaks_at_the_item_and_explain_lists_it() -> None:
     torch.manual_seed(0)
     model = WithItem().to(DEV).eval()
@@ -466,12 +477,7 @@ def test_auto_breaks_at_the_item_and_explain_lists_it() -> None:
         tr.graph(model, x)  # the capture error says which breaks= would work
     g = tr.graph(model, x, breaks="auto")
     assert [b.path for b in g.auto] == ["clip"] and "item" in g.auto[0].op
-    for _ in range(20):
-        x = torch.randn(16, H, device=DEV) * torch.rand(1, device=DEV) * 4
-        with torch.no_grad():
-            want = model(x)
-        torch.testing.assert_close(g(x), want, **CLOSE)
-    assert g.stats.fallbacks == 0 and g.stats.captures == 2
+    _clips_like_eager(model, g, calls=20)
     text = tr.explain(g)
     assert "break 0: clip" in text and "auto: Tensor.item (host-sync) at" in text
     assert "test_breaks.py:" in text
@@ -503,12 +509,7 @@ def test_what_code_skips_under_capture_is_neither_the_error_nor_a_break() -> Non
     assert "breaks=[model.get_submodule('clip')]" in text, text
     g = tr.graph(model, x, breaks="auto")
     assert [b.path for b in g.auto] == ["clip"]
-    for _ in range(10):
-        x = torch.randn(16, H, device=DEV) * torch.rand(1, device=DEV) * 4
-        with torch.no_grad():
-            want = model(x)
-        torch.testing.assert_close(g(x), want, **CLOSE)
-    assert g.stats.fallbacks == 0 and g.stats.captures == 2
+    _clips_like_eager(model, g, calls=10)
 
 
 def test_hf_mixtral_auto_breaks_at_its_experts_and_graphs_the_rest() -> None:

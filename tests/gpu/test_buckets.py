@@ -20,6 +20,7 @@ from memory import reserved
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("full_fp32_matmul"),  # (tests/conftest.py)
 ]
 
 DEV = "cuda"
@@ -28,15 +29,6 @@ SIZES = [1, 2, 4, 8, 16, 24, 32]
 needs_checked = pytest.mark.skipif(
     not _compat.HAS_CHECKED_OUTPUTS, reason="this torch cannot mark storages stale"
 )
-
-
-@pytest.fixture(autouse=True)
-def full_fp32_matmul():
-    """TF32 off, so fp32 results of different GEMM kernels differ only in summation order."""
-    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def mlp(depth: int = 6, width: int = 256) -> nn.Module:

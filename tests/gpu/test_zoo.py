@@ -17,6 +17,7 @@ import torch
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("full_fp32_matmul"),  # (tests/conftest.py)
 ]
 
 pytest.importorskip("transformers")
@@ -26,14 +27,6 @@ import zoo  # noqa: E402
 TOL = 1e-3
 MODELS = ["T5", "Bart", "Gemma2", "Phi3", "GPTNeoX", "Mamba", "DebertaV2", "ModernBert", "Swin",
           "Llama+LoRA", "timm:efficientnet_b0"]
-
-
-@pytest.fixture(autouse=True)
-def full_fp32_matmul():
-    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def _build(name: str):
