@@ -82,8 +82,8 @@ _hooks_enabled = getattr(getattr(torch._C, "_autograd", None), "_saved_tensors_h
 
 def watch_saved(on_save: Callable[[torch.Tensor], None]) -> Any:
     """A context in which every tensor autograd saves for a backward is passed to ``on_save``
-    (detached) and saved as it is (``torch.autograd.graph.saved_tensors_hooks``); a null context where such
-    hooks are turned off (torch refuses new ones there)."""
+    (detached) and saved (``torch.autograd.graph.saved_tensors_hooks``); a null context where
+    such hooks are turned off (torch refuses new ones there)."""
     if _hooks_enabled is not None and not _hooks_enabled():
         return contextlib.nullcontext()
 

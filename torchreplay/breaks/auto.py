@@ -214,9 +214,12 @@ def _trial(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], 
     except CaptureError as exc:
         lines, message = failed_lines(exc)
         return Failed(tuple(lines), message)
-    for g in captured.graphs:
-        if g is not None:
-            g.reset()
+    graphs = [g for g in captured.graphs if g is not None]
+    del captured  # (its outputs are in the pool)
+    for g in graphs:
+        g.reset()
+    del graphs
+    torch.cuda.empty_cache()  # the pool's memory back to the device, as for any dropped graph
     return None
 
 

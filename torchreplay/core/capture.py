@@ -41,6 +41,7 @@ __all__ = [
     "Segments",
     "capture_stream",
     "capture",
+    "failed_lines",
     "side_stream",
     "on_side_stream",
     "user_frame",
