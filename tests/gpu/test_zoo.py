@@ -50,3 +50,16 @@ def test_a_moe_trains_with_auto_breaks_at_its_experts() -> None:
     """HF Qwen2-MoE in float32: its experts' ``grouped_mm`` copies to the host inside its
     kernel; the trial capture of ``breaks="auto"`` finds it, and the rest is graphed."""
     assert zoo.run_train("Qwen2Moe", _build("Qwen2Moe"), breaks="auto") <= TOL
+
+
+@pytest.mark.parametrize("mode", ["infer", "sizes", "train"])
+@pytest.mark.parametrize("name", ["Falcon", "Bloom", "GPTJ"])
+def test_models_with_host_constants_graph_whole(name: str, mode: str) -> None:
+    """HF Falcon indexes with a Python list, Bloom and GPT-J build their mask with
+    ``torch.tensor(0.0, device=...)``: copies from the host, which failed their capture until
+    fill kernels made those constants inside the graph (core/constants.py)."""
+    build = _build(name)
+    if mode == "train":
+        assert zoo.run_train(name, build) <= TOL
+    else:
+        assert zoo.run_infer(name, build, sizes=mode == "sizes") <= TOL

@@ -24,6 +24,7 @@ from torchreplay.check import NO_CUDA_OP, check_call
 from torchreplay.core.args import CallArgs, owning_module
 from torchreplay.config import GraphConfig
 from torchreplay.core.capture import capture, failed_lines, on_side_stream, side_stream
+from torchreplay.core.constants import DeviceConstants
 from torchreplay.core.pool import Pool
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.errors import CaptureError
@@ -206,9 +207,14 @@ def _met_by_capture(
 
 def _trial(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], device: torch.device) -> Failed | None:
     """Capture the call once (no warm-up: the check just ran it), into a pool of its own that
-    goes with the graph; None when it captured."""
+    goes with the graph, with host constants made by kernels (as a build whose warm-up made one
+    captures them: core/constants.py); None when it captured."""
+    def call(*a: Any, **k: Any) -> Any:
+        with DeviceConstants():
+            return fn(*a, **k)
+
     try:
-        captured = capture(fn, tuple(args), dict(kwargs), device=device, stream=side_stream(device),
+        captured = capture(call, tuple(args), dict(kwargs), device=device, stream=side_stream(device),
                            pool=Pool(device), config=GraphConfig(diagnose=False), warmup=False,
                            collectives=False)
     except CaptureError as exc:

@@ -27,6 +27,7 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.config import GraphConfig
+from torchreplay.core import constants
 from torchreplay.core.args import fn_name
 from torchreplay.core.effects import NO_EFFECTS, NoEffects, PyState
 from torchreplay.core.pool import Pool, expect_capture
@@ -312,7 +313,8 @@ def capture(
                         reset()
                     if i:  # (the first starts from it: nothing ran before, or put it back)
                         from_the_start(snapshot, python)
-                    with python.warmup(last=i == config.num_warmup_iters - 1):
+                    last = i == config.num_warmup_iters - 1
+                    with python.warmup(last=last), constants.watching(fn, on=last):
                         fn(*args, **kwargs)
                 except Exception as exc:
                     _undo(None, device, pool, snapshot, exc, python)
@@ -340,6 +342,8 @@ def capture(
                         recorder if recorder is not None else contextlib.nullcontext(),
                         python.captured(),  # (before a breakable graph's breaks are put in)
                         segmented(segments) if segmented else contextlib.nullcontext(),
+                        # (host constants made by kernels, where the warm-up made one)
+                        constants.DeviceConstants() if constants.remembered(fn) else contextlib.nullcontext(),
                     ):
                         out = fn(*args, **kwargs)
                 finally:
