@@ -189,7 +189,8 @@ _NEEDING: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _key(fn: Any) -> Any:
-    return getattr(fn, "__self__", None) or fn
+    owner = getattr(fn, "__self__", None)  # (not ``or``: a module with a length can be falsy)
+    return fn if owner is None else owner
 
 
 @contextlib.contextmanager
