@@ -40,6 +40,8 @@ CASES = {
     "index a list (Falcon)": lambda: X[..., [-2], :],
     "index a list alone": lambda: X[[1, 0, 1]],
     "index two lists": lambda: X[:, [0, 2], [1, 3]],
+    "index a list after an int": lambda: X[0, [1, 2], :],
+    "index lists in a tuple": lambda: X[[1], [2], [3]],
 }
 
 
@@ -69,6 +71,8 @@ def test_requires_grad_and_written_values() -> None:
     ("a tensor inside", lambda: torch.tensor([torch.tensor(1.0), 2.0], device="cpu")),
     ("a bool mask", lambda: X[[True, False]]),
     ("a tensor index", lambda: X[torch.tensor([0])]),
+    ("a list of lists (read as a tuple)", lambda: X[[[0, 1]]]),
+    ("a list of lists in a tuple", lambda: X[:, [[0, 1], [1, 0]]]),
     ("too many elements", lambda: torch.tensor(list(range(MAX_ELEMENTS + 1)), device="cpu")),
 ])
 def test_what_is_no_small_plain_constant_is_left_alone(name, make) -> None:

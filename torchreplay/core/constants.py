@@ -56,18 +56,10 @@ def _on(device: Any, kind: str) -> bool:
 
 
 def _index_list(idx: Any) -> bool:
-    """A list of ints used as an index (not bools: a mask's count depends on its values; not
-    floats: indexing with them fails eagerly)."""
-    return isinstance(idx, list) and _plain(idx) and all(
-        type(v) is int for v in _flat(idx))
-
-
-def _flat(data: Any) -> Iterator[Any]:
-    if isinstance(data, (list, tuple)):
-        for d in data:
-            yield from _flat(d)
-    else:
-        yield data
+    """A flat list of ints used as an index. Not bools (a mask: its count depends on its
+    values), not floats, and not a list of lists (torch reads ``x[[[0, 1]]]`` as the tuple
+    ``x[[0, 1],]``, not as one tensor index)."""
+    return isinstance(idx, list) and all(type(v) is int for v in idx)
 
 
 def made_on_device(data: Any, dtype: Any, device: Any) -> _Tensor | None:
