@@ -32,6 +32,7 @@ CASES = {
     "list": lambda: torch.tensor([1, 2, 3], device="cpu"),
     "nested, dtype": lambda: torch.tensor([[1.5, 2.5], [3.5, 4.5]], dtype=torch.float16, device="cpu"),
     "same values": lambda: torch.tensor([[7, 7], [7, 7]], device="cpu"),
+    "signed zeros": lambda: torch.tensor([0.0, -0.0], device="cpu"),
     "empty": lambda: torch.tensor([], device="cpu"),
     "as_tensor": lambda: torch.as_tensor([1, 2], device="cpu"),
     "as_tensor dtype": lambda: torch.as_tensor([1, 2], dtype=torch.float64, device="cpu"),
@@ -53,6 +54,8 @@ def test_a_host_constant_is_made_by_kernels_and_equals_eager(name: str) -> None:
     with DeviceConstants(kind="cpu"), ops:
         got = make()
     assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    if got.is_floating_point():  # (equal does not tell -0.0 from 0.0)
+        assert torch.equal(torch.signbit(got), torch.signbit(want))
     assert "aten.full" in ops.names or "aten.fill_" in ops.names or name == "empty", ops.names
 
 

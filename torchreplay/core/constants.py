@@ -69,7 +69,7 @@ def made_on_device(data: Any, dtype: Any, device: Any) -> _Tensor | None:
     if host.numel() > MAX_ELEMENTS:
         return None
     values = host.reshape(-1).tolist()
-    if len(set(values)) <= 1:
+    if len({repr(v) for v in values}) <= 1:  # (repr: -0.0 is not 0.0)
         return torch.full(host.shape, values[0] if values else 0, dtype=host.dtype, device=device)
     out = torch.empty(host.shape, dtype=host.dtype, device=device)
     flat = out.view(-1)
