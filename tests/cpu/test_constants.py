@@ -38,6 +38,7 @@ CASES = {
     "as_tensor dtype": lambda: torch.as_tensor([1, 2], dtype=torch.float64, device="cpu"),
     "new_tensor": lambda: X.new_tensor([1, 2]),
     "new_tensor dtype": lambda: X.new_tensor([1, 2], dtype=torch.int32),
+    "new_tensor dtype None": lambda: X.new_tensor([1, 2], dtype=None, device=None),
     "index a list (Falcon)": lambda: X[..., [-2], :],
     "index a list alone": lambda: X[[1, 0, 1]],
     "index two lists": lambda: X[:, [0, 2], [1, 3]],

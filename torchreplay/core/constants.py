@@ -96,12 +96,12 @@ def _rewritten(
         return tensor
     if func is _NEW_TENSOR:
         self, data = args[0], args[1] if len(args) > 1 else kwargs.get("data")
-        device = kwargs.get("device", self.device)
+        device = kwargs.get("device") or self.device  # (None: self's, as for dtype)
         if not _plain(data) or not _on(device, kind):
             return None
 
         def new_tensor() -> Any:
-            out = made_on_device(data, kwargs.get("dtype", self.dtype), device)
+            out = made_on_device(data, kwargs.get("dtype") or self.dtype, device)
             if out is None:
                 return func(*args, **kwargs)
             return out.requires_grad_() if kwargs.get("requires_grad") else out
