@@ -109,3 +109,34 @@ def test_a_warm_up_that_made_one_turns_the_mode_on_for_the_callables_later_captu
         pass
     assert constants.remembered(model) and constants.remembered(model.forward)
     assert not constants.remembered(plain)
+
+
+@pytest.mark.parametrize("name,makes", [("Falcon", True), ("Bloom", True), ("GPTJ", True), ("Llama", False), ("T5", False)])
+def test_hf_models_watch_and_mode(name: str, makes: bool) -> None:
+    """On real models (scripts/zoo.py, small, random weights): the warm-up watch flags those
+    that make a host constant (Falcon's list index, Bloom's and GPT-J's eager mask), and only
+    them; under the mode every output is what eager gives, bit for bit."""
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import zoo
+
+    torch.manual_seed(0)
+    model = zoo.all_models()[name]().eval()
+    gen = torch.Generator().manual_seed(0)
+    old, zoo.DEV = zoo.DEV, "cpu"
+    try:
+        a, kw = zoo.inputs(name, 3, gen)
+    finally:
+        zoo.DEV = old
+    kw["use_cache"] = False
+    with torch.no_grad():
+        want = model(*a, **kw)
+        with constants.watching(model, kind="cpu"):
+            model(*a, **kw)
+        with DeviceConstants(kind="cpu"):
+            got = model(*a, **kw)
+    assert constants.remembered(model) == makes
+    assert zoo.maxdiff(got, want) == 0.0
