@@ -8,6 +8,7 @@ without CUDA, they are skipped with one reason instead of failing on the first `
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -48,3 +49,24 @@ def full_fp32_matmul():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+@pytest.fixture
+def installed_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a fresh process that sees torchreplay as ``pip install`` leaves it:
+    the checkout on ``PYTHONPATH`` and package metadata declaring the entry points that
+    pyproject.toml declares (``torch_dynamo_backends``: ``backend="torchreplay"`` without an
+    import). Not installed on the GPU machines or here, the test of the entry point would
+    otherwise skip for good."""
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "pyproject.toml").read_text()
+    found = re.search(r"\[project\.entry-points\.torch_dynamo_backends\]\n((?:[^\[\n].*\n?)*)", text)
+    assert found, "pyproject.toml declares no torch_dynamo_backends entry point"
+    info = tmp_path / "torchreplay_entry_points-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torchreplay-entry-points\nVersion: 0\n")
+    lines = [ln.replace('"', "") for ln in found.group(1).splitlines() if "=" in ln and not ln.startswith("#")]
+    (info / "entry_points.txt").write_text("[torch_dynamo_backends]\n" + "\n".join(lines) + "\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env

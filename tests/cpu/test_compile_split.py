@@ -128,18 +128,20 @@ def test_compile_config_validates() -> None:
     assert not CompileConfig(restore_state=False).graph_config().restore_state
 
 
-def test_the_entry_point_resolves_in_a_fresh_process() -> None:
+def test_the_entry_point_resolves_in_a_fresh_process(installed_env) -> None:
+    """As installed (pyproject.toml's entry point as package metadata), in a process that never
+    imports torchreplay itself: the name resolves to our backend, which compiles."""
     code = (
-        "import importlib.metadata as m, sys\n"
-        "eps = [e for e in m.entry_points(group='torch_dynamo_backends') if e.name == 'torchreplay']\n"
-        "if not eps: sys.exit(3)\n"
-        "import torch._dynamo\n"
+        "import sys, torch, torch._dynamo\n"
         "assert 'torchreplay' in torch._dynamo.list_backends(), torch._dynamo.list_backends()\n"
+        "assert 'torchreplay' not in sys.modules\n"
+        "f = torch.compile(lambda x: x * 2 + 1, backend='torchreplay')\n"
+        "x = torch.randn(4)\n"
+        "torch.testing.assert_close(f(x), x * 2 + 1)\n"
+        "assert 'torchreplay.compile.backend' in sys.modules\n"
     )
-    rc = subprocess.run([sys.executable, "-c", code]).returncode
-    if rc == 3:
-        pytest.skip("torchreplay is not pip-installed here (no entry point metadata)")
-    assert rc == 0
+    run = subprocess.run([sys.executable, "-c", code], env=installed_env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def test_the_backend_on_cpu_equals_eager() -> None:
