@@ -527,11 +527,11 @@ def test_an_adopted_argument_that_requires_grad_makes_the_call_eager() -> None:
 def test_an_empty_capture_says_whether_the_work_ran_elsewhere_or_there_was_none() -> None:
     """A callable that only returns (views of) its arguments launches nothing, eagerly too: the
     empty graph's error says so instead of telling the user to move the model to the GPU."""
-    from torchreplay.core.capture import _empty_message
+    from torchreplay.core.failures import empty_message
 
     x = torch.randn(3, 4)
-    none = _empty_message(lambda x: x, (x,), {}, (x.view(-1), x[1:]), CPU)
+    none = empty_message(lambda x: x, (x,), {}, (x.view(-1), x[1:]), CPU)
     assert "returns its arguments or views of them" in none and "move" not in none
-    elsewhere = _empty_message(lambda x: x, (x,), {}, torch.ones(3), CPU)
+    elsewhere = empty_message(lambda x: x, (x,), {}, torch.ones(3), CPU)
     assert "ran on the CPU or on another device" in elsewhere
-    assert "ran on the CPU" in _empty_message(lambda: 0, (), {}, None, CPU)
+    assert "ran on the CPU" in empty_message(lambda: 0, (), {}, None, CPU)

@@ -23,8 +23,9 @@ from torchreplay import _compat
 from torchreplay.check import NO_CUDA_OP, check_call
 from torchreplay.core.args import CallArgs, owning_module
 from torchreplay.config import GraphConfig
-from torchreplay.core.capture import capture, failed_lines, on_side_stream, side_stream
+from torchreplay.core.capture import capture, on_side_stream, side_stream
 from torchreplay.core.constants import DeviceConstants
+from torchreplay.core.failures import failed_lines
 from torchreplay.core.pool import Pool
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.errors import CaptureError

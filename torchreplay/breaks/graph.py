@@ -509,6 +509,7 @@ class _Runtime(PiecewiseRuntime):
                 diagnose_fn=outside_breaks(front.fn, front._breaks),
                 collectives=front.collectives is None,  # the first capture's are agreed on
                 effects=front._python,
+                owner=front,  # (fn differs at the first size)
             )
         finally:
             self._segments = None

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 import sys
 import time
 import traceback
@@ -30,6 +29,7 @@ from torchreplay.config import GraphConfig
 from torchreplay.core import constants
 from torchreplay.core.args import fn_name
 from torchreplay.core.effects import NO_EFFECTS, NoEffects, PyState
+from torchreplay.core.failures import capture_error, empty_message, warmup_error
 from torchreplay.core.pool import Pool, expect_capture
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.writes import WriteWatch
@@ -42,21 +42,14 @@ __all__ = [
     "Segments",
     "capture_stream",
     "capture",
-    "failed_lines",
     "side_stream",
     "on_side_stream",
-    "user_frame",
     "warn_mode_changed",
     "progress",
 ]
 
 log = logging.getLogger(__name__)
 
-# (with the separator: torchvision's and torchaudio's files are the user's, not torch's)
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-# The package root (this file is in torchreplay/core/): frames of ours are not the user's line.
-_OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_OUR_MODELS = _OUR_DIR + "models" + os.sep
 
 
 # One side stream per device for every warm-up and capture in the process. A resource cache, not
@@ -120,16 +113,6 @@ def warn_mode_changed(name: str, captured_training: bool | tuple[bool, ...]) -> 
         word(captured_training),
         word(not captured_training),
     )
-
-
-def user_frame(tb: Any) -> tuple[str, int, str] | None:
-    """Return ``(filename, lineno, line)`` of the innermost traceback frame outside torch and us."""
-    found = None
-    for frame in traceback.extract_tb(tb):
-        if _library(frame.filename):
-            continue
-        found = (frame.filename, frame.lineno or 0, (frame.line or "").strip())
-    return found
 
 
 @dataclass
@@ -250,6 +233,7 @@ def capture(
     collectives: bool = True,
     effects: PyState | None = None,
     free_warmup: bool = False,
+    owner: Any = None,
 ) -> Captured:
     """Warm ``fn`` up on ``stream`` and capture one call of it into a new graph in ``pool``.
 
@@ -288,6 +272,9 @@ def capture(
             ``torch.cuda.graph`` does this before every capture; training's builds (a few
             large captures, forward and backward) ask for it, a ``sizes=`` build (hundreds of
             small ones) does not.
+        owner: what stays the same across the captures of one graph's sizes (default ``fn``;
+            a closure made per size is not): where its warm-up made a host constant on the
+            device, every capture makes them with kernels (core/constants.py).
         collectives: record the ``torch.distributed`` collectives of the captured call
             (``Captured.collectives``; only when a process group exists: a dispatch mode sees
             every op of the capture, so callers that do not use them pass False).
@@ -304,6 +291,7 @@ def capture(
     # (training passes its own StateKeeper, which finds what it needs by itself)
     running = snapshot.running() if isinstance(snapshot, StateSnapshot) else contextlib.nullcontext()
     python = effects if effects is not None else NO_EFFECTS
+    key = fn if owner is None else owner
     with on_side_stream(stream, device), grad_ctx(), running:
         if warmup:
             python.start()
@@ -314,11 +302,11 @@ def capture(
                     if i:  # (the first starts from it: nothing ran before, or put it back)
                         from_the_start(snapshot, python)
                     last = i == config.num_warmup_iters - 1
-                    with python.warmup(last=last), constants.watching(fn, on=last):
+                    with python.warmup(last=last), constants.watching(key, on=last):
                         fn(*args, **kwargs)
                 except Exception as exc:
                     _undo(None, device, pool, snapshot, exc, python)
-                    raise _warmup_error(fn, i, exc) from exc
+                    raise warmup_error(fn, i, exc) from exc
             if config.num_warmup_iters:
                 from_the_start(snapshot, python)  # (a breakable capture runs its calls for real)
             if sync:
@@ -343,7 +331,7 @@ def capture(
                         python.captured(),  # (before a breakable graph's breaks are put in)
                         segmented(segments) if segmented else contextlib.nullcontext(),
                         # (host constants made by kernels, where the warm-up made one)
-                        constants.DeviceConstants() if constants.remembered(fn) else contextlib.nullcontext(),
+                        constants.DeviceConstants() if constants.remembered(key) else contextlib.nullcontext(),
                     ):
                         out = fn(*args, **kwargs)
                 finally:
@@ -358,13 +346,13 @@ def capture(
                 raise
             try:  # (no local holds the error: its traceback holds this frame, whose locals
                 # hold the call's tensors and autograd graph until a gc pass, not a refcount)
-                raise _capture_error(fn, args, kwargs, exc, config, snapshot, diagnose_fn) from exc
+                raise capture_error(fn, args, kwargs, exc, config, snapshot, diagnose_fn) from exc
             finally:
                 python.undo()  # the diagnosis ran the call once more
         # Only the graph can tell an empty capture: an optimizer step alone has no tensor
         # argument and returns None, yet records real work on the device.
         if all(segments.empty):
-            err = CaptureError(_empty_message(fn, args, kwargs, out, device))
+            err = CaptureError(empty_message(fn, args, kwargs, out, device))
             out = None
             _undo(segments, device, pool, snapshot, err, python)
             raise err
@@ -427,15 +415,6 @@ def _undo(
         python.undo()
 
 
-def _warmup_error(fn: Callable[..., Any], i: int, exc: Exception) -> CaptureError:
-    where = user_frame(exc.__traceback__)
-    at = f" at {where[0]}:{where[1]} ({where[2]})" if where else ""
-    return CaptureError(
-        f"warm-up call {i + 1} of '{fn_name(fn)}' raised {type(exc).__name__}: "
-        f"{_first_line(exc)}{at}; it fails eagerly too: fix the call before graphing it"
-    )
-
-
 def from_the_start(snapshot: Any, python: PyState | NoEffects) -> None:
     """Before a warm-up after the first, before the capture, and after the probe of ``sizes=``
     (a breakable graph's sample call puts back its own): put back what the build's
@@ -446,137 +425,6 @@ def from_the_start(snapshot: Any, python: PyState | NoEffects) -> None:
     if isinstance(snapshot, StateSnapshot):
         snapshot.restore(rng=False)
     python.put_back_tensors()
-
-
-def _empty_message(fn: Callable[..., Any], args: Any, kwargs: Any, out: Any, device: torch.device) -> str:
-    """Why a capture recorded nothing: the work ran elsewhere, or there was none (the callable
-    returns its arguments or views of them: eagerly too it launches nothing)."""
-    given = {
-        t.untyped_storage().data_ptr() for t in _compat.tree_flatten((args, kwargs))[0]
-        if isinstance(t, torch.Tensor) and t.device == device
-    }
-    outs = [t for t in _compat.tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-    if given and outs and all(t.untyped_storage().data_ptr() in given for t in outs):
-        return (
-            f"capturing '{fn_name(fn)}' recorded no CUDA work (an empty graph): it returns its "
-            f"arguments or views of them, which launches no kernel on {device}, eagerly too. "
-            "Call it as it is: there is nothing for a graph to replay"
-        )
-    return (
-        f"capturing '{fn_name(fn)}' recorded no CUDA work (an empty graph): it ran on the CPU or "
-        f"on another device; move the module and its tensor arguments to {device} before graphing"
-    )
-
-
-def _capture_error(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    exc: Exception,
-    config: GraphConfig,
-    snapshot: StateSnapshot | None,
-    diagnose_fn: Callable[..., Any] | None = None,
-) -> CaptureError:
-    name = fn_name(fn)
-    if isinstance(exc, torch.OutOfMemoryError):
-        return CaptureError(
-            f"out of memory while capturing '{name}': {_first_line(exc)}; the capture was undone "
-            "and its memory released. Free memory, capture a smaller size, or share a pool "
-            "between graphs (pool=)"
-        )
-    # capture_end's "operation failed due to a previous error during capture" is a consequence;
-    # the error the call itself raised is its context.
-    root = exc
-    while _CONSEQUENCE in str(root) and isinstance(root.__context__, Exception):
-        root = root.__context__
-    if _LEGACY_STREAM in str(root):
-        return CaptureError(
-            f"capture of '{name}' failed: an operation made the default (legacy) stream wait for "
-            "the capturing stream. In a backward this is autograd accumulating a gradient into a "
-            "leaf tensor (a parameter) whose AccumulateGrad node was made on the default stream "
-            "by an earlier eager call whose autograd graph is still alive, e.g. the `loss` or the "
-            "outputs of the last eager step kept in a variable; fix: `del` them (or keep "
-            "`.detach()`ed copies) before graphing, or run the eager steps on a side stream "
-            f"(`with torch.cuda.stream(s):`). CUDA said: {_first_line(root)}"
-        )
-    finding = None
-    if config.diagnose:
-        from torchreplay.check import NO_CUDA_OP, diagnose  # check.py imports nothing of core/
-
-        try:
-            report = diagnose(diagnose_fn or fn, args, kwargs)
-            finding = report.first()
-        finally:
-            if snapshot is not None:
-                snapshot.restore()
-        # A backward runs its kernels on autograd's threads, which the check does not see: a
-        # "touched no CUDA tensor" finding there says nothing about why CUDA failed.
-        if finding is not None and finding.op == NO_CUDA_OP and _is_cuda_error(root):
-            finding = None
-        if finding is not None and _CONSEQUENCE not in str(root):
-            finding = _where_it_failed(report, root, finding)
-    if finding is not None:
-        return CaptureError(
-            f"capture of '{name}' failed at {finding.location} ({finding.code}): {finding.op} "
-            f"{finding.reason}; fix: {finding.fix}. CUDA said: {_first_line(root)}"
-        )
-    where = user_frame(root.__traceback__) or user_frame(exc.__traceback__)
-    at = f" at {where[0]}:{where[1]} ({where[2]})" if where else ""
-    return CaptureError(
-        f"capture of '{name}' failed{at}: {type(root).__name__}: {_first_line(root)}; run "
-        "torchreplay.check(fn, *args) to list what breaks capture"
-    )
-
-
-_CONSEQUENCE = "previous error during capture"
-
-
-def failed_lines(exc: CaptureError) -> tuple[list[str], str]:
-    """``file:line`` of each of the user's frames the error that failed a capture was raised in
-    (innermost first; empty when not known: raised by an earlier op, at the end of the capture),
-    and the error's first line."""
-    root = exc.__cause__
-    while root is not None and _CONSEQUENCE in str(root) and isinstance(root.__context__, Exception):
-        root = root.__context__
-    if root is None or _CONSEQUENCE in str(root):
-        return [], _first_line(exc)
-    frames = reversed(traceback.extract_tb(root.__traceback__))
-    return [f"{f.filename}:{f.lineno}" for f in frames if not _library(f.filename)], \
-        f"{type(root).__name__}: {_first_line(root)}"
-
-
-def _where_it_failed(report: Any, root: BaseException, first: Any) -> Any:
-    """The finding of the eager check at a line where the capture itself failed, innermost
-    frame first; ``first`` when the error was raised outside the call (no frame of the user's);
-    None when no finding is at any of its lines. The check runs eagerly, and code that asks
-    whether a capture is running (transformers' ``is_tracing``: a data-dependent test skipped
-    under capture) has findings there that the capture never met: the first of them is not
-    what failed."""
-    frames = traceback.extract_tb(root.__traceback__)
-    for frame in reversed(frames):
-        found = next((f for f in report if (f.filename, f.lineno) == (frame.filename, frame.lineno)), None)
-        if found is not None:
-            return found
-    return None if any(not _library(f.filename) for f in frames) else first
-
-
-def _library(filename: str) -> bool:
-    """torch's and ours (the built-in models are the user's, as for the check)."""
-    path = os.path.abspath(filename)
-    ours = path.startswith(_OUR_DIR) and not path.startswith(_OUR_MODELS)
-    return ours or path.startswith(_TORCH_DIR) or filename.startswith("<")
-
-
-_LEGACY_STREAM = "legacy stream depend on a capturing"
-
-
-def _is_cuda_error(exc: BaseException) -> bool:
-    return "CUDA error" in str(exc) or type(exc).__name__ == "AcceleratorError"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 @contextlib.contextmanager

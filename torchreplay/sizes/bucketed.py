@@ -275,6 +275,7 @@ class BucketedGraph:
             collectives=watch,  # the first capture's are what the ranks agree on
             effects=self._effects,
             reset=reset,
+            owner=self,  # (body is made per size)
         )
         if watch:  # the first capture: what the ranks agree on
             self._first_collectives = (captured.collectives, captured.collective_log)

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import torch
 
-from torchreplay.core.capture import user_frame
+from torchreplay.core.failures import user_frame
 from torchreplay.core.io import Inputs, conversion_fix, describe_tensor, same_constant
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
 from torchreplay.sizes.plan import InputPlan, disagreement_message
