@@ -282,7 +282,7 @@ def test_auto_drops_what_a_trial_capture_passed_and_breaks_where_it_failed() -> 
     model, x = MaskedMoE(), torch.randn(4, 8)
     with pytest.raises(CaptureError, match="nothing to break at"):
         find_breaks(model, (x,), {})
-    found = find_breaks(model, (x,), {}, trial=lambda: _trial(model, x))
+    found = find_breaks(model, (x,), {}, trial=lambda constants: _trial(model, x))
     assert [b.path for b in found] == ["experts.0", "experts.1", "gate"]
     assert found[0].kind == "capture failed" and "operation not permitted" in found[0].op
     assert "test_breaks_plan.py:" in found[0].where and found[2].kind == "host-sync"
@@ -292,7 +292,7 @@ def test_auto_drops_what_a_trial_capture_passed_and_breaks_where_it_failed() -> 
 def test_auto_with_a_trial_that_captured_whole_breaks_at_nothing_it_passed() -> None:
     model = Auto()
     x = torch.randn(10, 8)
-    assert find_breaks(model, (x,), {}, trial=lambda: None) == []
+    assert find_breaks(model, (x,), {}, trial=lambda constants: None) == []
 
 
 def test_graph_option_errors_with_breaks_come_before_any_device_work() -> None:
@@ -391,3 +391,21 @@ def test_an_object_the_model_makes_at_each_call_and_hands_a_break_is_refused():
                 same_path("M", plan, again, spec, model(h, fresh), None)
         else:
             same_path("M", plan, again, spec, model(h, fresh), None)
+
+
+def test_the_trial_makes_host_constants_with_kernels_only_where_the_check_saw_one() -> None:
+    """A trial capture under the function mode would trace a compiled region inside again: it
+    gets the mode only where the check saw a tensor made from Python data, as a build does."""
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = Gate()
+
+        def forward(self, x):
+            return self.gate(x) * torch.tensor([1.0, 2.0])
+
+    asked: list[bool] = []
+    x = torch.ones(3, 2)
+    find_breaks(Scaled(), (x,), {}, trial=lambda constants: asked.append(constants))
+    find_breaks(Auto(), (torch.randn(10, 8),), {}, trial=lambda constants: asked.append(constants))
+    assert asked == [True, False]

@@ -127,13 +127,15 @@ class _Modules:
 
 def find_breaks(
     fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
-    trial: Callable[[], Failed | None] | None = None,
+    trial: Callable[[bool], Failed | None] | None = None,
 ) -> list[AutoBreak]:
     """Run ``fn(*args, **kwargs)`` once, eagerly, under the check, and return the modules to break
     at, in the order their first finding happened (none when nothing would break capture).
 
-    ``trial``, when given, captures the call once and says where that failed (see
-    :func:`_met_by_capture`); it runs only when the check found something a capture fails at.
+    ``trial(constants)``, when given, captures the call once and says where that failed (see
+    :func:`_met_by_capture`); it runs only when the check found something a capture fails at,
+    with host constants made by kernels where the check saw one made (``lift_fresh``), as a
+    build whose warm-up saw one captures.
 
     Raises:
         CaptureError: a finding outside every submodule (in the top-level code itself).
@@ -151,7 +153,7 @@ def find_breaks(
         check_call(fn, tuple(args), dict(kwargs), on_finding=on_finding)
     if trial is not None and any(h.kind in _FAILS for h in hits):
         with modules.watching():
-            failed = trial()
+            failed = trial(any(h.op in _LIFTS for h in hits))
         hits = _met_by_capture(hits, failed, modules.raised)
     paths = {id(m): p for p, m in named}
     chosen: dict[int, AutoBreak] = {}
@@ -179,6 +181,8 @@ def find_breaks(
 _FAILS = ("host-sync", "dynamic-shape", "host-to-device")
 #: the kind of a finding that only the trial capture met (an op that syncs inside its kernel)
 CAPTURE_FAILED = "capture failed"
+# The check's name of the op that makes a tensor from Python data (core/constants.py).
+_LIFTS = ("aten.lift_fresh", "aten.lift_fresh_copy")
 
 
 def _met_by_capture(
@@ -206,12 +210,15 @@ def _met_by_capture(
     return kept
 
 
-def _trial(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], device: torch.device) -> Failed | None:
+def _trial(
+    fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], device: torch.device,
+    constants: bool,
+) -> Failed | None:
     """Capture the call once (no warm-up: the check just ran it), into a pool of its own that
-    goes with the graph, with host constants made by kernels (as a build whose warm-up made one
-    captures them: core/constants.py); None when it captured."""
+    goes with the graph, with host constants made by kernels where ``constants``
+    (core/constants.py); None when it captured."""
     def call(*a: Any, **k: Any) -> Any:
-        with DeviceConstants():
+        with DeviceConstants() if constants else contextlib.nullcontext():
             return fn(*a, **k)
 
     try:
@@ -252,7 +259,7 @@ def find_on_copies(fn: Callable[..., Any], call: CallArgs, device: torch.device)
     snapshot = StateSnapshot(module, device, find=module is None)  # a function's: as they run
     try:
         with on_side_stream(side_stream(device), device), torch.no_grad(), snapshot.running():
-            return find_breaks(fn, a, k, trial=lambda: _trial(fn, a, k, device))
+            return find_breaks(fn, a, k, trial=lambda constants: _trial(fn, a, k, device, constants))
     finally:
         snapshot.restore()
 
