@@ -409,3 +409,27 @@ def test_the_trial_makes_host_constants_with_kernels_only_where_the_check_saw_on
     find_breaks(Scaled(), (x,), {}, trial=lambda constants: asked.append(constants))
     find_breaks(Auto(), (torch.randn(10, 8),), {}, trial=lambda constants: asked.append(constants))
     assert asked == [True, False]
+
+
+def test_what_only_the_capture_met_in_a_torch_container_breaks_at_that_one() -> None:
+    """Every module of the failing one's class breaks, but not every ``nn.Sequential``: here the
+    innermost module around the failure whose outputs keep their shapes is one."""
+    class Narrow(nn.Module):  # fails only under capture; its 3 columns are no size of its inputs
+        def forward(self, x):
+            if _CAPTURING[0]:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return x[:, :3]
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Sequential(nn.Linear(8, 8))
+            self.b = nn.Sequential(nn.Linear(8, 8), Narrow(), nn.Linear(3, 8))
+            self.gate = Gate()
+
+        def forward(self, x):
+            return self.gate(self.b(self.a(x)))
+
+    model, x = Wrapped(), torch.randn(4, 8)
+    found = find_breaks(model, (x,), {}, trial=lambda constants: _trial(model, x))
+    assert [b.path for b in found] == ["b", "gate"]

@@ -166,9 +166,10 @@ def find_breaks(
                 "break at; move it into a function or module and name that in breaks=[...], or "
                 "keep it out of the graphed call"
             )
-        # (what only the capture met: every module of its class, as the next call of it fails too)
+        # What only the capture met: every module of its class, as the next call of it fails too
+        # (not of torch's own containers and layers, which any model has many of).
         alike = [m for _, m in named if type(m) is type(module) and modules.keeps.get(id(m), False)] \
-            if h.kind == CAPTURE_FAILED else [module]
+            if h.kind == CAPTURE_FAILED and not type(module).__module__.startswith("torch.") else [module]
         for m in alike:
             if id(m) not in chosen:
                 chosen[id(m)] = AutoBreak(paths[id(m)], m, h.op, h.kind, h.where)
