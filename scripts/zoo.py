@@ -6,12 +6,14 @@ Prints one line per model and mode: ``ok`` with the largest difference, ``DIFF``
 tolerance), ``refused`` (a TorchReplayError, its first line) or ``ERROR`` (anything else: a bug).
 Not a test (it never fails); what it finds becomes one.
 
-Usage (on a CUDA machine): ``PYTHONPATH=. python scripts/zoo.py [--only NAME,NAME] [--modes infer,sizes,train,auto]``
+Usage (on a CUDA machine): ``PYTHONPATH=. python scripts/zoo.py [--only NAME,NAME]
+[--modes infer,sizes,train,auto,trainauto,compile] [--dtype bfloat16] [--json PATH]``
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import traceback
 from typing import Any, Callable
 
@@ -268,47 +270,56 @@ def run_train(name: str, build: Callable[[], Any], breaks: Any = None) -> float:
     return d
 
 
+MODES: dict[str, Callable[[str, Callable[[], Any]], float]] = {
+    "infer": lambda n, b: run_infer(n, b, sizes=False),
+    "sizes": lambda n, b: run_infer(n, b, sizes=True),
+    "auto": lambda n, b: run_infer(n, b, sizes=False, breaks="auto"),
+    "train": run_train,
+    "trainauto": lambda n, b: run_train(n, b, breaks="auto"),
+    "compile": lambda n, b: run_compile(n, b),
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--only", default="")
-    p.add_argument("--modes", default="infer,sizes,train")
+    p.add_argument("--modes", default="infer,sizes,train", help=",".join(MODES))
     p.add_argument("--tol", type=float, default=1e-3)
     p.add_argument("--dtype", default="float32", help="inference modes only")
+    p.add_argument("--json", default="", help="also write every result to this file")
     args = p.parse_args()
     global DTYPE
     DTYPE = getattr(torch, args.dtype)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    models = all_models()
     only = [s for s in args.only.split(",") if s]
-    for name, build in models.items():
+    results = []
+    for name, build in all_models().items():
         if only and name not in only:
             continue
         for mode in args.modes.split(","):
+            row: dict[str, Any] = {"model": name, "mode": mode}
             try:
-                if mode == "infer":
-                    d = run_infer(name, build, sizes=False)
-                elif mode == "sizes":
-                    d = run_infer(name, build, sizes=True)
-                elif mode == "auto":
-                    d = run_infer(name, build, sizes=False, breaks="auto")
-                elif mode == "trainauto":
-                    d = run_train(name, build, breaks="auto")
-                elif mode == "compile":
-                    d = run_compile(name, build)
-                else:
-                    d = run_train(name, build)
-                word = "ok" if d <= args.tol else "DIFF"
-                print(f"{name:24s} {mode:6s} {word:7s} {d:.2e}", flush=True)
+                d = MODES[mode](name, build)
+                row.update(result="ok" if d <= args.tol else "DIFF", diff=d)
+                print(f"{name:24s} {mode:6s} {row['result']:7s} {d:.2e}", flush=True)
             except tr.errors.TorchReplayError as e:
                 first = str(e).strip().splitlines()[0][:220]
-                print(f"{name:24s} {mode:6s} refused {type(e).__name__}: {first}", flush=True)
+                row.update(result="refused", error=f"{type(e).__name__}: {first}")
+                print(f"{name:24s} {mode:6s} refused {row['error']}", flush=True)
             except Exception as e:  # noqa: BLE001 - a bug to report
-                print(f"{name:24s} {mode:6s} ERROR   {type(e).__name__}: {str(e)[:300]}", flush=True)
+                row.update(result="ERROR", error=f"{type(e).__name__}: {str(e)[:300]}")
+                print(f"{name:24s} {mode:6s} ERROR   {row['error']}", flush=True)
                 tb = traceback.format_exc().splitlines()
                 print("    " + "\n    ".join(tb[-8:]), flush=True)
+            results.append(row)
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+    counts = {k: sum(r["result"] == k for r in results) for k in ("ok", "refused", "DIFF", "ERROR")}
+    print("summary:", ", ".join(f"{v} {k}" for k, v in counts.items()), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "dtype": args.dtype, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":
