@@ -535,3 +535,27 @@ def test_an_empty_capture_says_whether_the_work_ran_elsewhere_or_there_was_none(
     elsewhere = empty_message(lambda x: x, (x,), {}, torch.ones(3), CPU)
     assert "ran on the CPU or on another device" in elsewhere
     assert "ran on the CPU" in empty_message(lambda: 0, (), {}, None, CPU)
+
+
+def test_an_output_object_holding_graph_tensors_is_refused_with_the_fix() -> None:
+    """A decoder called with use_cache=True and no cache makes a DynamicCache at each call and
+    returns it: a graph would hand out the capture's object every time, its tensors overwritten
+    by the next replay, unchecked. Tensors, pytrees and objects holding other tensors pass."""
+    from torchreplay.core.graphed import refuse_objects_holding_graph_tensors as refuse
+
+    class Cache:
+        def __init__(self, keys):
+            self.layers = [{"keys": keys}]
+
+    made, state = torch.ones(2), torch.zeros(2)
+    owned = lambda t: t is made  # noqa: E731
+    refuse((made, [made], {"a": made}, None, 3, "s", torch.float32), owned, "step")
+    refuse((made, Cache(state)), owned, "step")
+    with pytest.raises(CaptureError, match=r"'step' returns a Cache \(output 1\) that holds a tensor the graph made \(output 1\.layers\[0\]\['keys'\]\).*use_cache=False"):
+        refuse((made, Cache(made)), owned, "step")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, vocab_size=50)
+    out = transformers.LlamaForCausalLM(cfg).eval()(torch.randint(0, 50, (1, 4)))
+    with pytest.raises(CaptureError, match=r"returns a DynamicCache .*layers\[0\]\.(keys|values)"):
+        refuse(out, lambda t: True, "LlamaForCausalLM")

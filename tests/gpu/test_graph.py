@@ -561,6 +561,47 @@ def test_registered_dataclass_argument() -> None:
         g(Batch(x, 3.0))
 
 
+@dataclasses.dataclass
+class Result:  # (not registered as a pytree node)
+    y: torch.Tensor
+
+
+@pytest.mark.skipif(not _HAS_REGISTER_DATACLASS, reason="this torch has no register_dataclass")
+def test_an_output_object_holding_the_graphs_tensors_is_refused_and_a_registered_one_is_new_each_call() -> None:
+    """Not a pytree, the object is one leaf: every replay would hand out the capture's object,
+    its tensor overwritten by the next call, unchecked. Registered, each call gets a new one
+    whose tensor is checked."""
+    with pytest.raises(tr.CaptureError, match=r"returns a Result \(output 0\) .*output 0\.y.*register_dataclass"):
+        tr.graph(lambda x: Result(x * 2), torch.randn(3, device=DEV))
+
+    @dataclasses.dataclass
+    class Registered:
+        y: torch.Tensor
+
+    torch.utils._pytree.register_dataclass(Registered)
+    g = tr.graph(lambda x: Registered(x * 2), torch.randn(3, device=DEV))
+    x1, x2 = torch.randn(3, device=DEV), torch.randn(3, device=DEV)
+    r1 = g(x1)
+    r2 = g(x2)
+    assert r1 is not r2 and torch.equal(r2.y, x2 * 2)
+    with pytest.raises(RuntimeError, match="StaleOutputError"):
+        r1.y.sum()
+
+
+def test_an_hf_decoder_with_its_default_cache_is_refused_naming_use_cache() -> None:
+    """``model(ids)`` makes a DynamicCache at every call and returns it."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    model = transformers.LlamaForCausalLM(cfg).to(DEV).eval()
+    ids = torch.randint(0, 256, (2, 8), device=DEV)
+    with torch.no_grad(), pytest.raises(tr.CaptureError, match=r"DynamicCache.*use_cache=False"):
+        tr.graph(model, ids)
+    g = tr.graph(model, ids, use_cache=False)
+    with torch.no_grad():
+        torch.testing.assert_close(g(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
+
+
 def test_line_helper_finds_markers() -> None:
     assert linecache.getline(__file__, line_of("# capture-breaks-here")).strip().endswith(
         "# capture-breaks-here"

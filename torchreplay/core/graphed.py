@@ -22,6 +22,7 @@ from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.rewind import Rewind
 from torchreplay.core.pool import Pool, release_with
+from torchreplay.core.pystate import path_of, state_tensors, walk_state
 from torchreplay.core.threads import Callers, get_ident, outputs_to_clones
 from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import CaptureError
@@ -33,7 +34,10 @@ _cuda_autocast = _compat.cuda_autocast
 _dispatch_modes = _compat.dispatch_modes
 _Handles = _compat.hook_handles_made  # its next_id counts every hook handle torch made
 
-__all__ = ["Graphed", "owned_by", "refuse_static_written_outputs", "resolve_config", "resolve_pool"]
+__all__ = [
+    "Graphed", "owned_by", "refuse_objects_holding_graph_tensors", "refuse_static_written_outputs",
+    "resolve_config", "resolve_pool",
+]
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +121,11 @@ class Graphed:
         self._inputs.check_aliasing(call.leaves, where="capture")
         del call  # it holds the caller's sample tensors
         refuse_static_written_outputs(self._inputs, captured.out, config.outputs, self.name)
+        owned = owned_by(self.pool, self._inputs)
+        refuse_objects_holding_graph_tensors(captured.out, owned, self.name)
         self._writes = bool(self._inputs.written)
         self._outputs = Outputs(
-            captured.out, config.outputs, self.name, owned_by(self.pool, self._inputs), reuse=True,
+            captured.out, config.outputs, self.name, owned, reuse=True,
             inputs=[s.static for s in self._inputs.slots],  # an argument returned: the caller's
         )
         self.stats.captures = 1
@@ -244,6 +250,32 @@ def refuse_static_written_outputs(inputs: Inputs, out: Any, policy: str, name: s
                     "graph can only return its static copy, which differs from the caller's "
                     "tensor after later writes. Use outputs='checked' (the default) or "
                     "'clone', or return a new tensor (x.clone())"
+                )
+
+
+_PLAIN_OUTPUTS = (str, bytes, int, float, bool, complex, torch.dtype, torch.device, torch.Size, type(None))
+
+
+def refuse_objects_holding_graph_tensors(out: Any, owned: Callable[[torch.Tensor], bool], name: str) -> None:
+    """An output that is an object holding tensors the graph made (not a pytree: HF's
+    ``DynamicCache``, which a decoder makes anew at each call with ``use_cache=True`` and no
+    cache passed in). A replay hands out that same object at every call, its tensors in the
+    graph's memory: the next call overwrites them with no ``StaleOutputError`` (they are not
+    outputs the policy sees), and a caller that grows the object (the next decode step) leaves
+    it holding other tensors than the graph writes. Refused, with the fix."""
+    for k, leaf in enumerate(_compat.tree_flatten(out)[0]):
+        if isinstance(leaf, (torch.Tensor, *_PLAIN_OUTPUTS)):
+            continue
+        for node, key, t in state_tensors(walk_state([(f"output {k}", leaf)], [], name)):
+            if owned(t):
+                raise CaptureError(
+                    f"'{name}' returns a {type(leaf).__name__} (output {k}) that holds a tensor the "
+                    f"graph made ({path_of(node, key)}): every replay would hand out this same "
+                    "object, its tensors overwritten by the next call, unchecked. Return tensors "
+                    "or a pytree of them: register the class as a pytree node "
+                    "(torch.utils._pytree.register_dataclass for a dataclass), and each call "
+                    "hands out a new one, checked. For an HF model, pass use_cache=False (or a "
+                    "cache you pass in and keep, such as a StaticCache)"
                 )
 
 
