@@ -508,8 +508,7 @@ class _Runtime(PiecewiseRuntime):
                 reset=reset, segmented=segmented,
                 diagnose_fn=outside_breaks(front.fn, front._breaks),
                 collectives=front.collectives is None,  # the first capture's are agreed on
-                effects=front._python,
-                owner=front,  # (fn differs at the first size)
+                effects=front._python, owner=front,  # (owner: fn differs at the first size)
             )
         finally:
             self._segments = None
