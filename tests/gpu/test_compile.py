@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import torchreplay as tr
 from torchreplay.models.blocks import ResidualBlock
+from torchreplay.pieces.handoff import MISSES
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -88,15 +89,17 @@ def _runtimes(c: tr.Compiled) -> list:
 def test_backend_by_name_matches_eager_and_replays(installed_env) -> None:
     """``backend="torchreplay"`` in a fresh process that never imports torchreplay, which sees
     it as installed (the entry point as package metadata: tests/conftest.py). It skipped where
-    torchreplay was not pip-installed, as on the GPU machines: it had run once before this."""
+    torchreplay was not pip-installed, as on the GPU machines: it had run once before this.
+    Torch resolves a backend's name in ``torch.compile`` itself: the entry point imports
+    torchreplay there, not before."""
     import subprocess
     import sys
 
     code = (
         "import sys, torch, torch.nn as nn\n"
         "model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.GELU())]).cuda().eval()\n"
-        "compiled = torch.compile(model, backend='torchreplay')\n"
         "assert 'torchreplay' not in sys.modules\n"
+        "compiled = torch.compile(model, backend='torchreplay')  # torch loads the entry point\n"
         "with torch.no_grad():\n"
         f"    for _ in range({CALLS}):\n"
         "        x = torch.randn(8, 64, device='cuda')\n"
@@ -306,7 +309,13 @@ def test_a_graph_after_a_piece_that_failed_to_capture_reads_this_calls_values() 
             taken += [torch.full((8, 64), float("nan"), device=DEV) for _ in range(4)]
     (rt,) = _runtimes(c)
     assert [p.graphed for p in rt.program.pieces] == [True, False, True, False, True]
-    assert list(rt.failures) == [2] and rt.stats.captures == 2
+    assert list(rt.failures) == [2] and rt.stats.replays == CALLS
+    # The eager steps around the failed piece hand their outputs to the graphs in place
+    # (pieces/handoff.py). Where the allocator placed them elsewhere than at capture (seen after
+    # other tests in one process, not alone), at most MISSES calls ran on ungraphed, counted,
+    # before the graphs were captured once more with buffers of their own.
+    moved = rt.stats.fallbacks - CALLS  # (the failed piece counts once per call)
+    assert moved in (0, MISSES) and rt.stats.captures == (2 if moved == 0 else 4), rt.fallback_reasons
 
 
 def test_a_splitting_op_that_writes_its_argument_is_called_directly_and_bumps_versions() -> None:
