@@ -5,6 +5,7 @@ backend on CPU tensors equals eager."""
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 
@@ -142,6 +143,27 @@ def test_the_entry_point_resolves_in_a_fresh_process(installed_env) -> None:
     )
     run = subprocess.run([sys.executable, "-c", code], env=installed_env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_torch_compile_hands_options_and_mode_to_the_backend_by_name(caplog) -> None:
+    """``torch.compile(model, backend="torchreplay", options={...})`` (the documented form):
+    torch passes ``options=`` as one keyword, which the backend once took for an option's name
+    (a TypeError at the first call). A mode or an option it does not have is named."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x * 2 + 1, backend="torchreplay", options={"inductor": False})
+    x = torch.randn(4)
+    with caplog.at_level(logging.INFO, logger="torchreplay"):
+        torch.testing.assert_close(f(x), x * 2 + 1)
+    assert "compiled as FX code" in caplog.text, caplog.text  # inductor=False reached it
+    for how, message in [
+        (dict(mode="max-autotune"), "no mode 'max-autotune'"),
+        (dict(options={"sizez": [1, 2]}), "no option 'sizez'; its options (torchreplay.CompileConfig): "),
+    ]:
+        torch._dynamo.reset()
+        g = torch.compile(lambda x: x - 1, backend="torchreplay", **how)
+        with pytest.raises(Exception, match=re.escape(message)):
+            g(x)
+    torch._dynamo.reset()
 
 
 def test_the_backend_on_cpu_equals_eager() -> None:

@@ -231,15 +231,39 @@ def _open_cache(cfg: CompileConfig) -> CompileCache | None:
 _BY_NAME: list[weakref.ReferenceType[PiecewiseRuntime]] = []
 
 
-def torchreplay_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options: Any) -> Any:
+def torchreplay_backend(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    options: dict[str, Any] | None = None,
+    mode: str | None = None,
+    **kwargs: Any,
+) -> Any:
     """The ``torchreplay`` backend of ``torch.compile`` (the ``torch_dynamo_backends`` entry
     point): ``torch.compile(model, backend="torchreplay", options={"sizes": [1, 2, 4]})``.
+    Torch hands ``options`` (and ``mode``) over as they are; the options may also come as
+    keywords (``functools.partial(torchreplay_backend, sizes=[1, 2, 4])``). There is no mode:
+    every mode of ours captures CUDA graphs.
 
     Each Dynamo graph gets a backend (and a pool) of its own: nothing tells this function which
     model a graph belongs to, and a pool shared between two models would mark one model's
     outputs stale when the other replays. ``tr.compile`` shares one pool across the graphs of
     one model."""
-    backend = Backend(CompileConfig(**options))
+    if mode not in (None, "default"):
+        raise ValueError(
+            f"backend='torchreplay' has no mode {mode!r}: it always runs Inductor's code as CUDA "
+            "graphs. Leave mode out and pass its options as options={...} "
+            "(torchreplay.CompileConfig names them)"
+        )
+    given = {**(options or {}), **kwargs}
+    known = {f.name for f in dataclasses.fields(CompileConfig)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(
+            f"backend='torchreplay' has no option {', '.join(map(repr, unknown))}; its options "
+            f"(torchreplay.CompileConfig): {', '.join(sorted(known))}"
+        )
+    backend = Backend(CompileConfig(**given))
     out = backend(gm, example_inputs)
     _BY_NAME[:] = [r for r in _BY_NAME if r() is not None] + backend._runtimes
     return out
