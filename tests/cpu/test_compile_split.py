@@ -166,6 +166,35 @@ def test_torch_compile_hands_options_and_mode_to_the_backend_by_name(caplog) -> 
     torch._dynamo.reset()
 
 
+class _Drop(torch.nn.Module):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.drop = torch.nn.Dropout(p)
+
+    def forward(self, x):
+        return self.drop(self.lin(x))
+
+
+def test_a_float_dynamo_made_an_input_is_compiled_by_inductor(caplog) -> None:
+    """Two models whose ``nn.Dropout`` differ in ``p`` (HF ALBERT then DistilBERT in one
+    process): Dynamo makes ``p`` of the second a 0-dim tensor input with an ``.item()``. Its
+    traced value is of another fake mode than the compile's; AOT autograd made a fake of it
+    anew that no longer knew the ``.item()``, and Inductor failed (the graph ran as FX code,
+    without Inductor's kernels). Now Inductor compiles it, as with Dynamo's own backend."""
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        for p in (0.0, 0.1):
+            model = _Drop(p).eval()
+            c = torch.compile(model, backend="torchreplay")
+            with torch.no_grad():
+                for _ in range(2):
+                    x = torch.randn(4, 8)
+                    torch.testing.assert_close(c(x), model(x))
+    torch._dynamo.reset()
+    assert "could not compile" not in caplog.text, caplog.text
+
+
 def test_the_backend_on_cpu_equals_eager() -> None:
     torch._dynamo.reset()
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))

@@ -1379,3 +1379,33 @@ def test_a_written_cache_is_held_twice_not_three_times_at_the_first_call() -> No
                     assert _same_rows(model.cache, ref.cache)
         assert _same_rows(model.cache, ref.cache)
         assert sum(rt.stats.replays for rt in _runtimes(c)) >= 7
+
+
+class _Drop(nn.Module):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.a = _mlp()
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return self.drop(self.a(x)) * 2
+
+
+def test_a_float_dynamo_made_an_input_is_compiled_by_inductor_and_replays(caplog) -> None:
+    """The second of two models that differ in a dropout's ``p`` (HF ALBERT then DistilBERT
+    in one process): Dynamo made ``p`` an input with an ``.item()``, and Inductor failed on it
+    (the graph ran as FX code, without its kernels). Now it is compiled, equal to eager, and
+    replays."""
+    from torchreplay.compile.backend import torchreplay_backend
+
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        for p in (0.0, 0.1):
+            model = _Drop(p).to(DEV).eval()
+            c = torch.compile(model, backend=torchreplay_backend)
+            with torch.no_grad():
+                for _ in range(CALLS):
+                    x = torch.randn(8, 64, device=DEV)
+                    _close(c(x), model(x))
+    assert "could not compile" not in caplog.text, caplog.text
+    report = tr.explain(c)
+    assert "fallbacks=0" in report and (f"replays={CALLS - 1}" in report or f"replays={CALLS}" in report), report

@@ -546,11 +546,11 @@ from torchreplay._compat.ops import (  # noqa: E402  (a custom op's kernel and s
 __all__ += ["argument_kinds", "compiled_module", "compiled_target", "custom_op_kernel", "eval_frame_callback",
             "higher_order", "modes_active", "plain_value", "static_address", "without_dynamo_guard"]
 from torchreplay._compat.shapes import (  # noqa: E402  (Dynamo's symbolic shapes and graph inputs)
-    backed_size_oblivious, dynamo_restart, dynamo_source_name, fake_mode_of, fresh_unbacked_ignored,
+    adopt_scalar_fakes, backed_size_oblivious, dynamo_restart, dynamo_source_name, fake_mode_of, fresh_unbacked_ignored,
     is_static_input, maybe_mark_dynamic, new_unbacked_symbols, symbol_of,
 )
 
-__all__ += ["backed_size_oblivious", "dynamo_restart", "dynamo_source_name", "fake_mode_of", "fresh_unbacked_ignored",
+__all__ += ["adopt_scalar_fakes", "backed_size_oblivious", "dynamo_restart", "dynamo_source_name", "fake_mode_of", "fresh_unbacked_ignored",
             "is_static_input", "maybe_mark_dynamic", "new_unbacked_symbols", "symbol_of"]
 from torchreplay._compat.streams import current_stream  # noqa: E402
 from torchreplay._compat.mempool import PrivateAllocations, private_allocations  # noqa: E402  (a private pool)

@@ -10,6 +10,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 __all__ = [
+    "adopt_scalar_fakes",
     "new_unbacked_symbols", "fresh_unbacked_ignored", "backed_size_oblivious", "symbol_of",
     "fake_mode_of", "is_static_input", "dynamo_source_name", "maybe_mark_dynamic", "dynamo_restart",
 ]
@@ -24,6 +25,37 @@ def dynamo_restart(exc: BaseException) -> bool:
     exc_module = getattr(getattr(torch, "_dynamo", None), "exc", None)
     restart = getattr(exc_module, "TensorifyScalarRestartAnalysis", None)
     return restart is not None and isinstance(exc, restart)
+
+
+def adopt_scalar_fakes(placeholders: Sequence[Any], example_inputs: Sequence[Any]) -> int:
+    """Give each graph input that Dynamo made of a Python float (a 0-dim tensor whose traced
+    value knows its ``.item()``: a module's ``dropout`` ``p`` or ``eps`` seen with two values)
+    the fake tensor of the tracing context's fake mode. Its ``example_value`` is of another
+    mode; AOT autograd makes a fake of it anew in its own, which no longer knows the
+    ``.item()``, and Inductor fails with ``DataDependentOutputException`` (the graph then ran
+    as FX code). From the real input, the context's mode gives back the fake Dynamo traced,
+    which knows it: Inductor then asks Dynamo to make the float a constant, as with its own
+    backend. Returns how many it changed; 0 outside a ``torch.compile`` or on a torch
+    without these (private) names."""
+    context = getattr(torch._guards, "TracingContext", None)
+    context = context.try_get() if context is not None else None
+    mode = getattr(context, "fake_mode", None)
+    if mode is None:
+        return 0
+    changed = 0
+    for p, real in zip(placeholders, example_inputs):
+        value = p.meta.get("example_value")
+        if (
+            isinstance(real, torch.Tensor) and real.dim() == 0 and real.is_floating_point()
+            and getattr(value, "item_memo", None) is not None
+            and getattr(value, "fake_mode", mode) is not mode
+            and not isinstance(real, torch._subclasses.FakeTensor)
+        ):
+            ours = mode.from_tensor(real)
+            if getattr(ours, "item_memo", None) is not None:
+                p.meta["example_value"] = ours
+                changed += 1
+    return changed
 
 
 def new_unbacked_symbols(value: Any, inputs: Sequence[Any]) -> bool:

@@ -78,6 +78,8 @@ class Backend:
         self.compiles += 1
         name = f"graph {self.compiles - 1}"
         cfg = self.config
+        # (a float Dynamo made an input: Inductor ran it as FX code, not as Dynamo's own backend)
+        _compat.adopt_scalar_fakes([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs)
         if not any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
             log.info(
                 "torchreplay: %s has no CUDA tensor input; compiled %s, without CUDA graphs",
