@@ -7,7 +7,7 @@ tolerance), ``refused`` (a TorchReplayError, its first line) or ``ERROR`` (anyth
 Not a test (it never fails); what it finds becomes one.
 
 Usage (on a CUDA machine): ``PYTHONPATH=. python scripts/zoo.py [--only NAME,NAME]
-[--modes infer,sizes,train,auto,trainauto,compile] [--dtype bfloat16] [--json PATH]``
+[--modes infer,sizes,train,auto,trainauto,compile,compilesizes,compiletrain] [--dtype bfloat16] [--json PATH]``
 """
 from __future__ import annotations
 
@@ -214,12 +214,15 @@ def run_infer(name: str, build: Callable[[], Any], sizes: bool, breaks: Any = No
     return d
 
 
-def run_compile(name: str, build: Callable[[], Any]) -> float:
+def run_compile(name: str, build: Callable[[], Any], sizes: bool = False) -> float:
+    """``torch.compile(backend="torchreplay")`` against eager at batches 2, 2, 3, 2, 5 (with
+    ``sizes``: ``options={"sizes": [1, 2, 4, 8]}``, the batches padded)."""
     torch.manual_seed(0)
     model = build().to(DEV).eval()
     gen = torch.Generator(DEV).manual_seed(1)
     extra = {"use_cache": False} if lm(name) or name in seq2seq() else {}
-    compiled = torch.compile(model, backend="torchreplay")
+    options = {"options": {"sizes": [1, 2, 4, 8]}} if sizes else {}
+    compiled = torch.compile(model, backend="torchreplay", **options)
     d = 0.0
     with torch.no_grad():
         for b in [2, 2, 3, 2, 5]:
@@ -232,9 +235,13 @@ def run_compile(name: str, build: Callable[[], Any]) -> float:
     return d
 
 
-def run_train(name: str, build: Callable[[], Any], breaks: Any = None, report: list[str] | None = None) -> float:
+def run_train(
+    name: str, build: Callable[[], Any], breaks: Any = None, report: list[str] | None = None,
+    compiled: bool = False,
+) -> float:
     """The largest difference from eager of the loss and every gradient over 4 steps;
-    ``report`` gets ``tr.explain`` of the graphed model where breaks are given."""
+    ``report`` gets ``tr.explain`` of the graphed model where breaks are given; ``compiled``:
+    ``torch.compile(backend="torchreplay")`` in place of ``tr.make_graphed_callables``."""
     torch.manual_seed(0)
     ref = build().to(DEV).train()
     model = copy.deepcopy(ref)
@@ -244,7 +251,11 @@ def run_train(name: str, build: Callable[[], Any], breaks: Any = None, report: l
         kw["labels"] = kw["input_ids"]
         kw["use_cache"] = False
     opts = {"breaks": breaks} if breaks is not None else {}
-    graphed = tr.make_graphed_callables(model, a, sample_kwargs=kw, **opts)
+    if compiled:  # (Inductor's own dropout draws other numbers than eager's: the same here)
+        torch._inductor.config.fallback_random = True
+        graphed = torch.compile(model, backend="torchreplay")
+    else:
+        graphed = tr.make_graphed_callables(model, a, sample_kwargs=kw, **opts)
     if breaks is not None:
         text = tr.explain(graphed)
         print(text)
@@ -282,6 +293,8 @@ MODES: dict[str, Callable[[str, Callable[[], Any]], float]] = {
     "train": run_train,
     "trainauto": lambda n, b: run_train(n, b, breaks="auto"),
     "compile": lambda n, b: run_compile(n, b),
+    "compilesizes": lambda n, b: run_compile(n, b, sizes=True),
+    "compiletrain": lambda n, b: run_train(n, b, compiled=True),
 }
 
 
