@@ -341,6 +341,59 @@ def test_the_padded_dimension_is_found_past_a_closure_weight() -> None:
     assert ("tensor", 0) in inputs and ("tensor", None) in inputs, inputs  # x padded, w not
 
 
+def test_an_input_with_a_symbol_of_its_own_and_as_many_rows_is_padded_alongside() -> None:
+    """HF BERT's ``attention_mask`` next to its ``input_ids``: Dynamo, tracing again after a
+    new batch size, gives each a symbol of its own. Only the ids were padded, so every captured
+    size indexed the mask by the padded rows: a device-side assert (the zoo's ``compilesizes``
+    mode, on an H200). Both are padded now, and their sizes given as ints too; a call whose rows
+    differ between them runs ungraphed, named."""
+    from types import SimpleNamespace
+
+    from torchreplay.compile.backend import build_program
+    from torchreplay.pieces.runtime import PiecewiseRuntime
+
+    emb = torch.randn(16, 4)
+    found = []
+
+    def f(ids, mask):
+        return emb[ids] * mask[torch.arange(ids.shape[0])][:, :, None]
+
+    def backend(gm, example_inputs):
+        program, _, sized = build_program(gm, example_inputs, CompileConfig(sizes=(1, 2, 4, 8)),
+                                          torch.device("cpu"), None)
+        found.append((sized, program.inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        c = torch.compile(f, backend=backend)
+        for b in (2, 3):  # the second traces both dimensions dynamic, one symbol each
+            ids, mask = torch.randint(0, 16, (b, 5)), torch.rand(b, 5)
+            torch.testing.assert_close(c(ids, mask), f(ids, mask))
+    finally:
+        torch._dynamo.reset()
+    sized, inputs = found[-1]
+    assert sized
+    dims = {x.name: (x.kind, x.dim, x.is_size) for x in inputs}
+    assert dims["ids"][:2] == ("tensor", 0) and dims["mask"][:2] == ("tensor", 0), dims
+    assert [n for n, (k, _, is_size) in dims.items() if k == "int"] == [
+        n for n, (k, _, is_size) in dims.items() if k == "int" and is_size], dims
+
+    rt = SimpleNamespace(sizes=[1, 2, 4, 8], _inputs=inputs,
+                         _sized=[i for i, x in enumerate(inputs) if x.kind == "tensor" and x.dim is not None],
+                         _size_ints=[i for i, x in enumerate(inputs) if x.kind == "int" and x.is_size])
+
+    def call(b_ids, b_mask):
+        args = []
+        for x in inputs:
+            rows = b_mask if x.name.startswith("mask") else b_ids
+            args.append(rows if x.kind == "int" else torch.zeros(rows, 5) if x.dim is not None else emb)
+        return PiecewiseRuntime._rows_differ(rt, b_ids, tuple(args))
+
+    assert call(3, 3) is None
+    assert "has 2 rows along dim 0, the call 3" in call(3, 2)
+
+
 def _programs(fn, x, sizes=(1, 2, 4, 8)):
     """Each Dynamo graph of ``fn(x)`` (dim 0 of ``x`` dynamic, traced size-oblivious as
     tr.compile traces a first call) with its program and whether it pads: ``(gm, program,

@@ -1409,3 +1409,27 @@ def test_a_float_dynamo_made_an_input_is_compiled_by_inductor_and_replays(caplog
     assert "could not compile" not in caplog.text, caplog.text
     report = tr.explain(c)
     assert "fallbacks=0" in report and (f"replays={CALLS - 1}" in report or f"replays={CALLS}" in report), report
+
+
+def test_hf_bert_by_name_with_sizes_pads_the_mask_with_the_ids() -> None:
+    """``torch.compile(bert, backend="torchreplay", options={"sizes": ...})``: after a new batch
+    size Dynamo traced ``input_ids`` and ``attention_mask`` with a symbol each. Only the ids
+    were padded, and the capture of each size indexed the mask out of bounds: a device-side
+    assert ended the process. Both are padded now: equal to eager at every batch, one padded
+    graph per size."""
+    from torchreplay.compile.backend import runtimes_by_name, torchreplay_backend
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=128)
+    model = transformers.BertModel(cfg).to(DEV).eval()
+    c = torch.compile(model, backend=torchreplay_backend, options={"sizes": [1, 2, 4, 8]})
+    with torch.no_grad():
+        for b in (2, 2, 3, 2, 5, 8, 1, 7):
+            ids = torch.randint(0, 512, (b, 16), device=DEV)
+            mask = (torch.rand(b, 16, device=DEV) > 0.2).long()
+            mask[:, 0] = 1
+            _close(c(input_ids=ids, attention_mask=mask).last_hidden_state,
+                   model(input_ids=ids, attention_mask=mask).last_hidden_state, f"batch {b}")
+    padded = [r for r in runtimes_by_name() if r.sizes]
+    assert padded and all(r.captured_sizes() == [1, 2, 4, 8] for r in padded), tr.explain(c)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import operator
 import re
 import time
 import weakref
@@ -34,6 +33,7 @@ import torch.fx as fx
 from torchreplay import _compat
 from torchreplay.compile.cache import CompileCache, default_dir
 from torchreplay.compile.ranks import agreed, collectives_in
+from torchreplay.compile.padded import alongside, dim_of, follows, leading_rows, paddable, padded_symbol
 from torchreplay.compile.split import Segment, direct_forward, node_value, split_graph
 from torchreplay.compile.training import GraphingCompiler, training_program_fn
 from torchreplay.config import DEFAULT_CACHE_DIR, CompileConfig
@@ -306,8 +306,8 @@ def build_program(
     segments = split_graph(gm, cfg.splitting_ops, device)
     wrote = (writes_fn or graph_writes)(gm)
     written = None if wrote is None else {v for _, v in wrote}
-    symbol = _padded_symbol(placeholders, example_inputs, cfg) if cfg.sizes else None
-    rows = _leading_rows(gm, symbol)
+    symbol = padded_symbol(placeholders, example_inputs, cfg) if cfg.sizes else None
+    rows = leading_rows(gm, symbol) | alongside(placeholders, example_inputs, symbol, cfg.dim)
     inputs = []
     for p, ex in zip(placeholders, example_inputs):
         value, name = node_value(p), input_name(p)
@@ -316,11 +316,11 @@ def build_program(
                 # written: put back after capture (its warm-up runs wrote it several times)
                 inputs.append(Input(name, "static", written=written is None or p.name in written))
             else:
-                dim = _dim_of(value, symbol)
+                dim = dim_of(value, symbol, rows)
                 is_written = written is None or p.name in written
                 inputs.append(Input(name, "tensor", dim=dim, written=is_written))
         elif isinstance(ex, (int, torch.SymInt)):
-            is_size = symbol is not None and _compat.symbol_of(value) == symbol
+            is_size = symbol is not None and follows(_compat.symbol_of(value), symbol, rows)
             inputs.append(Input(name, "int", is_size=is_size))
         else:
             inputs.append(Input(name, "other"))
@@ -367,8 +367,8 @@ def build_program(
         if isinstance(leaf, fx.Node):
             outs.append(slot[leaf])
             value = node_value(leaf)
-            dims.append(_dim_of(value, symbol, rows))
-            if symbol is not None and not _paddable(value, symbol, rows):
+            dims.append(dim_of(value, symbol, rows))
+            if symbol is not None and not paddable(value, symbol, rows):
                 sized = False
         else:
             outs.append(Constant(leaf))
@@ -439,101 +439,6 @@ def _rows_dynamic(outs: Sequence[Any], n: int | None, dims: Sequence[int | None]
     for value, d in zip(outs, dims):
         if d is not None and isinstance(value, torch.Tensor) and value.dim() > d:
             _compat.maybe_mark_dynamic(value, d)
-
-
-def _padded_symbol(placeholders: list[fx.Node], example_inputs: Sequence[Any], cfg: CompileConfig) -> Any:
-    """The symbol of dimension ``cfg.dim`` of the first tensor input where that dimension is
-    dynamic (not the first tensor input: a function's closure tensors, its weights, come
-    before its arguments when it reads them first), or None.
-
-    A graph with no such tensor may still take the size itself: Dynamo's graph after a graph
-    break gets ``x.shape[0]`` of the caller's ``x`` as an int input (``s0``) when it reads it
-    (``self.rows[: x.shape[0]] * 2``). Such an int is the padded size where Dynamo says it is
-    dimension ``cfg.dim`` of a tensor (its source: ``L['x'].size()[0]``)."""
-    for p, ex in zip(placeholders, example_inputs):
-        if isinstance(ex, torch.Tensor) and not _compat.is_static_input(ex):
-            value = node_value(p)
-            if isinstance(value, torch.Tensor) and value.dim() > cfg.dim:
-                expr = _compat.symbol_of(value.shape[cfg.dim])
-                if expr is not None and getattr(expr, "is_Symbol", False):
-                    return expr
-    suffix = f".size()[{cfg.dim}]"
-    for p, ex in zip(placeholders, example_inputs):
-        expr = _compat.symbol_of(node_value(p))
-        source = _compat.dynamo_source_name(p) or ""
-        if isinstance(ex, (int, torch.SymInt)) and getattr(expr, "is_Symbol", False) and source.endswith(suffix):
-            return expr
-    return None
-
-
-def _dim_of(value: Any, symbol: Any, rows: frozenset[Any] = frozenset()) -> int | None:
-    """The dimension of ``value`` that has the padded size: the size ``symbol`` itself, or the
-    padded size's leading rows of a fixed-size tensor (:func:`_leading_rows`)."""
-    if symbol is None or not isinstance(value, torch.Tensor):
-        return None
-    for d, s in enumerate(value.shape):
-        if _follows(_compat.symbol_of(s), symbol, rows):
-            return d
-    return None
-
-
-def _follows(expr: Any, symbol: Any, rows: frozenset[Any]) -> bool:
-    """Is a size ``symbol``, or ``symbol`` clamped by a fixed size (``Min(8, s0)``: the leading
-    rows ``buf[:n]`` of an 8-row buffer), or one of ``rows``? Each is, at a padded call, at least
-    the call's own rows or the whole of a dimension eager would cut the same way: slicing it to
-    the call's rows (clamped) gives eager's value."""
-    if expr is None:
-        return False
-    if expr == symbol or expr in rows:
-        return True
-    args = getattr(expr, "args", ())
-    return (
-        type(expr).__name__ == "Min" and symbol in args
-        and all(a == symbol or getattr(a, "is_Integer", False) for a in args)
-    )
-
-
-def _leading_rows(gm: fx.GraphModule, symbol: Any) -> frozenset[Any]:
-    """The unbacked symbols that are the padded size's leading rows of a fixed-size tensor: the
-    size of a slice ``buf[:n]`` (start 0, step 1, ``n`` the padded size) where torch traces it
-    size-obliviously (torch 2.11 with ``backed_size_oblivious`` gives the slice's size a symbol
-    of its own, ``u0``, not ``Min(8, s0)``). Without this, such an output would be handed out at
-    the padded size: a slice of the padded rows where eager has the call's rows."""
-    if symbol is None:
-        return frozenset()
-    found = set()
-    for n in gm.graph.nodes:
-        value = node_value(n)
-        if n.op != "call_function" or n.target is not operator.getitem or not isinstance(value, torch.Tensor):
-            continue
-        index = n.args[1] if len(n.args) > 1 else None
-        d = 0
-        for item in index if isinstance(index, tuple) else (index,):
-            if item is None:  # a new dimension of size 1
-                d += 1
-            elif isinstance(item, slice):
-                stop = node_value(item.stop) if isinstance(item.stop, fx.Node) else None
-                if (item.start in (None, 0) and item.step in (None, 1) and d < value.dim()
-                        and _compat.symbol_of(stop) == symbol):
-                    expr = _compat.symbol_of(value.shape[d])
-                    if getattr(expr, "is_Symbol", False) and expr != symbol:
-                        found.add(expr)
-                d += 1
-            elif not isinstance(item, int):  # Ellipsis, a tensor index: dims unknown here
-                break
-    return frozenset(found)
-
-
-def _paddable(value: Any, symbol: Any, rows: frozenset[Any] = frozenset()) -> bool:
-    """Every dimension of ``value`` has the padded size (:func:`_follows`) or is free of it."""
-    if not isinstance(value, torch.Tensor):
-        expr = _compat.symbol_of(value)
-        return expr is None or symbol not in getattr(expr, "free_symbols", ())
-    for s in value.shape:
-        expr = _compat.symbol_of(s)
-        if expr is not None and not _follows(expr, symbol, rows) and symbol in expr.free_symbols:
-            return False
-    return True
 
 
 Writes = set[tuple[str, str]]

@@ -269,6 +269,21 @@ class PiecewiseRuntime:
                     return route
         return self._new_route(n, args, size, rkey)
 
+    def _rows_differ(self, n: int | None, args: tuple[Any, ...]) -> str | None:
+        """Why the call cannot be padded, where an input padded with the first one (an attention
+        mask along its ids) has other rows than it: eagerly such a call reads as it says;
+        padded, every size would index one input by the other's rows."""
+        if n is None or self.sizes is None:
+            return None
+        for i in self._sized[1:]:
+            x = self._inputs[i]
+            if args[i].shape[x.dim] != n:  # type: ignore[index]
+                return f"{x.name} has {args[i].shape[x.dim]} rows along dim {x.dim}, the call {n}"  # type: ignore[index]
+        for i in self._size_ints if self._sized else self._size_ints[1:]:  # (the first: n)
+            if int(args[i]) != n:
+                return f"{self._inputs[i].name} is {int(args[i])}, the call's rows {n}"
+        return None
+
     def _bucket(self, n: int | None) -> int | None:
         if n is None or self.sizes is None:
             return n
@@ -289,6 +304,10 @@ class PiecewiseRuntime:
                 f"{n} rows: above the largest captured size {self.sizes[-1] if self.sizes else ''}"
                 "; add a larger size to sizes="
             )
+            return None
+        odd = self._rows_differ(n, args)
+        if odd is not None:  # padded together, or an out-of-bounds read at the other's size
+            self._count_fallback(odd)
             return None
         key = self._key(size, args)
         entry = self._entries.get(key)
