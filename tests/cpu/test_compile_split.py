@@ -195,6 +195,34 @@ def test_a_float_dynamo_made_an_input_is_compiled_by_inductor(caplog) -> None:
     assert "could not compile" not in caplog.text, caplog.text
 
 
+def test_the_dropout_seeds_of_an_attentions_backward_are_found_and_go_to_the_host() -> None:
+    """An attention's backward outside a capture reads its dropout seed and offset on the host;
+    made by a forward's graph they are on the GPU, and the backward's warm-up (or an ungraphed
+    call) was a segmentation fault (HF BERT trained through the backend, on an H200). The
+    positions are found from the op's schema; cuDNN's backward, which reads them on the GPU,
+    is left alone; arguments on the host pass as they are."""
+    from torchreplay.compile.split import host_seeds, seed_inputs
+
+    def graph_of(op):
+        g = torch.fx.Graph()
+        args = [g.placeholder(f"a{i}") for i in range(len(op._schema.arguments))]
+        g.output(g.call_function(op, tuple(args)))
+        return torch.fx.GraphModule(torch.nn.Module(), g)
+
+    aten = torch.ops.aten
+    for op in (aten._scaled_dot_product_efficient_attention_backward.default,
+               aten._efficient_attention_backward.default,
+               aten._scaled_dot_product_flash_attention_backward.default):
+        names = [a.name for a in op._schema.arguments]
+        want = (names.index("philox_seed"), names.index("philox_offset"))
+        assert seed_inputs(graph_of(op)) == want, op
+    assert seed_inputs(graph_of(aten._scaled_dot_product_cudnn_attention_backward.default)) == ()
+    seen = []
+    fn = host_seeds(lambda *a: seen.append(a) or "out", (1,))
+    seed = torch.tensor(7)
+    assert fn("x", seed) == "out" and seen == [("x", seed)] and seen[0][1] is seed
+
+
 def test_the_backend_on_cpu_equals_eager() -> None:
     torch._dynamo.reset()
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))

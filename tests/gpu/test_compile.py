@@ -1433,3 +1433,25 @@ def test_hf_bert_by_name_with_sizes_pads_the_mask_with_the_ids() -> None:
                    model(input_ids=ids, attention_mask=mask).last_hidden_state, f"batch {b}")
     padded = [r for r in runtimes_by_name() if r.sizes]
     assert padded and all(r.captured_sizes() == [1, 2, 4, 8] for r in padded), tr.explain(c)
+
+
+def test_hf_bert_trains_through_the_backend_like_eager() -> None:
+    """HF BERT (attention dropout 0.1, SDPA) trained through ``torch.compile(backend=
+    "torchreplay")``: the backward graph's warm-up ran eagerly on the dropout seeds the
+    forward's graph made on the GPU, which the attention's backward reads on the host outside
+    a capture: a segmentation fault. Run in a process of its own (a crash would end the suite);
+    4 steps, loss and every gradient equal to eager (Inductor's dropout on eager's RNG)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "sys.path.insert(0, 'scripts')\n"
+        "import zoo\n"
+        "torch.backends.cuda.matmul.allow_tf32 = False\n"
+        "d = zoo.run_train('Bert', zoo.all_models()['Bert'], compiled=True)\n"
+        "assert d <= 1e-3, d\n"
+        "print('DIFF', d)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0 and "DIFF" in run.stdout, (run.returncode, run.stderr[-3000:])

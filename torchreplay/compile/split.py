@@ -25,7 +25,10 @@ from torchreplay import _compat
 from torchreplay.pieces.direct import direct_call
 from torchreplay.pieces.program import Split
 
-__all__ = ["Segment", "split_graph", "why_eager", "node_value", "op_name", "user_line", "direct_forward"]
+__all__ = [
+    "Segment", "split_graph", "why_eager", "node_value", "op_name", "user_line", "direct_forward",
+    "seed_inputs", "host_seeds",
+]
 
 _HOST_METHODS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__"}
 _HOST_OPS = {"aten._local_scalar_dense", "aten.item", "cuda.synchronize", "synchronize"}
@@ -311,6 +314,52 @@ def _submodule(gm: fx.GraphModule, seg: Segment) -> fx.GraphModule:
         env[n] = graph.node_copy(n, lookup)
     graph.output(tuple(env[n] for n in seg.outputs))
     return fx.GraphModule(gm, graph)
+
+
+#: the arguments of an attention's backward that hold its dropout's seed, and the backwards that
+#: read them on the host outside a capture (cuDNN's reads them on the GPU always)
+_SEEDS = ("philox_seed", "philox_offset")
+_HOST_SEEDED = ("efficient_attention_backward", "flash_attention_backward")
+
+
+def seed_inputs(module: fx.GraphModule) -> tuple[int, ...]:
+    """The positions of ``module``'s inputs that an attention's backward reads as its dropout's
+    seed and offset. A forward that ran inside a capture made them on the GPU (graph-safe RNG);
+    outside a capture the backward reads them on the host (``*philox_seed.data_ptr()``), and a
+    GPU tensor there is a segmentation fault (HF BERT trained through the backend: the warm-up of
+    a backward graph after its forward's graph)."""
+    index = {n: i for i, n in enumerate(n for n in module.graph.nodes if n.op == "placeholder")}
+    found: set[int] = set()
+    for n in module.graph.nodes:
+        if n.op != "call_function":
+            continue
+        op = n.target
+        if not isinstance(op, torch._ops.OpOverload) or not op.__name__.split(".")[0].endswith(_HOST_SEEDED):
+            continue
+        kinds = _compat.argument_kinds(op)
+        for k, (name, *_) in enumerate(kinds or ()):
+            if name in _SEEDS:
+                value = n.args[k] if k < len(n.args) else n.kwargs.get(name)
+                if value in index:
+                    found.add(index[value])
+    return tuple(sorted(found))
+
+
+def host_seeds(fn: Callable[..., Any], positions: tuple[int, ...]) -> Callable[..., Any]:
+    """``fn`` called with the seeds at ``positions`` on the host where no capture is running
+    (a warm-up, an ungraphed call); inside a capture as they are (the backward then reads them
+    on the GPU, as the forward's graph wrote them). Only where a graph does not replay: a copy
+    to the host waits for the GPU."""
+    def call(*args: Any) -> Any:
+        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            args = tuple(
+                a.cpu() if i in positions and isinstance(a, torch.Tensor) and a.is_cuda else a
+                for i, a in enumerate(args)
+            )
+        return fn(*args)
+
+    call.__name__ = call.__qualname__ = getattr(fn, "__name__", "fn")
+    return call
 
 
 def direct_forward(module: fx.GraphModule) -> Callable[..., Any] | None:

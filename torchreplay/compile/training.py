@@ -37,6 +37,7 @@ import torch
 import torch.fx as fx
 
 from torchreplay import _compat
+from torchreplay.compile.split import host_seeds, seed_inputs
 from torchreplay.config import CompileConfig
 from torchreplay.pieces.program import Input, Piece, Program, run_in_order
 from torchreplay.pieces.runtime import PiecewiseRuntime
@@ -100,8 +101,9 @@ class GraphingCompiler:
         n_in, n_out = len(inputs), len(leaves)
         slots = tuple(range(n_in, n_in + n_out))
         what = "backward" if backward else "forward"
+        seeds = seed_inputs(gm)  # an attention's backward run outside a capture reads them on the host
         piece = Piece(
-            fn=_Unboxed(compiled),
+            fn=host_seeds(_Unboxed(compiled), seeds) if seeds else _Unboxed(compiled),
             reads=tuple(range(n_in)),
             writes=slots,
             graphed=True,
