@@ -7,7 +7,8 @@ tolerance), ``refused`` (a TorchReplayError, its first line) or ``ERROR`` (anyth
 Not a test (it never fails); what it finds becomes one.
 
 Usage (on a CUDA machine): ``PYTHONPATH=. python scripts/zoo.py [--only NAME,NAME]
-[--modes infer,sizes,train,auto,trainauto,compile,compilesizes,compiletrain] [--dtype bfloat16] [--json PATH]``
+[--modes infer,sizes,train,auto,trainauto,compile,compilesizes,compiletrain] [--dtype bfloat16] [--json PATH] [--device cpu]`` (``cpu``: the compile modes without a
+GPU, which try Dynamo, the split and Inductor, not the graphs)
 """
 from __future__ import annotations
 
@@ -305,9 +306,15 @@ def main() -> None:
     p.add_argument("--tol", type=float, default=1e-3)
     p.add_argument("--dtype", default="float32", help="inference modes only")
     p.add_argument("--json", default="", help="also write every result to this file")
+    p.add_argument("--device", default="cuda",
+                   help="cpu: the compile modes without CUDA graphs (Dynamo, the split, Inductor)")
     args = p.parse_args()
-    global DTYPE
+    global DTYPE, DEV
     DTYPE = getattr(torch, args.dtype)
+    DEV = args.device
+    if DEV == "cpu":  # transformers wraps every model's forward in one function: Dynamo's
+        torch._dynamo.config.recompile_limit = 256  # limit of 8 would run the rest eagerly
+        torch._dynamo.config.accumulated_recompile_limit = 4096
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     only = [s for s in args.only.split(",") if s]
@@ -331,8 +338,9 @@ def main() -> None:
                 tb = traceback.format_exc().splitlines()
                 print("    " + "\n    ".join(tb[-8:]), flush=True)
             results.append(row)
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+            if DEV == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
     counts = {k: sum(r["result"] == k for r in results) for k in ("ok", "refused", "DIFF", "ERROR")}
     print("summary:", ", ".join(f"{v} {k}" for k, v in counts.items()), flush=True)
     if args.json:
