@@ -252,8 +252,7 @@ def run_train(
         kw["labels"] = kw["input_ids"]
         kw["use_cache"] = False
     opts = {"breaks": breaks} if breaks is not None else {}
-    if compiled:  # (Inductor's own dropout draws other numbers than eager's: the same here)
-        torch._inductor.config.fallback_random = True
+    if compiled:
         graphed = torch.compile(model, backend="torchreplay")
     else:
         graphed = tr.make_graphed_callables(model, a, sample_kwargs=kw, **opts)
@@ -287,6 +286,13 @@ def run_train(
     return d
 
 
+def run_compile_train(name: str, build: Callable[[], Any]) -> float:
+    """:func:`run_train` through ``torch.compile(backend="torchreplay")``, with Inductor's
+    dropout on eager's random numbers (its own draws others)."""
+    with torch._inductor.config.patch(fallback_random=True):
+        return run_train(name, build, compiled=True)
+
+
 MODES: dict[str, Callable[[str, Callable[[], Any]], float]] = {
     "infer": lambda n, b: run_infer(n, b, sizes=False),
     "sizes": lambda n, b: run_infer(n, b, sizes=True),
@@ -295,7 +301,7 @@ MODES: dict[str, Callable[[str, Callable[[], Any]], float]] = {
     "trainauto": lambda n, b: run_train(n, b, breaks="auto"),
     "compile": lambda n, b: run_compile(n, b),
     "compilesizes": lambda n, b: run_compile(n, b, sizes=True),
-    "compiletrain": lambda n, b: run_train(n, b, compiled=True),
+    "compiletrain": run_compile_train,
 }
 
 

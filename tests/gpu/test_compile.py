@@ -1449,7 +1449,7 @@ def test_hf_bert_trains_through_the_backend_like_eager() -> None:
         "sys.path.insert(0, 'scripts')\n"
         "import zoo\n"
         "torch.backends.cuda.matmul.allow_tf32 = False\n"
-        "d = zoo.run_train('Bert', zoo.all_models()['Bert'], compiled=True)\n"
+        "d = zoo.run_compile_train('Bert', zoo.all_models()['Bert'])\n"
         "assert d <= 1e-3, d\n"
         "print('DIFF', d)\n"
     )
