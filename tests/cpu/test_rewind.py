@@ -416,3 +416,29 @@ def test_a_sample_call_tells_which_large_buffers_it_wrote_and_the_capture_copies
     assert [n for n, _ in capture.written_large(versions=False)] == ["_Weights.packed"]
     capture.restore()
     assert not torch.equal(m.packed, packed)  # left as written: nothing to put back from
+
+
+@pytest.mark.parametrize("layout", ["expanded", "window", "dense"])
+def test_saved_state_is_put_back_into_a_tensor_whose_elements_share_memory(layout) -> None:
+    """A value put back after a capture may be an expanded mask (saved for a backward) or a
+    window view: ``copy_`` refuses to write those; the put-back writes each location once."""
+    from torchreplay import _compat
+    from torchreplay.pieces.putback import put_back
+
+    def view(of: torch.Tensor) -> torch.Tensor:
+        return {"expanded": lambda: of.expand(3, 4, 5, 8), "window": lambda: of.view(-1).unfold(0, 6, 2),
+                "dense": lambda: of}[layout]()
+
+    base = torch.randn(3, 1, 1, 8)
+    t = view(base)
+    want, version = t.clone(), t._version
+    with put_back([("mask", t)], torch.device("cpu")):
+        base.mul_(2).add_(1)  # what a warm-up writes
+        assert not torch.equal(t, want)
+    torch.testing.assert_close(t, want, rtol=0, atol=0)
+    assert t._version == version  # (a pending backward saved it as it was)
+    # and the helper alone, from a value that agrees where the elements share memory (one made
+    # through a view of the same layout)
+    other = torch.randn(base.shape)
+    _compat.copy_back(t, view(other).clone())
+    torch.testing.assert_close(base, other, rtol=0, atol=0)

@@ -12,7 +12,7 @@ import torch
 
 __all__ = [
     "direct_apply", "foreach_copy_untracked", "saved_tensor_hooks", "set_sequence_nr", "sequence_nr",
-    "restore_unversioned", "in_backward", "is_accumulate_grad", "is_view", "normal_tensors", "versions_of",
+    "restore_unversioned", "copy_back", "unexpanded", "in_backward", "is_accumulate_grad", "is_view", "normal_tensors", "versions_of",
     "function_forwards", "function_of_call", "function_of_ctx", "is_custom_op_function", "triton_launches",
     "watch_saved",
 ]
@@ -152,10 +152,59 @@ def restore_unversioned(saved: Sequence[tuple[torch.Tensor, torch.Tensor]], vers
     with torch.no_grad():
         for t, value in saved:
             if inference or not t.is_inference():
-                t.copy_(value)
+                copy_back(t, value)
     counted = [(t, v) for (t, _), v in zip(saved, versions) if v is not None]
     if _set_versions is not None and counted:
         _set_versions(tuple(t for t, _ in counted), tuple(v for _, v in counted))
+
+
+def copy_back(t: torch.Tensor, value: torch.Tensor) -> None:
+    """``t.copy_(value)`` for a ``t`` whose elements may share memory: an expanded tensor (an
+    attention mask ``expand``-ed over the heads, saved for a backward) or a window view
+    (``unfold``). ``copy_`` refuses those ("more than one element of the written-to tensor
+    refers to a single memory location"); the elements that share a location hold one value,
+    so each location is written once: the expanded dimensions are narrowed to one element, and
+    what still overlaps is written through its storage, location by location. No copy-back of
+    saved state may fail on the layout of the tensor it restores."""
+    if not _may_overlap(t):
+        t.copy_(value)
+        return
+    value = value.expand_as(t)
+    for d in range(t.dim()):
+        if t.stride(d) == 0 and t.size(d) > 1:
+            t, value = t.narrow(d, 0, 1), value.narrow(d, 0, 1)
+    if not _may_overlap(t):
+        t.copy_(value)
+        return
+    # (a window view: the flat offset of each element in a 1-D view over the span it covers;
+    # a location written more than once gets the one value its elements all hold)
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    flat = t.as_strided((span,), (1,))
+    offsets = torch.arange(span, device=t.device).as_strided(t.shape, t.stride())
+    flat[offsets.reshape(-1)] = value.reshape(-1).to(t.dtype)
+
+
+def unexpanded(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with each expanded dimension (stride 0) narrowed to one element: what a copy of its
+    values needs to hold (an attention mask expanded over heads and queries: the mask's rows,
+    not a tensor heads x queries times larger). :func:`copy_back` writes it back."""
+    for d in range(t.dim()):
+        if t.stride(d) == 0 and t.size(d) > 1:
+            t = t.narrow(d, 0, 1)
+    return t
+
+
+def _may_overlap(t: torch.Tensor) -> bool:
+    """Could two elements of ``t`` share a memory location? False only when, the dimensions
+    ordered by stride, each stride reaches past the one before it (sufficient, not necessary:
+    an unusual non-overlapping layout is written element by element, still correctly)."""
+    dims = sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1)
+    reach = 1
+    for s, n in dims:
+        if s < reach:
+            return True
+        reach = s * n
+    return False
 
 
 def versions_of(tensors: Sequence[torch.Tensor]) -> list[int | None]:

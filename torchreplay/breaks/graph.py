@@ -194,7 +194,7 @@ class BreakableGraph:
         self._check_devices(call)
         named = [(p, x) for p, x in zip(call.paths, call.leaves) if isinstance(x, _Tensor)]
         with _compat.normal_tensors():  # their version counters tell the writes
-            copied = iter(copies(named, self.device, fix=BUILD_FIRST, what=SAMPLE_COPIES))
+            copied = iter(copies(named, self.device, fix=BUILD_FIRST, what=SAMPLE_COPIES, whole=True))
         return [next(copied)[1] if isinstance(x, _Tensor) else x for x in call.leaves]
 
     def _find(self, call: CallArgs) -> list[AutoBreak]:
@@ -484,7 +484,7 @@ class _Runtime(PiecewiseRuntime):
                 snapshot.restore()
             with torch.no_grad():
                 for t, init in initial:
-                    t.copy_(init)
+                    _compat.copy_back(t, init)
 
         self._state_ptrs |= {leaves[i].untyped_storage().data_ptr() for i in self._tensors}
         recorder = Recorder(leaves, front._paths, run=self._run_break)

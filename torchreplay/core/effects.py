@@ -68,7 +68,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from torchreplay._compat import LightDispatchMode, version_of
+from torchreplay._compat import LightDispatchMode, copy_back, version_of
 from torchreplay.core.args import roots_of
 from torchreplay.core.pystate import (
     MISSING, Change, Node, diff, large_tensors, live_value, path_of, plain_tensors, put_back,
@@ -165,7 +165,7 @@ class PyState:
                     # (inference_mode(False) would turn autograd back on: only entered for an
                     # inference tensor, which only the mode may write)
                     with torch.inference_mode() if t.is_inference() else contextlib.nullcontext():
-                        t.copy_(saved)
+                        copy_back(t, saved)
 
     @contextlib.contextmanager
     def warmup(self, last: bool) -> Iterator[None]:

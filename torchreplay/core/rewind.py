@@ -42,7 +42,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from torchreplay._compat import LightDispatchMode, is_view, written_tensors
+from torchreplay._compat import LightDispatchMode, copy_back, is_view, written_tensors
 
 __all__ = ["Rewind"]
 
@@ -260,7 +260,7 @@ class Rewind(LightDispatchMode):
         self._regions.add(region)
         before = t.clone()
         self.saved_bytes += before.nbytes
-        return lambda: t.copy_(before)
+        return lambda: copy_back(t, before)
 
     def warn_unseen(self) -> None:
         """Log, once, the tensors :meth:`undo` could not put back (:attr:`unseen`)."""

@@ -214,7 +214,7 @@ class StateSnapshot:
         with torch.no_grad():
             for t, saved in self._saved:
                 if inference or not t.is_inference():
-                    t.copy_(saved)
+                    _compat.copy_back(t, saved)
         if not rng:
             return
         torch.set_rng_state(self._cpu_rng)
@@ -239,16 +239,19 @@ BUILD_FIRST = "Build the graph before allocating other large tensors"
 
 
 def copies(
-    named: list[tuple[str, torch.Tensor]], device: torch.device, fix: str = GRAPH_FIX, what: str = BUFFERS
+    named: list[tuple[str, torch.Tensor]], device: torch.device, fix: str = GRAPH_FIX, what: str = BUFFERS,
+    whole: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each tensor of ``named`` (name, tensor) with a copy of it. Copies that do not fit in
+    """Each tensor of ``named`` (name, tensor) with a copy of it: of its values, an expanded
+    dimension held once (:func:`_compat.unexpanded`; :func:`_compat.copy_back` writes it back),
+    unless ``whole`` (a copy to run on, of the tensor's shape). Copies that do not fit in
     ``device``'s memory raise a :class:`CaptureError` naming the largest tensors and ``fix``
     (:func:`check_fits`), the copies made so far given back."""
     on_device = [(n, t) for n, t in named if t.is_cuda]
     check_fits(on_device, device, fix=fix, what=what)
     try:
         with torch.no_grad():
-            return [(t, t.detach().clone()) for _, t in named]
+            return [(t, (t if whole else _compat.unexpanded(t)).detach().clone()) for _, t in named]
     except torch.OutOfMemoryError as exc:  # (the check counted memory no copy can have: a
         # graph pool's unused blocks; the copies made so far are gone with the unfinished list)
         error = exc  # (raised after the block: the CaptureError does not carry it as context)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from torchreplay import _compat
 from torchreplay.core.capture import capture
 from torchreplay.errors import CaptureError
 from torchreplay.pieces.entries import PieceGraph
@@ -42,7 +43,7 @@ def capture_piece(rt: Any, k: int, vals: list[Any]) -> tuple[PieceGraph | None, 
 
     def reset() -> None:
         for v, init in initial:
-            v.copy_(init)
+            _compat.copy_back(v, init)
 
     try:
         captured = capture(
