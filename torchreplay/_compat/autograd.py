@@ -12,7 +12,8 @@ import torch
 
 __all__ = [
     "direct_apply", "foreach_copy_untracked", "saved_tensor_hooks", "set_sequence_nr", "sequence_nr",
-    "restore_unversioned", "copy_back", "unexpanded", "in_backward", "is_accumulate_grad", "is_view", "normal_tensors", "versions_of",
+    "restore_unversioned", "copy_back", "unexpanded", "expanded_dims", "clone_strided",
+    "in_backward", "is_accumulate_grad", "is_view", "normal_tensors", "versions_of",
     "function_forwards", "function_of_call", "function_of_ctx", "is_custom_op_function", "triton_launches",
     "watch_saved",
 ]
@@ -184,13 +185,28 @@ def copy_back(t: torch.Tensor, value: torch.Tensor) -> None:
     flat[offsets.reshape(-1)] = value.reshape(-1).to(t.dtype)
 
 
-def unexpanded(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with each expanded dimension (stride 0) narrowed to one element: what a copy of its
-    values needs to hold (an attention mask expanded over heads and queries: the mask's rows,
-    not a tensor heads x queries times larger). :func:`copy_back` writes it back."""
-    for d in range(t.dim()):
-        if t.stride(d) == 0 and t.size(d) > 1:
-            t = t.narrow(d, 0, 1)
+def expanded_dims(t: torch.Tensor) -> tuple[int, ...]:
+    """The dimensions of ``t`` that ``expand`` made: stride 0, more than one element."""
+    return tuple(d for d, (n, s) in enumerate(zip(t.shape, t.stride())) if s == 0 and n > 1)
+
+
+def clone_strided(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its strides (``clone`` gives an expanded or sliced tensor
+    contiguous ones): Inductor's code asserts the strides of each input it was compiled for. An
+    expanded dimension stays expanded, held once."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    with torch.no_grad():
+        copy_back(out, t)
+    return out
+
+
+def unexpanded(t: torch.Tensor, dims: Sequence[int] | None = None) -> torch.Tensor:
+    """``t`` with each expanded dimension (stride 0; or each of ``dims``) narrowed to one
+    element: what a copy of its values needs to hold (an attention mask expanded over heads and
+    queries: the mask's rows, not a tensor heads x queries times larger). :func:`copy_back`
+    writes it back."""
+    for d in expanded_dims(t) if dims is None else dims:
+        t = t.narrow(d, 0, 1)
     return t
 
 

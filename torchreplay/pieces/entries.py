@@ -8,12 +8,12 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.core.outputs import Outputs
-from torchreplay.pieces.handoff import MOVED, Handoff
+from torchreplay.pieces.handoff import MOVED, Expanded, Handoff
 from torchreplay.pieces.program import Constant, Program
 
 __all__ = [
     "PieceGraph", "Entry", "Route", "hand_out", "entry_key", "pad_shared", "shared_key", "static_buffer",
-    "stage_entry", "hold_weakly", "set_sources",
+    "stage_entry", "hold_weakly", "set_sources", "buffer_like", "shares_rows", "copy_expanded", "NOT_EXPANDED",
 ]
 
 _Tensor = torch.Tensor
@@ -56,6 +56,9 @@ class PieceGraph:
                         same = isinstance(value, _Tensor) and value.shape == buf.shape and value.dtype == buf.dtype
                         return MOVED if same else RESHAPED
                     env[reads[pos]] = moved  # alive until its last reader replayed
+            elif type(buf) is Expanded:
+                if not buf.fill(value):
+                    return RESHAPED
             elif not isinstance(buf, _Tensor):  # a number the graph holds as captured
                 if value != buf:
                     return RESHAPED
@@ -121,6 +124,9 @@ class Route:
         self.shapes = shapes
         self.dsts: list[_Tensor] = []
         self.src_idx: list[int] = []
+        #: buffers with expanded dimensions (stride 0), held once: (buffer narrowed to one
+        #: element there, input index, those dimensions)
+        self.expanded: list[tuple[_Tensor, int, tuple[int, ...]]] = []
         self.pads: list[_Tensor] = []
         #: padding rows filled with another value than 0: (view, value)
         self.fills: list[tuple[_Tensor, Any]] = []
@@ -131,6 +137,22 @@ class Route:
         self.back_idx: list[int] = []
         #: the values of the keyed non-tensor inputs (ints other than the size, constants)
         self.consts: list[Any] = []
+
+
+#: Why a call runs ungraphed whose input is not expanded where it was at capture
+NOT_EXPANDED = "is not expanded (stride 0) where it was at capture: its elements there may differ"
+
+
+def copy_expanded(route: Route, args: Sequence[Any]) -> int | None:
+    """Copy the inputs whose buffers are expanded (``route.expanded``), each location once;
+    the index of one that is not expanded there now (nothing replays: the graph reads one of
+    its elements where they may differ), else None."""
+    for held, i, dims in route.expanded:
+        a = args[i]
+        if any(a.stride(d) != 0 for d in dims):
+            return i
+        _copy_untracked([held], [_compat.unexpanded(a, dims)])
+    return None
 
 
 def shared_key(i: int, arg: _Tensor, sizes: Sequence[int]) -> tuple[Any, ...]:
@@ -148,19 +170,43 @@ def static_buffer(
     sizes: Sequence[int] | None,
 ) -> _Tensor:
     """The static input buffer of input ``i`` (like ``arg``, padded along ``dim``) at ``size``
-    rows: along dimension 0 with ``sizes``, a view of the one buffer every size shares (made in
-    ``buffers`` on first use); else a buffer of its own."""
+    rows, laid out as ``arg`` (:func:`buffer_like`): along dimension 0 with ``sizes``, a view
+    of the one buffer every size shares (made in ``buffers`` on first use; only where rows are
+    the outermost dimension, so that each size's view has the strides of a tensor of its
+    rows); else a buffer of its own."""
     with _compat.normal_tensors():  # calls copy into it under torch.inference_mode or not
-        if dim == 0 and sizes:
+        if dim == 0 and sizes and shares_rows(arg):
             key = shared_key(i, arg, sizes)
             base = buffers.get(key)
             if base is None:
-                base = buffers[key] = torch.zeros(key[1], dtype=arg.dtype, device=arg.device)
+                base = buffers[key] = buffer_like(arg, key[1])
             return base.narrow(0, 0, size)  # type: ignore[arg-type]
+        if dim is None:  # the very strides (of a slice too)
+            return torch.empty_strided(arg.shape, arg.stride(), dtype=arg.dtype, device=arg.device).zero_()
         shape = list(arg.shape)
-        if dim is not None:
-            shape[dim] = size
-        return torch.zeros(shape, dtype=arg.dtype, device=arg.device)
+        shape[dim] = size
+        return buffer_like(arg, shape)
+
+
+def buffer_like(arg: _Tensor, shape: Sequence[int]) -> _Tensor:
+    """Zeros of ``shape`` laid out as ``arg``: its dimensions ordered as its strides order them
+    (a transposed input stays transposed) and its expanded dimensions expanded (held once).
+    Inductor's code asserts the strides of each input it was compiled for ("expected size
+    16==16, stride 16==1"), so a copy must keep them."""
+    expanded = _compat.expanded_dims(arg)
+    order = sorted(range(arg.dim()), key=lambda d: -arg.stride(d))  # (stable: ties keep their order)
+    held = torch.zeros(
+        [1 if d in expanded else shape[d] for d in order], dtype=arg.dtype, device=arg.device
+    ).permute(sorted(range(arg.dim()), key=order.__getitem__))
+    return held.expand(*shape) if expanded else held
+
+
+def shares_rows(arg: _Tensor) -> bool:
+    """Can ``arg``'s buffer be the leading rows of one every size shares? Its rows (dimension
+    0) must be its outermost dimension, and not expanded."""
+    return arg.dim() > 0 and 0 not in _compat.expanded_dims(arg) and all(
+        arg.stride(0) >= s for d, s in enumerate(arg.stride()) if arg.size(d) > 1
+    )
 
 
 def stage_entry(
@@ -184,11 +230,12 @@ def stage_entry(
             rows = a.shape[inp.dim] if inp.dim is not None else None
             with torch.no_grad():
                 if rows is None:
-                    buf.copy_(a)
+                    _compat.copy_back(buf, a)
                 else:  # the call's rows, as many as fit: realistic values for eager steps
                     m = min(rows, buf.shape[inp.dim])
-                    buf.narrow(inp.dim, 0, m).copy_(a.narrow(inp.dim, 0, m))
-                    buf.narrow(inp.dim, m, buf.shape[inp.dim] - m).fill_(inp.fill)
+                    _compat.copy_back(buf.narrow(inp.dim, 0, m), a.narrow(inp.dim, 0, m))
+                    if inp.dim not in _compat.expanded_dims(buf):  # (else its rows are one)
+                        buf.narrow(inp.dim, m, buf.shape[inp.dim] - m).fill_(inp.fill)
             env[i] = buf
         elif inp.kind == "int" and inp.is_size:
             env[i] = size

@@ -33,7 +33,7 @@ import torch
 from torchreplay import _compat
 from torchreplay.pieces.program import Input, Piece, Program
 
-__all__ = ["MISSES", "MOVED", "DEMOTED", "Handoff", "can_hand_off", "graph_reads", "handed_slots"]
+__all__ = ["MISSES", "MOVED", "DEMOTED", "Expanded", "Handoff", "can_hand_off", "graph_reads", "handed_slots"]
 
 #: Calls whose handed-off value could not be put where the graph reads it before the runtime
 #: captures its graphs again with buffers of their own (the previous copying way).
@@ -117,12 +117,36 @@ class Handoff:
         if t.data_ptr() != self.ptr:
             return None
         with torch.no_grad():
-            t.copy_(value)
+            _compat.copy_back(t, value)  # (an expanded layout: written once per location)
         self.refills += 1
         return t
 
     def __repr__(self) -> str:
         return f"Handoff({tuple(self.shape)}, {self.dtype}, at {self.ptr:#x})"
+
+
+class Expanded:
+    """A graph's own buffer of an expanded value an eager step made (an attention mask expanded
+    over heads: stride 0), which a copy cannot write whole: each replay copies the value's
+    elements once, through the buffer's dimensions narrowed to one element."""
+
+    __slots__ = ("buf", "shape", "dtype", "dims", "held")
+
+    def __init__(self, buf: _Tensor) -> None:
+        self.buf = buf
+        self.shape, self.dtype = buf.shape, buf.dtype
+        self.dims = _compat.expanded_dims(buf)
+        self.held = _compat.unexpanded(buf)
+
+    def fill(self, value: Any) -> bool:
+        """Copy ``value`` in; False (nothing copied) if it has another shape or dtype, or is
+        not expanded where the buffer is (its elements there may differ)."""
+        if value.shape != self.shape or value.dtype != self.dtype:
+            return False
+        if any(value.stride(d) != 0 for d in self.dims):
+            return False
+        _compat.foreach_copy_untracked([self.held], [_compat.unexpanded(value, self.dims)])
+        return True
 
 
 def graph_reads(
@@ -136,8 +160,9 @@ def graph_reads(
     """How a piece about to be captured gets the values eager steps made, and what it writes.
 
     Returns ``copies``: per position in ``piece.reads``, a :class:`Handoff` (read where it is),
-    a buffer of the graph's own (``vals`` is given the buffer: the capture reads it) or a
-    number the graph holds as captured; and the positions it writes in place.
+    a buffer of the graph's own with the value's strides (``vals`` is given the buffer: the
+    capture reads it; :class:`Expanded` holds one with expanded dimensions) or a number the
+    graph holds as captured; and the positions it writes in place.
     """
     # What the piece writes in place: each warm-up, and the replay after capture, start from
     # the values it got (a KV-cache counter advanced once per run would run past the end of
@@ -152,8 +177,8 @@ def graph_reads(
             copies.append((pos, Handoff(vals[pos], alloc)))
         elif r in from_eager and isinstance(vals[pos], _Tensor):
             with _compat.normal_tensors():  # replays copy into it, in either mode
-                vals[pos] = buf = vals[pos].clone()
-            copies.append((pos, buf))
+                vals[pos] = buf = _compat.clone_strided(vals[pos])  # (Inductor's strides)
+            copies.append((pos, Expanded(buf) if _compat.expanded_dims(buf) else buf))
         elif r in from_eager and isinstance(vals[pos], (int, float, bool)):
             copies.append((pos, vals[pos]))
     return copies, written

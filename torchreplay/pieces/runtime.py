@@ -35,8 +35,8 @@ from torchreplay.core.pool import Pool
 from torchreplay.core.threads import Callers, follow_stream, get_ident, outputs_to_clones
 from torchreplay.pieces.capturing import capture_piece
 from torchreplay.pieces.entries import (
-    Entry, PieceGraph, Route, entry_key, hand_out, hold_weakly, pad_shared, set_sources, shared_key,
-    stage_entry,
+    NOT_EXPANDED, Entry, PieceGraph, Route, copy_expanded, entry_key, hand_out, hold_weakly, pad_shared,
+    set_sources, shared_key, stage_entry,
 )
 from torchreplay.pieces.handoff import DEMOTED, MISSES, MOVED, handed_slots
 from torchreplay.pieces.instances import MOVING, Instances, drop_entries, outputs_held, ptrs_of
@@ -192,6 +192,9 @@ class PiecewiseRuntime:
             return self._run_ungraphed(args)
         if route.dsts:
             _compat.foreach_copy_untracked(route.dsts, [args[i] for i in route.src_idx])
+        if route.expanded and (why := copy_expanded(route, args)) is not None:
+            self._count_fallback(f"input {self._inputs[why].name} {NOT_EXPANDED}")
+            return self._run_ungraphed(args)
         if route.pads:  # buffers of one size
             torch._foreach_zero_(route.pads)
             for view, value in route.fills:
@@ -326,12 +329,16 @@ class PiecewiseRuntime:
             buf = entry.inputs[i]
             d = self._inputs[i].dim
             view = buf if d is None or n == size else buf.narrow(d, 0, n)
-            route.dsts.append(view)
-            route.src_idx.append(i)
+            expanded = _compat.expanded_dims(view)
+            if expanded:  # (a copy cannot write it whole: once per location)
+                route.expanded.append((_compat.unexpanded(view), i, expanded))
+            else:
+                route.dsts.append(view)
+                route.src_idx.append(i)
             base = self._buffers.get(shared_key(i, args[i], self.sizes)) if d == 0 and self.sizes else None
             if base is not None:
                 route.bases.append((base, self._inputs[i].fill))
-            elif d is not None and n != size:
+            elif d is not None and n != size and d not in expanded:  # (expanded: rows are one)
                 route.pads.append(buf.narrow(d, n, size - n))
                 if self._inputs[i].fill != 0:
                     route.fills.append((route.pads[-1], self._inputs[i].fill))
