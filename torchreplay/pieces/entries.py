@@ -114,7 +114,7 @@ class Route:
     """A call of ``n`` rows with given input shapes: its entry and the views it copies into."""
 
     __slots__ = (
-        "n", "entry", "shapes", "dsts", "src_idx", "pads", "fills", "bases", "backs", "back_idx",
+        "n", "entry", "shapes", "dsts", "src_idx", "expanded", "pads", "fills", "bases", "backs", "back_idx",
         "consts",
     )
 
