@@ -179,6 +179,20 @@ def test_outputs_clone_policy_on_cpu_and_structure() -> None:
     assert s.emit() is t
 
 
+@pytest.mark.parametrize("many", [False, True], ids=["one output", "with a gradient-like second"])
+def test_clone_policy_keeps_padded_and_expanded_strides(many: bool) -> None:
+    """Inductor lays some outputs out with padded rows (stride 16 for 13 columns); a backward's
+    code asserts those strides on the saved activations it gets. ``clone`` made them dense."""
+    padded = torch.randn(4, 16)[:, :13]
+    expanded = torch.randn(4, 1).expand(4, 5)
+    leaves = [padded, expanded] + ([torch.randn(3)] if many else [])
+    o = Outputs(leaves, "clone", "f", owned=lambda x: True)
+    got = o.emit()
+    for g, t in zip(got, leaves):
+        assert g.stride() == t.stride() and torch.equal(g, t)
+        assert g.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
 def test_error_hierarchy_keeps_builtin_bases() -> None:
     for cls, base in [
         (CaptureError, RuntimeError),

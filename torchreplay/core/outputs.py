@@ -112,7 +112,10 @@ class Outputs:
             self.groups.append((ptr, nbytes, metas))
         self._checked = policy == "checked" and bool(self.groups)
         # x * 1.0 copies a float exactly (an int would become a float): clones in one launch
-        self._one_launch = len(self.owned_idx) > 1 and all(
+        # Clones keep each output's strides: a saved activation Inductor laid out with padded
+        # rows is asserted with them by the backward's code (``clone`` would make it dense)
+        self._strided = {i for i in self.owned_idx if torch.empty_like(leaves[i]).stride() != leaves[i].stride()}
+        self._one_launch = len(self.owned_idx) > 1 and not self._strided and all(
             leaves[i].is_floating_point() for i in self.owned_idx
         )
         self.device = leaves[self.owned_idx[0]].device if self.owned_idx else None
@@ -265,7 +268,7 @@ class Outputs:
                     leaves[i] = t
             else:
                 for i in self.owned_idx:
-                    leaves[i] = leaves[i].clone()
+                    leaves[i] = _compat.clone_strided(leaves[i]) if i in self._strided else leaves[i].clone()
         if self._to_callers and inputs:  # an argument returned: the caller's own tensor
             leaves = list(leaves)
             for i, j in self.passed:

@@ -316,7 +316,7 @@ def hand_out(
             else:
                 value = env[program.outputs[k]]  # type: ignore[index]
                 if isinstance(value, _Tensor) and in_pool(value):
-                    value = value.clone()
+                    value = _compat.clone_strided(value)  # (Inductor's padded strides too)
         elif kind == "env":
             value = env[ref]
         elif kind == "input":
