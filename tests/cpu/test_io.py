@@ -193,6 +193,21 @@ def test_clone_policy_keeps_padded_and_expanded_strides(many: bool) -> None:
         assert g.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
 
 
+def test_a_stale_outputs_message_names_which_output_it_is() -> None:
+    """A StaleOutputError raised far from the call (inside a backward) must say which output was
+    read: its index, dtype and shape, whether other outputs view its memory, and whether a
+    training forward saved it for the backward."""
+    base = torch.randn(2, 8)
+    leaves = [torch.randn(3), base, base.view(16), torch.zeros(2, dtype=torch.int64)]
+    o = Outputs(leaves, "checked", "fwd", owned=lambda x: True, watch=frozenset({3}))
+    messages = o._stale_messages
+    assert len(messages) == 3  # one per storage
+    assert "'fwd' (output 0 of 4, float32 [3])" in messages[0]
+    assert "(output 1 of 4, float32 [2, 8], and 1 view(s) of its memory)" in messages[1]
+    assert "(output 3 of 4, int64 [2], saved for the backward)" in messages[2]
+    assert all(m.startswith("StaleOutputError: this tensor is an output of the torchreplay graph") for m in messages)
+
+
 def test_error_hierarchy_keeps_builtin_bases() -> None:
     for cls, base in [
         (CaptureError, RuntimeError),

@@ -139,12 +139,15 @@ class Outputs:
             for _, _, metas in self.groups for _, meta in metas
         ]
         self._uses = [1 + len(metas) for _, _, metas in self.groups]
-        self.stale_message = (
-            f"StaleOutputError: this tensor is an output of the torchreplay graph '{name}', "
-            "and a later replay (of that graph, or of a graph sharing its memory pool) "
-            "overwrote its memory. Call .clone() on outputs you keep across calls, or create "
-            "the graph with outputs='clone'."
-        )
+        # One message per storage, naming the output (made once: invalidating costs nothing more)
+        self._stale_messages = [
+            f"StaleOutputError: this tensor is an output of the torchreplay graph '{name}' "
+            f"({_which(metas, len(leaves), self.watch)}), and a later replay (of that graph, or of "
+            "a graph sharing its memory pool) overwrote its memory. Call .clone() on outputs you "
+            "keep across calls, or create the graph with outputs='clone' (torch.compile's "
+            "backend: options={'outputs': 'clone'})."
+            for _, _, metas in self.groups
+        ]
         self.gone_message = (
             f"StaleOutputError: this tensor is an output of the torchreplay graph '{name}', "
             "which has been destroyed (nothing refers to it any more), and its memory was "
@@ -162,8 +165,8 @@ class Outputs:
             if self.reuse and self._unreachable():
                 self._kept = True
                 return
-            for storage in self.live:
-                _compat.invalidate_storage(storage, self.stale_message)
+            for storage, message in zip(self.live, self._stale_messages):
+                _compat.invalidate_storage(storage, message)
             self.live = []
             self._handed = []
 
@@ -298,7 +301,7 @@ class Outputs:
                 storage = last[k]  # no tensor over it is left: nothing to mark stale
             else:
                 if k < len(last):
-                    _compat.invalidate_storage(last[k], self.stale_message)
+                    _compat.invalidate_storage(last[k], self._stale_messages[k])
                 storage = _compat.alias_storage(ptr, self.device, nbytes)
             live.append(storage)
             for _, meta in metas:
@@ -444,6 +447,18 @@ del _ONLY_IN_A_LIST
 # The same for an alias storage with tensors over it (torch may add a reference of its own to
 # the Python object of a storage that tensors share): counted at the first tensors handed out.
 _HELD_STORAGE_REFS = [-1]
+
+
+def _which(metas: Sequence[tuple[int, dict[str, Any]]], n: int, saved: Sequence[int]) -> str:
+    """Which output a storage's tensors are, for its stale message: "output 3 of 12, float32
+    [2, 16, 64]" (and, for a training forward, whether autograd saved it for the backward)."""
+    i, meta = metas[0]
+    text = f"output {i} of {n}, {str(meta['dtype']).replace('torch.', '')} {list(meta['size'])}"
+    if len(metas) > 1:
+        text += f", and {len(metas) - 1} view(s) of its memory"
+    if any(j in saved for j, _ in metas):
+        text += ", saved for the backward"
+    return text
 
 
 def _tensor_meta(t: torch.Tensor) -> dict[str, Any]:
