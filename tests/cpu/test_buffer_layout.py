@@ -85,3 +85,12 @@ def test_buffer_like_is_dense_in_the_inputs_order() -> None:
     arg = _layouts()["rows inner"]
     buf = buffer_like(arg, [8, 6, 5])
     assert buf.stride() == (1, 40, 8)  # rows innermost, as in the input
+
+
+@pytest.mark.parametrize("name", list(_layouts()) + ["step", "scalar", "empty"])
+def test_dense_tells_whether_a_clone_keeps_the_strides(name: str) -> None:
+    """``_compat.dense`` (read from the strides, nothing allocated) says what ``clone`` keeps:
+    the clone policy makes the others with their very strides."""
+    t = {**_layouts(), "step": torch.randn(12)[::2], "scalar": torch.tensor(1.0),
+         "empty": torch.randn(0, 3)}[name]
+    assert _compat.dense(t) == (t.clone().stride() == t.stride())

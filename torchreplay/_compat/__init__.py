@@ -565,12 +565,12 @@ from torchreplay._compat.amp import any_autocast, cuda_autocast, dispatch_modes 
 from torchreplay._compat.autograd import (  # noqa: E402  (autograd's node order and version counters)
     direct_apply, foreach_copy_untracked, function_forwards, function_of_call, function_of_ctx, in_backward,
     is_accumulate_grad, is_custom_op_function, is_view, normal_tensors, restore_unversioned, copy_back, unexpanded,
-    expanded_dims, clone_strided,
+    expanded_dims, clone_strided, dense,
     saved_tensor_hooks, sequence_nr, set_sequence_nr, triton_launches, version_of, versions_of, watch_saved,
 )
 __all__ += ["any_autocast", "cuda_autocast", "dispatch_modes", "current_stream", "direct_apply",
             "foreach_copy_untracked", "in_backward", "is_accumulate_grad", "is_view", "normal_tensors",
-            "restore_unversioned", "copy_back", "unexpanded", "expanded_dims", "clone_strided",
+            "restore_unversioned", "copy_back", "unexpanded", "expanded_dims", "clone_strided", "dense",
             "saved_tensor_hooks", "sequence_nr", "set_sequence_nr", "version_of",
             "versions_of", "function_forwards", "function_of_call", "function_of_ctx", "is_custom_op_function",
             "triton_launches", "watch_saved"]

@@ -12,7 +12,7 @@ import torch
 
 __all__ = [
     "direct_apply", "foreach_copy_untracked", "saved_tensor_hooks", "set_sequence_nr", "sequence_nr",
-    "restore_unversioned", "copy_back", "unexpanded", "expanded_dims", "clone_strided",
+    "restore_unversioned", "copy_back", "unexpanded", "expanded_dims", "clone_strided", "dense",
     "in_backward", "is_accumulate_grad", "is_view", "normal_tensors", "versions_of",
     "function_forwards", "function_of_call", "function_of_ctx", "is_custom_op_function", "triton_launches",
     "watch_saved",
@@ -208,6 +208,20 @@ def unexpanded(t: torch.Tensor, dims: Sequence[int] | None = None) -> torch.Tens
     for d in expanded_dims(t) if dims is None else dims:
         t = t.narrow(d, 0, 1)
     return t
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Does ``t`` fill its memory without gaps or overlap, in some order of its dimensions? Then
+    ``clone`` keeps its strides; else (padded rows, a slice, an expansion) it makes them
+    contiguous. Read from the strides: nothing is allocated."""
+    expected = 1
+    for s, n in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
+        if n == 0:
+            return True
+        if s != expected:
+            return False
+        expected *= n
+    return True
 
 
 def _may_overlap(t: torch.Tensor) -> bool:

@@ -114,7 +114,7 @@ class Outputs:
         # x * 1.0 copies a float exactly (an int would become a float): clones in one launch
         # Clones keep each output's strides: a saved activation Inductor laid out with padded
         # rows is asserted with them by the backward's code (``clone`` would make it dense)
-        self._strided = {i for i in self.owned_idx if torch.empty_like(leaves[i]).stride() != leaves[i].stride()}
+        self._strided = {i for i in self.owned_idx if not _compat.dense(leaves[i])}
         self._one_launch = len(self.owned_idx) > 1 and not self._strided and all(
             leaves[i].is_floating_point() for i in self.owned_idx
         )

@@ -338,7 +338,7 @@ class PiecewiseRuntime:
             base = self._buffers.get(shared_key(i, args[i], self.sizes)) if d == 0 and self.sizes else None
             if base is not None:
                 route.bases.append((base, self._inputs[i].fill))
-            elif d is not None and n != size and d not in expanded:  # (expanded: rows are one)
+            elif d is not None and n != size and d not in _compat.expanded_dims(buf):  # (else one row)
                 route.pads.append(buf.narrow(d, n, size - n))
                 if self._inputs[i].fill != 0:
                     route.fills.append((route.pads[-1], self._inputs[i].fill))
