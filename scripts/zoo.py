@@ -7,8 +7,10 @@ tolerance), ``refused`` (a TorchReplayError, its first line) or ``ERROR`` (anyth
 Not a test (it never fails); what it finds becomes one.
 
 Usage (on a CUDA machine): ``PYTHONPATH=. python scripts/zoo.py [--only NAME,NAME]
-[--modes infer,sizes,train,auto,trainauto,compile,compilesizes,compiletrain] [--dtype bfloat16] [--json PATH] [--device cpu]`` (``cpu``: the compile modes without a
-GPU, which try Dynamo, the split and Inductor, not the graphs)
+[--modes infer,sizes,train,auto,trainauto,compile,compilesizes,compiletrain,compiletrainclone]
+[--dtype bfloat16] [--json PATH] [--device cpu]`` (``cpu``: the compile modes without a GPU,
+which try Dynamo, the split and Inductor, not the graphs; ``compiletrainclone``: trained through
+the backend with ``options={"outputs": "clone"}``)
 """
 from __future__ import annotations
 
@@ -238,11 +240,12 @@ def run_compile(name: str, build: Callable[[], Any], sizes: bool = False) -> flo
 
 def run_train(
     name: str, build: Callable[[], Any], breaks: Any = None, report: list[str] | None = None,
-    compiled: bool = False,
+    compiled: bool = False, options: dict[str, Any] | None = None,
 ) -> float:
     """The largest difference from eager of the loss and every gradient over 4 steps;
     ``report`` gets ``tr.explain`` of the graphed model where breaks are given; ``compiled``:
-    ``torch.compile(backend="torchreplay")`` in place of ``tr.make_graphed_callables``."""
+    ``torch.compile(backend="torchreplay")`` in place of ``tr.make_graphed_callables``, with
+    ``options`` (the backend's)."""
     torch.manual_seed(0)
     ref = build().to(DEV).train()
     model = copy.deepcopy(ref)
@@ -253,7 +256,7 @@ def run_train(
         kw["use_cache"] = False
     opts = {"breaks": breaks} if breaks is not None else {}
     if compiled:
-        graphed = torch.compile(model, backend="torchreplay")
+        graphed = torch.compile(model, backend="torchreplay", options=options or {})
     else:
         graphed = tr.make_graphed_callables(model, a, sample_kwargs=kw, **opts)
     if breaks is not None:
@@ -286,11 +289,11 @@ def run_train(
     return d
 
 
-def run_compile_train(name: str, build: Callable[[], Any]) -> float:
-    """:func:`run_train` through ``torch.compile(backend="torchreplay")``, with Inductor's
-    dropout on eager's random numbers (its own draws others)."""
+def run_compile_train(name: str, build: Callable[[], Any], options: dict[str, Any] | None = None) -> float:
+    """:func:`run_train` through ``torch.compile(backend="torchreplay", options=options)``, with
+    Inductor's dropout on eager's random numbers (its own draws others)."""
     with torch._inductor.config.patch(fallback_random=True):
-        return run_train(name, build, compiled=True)
+        return run_train(name, build, compiled=True, options=options)
 
 
 MODES: dict[str, Callable[[str, Callable[[], Any]], float]] = {
@@ -302,6 +305,7 @@ MODES: dict[str, Callable[[str, Callable[[], Any]], float]] = {
     "compile": lambda n, b: run_compile(n, b),
     "compilesizes": lambda n, b: run_compile(n, b, sizes=True),
     "compiletrain": run_compile_train,
+    "compiletrainclone": lambda n, b: run_compile_train(n, b, {"outputs": "clone"}),
 }
 
 

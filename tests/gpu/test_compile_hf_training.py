@@ -1,0 +1,43 @@
+"""Hugging Face models trained through ``torch.compile(backend="torchreplay")``, each in a process
+of its own (a crash would end the suite), 4 SGD steps against eager: the loss and every gradient
+(``scripts/zoo.py``'s ``run_compile_train``, Inductor's dropout on eager's RNG)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _train(name: str, options: dict) -> float:
+    code = (
+        "import sys, torch\n"
+        "sys.path.insert(0, 'scripts')\n"
+        "import zoo\n"
+        "torch.backends.cuda.matmul.allow_tf32 = False\n"
+        f"d = zoo.run_compile_train({name!r}, zoo.all_models()[{name!r}], {options!r})\n"
+        "print('DIFF', d)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0 and "DIFF" in run.stdout, (run.returncode, run.stderr[-3000:])
+    return float(run.stdout.rsplit("DIFF", 1)[1].split()[0])
+
+
+@pytest.mark.parametrize("name", ["Bart", "DebertaV2"])
+def test_a_model_whose_graphs_read_an_expanded_mask_or_a_transposed_input_trains_like_eager(name: str) -> None:
+    """BART's forward graph reads an attention mask expanded over heads (stride 0), DeBERTa-v2's
+    a transposed activation, and BART's backward a saved activation with Inductor's padded rows:
+    copies into contiguous buffers failed Inductor's stride asserts. (BART with clones: the
+    default policy raises StaleOutputError in its backward, not yet fixed; README.)"""
+    options = {"outputs": "clone"} if name == "Bart" else {}
+    assert _train(name, options) <= 1e-3
+
+
+def test_gemma2_trains_like_eager_with_cloned_outputs() -> None:
+    """The documented way around the StaleOutputError Gemma2's backward raises with the default
+    ``checked`` outputs (not yet found: benchmarks/RESULTS.md, session 54)."""
+    assert _train("Gemma2", {"outputs": "clone"}) <= 1e-3
