@@ -32,7 +32,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 @torch.library.custom_op("trlayout::spread_rows", mutates_args=())
 def _spread_rows(x: torch.Tensor) -> torch.Tensor:
     """An eager step (a splitting op) returning an expanded tensor: each row's mean, over the
-    columns (stride 0), and a transposed one could come the same way."""
+    columns (stride 0)."""
     return x.mean(-1, keepdim=True).expand(x.shape)
 
 
@@ -106,7 +106,7 @@ def test_transposed_and_expanded_inputs_keep_their_strides_in_training() -> None
     for step in range(CALLS):
         x_t, mask = _strided_inputs()
         x_t.requires_grad_(True)
-        x_ref = x_t.detach().clone().requires_grad_(True)  # (contiguous: the same values)
+        x_ref = x_t.detach().clone().requires_grad_(True)  # (the same values and layout)
         loss = c(x_t, mask).square().mean()
         loss_ref = ref(x_ref, mask).square().mean()
         loss.backward()
