@@ -717,3 +717,30 @@ def test_dynamos_request_to_trace_again_goes_through_the_backend(caplog) -> None
     with caplog.at_level(logging.WARNING):
         assert _inductor_or_fx(gm, [], "graph 0 piece 2", broken) == gm.forward
     assert "Inductor could not compile graph 0 piece 2" in caplog.text
+
+
+def test_a_training_piece_is_compiled_without_donated_buffers() -> None:
+    """With donated buffers, Inductor's backward may write a gradient into the memory of a saved
+    activation it read last. Our backward graph reads the saved activations in the forward's
+    pool, so that gradient would lie where the next forward replay writes (HF Gemma2 and BART
+    trained through the backend: StaleOutputError in the backward). The training compile (an
+    ``inner_compile`` hook, as ``compile/training.py`` passes) must leave none to the backward."""
+    seen: list[tuple[bool, object]] = []
+
+    def inner(gm, example_inputs, **kwargs):
+        context = torch._guards.TracingContext.try_get()
+        meta = getattr(context, "fw_metadata", None)
+        seen.append((bool(kwargs.get("is_backward")), getattr(meta, "bw_donated_idxs", None)))
+        return _compat.compile_fx_inner(gm, example_inputs, donate=False, **kwargs)
+
+    def f(x, w):
+        return (x @ w).relu().sin().sum()  # saves activations used once by the backward
+
+    x = torch.randn(8, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    fn = _compat.inductor_compile(torch.fx.symbolic_trace(f), [x, w], inner)
+    out = fn(x, w)
+    (out[0] if isinstance(out, (list, tuple)) else out).backward()
+    torch.testing.assert_close(w.grad, torch.autograd.grad(f(x, w), w)[0])
+    assert [b for b, _ in seen] == [False, True], seen
+    assert not any(donated for _, donated in seen), seen

@@ -443,7 +443,13 @@ def inductor_compile(
     directly (no patching) for each piece the split made. ``inner_compile`` is its documented
     hook for the compiler of each forward and backward graph after AOT autograd (cudagraph trees
     sit at the same place). With one, AOT autograd's cache is off for the call (a hit would not
-    call the hook). Private module, stable since 2.0; an option this torch lacks is left alone."""
+    call the hook), and so are donated buffers: with them, the backward's code may write a
+    gradient into the memory of a saved activation it read last (``buf5 = buf0``, Inductor's
+    ``can_reuse`` of a ``DonatedBuffer``). Our backward graph reads the saved activations where
+    the forward graph left them, in the forward's pool: that gradient would lie in memory the
+    next forward replay overwrites (HF Gemma2 and BART trained through the backend raised
+    StaleOutputError in the backward). Private module, stable since 2.0; an option this torch
+    lacks is left alone."""
     from torch._inductor.compile_fx import compile_fx
 
     if inner_compile is None:
@@ -451,16 +457,25 @@ def inductor_compile(
     import torch._functorch.config as functorch_config
 
     off = {
-        k: False for k in ("enable_autograd_cache",) if hasattr(functorch_config, k)
+        k: False for k in ("enable_autograd_cache", "donated_buffer") if hasattr(functorch_config, k)
     }
     with functorch_config.patch(**off):
         return compile_fx(gm, list(example_inputs), inner_compile=inner_compile)
 
 
-def compile_fx_inner(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-    """Inductor's compiler of one forward or backward graph (the default ``inner_compile``)."""
+def compile_fx_inner(gm: Any, example_inputs: Sequence[Any], *, donate: bool = True, **kwargs: Any) -> Any:
+    """Inductor's compiler of one forward or backward graph (the default ``inner_compile``).
+    ``donate=False``: the backward may not write into its saved activations (the donated
+    buffers AOT autograd chose are dropped from the tracing context's metadata, which Inductor
+    reads them from; :func:`inductor_compile` turns their choice off too, this covers a backward
+    compiled later under other settings)."""
     from torch._inductor.compile_fx import compile_fx_inner as inner
 
+    if not donate:
+        context = torch._guards.TracingContext.try_get()
+        meta = getattr(context, "fw_metadata", None)
+        if getattr(meta, "bw_donated_idxs", None):
+            meta.bw_donated_idxs = []  # type: ignore[union-attr]
     return inner(gm, example_inputs, **kwargs)
 
 

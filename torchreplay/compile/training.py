@@ -15,7 +15,9 @@ runs each on a :class:`~torchreplay.pieces.runtime.PiecewiseRuntime` of its own 
   place, where the forward's replay left them; the others (an input the forward saved as is)
   are copied in. Which is which is decided at the first backward. A call whose forward ran without its graph
   (its activations are elsewhere) runs ungraphed too. The values read in place are put back
-  after capture (Inductor may reuse the memory of the last reads as scratch: donated buffers).
+  after capture. They are compiled without donated buffers (``_compat.inductor_compile``): with
+  them Inductor may write a gradient into a saved activation's memory, the forward's pool, which
+  the next forward replay overwrites (and our clones of the backward's own memory miss it).
   Gradients are handed out as clones (``AccumulateGrad`` may keep a gradient as ``.grad``: a
   view of the pool would be overwritten by the next backward).
 - several module instances (a block class compiled once, regional compilation): the forward
@@ -76,7 +78,7 @@ class GraphingCompiler:
         self.forward: PiecewiseRuntime | None = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-        code = _compat.compile_fx_inner(gm, example_inputs, **kwargs)
+        code = _compat.compile_fx_inner(gm, example_inputs, donate=False, **kwargs)
         compiled = getattr(code, "current_callable", None)
         if compiled is None:  # not a CompiledFxGraph: leave it as Inductor made it
             log.warning("torchreplay: %s: Inductor returned no callable to graph", self.name)

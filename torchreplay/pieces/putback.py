@@ -2,9 +2,10 @@
 
 Warm-ups and captures run the pieces several times, and the padding check (:mod:`.padding`)
 twice more. What they write in place into the values a graph reads where they are is put back:
-buffers, and values read in place (a backward may reuse the memory of the saved activations it
-reads last as scratch: Inductor's donated buffers), with their version counters (a pending
-backward may have saved them); and the RNG they drew from.
+buffers, and values read in place (a backward compiled with donated buffers may reuse the memory
+of the saved activations it reads last; the compile backend turns them off, a graph given to the
+runtime otherwise may not), with their version counters (a pending backward may have saved them);
+and the RNG they drew from.
 """
 
 from __future__ import annotations
