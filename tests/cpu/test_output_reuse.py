@@ -406,3 +406,36 @@ def test_tr_graph_hands_out_arguments_and_their_views_as_the_callers(monkeypatch
             assert mo is m and flat._base is x and head._base is m
             x.add_(1)
             assert torch.equal(flat, x.view(-1))
+
+
+def test_a_later_entrys_output_saved_by_an_eager_op_blocks_an_earlier_replay() -> None:
+    """HF Mixtral trained through the backend: a layer at a new token count is captured at a
+    later pool position; the next layer replays an earlier entry, which may write where the new
+    entry's outputs lie, while transformers' eager grouped-mm op had saved one for its backward
+    (a StaleOutputError in the backward). The caller's outputs are watched with the saved
+    activations: held by an autograd node, they block the replay (it runs into fresh memory);
+    held by the caller alone they do not (marked stale, as for any kept output)."""
+    from torchreplay.core.outputs import Outputs
+    from torchreplay.pieces.entries import Entry
+    from torchreplay.pieces.saved import SavedActivations, user_outputs
+
+    earlier, later = Entry(None), Entry(None)
+    earlier.position, later.position = 0, 1
+    later.sources = [("pool", 0), ("pool", 1), ("input", 0)]  # program outputs 0, 1, 2
+    saved_outputs = frozenset({1})  # program output 1 is a saved activation
+    assert user_outputs(later, saved_outputs) == frozenset({0})
+    later.outputs = Outputs(
+        [torch.randn(4, 3), torch.randn(4, 3)], "static", "fwd", lambda t: True,
+        watch=frozenset({1}) | user_outputs(later, saved_outputs), saved=frozenset({1}),
+    )
+    user, _ = later.outputs.emit()
+    saved = SavedActivations()
+    saved.replayed(later, tainted=False)  # pending: awaits its backward
+    assert not saved.blocks(earlier)  # the caller holding its output does not block
+    w = torch.randn(4, 3, requires_grad=True)
+    pending = w * user  # an eager op saves the output for its backward
+    assert saved.blocks(earlier)
+    del pending
+    assert not saved.blocks(earlier)
+    assert "saved for the backward" in later.outputs._stale_messages[1]
+    assert "saved for the backward" not in later.outputs._stale_messages[0]

@@ -76,6 +76,7 @@ class Outputs:
         reuse: bool = False,
         watch: frozenset[int] = frozenset(),
         inputs: Sequence[Any] = (),
+        saved: frozenset[int] | None = None,
     ) -> None:
         leaves, spec = _compat.tree_flatten(out)
         at = {id(t): j for j, t in enumerate(inputs) if isinstance(t, _Tensor)} if policy == "checked" else {}
@@ -142,7 +143,7 @@ class Outputs:
         # One message per storage, naming the output (made once: invalidating costs nothing more)
         self._stale_messages = [
             f"StaleOutputError: this tensor is an output of the torchreplay graph '{name}' "
-            f"({_which(metas, len(leaves), self.watch)}), and a later replay (of that graph, or of "
+            f"({_which(metas, len(leaves), watch if saved is None else saved)}), and a later replay (of that graph, or of "
             "a graph sharing its memory pool) overwrote its memory. Call .clone() on outputs you "
             "keep across calls, or create the graph with outputs='clone' (torch.compile's "
             "backend: options={'outputs': 'clone'})."

@@ -43,7 +43,7 @@ from torchreplay.pieces.instances import MOVING, Instances, drop_entries, output
 from torchreplay.pieces.padding import check_first_call
 from torchreplay.pieces.putback import PutBack, put_back, to_put_back
 from torchreplay.pieces.program import Program, run_in_order
-from torchreplay.pieces.saved import BLOCKED, SavedActivations, guarded, saved_refs
+from torchreplay.pieces.saved import BLOCKED, SavedActivations, guarded, saved_refs, user_outputs
 from torchreplay.stats import GraphStats
 
 __all__ = ["PiecewiseRuntime"]
@@ -485,7 +485,10 @@ class PiecewiseRuntime:
             self.name,
             self._pool_has,
             reuse=not torch.is_grad_enabled() and not self.guard_outputs,
-            watch=entry.guard,
+            # what blocks a replay while held (.saved): the saved activations, and the outputs
+            # an eager autograd node may have saved
+            watch=entry.guard | user_outputs(entry, self.guard_outputs) if self.saved is not None else entry.guard,
+            saved=entry.guard,
         )
         entry.position = self.pool.register(entry)
         if self.saved is not None:

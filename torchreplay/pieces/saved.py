@@ -12,6 +12,12 @@ compiled block class, one forward runtime, graphs per set of parameters), the fo
 block k+1's forward replays, which is safe because block k+1's graph was captured after block
 k's (its replay cannot reach memory that block k's outputs held at its capture). A backward
 replay names the forward entries it read from by the addresses of its arguments.
+
+The outputs the caller gets are watched the same way: an eager autograd node after the graph may
+have saved one (a custom op's autograd after a graph break), and an entry captured later, at a
+new shape (a mixture of experts: each layer's experts get their own token counts), lies where an
+earlier entry's replay may write. Held by the caller alone (a Python reference), an output does
+not block: it is marked stale as usual.
 """
 
 from __future__ import annotations
@@ -22,14 +28,15 @@ import torch
 
 from torchreplay.pieces.entries import Entry
 
-__all__ = ["BLOCKED", "SavedActivations", "guarded", "saved_refs"]
+__all__ = ["BLOCKED", "SavedActivations", "guarded", "saved_refs", "user_outputs"]
 
 _Tensor = torch.Tensor
 
 #: Why a forward runs without its graph while its last call's activations await their backward.
 BLOCKED = (
-    "the saved activations of an earlier call are still held (its backward has not run yet); "
-    "this call runs without its graph, into fresh memory"
+    "the saved activations or outputs of an earlier call are still held (by its backward, or an "
+    "eager op's that saved them, which has not run yet); this call runs without its graph, into "
+    "fresh memory"
 )
 
 
@@ -108,6 +115,15 @@ def saved_refs(entry: Entry, outputs: frozenset[int]) -> list[int]:
     its backward: activations, and tensors passed through its graph that are not inputs read
     in place (those are the call's own: the runtime keeps them apart)."""
     return [ref for k, (kind, ref) in enumerate(entry.sources) if kind == "pool" and k in outputs]
+
+
+def user_outputs(entry: Entry, outputs: frozenset[int]) -> frozenset[int]:
+    """The indices into ``entry``'s pool outputs of the program outputs that are not saved
+    activations (``outputs``): what the caller gets. An eager autograd node after the graph
+    may save one for its backward (transformers' grouped-mm op after a graph break in HF
+    Mixtral); a replay that may overwrite it must wait for that backward like one that may
+    overwrite a saved activation."""
+    return frozenset(ref for k, (kind, ref) in enumerate(entry.sources) if kind == "pool" and k not in outputs)
 
 
 def guarded(
