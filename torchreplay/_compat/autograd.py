@@ -170,10 +170,8 @@ def copy_back(t: torch.Tensor, value: torch.Tensor) -> None:
     if not _may_overlap(t):
         t.copy_(value)
         return
-    value = value.expand_as(t)
-    for d in range(t.dim()):
-        if t.stride(d) == 0 and t.size(d) > 1:
-            t, value = t.narrow(d, 0, 1), value.narrow(d, 0, 1)
+    dims = expanded_dims(t)
+    t, value = unexpanded(t, dims), unexpanded(value.expand_as(t), dims)
     if not _may_overlap(t):
         t.copy_(value)
         return

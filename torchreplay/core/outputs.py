@@ -270,9 +270,12 @@ class Outputs:
             if self._one_launch:  # a backward's gradients: one multi-tensor launch, not one each
                 for i, t in zip(self.owned_idx, _compat.foreach_clone([leaves[i] for i in self.owned_idx])):
                     leaves[i] = t
-            else:
+            elif self._strided:  # (Inductor's padded rows, an expansion: their very strides)
                 for i in self.owned_idx:
                     leaves[i] = _compat.clone_strided(leaves[i]) if i in self._strided else leaves[i].clone()
+            else:
+                for i in self.owned_idx:
+                    leaves[i] = leaves[i].clone()
         if self._to_callers and inputs:  # an argument returned: the caller's own tensor
             leaves = list(leaves)
             for i, j in self.passed:

@@ -8,7 +8,7 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.core.outputs import Outputs
-from torchreplay.pieces.handoff import MOVED, Expanded, Handoff
+from torchreplay.pieces.handoff import MOVED, Expanded, Handoff, fill_expanded
 from torchreplay.pieces.program import Constant, Program
 
 __all__ = [
@@ -148,10 +148,8 @@ def copy_expanded(route: Route, args: Sequence[Any]) -> int | None:
     the index of one that is not expanded there now (nothing replays: the graph reads one of
     its elements where they may differ), else None."""
     for held, i, dims in route.expanded:
-        a = args[i]
-        if any(a.stride(d) != 0 for d in dims):
+        if not fill_expanded(held, dims, args[i]):
             return i
-        _copy_untracked([held], [_compat.unexpanded(a, dims)])
     return None
 
 

@@ -33,7 +33,7 @@ import torch
 from torchreplay import _compat
 from torchreplay.pieces.program import Input, Piece, Program
 
-__all__ = ["MISSES", "MOVED", "DEMOTED", "Expanded", "Handoff", "can_hand_off", "graph_reads", "handed_slots"]
+__all__ = ["MISSES", "MOVED", "DEMOTED", "Expanded", "Handoff", "fill_expanded", "can_hand_off", "graph_reads", "handed_slots"]
 
 #: Calls whose handed-off value could not be put where the graph reads it before the runtime
 #: captures its graphs again with buffers of their own (the previous copying way).
@@ -140,13 +140,20 @@ class Expanded:
 
     def fill(self, value: Any) -> bool:
         """Copy ``value`` in; False (nothing copied) if it has another shape or dtype, or is
-        not expanded where the buffer is (its elements there may differ)."""
+        not expanded where the buffer is (:func:`fill_expanded`)."""
         if value.shape != self.shape or value.dtype != self.dtype:
             return False
-        if any(value.stride(d) != 0 for d in self.dims):
-            return False
-        _compat.foreach_copy_untracked([self.held], [_compat.unexpanded(value, self.dims)])
-        return True
+        return fill_expanded(self.held, self.dims, value)
+
+
+def fill_expanded(held: _Tensor, dims: Sequence[int], value: _Tensor) -> bool:
+    """Copy ``value`` into a buffer expanded along ``dims`` (``held``: the buffer narrowed to one
+    element there), each location once; False (nothing copied) if ``value`` is not expanded
+    there too: its elements along them may differ, where the graph reads one."""
+    if any(value.stride(d) != 0 for d in dims):
+        return False
+    _compat.foreach_copy_untracked([held], [_compat.unexpanded(value, dims)])
+    return True
 
 
 def graph_reads(
