@@ -414,7 +414,9 @@ def test_a_later_entrys_output_saved_by_an_eager_op_blocks_an_earlier_replay() -
     entry's outputs lie, while transformers' eager grouped-mm op had saved one for its backward
     (a StaleOutputError in the backward). The caller's outputs are watched with the saved
     activations: held by an autograd node, they block the replay (it runs into fresh memory);
-    held by the caller alone they do not (marked stale, as for any kept output)."""
+    held by the caller alone they do not (marked stale, as for any kept output). Once the
+    caller's graph is gone, nothing blocks: we watch the caller's output (which carries that
+    graph, and the activations its backward saved) without keeping it alive."""
     from torchreplay.core.outputs import Outputs
     from torchreplay.pieces.entries import Entry
     from torchreplay.pieces.saved import SavedActivations, user_outputs
@@ -426,16 +428,36 @@ def test_a_later_entrys_output_saved_by_an_eager_op_blocks_an_earlier_replay() -
     assert user_outputs(later, saved_outputs) == frozenset({0})
     later.outputs = Outputs(
         [torch.randn(4, 3), torch.randn(4, 3)], "static", "fwd", lambda t: True,
-        watch=frozenset({1}) | user_outputs(later, saved_outputs), saved=frozenset({1}),
+        watch=frozenset({1}), watch_callers=user_outputs(later, saved_outputs),
     )
-    user, _ = later.outputs.emit()
+
+    class Forward(torch.autograd.Function):  # as AOTAutograd's: saves the activation
+        @staticmethod
+        def forward(ctx: "Any", x: torch.Tensor) -> torch.Tensor:
+            user, activation = later.outputs.emit()
+            # a new tensor handed out at each call, as the checked policy's on a GPU (this CPU
+            # build cannot mark storages stale: "static" stands in, which hands out its own)
+            later.outputs.static[0] = torch.randn(4, 3)
+            ctx.save_for_backward(activation)
+            return user
+
+        @staticmethod
+        def backward(ctx: "Any", g: torch.Tensor) -> torch.Tensor:
+            (activation,) = ctx.saved_tensors
+            return g * activation
+
     saved = SavedActivations()
-    saved.replayed(later, tainted=False)  # pending: awaits its backward
-    assert not saved.blocks(earlier)  # the caller holding its output does not block
     w = torch.randn(4, 3, requires_grad=True)
-    pending = w * user  # an eager op saves the output for its backward
+    y = Forward.apply(torch.randn(4, 3, requires_grad=True))
+    saved.replayed(later, tainted=False)  # pending: awaits its backward
+    assert saved.blocks(earlier)  # its activation awaits the backward
+    y.sum().backward()
+    assert not saved.blocks(earlier)  # the caller holding its output alone does not block
+    y = Forward.apply(torch.randn(4, 3, requires_grad=True))
+    pending = w * y  # an eager op saves the output for its backward
+    del y  # (the caller's last reference; the eager op's node still holds it)
     assert saved.blocks(earlier)
-    del pending
+    del pending  # the whole graph goes: nothing is held any more
     assert not saved.blocks(earlier)
     assert "saved for the backward" in later.outputs._stale_messages[1]
     assert "saved for the backward" not in later.outputs._stale_messages[0]

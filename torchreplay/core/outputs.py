@@ -57,6 +57,10 @@ class Outputs:
         watch: leaves whose handed tensors :meth:`held` looks at (a forward graph's saved
             activations); we keep the last call's, which holds no autograd graph (they are
             saved by the backward node, not outputs of it).
+        watch_callers: leaves the caller gets that :meth:`held` looks at too (an eager
+            autograd node after the graph may save one). Through weak references only: such a
+            tensor carries its autograd graph, and a strong one would keep that graph, and the
+            activations it saved, held for good.
         inputs: under ``checked``, the static input tensors by argument leaf (None for a
             non-tensor): an output that is one of them itself (``return x, mask``, ``x.add_(1);
             return x``) is handed out as the caller's tensor of that argument, as eagerly
@@ -76,7 +80,7 @@ class Outputs:
         reuse: bool = False,
         watch: frozenset[int] = frozenset(),
         inputs: Sequence[Any] = (),
-        saved: frozenset[int] | None = None,
+        watch_callers: frozenset[int] = frozenset(),
     ) -> None:
         leaves, spec = _compat.tree_flatten(out)
         at = {id(t): j for j, t in enumerate(inputs) if isinstance(t, _Tensor)} if policy == "checked" else {}
@@ -124,6 +128,8 @@ class Outputs:
         self._handles: list[int] = []  # their _compat.storage_handle, for the use counts
         self.watch = sorted(watch)
         self._watched: list[torch.Tensor] = []
+        self.watch_callers = sorted(watch_callers - watch)
+        self._watched_callers: list[weakref.ref[torch.Tensor]] = []
         self.reuse = reuse and _compat.HAS_USE_COUNTS
         #: Called whenever new tensors are handed out (the pool's :meth:`~Pool.on_live`).
         self.on_live: Callable[[], None] | None = None
@@ -143,7 +149,7 @@ class Outputs:
         # One message per storage, naming the output (made once: invalidating costs nothing more)
         self._stale_messages = [
             f"StaleOutputError: this tensor is an output of the torchreplay graph '{name}' "
-            f"({_which(metas, len(leaves), watch if saved is None else saved)}), and a later replay (of that graph, or of "
+            f"({_which(metas, len(leaves), watch)}), and a later replay (of that graph, or of "
             "a graph sharing its memory pool) overwrote its memory. Call .clone() on outputs you "
             "keep across calls, or create the graph with outputs='clone' (torch.compile's "
             "backend: options={'outputs': 'clone'})."
@@ -188,8 +194,14 @@ class Outputs:
         the same memory: a caller keeping a user output that the backward also saved does not
         block the next replay (that output is marked stale as usual). Without use counts: yes."""
         if not _compat.HAS_USE_COUNTS:
-            return bool(self._watched)
-        return any(_tensor_use_count(t) > 1 for t in self._watched)
+            return bool(self._watched or self._watched_callers)
+        if any(_tensor_use_count(t) > 1 for t in self._watched):
+            return True
+        for ref in self._watched_callers:  # (a dropped tensor no C++ object holds is gone)
+            t = ref()
+            if t is not None and _tensor_use_count(t) > 1:
+                return True
+        return False
 
     def make_clones(self) -> None:
         """From now on hand out clones, not the pool's memory (the graph is called from
@@ -213,6 +225,7 @@ class Outputs:
             return True
         self._handed = []
         self._watched = []
+        self._watched_callers = []
         return any(_storage_use_count(h) > 1 for h in self._handles)
 
     def retire(self, why: str | None = None) -> None:
@@ -231,6 +244,7 @@ class Outputs:
         self.live = []
         self._handed = []
         self._watched = []
+        self._watched_callers = []
         # Our references to the capture's output tensors go too, so the pool's blocks are free
         # when the cache is emptied (outputs="static" callers keep theirs alive themselves).
         self.static = []
@@ -261,6 +275,10 @@ class Outputs:
                 if self.on_live is not None:
                     self.on_live()
             if self._one_handed:
+                if self.watch:
+                    self._watched = handed[:1]
+                if self.watch_callers:
+                    self._watched_callers = [weakref.ref(handed[0])]
                 return handed[0]
             leaves = list(leaves)
             for i, t in zip(self.grouped_idx, handed):
@@ -286,6 +304,8 @@ class Outputs:
                     leaves[i] = x.as_strided(size, stride, x.storage_offset() + delta)
         if self.watch and self.policy != "clone":  # clones are the caller's own memory
             self._watched = [leaves[i] for i in self.watch]
+        if self.watch_callers and self.policy != "clone":
+            self._watched_callers = [weakref.ref(leaves[i]) for i in self.watch_callers]
         if self.is_leaf:
             return leaves[0]
         return self._rebuild(leaves)

@@ -487,8 +487,8 @@ class PiecewiseRuntime:
             reuse=not torch.is_grad_enabled() and not self.guard_outputs,
             # what blocks a replay while held (.saved): the saved activations, and the outputs
             # an eager autograd node may have saved
-            watch=entry.guard | user_outputs(entry, self.guard_outputs) if self.saved is not None else entry.guard,
-            saved=entry.guard,
+            watch=entry.guard,
+            watch_callers=user_outputs(entry, self.guard_outputs) if self.saved is not None else frozenset(),
         )
         entry.position = self.pool.register(entry)
         if self.saved is not None:
