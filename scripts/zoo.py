@@ -286,7 +286,26 @@ def run_train(
                 d = max(d, maxdiff(p.grad, q.grad))
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
+    if compiled:
+        print(graphed_report(), flush=True)
     return d
+
+
+def graphed_report() -> str:
+    """One line on the graphs ``backend="torchreplay"`` made in this process: replays and
+    calls run without their graph (with why), so an equal result that ran ungraphed shows."""
+    from torchreplay.compile.backend import runtimes_by_name
+
+    runtimes = runtimes_by_name()
+    replays = sum(r.stats.replays for r in runtimes)
+    fallbacks = sum(r.stats.fallbacks for r in runtimes)
+    why: dict[str, int] = {}
+    for r in runtimes:
+        for reason, n in r.fallback_reasons.items():
+            why[reason[:90]] = why.get(reason[:90], 0) + n
+    return f"GRAPHED runtimes {len(runtimes)} replays {replays} fallbacks {fallbacks} " + "; ".join(
+        f"{n}x {reason}" for reason, n in sorted(why.items(), key=lambda kv: -kv[1])
+    )
 
 
 def run_compile_train(name: str, build: Callable[[], Any], options: dict[str, Any] | None = None) -> float:

@@ -14,6 +14,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _train(name: str, options: dict) -> float:
+    """The largest difference from eager; the run must have replayed graphs (its counts of
+    replays and calls run without a graph, with why, are printed: ``pytest -rA`` shows them)."""
     code = (
         "import sys, torch\n"
         "sys.path.insert(0, 'scripts')\n"
@@ -24,6 +26,9 @@ def _train(name: str, options: dict) -> float:
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0 and "DIFF" in run.stdout, (run.returncode, run.stderr[-3000:])
+    graphed = run.stdout.rsplit("GRAPHED", 1)[1].splitlines()[0]
+    print(name, options, "GRAPHED" + graphed)
+    assert int(graphed.split("replays ")[1].split()[0]) > 0, graphed
     return float(run.stdout.rsplit("DIFF", 1)[1].split()[0])
 
 
