@@ -14,10 +14,12 @@ _spec.loader.exec_module(gpu_test)  # type: ignore[union-attr]
 
 def test_the_groups_cover_every_gpu_test_file_once() -> None:
     files = sorted(f"tests/gpu/{p.name}" for p in (ROOT / "tests" / "gpu").glob("test_*.py"))
-    groups = [gpu_test.test_paths(g) for g in ("core", "compile", "distributed")]
+    groups = [gpu_test.test_paths(g) for g in ("core", "compile", "hf", "distributed")]
     assert sorted(f for g in groups for f in g) == files
-    assert groups[1] == [f for f in files if "/test_compile" in f]
-    assert groups[2] == ["tests/gpu/test_distributed.py"]
+    hf = "tests/gpu/test_compile_hf_training.py"
+    assert groups[1] == [f for f in files if "/test_compile" in f and f != hf]
+    assert groups[2] == [hf]
+    assert groups[3] == ["tests/gpu/test_distributed.py"]
     assert gpu_test.test_paths(None) == gpu_test.test_paths("all") == ["tests/gpu"]
     assert gpu_test.test_paths("compile,tests/gpu/test_graph.py")[-1] == "tests/gpu/test_graph.py"
 
