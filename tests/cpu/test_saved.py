@@ -294,3 +294,39 @@ def test_the_addresses_explain_matches_a_module_by_are_those_of_live_tensors_onl
     del old
     gc.collect()
     assert inst.live() == set()
+
+
+def test_a_copy_captured_later_replays_while_the_first_calls_activations_are_held() -> None:
+    """``model(a) + model(b)``: the second call's graph ``a`` would overwrite what the first
+    call left for its backward, so the runtime captures a copy, later in the pool, whose replay
+    cannot reach it; at the next step both replay again, and a third call needs a third copy."""
+    saved = SavedActivations()
+    (a, act_a), (copy, act_copy) = _entry(0, saved), _entry(1, saved)
+    saved.replayed(a, tainted=False)  # model(a)
+    assert saved.blocks(a) and not saved.blocks(copy)
+    saved.replayed(copy, tainted=False)  # model(b), through the copy
+    assert saved.blocks(copy)  # a third call needs a third copy
+    assert not saved.blocks(_entry(2, saved)[0])
+    for activation in (act_copy, act_a):  # the backwards, in reverse
+        saved.read(Entry(None), (activation,))
+    assert not saved.blocks(a) and saved.pending == []
+
+
+def test_a_copys_key_keeps_the_parameter_sets_id_last() -> None:
+    """A copy's entry is told from the graph's by its key, and dropped with its set of
+    parameters (the set's id is the last item of every key of that set)."""
+    from types import SimpleNamespace
+
+    from torchreplay.pieces.instances import drop_entries
+    from torchreplay.pieces.program import Input
+    from torchreplay.pieces.runtime import PiecewiseRuntime
+
+    inputs = [Input("x", "tensor"), Input("w", "static")]
+    rt = SimpleNamespace(_inputs=inputs, _tensors=[0], _instances=SimpleNamespace(current=SimpleNamespace(id=7)))
+    args = (torch.randn(8, 4), torch.randn(4, 4))
+    key, first_copy = PiecewiseRuntime._key(rt, None, args), PiecewiseRuntime._key(rt, None, args, 1)
+    assert key != first_copy != PiecewiseRuntime._key(rt, None, args, 2)
+    assert key[-1] == first_copy[-1] == 7
+    entries = {key: Entry(None), first_copy: Entry(None), (*key[:-1], 8): Entry(None)}
+    drop_entries(entries, [], 7, "dropped")
+    assert list(entries) == [(*key[:-1], 8)]

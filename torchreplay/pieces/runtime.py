@@ -181,9 +181,24 @@ class PiecewiseRuntime:
             if route is None:
                 return self._run_ungraphed(args)
             if self.saved is not None and self.saved.blocks(route.entry):  # its replay would
-                self._count_fallback(BLOCKED)  # overwrite activations awaiting their backward
-                return self._run_ungraphed(args)
+                route = self._unblocked(args, size)  # overwrite what awaits its backward
+                if route is None:
+                    return self._run_ungraphed(args)
             return self._replay(route, args)
+
+    def _unblocked(self, args: tuple[Any, ...], size: int | None) -> Route | None:
+        """The first copy of the call's graph (same shape, captured at its first need, later in
+        the pool: :mod:`.saved`) whose replay overwrites nothing held; None (run ungraphed): no
+        room for one (``max_graphs``), or ``sizes`` (the sizes share their input buffers)."""
+        if self.sizes is not None:
+            self._count_fallback(BLOCKED)
+            return None
+        copy = 1
+        while True:  # (ends: each copy is an entry, up to max_graphs)
+            route = self._route(args, size, copy)
+            if route is None or not self.saved.blocks(route.entry):  # type: ignore[union-attr]
+                return route
+            copy += 1
 
     def _replay(self, route: Route, args: tuple[Any, ...]) -> tuple[Any, ...]:
         entry = route.entry
@@ -258,9 +273,11 @@ class PiecewiseRuntime:
             return args[self._sized[0]].shape[self._inputs[self._sized[0]].dim]
         return int(args[self._size_ints[0]]) if self._size_ints else None  # (the size alone)
 
-    def _route(self, args: tuple[Any, ...], size: int | None = None) -> Route | None:
+    def _route(self, args: tuple[Any, ...], size: int | None = None, copy: int = 0) -> Route | None:
         n = self.rows(args)
-        rkey = n if size is None or size == self._bucket(n) else (n, size)
+        rkey: Any = n if size is None or size == self._bucket(n) else (n, size)
+        if copy:
+            rkey = ("copy", rkey, copy)
         route = self._routes.get(rkey)
         if route is not None:
             shapes = route.shapes
@@ -270,7 +287,7 @@ class PiecewiseRuntime:
             else:
                 if not self._keyed or route.consts == [args[i] for i in self._keyed]:
                     return route
-        return self._new_route(n, args, size, rkey)
+        return self._new_route(n, args, size, rkey, copy)
 
     def _rows_differ(self, n: int | None, args: tuple[Any, ...]) -> str | None:
         """Why the call cannot be padded, where an input padded with the first one (an attention
@@ -293,13 +310,16 @@ class PiecewiseRuntime:
         k = bisect.bisect_left(self.sizes, n)
         return self.sizes[k] if k < len(self.sizes) else -1
 
-    def _key(self, size: int | None, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _key(self, size: int | None, args: tuple[Any, ...], copy: int = 0) -> tuple[Any, ...]:
         key = entry_key(size, args, self._inputs, self._tensors)
+        if copy:  # (a copy of the graph: see _unblocked)
+            key = (*key, ("copy", copy))
         current = self._instances.current
         return key if current is None else (*key, current.id)
 
     def _new_route(
-        self, n: int | None, args: tuple[Any, ...], forced: int | None = None, rkey: Any = None
+        self, n: int | None, args: tuple[Any, ...], forced: int | None = None, rkey: Any = None,
+        copy: int = 0,
     ) -> Route | None:
         size = self._bucket(n) if forced is None else forced
         if size == -1 or (n == 0 and forced is None):
@@ -312,15 +332,15 @@ class PiecewiseRuntime:
         if odd is not None:  # padded together, or an out-of-bounds read at the other's size
             self._count_fallback(odd)
             return None
-        key = self._key(size, args)
+        key = self._key(size, args, copy)
         entry = self._entries.get(key)
         if entry is None:
             current = self._instances.current
             held = current.entries if current is not None else len(self._entries)
             if held >= (self.max_graphs if self.sizes is None else len(self.sizes) + self.max_graphs):
-                self._count_fallback(
+                self._count_fallback(BLOCKED if copy else (
                     f"a new input shape after {len(self._entries)} captured ones (max_graphs)"
-                )
+                ))
                 return None
             entry = self._capture_batch([(size, key)], args)[0]
         route = Route(n, entry, tuple(args[i].shape for i in self._tensors))

@@ -2,9 +2,12 @@
 
 A forward runtime (``guard_outputs``) leaves each replay's saved activations in its pool, where
 the backward graph of that call reads them. Until that backward has replayed, a forward replay
-that may overwrite them must not run while they are still held (by autograd): the call runs
-ungraphed instead, into fresh memory. A replay may overwrite what its own entry and every entry
-captured after it in the pool handed out (:class:`~torchreplay.core.pool.Pool`).
+that may overwrite them must not run while they are still held (by autograd): the call replays a
+copy of its graph instead (the same shape, captured at the first such call, later in the pool:
+``model(a) + model(b)``, a contrastive loss, a discriminator on real then fake data all replay
+graphs), or with no room for one (``max_graphs``) runs ungraphed, into fresh memory. A replay
+may overwrite what its own entry and every entry captured after it in the pool handed out
+(:class:`~torchreplay.core.pool.Pool`).
 
 Each entry is tracked on its own. With several module instances (regional compilation: one
 compiled block class, one forward runtime, graphs per set of parameters), the forwards of blocks
@@ -32,11 +35,12 @@ __all__ = ["BLOCKED", "SavedActivations", "guarded", "saved_refs", "user_outputs
 
 _Tensor = torch.Tensor
 
-#: Why a forward runs without its graph while its last call's activations await their backward.
+#: Why a forward runs without its graph while earlier calls' activations await their backward.
 BLOCKED = (
-    "the saved activations or outputs of an earlier call are still held (by its backward, or an "
-    "eager op's that saved them, which has not run yet); this call runs without its graph, into "
-    "fresh memory"
+    "the saved activations or outputs of earlier calls of this shape are still held (by their "
+    "backward, or an eager op's that saved them, which has not run yet), and max_graphs graphs "
+    "are captured, so no other copy of this shape's graph can be: this call runs without its "
+    "graph, into fresh memory (a larger max_graphs lets such calls replay)"
 )
 
 
