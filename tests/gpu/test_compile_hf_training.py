@@ -56,6 +56,6 @@ def test_mixtral_trains_like_eager() -> None:
     """HF Mixtral: each layer's experts get their own token counts, so a block is captured at a
     new shape, at a later pool position, mid-step; transformers' eager grouped-mm op after a
     graph break saves the block's output for its backward. An earlier entry's replay that may
-    write there waits (runs into fresh memory) while that op holds it. Without watching the
+    write there replays a copy of its graph instead while that op holds it. Without watching the
     caller's outputs this raised StaleOutputError in the backward (H200, session 55)."""
     assert _train("Mixtral", {}) <= 1e-3

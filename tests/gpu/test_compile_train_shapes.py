@@ -48,7 +48,7 @@ class _Block(nn.Module):
 def test_an_eager_op_saving_a_blocks_output_at_a_new_shape_trains_like_eager() -> None:
     """Step 2: layer 0 at 5 rows is captured at a later pool position than layer 1's 8-row
     entry; layer 1's replay may write where layer 0's output lies, which the eager op saved.
-    That replay must wait (run into fresh memory), not mark the saved output stale. (This small
+    That replay must not overwrite it (a copy of the graph replays), nor mark it stale. (This small
     model does not reproduce HF Mixtral's stale read without that wait: it passed on an H200
     with the wait turned off; ``test_mixtral_trains_like_eager`` does.)"""
     from torchreplay.compile.backend import torchreplay_backend

@@ -125,8 +125,8 @@ def user_outputs(entry: Entry, outputs: frozenset[int]) -> frozenset[int]:
     """The indices into ``entry``'s pool outputs of the program outputs that are not saved
     activations (``outputs``): what the caller gets. An eager autograd node after the graph
     may save one for its backward (transformers' grouped-mm op after a graph break in HF
-    Mixtral); a replay that may overwrite it must wait for that backward like one that may
-    overwrite a saved activation."""
+    Mixtral); a replay that may overwrite it must not run before that backward, like one that
+    may overwrite a saved activation."""
     return frozenset(ref for k, (kind, ref) in enumerate(entry.sources) if kind == "pool" and k not in outputs)
 
 
