@@ -18,7 +18,13 @@ world size 1, ``reshard_after_forward`` both ways); methods: eager, ``tr.compile
 (whose parameters move every call: it runs Inductor's code without graphs once it sees that),
 ``torch.compile`` of each block (Inductor, no graphs).
 
-Usage: ``PYTHONPATH=. python benchmarks/regional_compile.py [--train | --fsdp]``
+``--twice``: a training step that calls the model twice before one backward (a siamese or
+contrastive loss: ``loss(model(a)) + loss(model(b))``); methods: eager, ``tr.compile`` of the
+whole model and of each block (the second call replays a copy of each graph), the same with
+``max_graphs=1`` (no room for a copy: the second call and its backward run without graphs, as
+before session 55), and reduce-overhead of each block with a step marked per training step.
+
+Usage: ``PYTHONPATH=. python benchmarks/regional_compile.py [--train | --fsdp | --twice]``
 """
 from __future__ import annotations
 
@@ -113,6 +119,57 @@ def train_main() -> None:
     calls, errors, first = build_all(ref, builds, check, "t")
     res = time_interleaved(calls, BenchOptions(repeats=9, calls=20, warmup=5, host_calls=10))
     report(res, errors, first, "training step, ")
+
+
+def twice_main() -> None:
+    """A training step calling the model twice before its backward: see the module's docstring."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[ResidualBlock(WIDTH) for _ in range(BLOCKS)]).cuda().train()
+    a = torch.randn(BATCH, WIDTH, device="cuda")
+    b = torch.randn(BATCH, WIDTH, device="cuda")
+
+    def each(m, **kw):
+        return chain([tr.compile(blk, cache_dir=None, **kw) for blk in m])
+
+    builds = {
+        "eager": lambda m: m,
+        "tr.compile, whole model": lambda m: tr.compile(m, cache_dir=None),
+        "tr.compile, whole model, max_graphs=1": lambda m: tr.compile(m, cache_dir=None, max_graphs=1),
+        "tr.compile, each block": lambda m: each(m),
+        "tr.compile, each block, max_graphs=1": lambda m: each(m, max_graphs=1),
+        "reduce-overhead, each block": lambda m: chain(
+            [torch.compile(blk, mode="reduce-overhead") for blk in m]),
+    }
+
+    def loss(fn):
+        return fn(a).square().mean() + fn(b).pow(2).sum() * 1e-3
+
+    def run_step(fn, model):
+        def run():
+            torch.compiler.cudagraph_mark_step_begin()  # (for reduce-overhead; nothing for others)
+            loss(fn).backward()
+            for p in model.parameters():
+                p.grad = None
+        return run
+
+    loss(ref).backward()
+    want = [p.grad.clone() for p in ref.parameters()]
+    ref.zero_grad(set_to_none=True)
+
+    def check(fn, model):
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = None
+            torch.compiler.cudagraph_mark_step_begin()
+            loss(fn).backward()
+        torch.cuda.synchronize()
+        for got, w in zip([p.grad for p in model.parameters()], want):
+            torch.testing.assert_close(got, w, rtol=2e-3, atol=2e-3)
+        return run_step(fn, model)
+
+    calls, errors, first = build_all(ref, builds, check, "w")
+    res = time_interleaved(calls, BenchOptions(repeats=9, calls=20, warmup=5, host_calls=10))
+    report(res, errors, first, "training step, the model called twice before one backward, ")
 
 
 def fsdp_main() -> None:
@@ -211,6 +268,8 @@ def main() -> None:
         return train_main()
     if "--fsdp" in sys.argv:
         return fsdp_main()
+    if "--twice" in sys.argv:
+        return twice_main()
     torch.manual_seed(0)
     ref = nn.Sequential(*[ResidualBlock(WIDTH) for _ in range(BLOCKS)]).cuda().eval()
     x = torch.randn(BATCH, WIDTH, device="cuda")
