@@ -38,9 +38,10 @@ _Tensor = torch.Tensor
 #: Why a forward runs without its graph while earlier calls' activations await their backward.
 BLOCKED = (
     "the saved activations or outputs of earlier calls of this shape are still held (by their "
-    "backward, or an eager op's that saved them, which has not run yet), and max_graphs graphs "
-    "are captured, so no other copy of this shape's graph can be: this call runs without its "
-    "graph, into fresh memory (a larger max_graphs lets such calls replay)"
+    "backward, or an eager op's that saved them, which has not run yet), and no other copy of "
+    "this shape's graph can be captured (max_graphs graphs are, or sizes= share their input "
+    "buffers): this call runs without its graph, into fresh memory (a larger max_graphs lets "
+    "such calls replay)"
 )
 
 
