@@ -60,7 +60,9 @@ class _Side:
         self.model = model
         self.run = run
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        self.scaler = torch.amp.GradScaler(DEV) if precision == "fp16-scaler" else None
+        # (a scale that no gradient of this model overflows: a step skipped by one side only
+        # would tell nothing about the graphs)
+        self.scaler = torch.amp.GradScaler(DEV, init_scale=1024.0) if precision == "fp16-scaler" else None
         dtype = {"bf16": torch.bfloat16, "fp16-scaler": torch.float16}.get(precision)
         self.autocast = (lambda: torch.autocast(DEV, dtype=dtype)) if dtype else contextlib.nullcontext
 
