@@ -378,7 +378,7 @@ def test_an_input_with_a_symbol_of_its_own_and_as_many_rows_is_padded_alongside(
     from types import SimpleNamespace
 
     from torchreplay.compile.backend import build_program
-    from torchreplay.pieces.runtime import PiecewiseRuntime
+    from torchreplay.pieces.padding import rows_differ
 
     emb = torch.randn(16, 4)
     found = []
@@ -416,7 +416,7 @@ def test_an_input_with_a_symbol_of_its_own_and_as_many_rows_is_padded_alongside(
         for x in inputs:
             rows = b_mask if x.name.startswith("mask") else b_ids
             args.append(rows if x.kind == "int" else torch.zeros(rows, 5) if x.dim is not None else emb)
-        return PiecewiseRuntime._rows_differ(rt, b_ids, tuple(args))
+        return rows_differ(rt, b_ids, tuple(args))
 
     assert call(3, 3) is None
     assert "has 2 rows along dim 0, the call 3" in call(3, 2)

@@ -327,6 +327,8 @@ def test_a_copys_key_keeps_the_parameter_sets_id_last() -> None:
     key, first_copy = PiecewiseRuntime._key(rt, None, args), PiecewiseRuntime._key(rt, None, args, 1)
     assert key != first_copy != PiecewiseRuntime._key(rt, None, args, 2)
     assert key[-1] == first_copy[-1] == 7
+    counted = SimpleNamespace(_entries={key: 0, first_copy: 0, PiecewiseRuntime._key(rt, None, args, 2): 0})
+    assert PiecewiseRuntime.copies.fget(counted) == 2  # (tr.explain says how many)
     entries = {key: Entry(None), first_copy: Entry(None), (*key[:-1], 8): Entry(None)}
     drop_entries(entries, [], 7, "dropped")
     assert list(entries) == [(*key[:-1], 8)]

@@ -631,7 +631,8 @@ def test_two_forwards_before_one_backward_equal_eager() -> None:
     fwd = [r for r in _runtimes(c) if r.name.endswith("forward")]
     bwd = [r for r in _runtimes(c) if r.name.endswith("backward")]
     assert fwd and bwd
-    assert sum(r.stats.captures for r in fwd) == 2  # the graph and its copy
+    assert sum(r.stats.captures for r in fwd) == 2 and sum(r.copies for r in fwd) == 1  # the graph, its copy
+    assert "1 graph(s) are copies of another of the same shape" in tr.explain(c)
     assert sum(r.stats.replays for r in fwd) == 12 and sum(r.stats.replays for r in bwd) >= 11
     for r in fwd + bwd:
         assert r.stats.fallbacks == 0, (r.name, r.fallback_reasons)

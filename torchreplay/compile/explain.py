@@ -195,6 +195,11 @@ def _runtime(rt: PiecewiseRuntime) -> str:
             f"  graphs for {rt.instances} module instances (sets of parameters and buffers: "
             "Dynamo compiled their class once)"
         )
+    if rt.copies:
+        lines.append(
+            f"  {rt.copies} graph(s) are copies of another of the same shape: for calls made "
+            "while an earlier call's activations awaited their backward (model(a) + model(b))"
+        )
     if getattr(rt, "agreement", None) is not None:
         lines.append(f"  collectives: {describe(rt.collectives)}\n  ranks: {rt.agreement!r}")
     lines.append(f"  {rt.stats.explain()}")

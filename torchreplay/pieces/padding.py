@@ -15,6 +15,9 @@ Not checked (a debug line says why): a call that needs gradients (a training gra
 that requires grad), one that writes an argument (the unpadded run writes the caller's own
 tensors; a module buffer it writes is put back), one that draws random numbers, and one with
 ``torch.distributed`` set up (a run one rank made and another skipped would hang a collective).
+
+Also here: :func:`rows_differ`, why a call cannot be padded at all (inputs padded together with
+other rows than each other).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from torchreplay.core.padcheck import (
     DISTRIBUTED, StateCheck, distributed, first_difference, not_checked, rng_state, same_rng, with_state,
 )
 
-__all__ = ["check_first_call"]
+__all__ = ["check_first_call", "rows_differ"]
 
 log = logging.getLogger(__name__)
 
@@ -104,3 +107,20 @@ def _leading(runtime: Any, args: tuple[Any, ...], m: int) -> tuple[Any, ...]:
     for i in runtime._size_ints:
         out[i] = m
     return tuple(out)
+
+
+def rows_differ(runtime: Any, n: int | None, args: tuple[Any, ...]) -> str | None:
+    """Why a call of ``n`` rows cannot be padded, where an input padded with the first one (an
+    attention mask along its ids) has other rows than it: eagerly such a call reads as it says;
+    padded, every size would index one input by the other's rows."""
+    if n is None or runtime.sizes is None:
+        return None
+    inputs = runtime._inputs
+    for i in runtime._sized[1:]:
+        x = inputs[i]
+        if args[i].shape[x.dim] != n:
+            return f"{x.name} has {args[i].shape[x.dim]} rows along dim {x.dim}, the call {n}"
+    for i in runtime._size_ints if runtime._sized else runtime._size_ints[1:]:  # (the first: n)
+        if int(args[i]) != n:
+            return f"{inputs[i].name} is {int(args[i])}, the call's rows {n}"
+    return None

@@ -40,7 +40,7 @@ from torchreplay.pieces.entries import (
 )
 from torchreplay.pieces.handoff import DEMOTED, MISSES, MOVED, handed_slots
 from torchreplay.pieces.instances import MOVING, Instances, drop_entries, outputs_held, ptrs_of
-from torchreplay.pieces.padding import check_first_call
+from torchreplay.pieces.padding import check_first_call, rows_differ
 from torchreplay.pieces.putback import PutBack, put_back, to_put_back
 from torchreplay.pieces.program import Program, run_in_order
 from torchreplay.pieces.saved import BLOCKED, SavedActivations, guarded, saved_refs, user_outputs
@@ -289,21 +289,6 @@ class PiecewiseRuntime:
                     return route
         return self._new_route(n, args, size, rkey, copy)
 
-    def _rows_differ(self, n: int | None, args: tuple[Any, ...]) -> str | None:
-        """Why the call cannot be padded, where an input padded with the first one (an attention
-        mask along its ids) has other rows than it: eagerly such a call reads as it says;
-        padded, every size would index one input by the other's rows."""
-        if n is None or self.sizes is None:
-            return None
-        for i in self._sized[1:]:
-            x = self._inputs[i]
-            if args[i].shape[x.dim] != n:  # type: ignore[index]
-                return f"{x.name} has {args[i].shape[x.dim]} rows along dim {x.dim}, the call {n}"  # type: ignore[index]
-        for i in self._size_ints if self._sized else self._size_ints[1:]:  # (the first: n)
-            if int(args[i]) != n:
-                return f"{self._inputs[i].name} is {int(args[i])}, the call's rows {n}"
-        return None
-
     def _bucket(self, n: int | None) -> int | None:
         if n is None or self.sizes is None:
             return n
@@ -328,7 +313,7 @@ class PiecewiseRuntime:
                 "; add a larger size to sizes="
             )
             return None
-        odd = self._rows_differ(n, args)
+        odd = rows_differ(self, n, args)
         if odd is not None:  # padded together, or an out-of-bounds read at the other's size
             self._count_fallback(odd)
             return None
@@ -596,6 +581,11 @@ class PiecewiseRuntime:
     def instances(self) -> int:
         """How many sets of parameters and buffers (module instances) it holds graphs for."""
         return len(self._instances)
+
+    @property
+    def copies(self) -> int:
+        """How many of its graphs are copies of another of the same shape (:meth:`_unblocked`)."""
+        return sum(any(part[:1] == ("copy",) for part in key[-2:] if isinstance(part, tuple)) for key in self._entries)
 
     def captured_sizes(self) -> list[int | None]:
         return sorted({e.size for e in self._entries.values()}, key=lambda s: (s is None, s))
