@@ -15,13 +15,14 @@ Meant for a CUDA machine with torch preinstalled and no network: it installs not
 With ``$OUT`` set, writes ``$OUT/gpu_test.log`` (everything printed) and ``$OUT/bench.json`` (all
 rows, in the format of ``--json``). Exits 1 if a test failed or errored, or pytest could not run.
 
-Usage: ``python scripts/gpu_test.py [--tests core,compile,hf,distributed] [--rows mlp,llama]
+Usage: ``python scripts/gpu_test.py [--tests core,compile,training,distributed] [--rows mlp,llama]
 [--no-compile] [--skip-tests] [--skip-bench]`` (``--rows compile`` stands for every ``compile-*``
 row). The whole of ``tests/gpu`` takes longer than one 10-minute device call: ``--tests`` runs
 one group of it (``core``: every file but those below, a few minutes; ``compile``: the
-``test_compile*`` files but the next, about 9 minutes of Inductor; ``hf``:
-``test_compile_hf_training.py``, Hugging Face models trained through the backend, one process
-each, about 5 minutes; ``distributed``: ``test_distributed.py``,
+``test_compile*`` files but the next two, about 9 minutes of Inductor; ``training``:
+``test_compile_hf_training.py`` (Hugging Face models trained through the backend, one process
+each) and ``test_compile_training_loop.py`` (training loops as people write them), about 7
+minutes; ``distributed``: ``test_distributed.py``,
 which spawns processes and compiles, the slowest), or test files by path. A run cut off by
 ``--timeout`` still reports what it saw, from pytest's progress line.
 """
@@ -103,10 +104,12 @@ def run_streamed(cmd: list[str], emit: Callable[[str], None], env: dict[str, str
     return rc, "\n".join(lines)
 
 
+#: the compile backend in training on HF models and in training loops (the "training" group)
+_TRAINING = ("test_compile_hf_training.py", "test_compile_training_loop.py")
 #: ``--tests`` groups: each fits one device call (see the module docstring).
 TEST_GROUPS = {
-    "compile": lambda name: name.startswith("test_compile") and name != "test_compile_hf_training.py",
-    "hf": lambda name: name == "test_compile_hf_training.py",
+    "compile": lambda name: name.startswith("test_compile") and name not in _TRAINING,
+    "training": lambda name: name in _TRAINING,
     "distributed": lambda name: name == "test_distributed.py",
 }
 TEST_GROUPS["core"] = lambda name: not any(g(name) for k, g in TEST_GROUPS.items() if k != "core")
@@ -162,7 +165,7 @@ def main() -> int:
     parser.add_argument("--no-compile", action="store_true",
                         help="skip torch.compile: its methods in every row, and the compile-* rows")
     parser.add_argument("--tests", help="comma-separated groups of tests/gpu (core, compile, "
-                        "hf, distributed) or test paths (default: all of tests/gpu)")
+                        "training, distributed) or test paths (default: all of tests/gpu)")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--timeout", type=float, default=540, help="seconds per subprocess")

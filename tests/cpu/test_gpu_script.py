@@ -14,11 +14,11 @@ _spec.loader.exec_module(gpu_test)  # type: ignore[union-attr]
 
 def test_the_groups_cover_every_gpu_test_file_once() -> None:
     files = sorted(f"tests/gpu/{p.name}" for p in (ROOT / "tests" / "gpu").glob("test_*.py"))
-    groups = [gpu_test.test_paths(g) for g in ("core", "compile", "hf", "distributed")]
+    groups = [gpu_test.test_paths(g) for g in ("core", "compile", "training", "distributed")]
     assert sorted(f for g in groups for f in g) == files
-    hf = "tests/gpu/test_compile_hf_training.py"
-    assert groups[1] == [f for f in files if "/test_compile" in f and f != hf]
-    assert groups[2] == [hf]
+    training = ["tests/gpu/test_compile_hf_training.py", "tests/gpu/test_compile_training_loop.py"]
+    assert groups[1] == [f for f in files if "/test_compile" in f and f not in training]
+    assert groups[2] == training
     assert groups[3] == ["tests/gpu/test_distributed.py"]
     assert gpu_test.test_paths(None) == gpu_test.test_paths("all") == ["tests/gpu"]
     assert gpu_test.test_paths("compile,tests/gpu/test_graph.py")[-1] == "tests/gpu/test_graph.py"
