@@ -189,10 +189,11 @@ class Outputs:
         return _unheld(handed, versions, self.live, self._handles, self._uses)
 
     def held(self) -> bool:
-        """Is a tensor the last call handed out for a ``watch`` leaf still owned outside (by
-        an autograd node that saved it, a view, ...)? Only that tensor counts, not others over
-        the same memory: a caller keeping a user output that the backward also saved does not
-        block the next replay (that output is marked stale as usual). Without use counts: yes."""
+        """Is a tensor the last call handed out for a ``watch`` or ``watch_callers`` leaf still
+        owned outside (by an autograd node that saved it, a view, ...)? Only that tensor counts,
+        not others over the same memory, and not the caller's Python reference: a caller keeping
+        a user output that the backward also saved does not block the next replay (that output
+        is marked stale as usual). Without use counts: yes."""
         if not _compat.HAS_USE_COUNTS:
             return bool(self._watched or self._watched_callers)
         if any(_tensor_use_count(t) > 1 for t in self._watched):
