@@ -19,7 +19,7 @@ Usage: ``python scripts/gpu_test.py [--tests core,compile,training,distributed] 
 [--no-compile] [--skip-tests] [--skip-bench]`` (``--rows compile`` stands for every ``compile-*``
 row). The whole of ``tests/gpu`` takes longer than one 10-minute device call: ``--tests`` runs
 one group of it (``core``: every file but those below, a few minutes; ``compile``: the
-``test_compile*`` files but the next two, about 9 minutes of Inductor; ``training``:
+``test_compile*`` files but the next two, about 5 minutes of Inductor; ``training``:
 ``test_compile_hf_training.py`` (Hugging Face models trained through the backend, one process
 each) and ``test_compile_training_loop.py`` (training loops as people write them), about 7
 minutes; ``distributed``: ``test_distributed.py``,
