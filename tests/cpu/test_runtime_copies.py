@@ -1,0 +1,165 @@
+"""A training forward's piecewise runtime called twice before its backward, on CPU: the graphs are
+stand-ins whose replay runs the piece again into the tensors its capture made, so a replay that
+overwrites what an earlier call left for its backward gives a wrong gradient here as on a GPU.
+What runs for real: the runtime's routes, keys, captures, saved-activation bookkeeping and copies
+(``pieces/runtime.py``, ``pieces/saved.py``). The GPU tests (``tests/gpu/test_compile.py``) run
+the same through ``tr.compile`` with CUDA graphs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from torchreplay.config import GraphConfig
+from torchreplay.core.pool import Pool
+from torchreplay.pieces import capturing
+from torchreplay.pieces import runtime as runtime_mod
+from torchreplay.pieces.entries import Entry
+from torchreplay.pieces.program import Input, Piece, Program
+from torchreplay.pieces.runtime import PiecewiseRuntime
+
+_MADE: list[torch.Tensor] = []  # every tensor a stand-in capture made: "the pool"
+
+
+class _Graph:
+    """A captured piece: replaying runs it again on its static inputs, into its outputs."""
+
+    def __init__(self, fn: Any, args: tuple[Any, ...], out: tuple[torch.Tensor, ...]) -> None:
+        self.fn, self.args, self.out = fn, args, out
+
+    def replay(self) -> None:
+        with torch.no_grad():
+            for o, n in zip(self.out, self.fn(*self.args)):
+                o.data.copy_(n)  # (no version bump: a graph's replay moves none)
+
+
+def _capture(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], **_: Any) -> Any:
+    with torch.no_grad():
+        out = tuple(t.clone() for t in fn(*args))  # (memory of the capture's own)
+    _MADE.extend(out)
+    return SimpleNamespace(graph=_Graph(fn, args, out), out=out, seconds=0.0)
+
+
+class _Pool(Pool):
+    def segment_ranges(self) -> list[tuple[int, int]]:
+        return [(t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
+                for t in _MADE]
+
+
+class _Stream:
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.fixture()
+def stand_ins(monkeypatch):
+    _MADE.clear()
+    monkeypatch.setattr(capturing, "capture", _capture)
+    monkeypatch.setattr(runtime_mod, "side_stream", lambda device: _Stream())
+    monkeypatch.setattr(runtime_mod, "follow_stream", lambda pool: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (this test's runtime only)
+    yield
+    _MADE.clear()
+
+
+def _forward_runtime(max_graphs: int) -> PiecewiseRuntime:
+    """One piece: ``x, w -> (y, a)`` with ``a = tanh(x @ w)`` the activation its backward
+    reads (program output 1, a saved activation) and ``y = a * 2`` the caller's output."""
+
+    def piece(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.tanh(x @ w)
+        return a * 2, a
+
+    program = Program(
+        (Input("x", "tensor"), Input("w", "static")),
+        [Piece(piece, (0, 1), (2, 3), True, "piece 0")],
+        (2, 3),
+    )
+    rt = PiecewiseRuntime(program, name="forward", config=GraphConfig(outputs="static"),
+                          max_graphs=max_graphs, guard_outputs=(1,), pool=_Pool())
+    return rt
+
+
+class _Forward(torch.autograd.Function):
+    """As AOT autograd's: the runtime's forward, its activation saved for the backward, which
+    marks it read (the backward runtime's ``after_replay`` on a GPU)."""
+
+    @staticmethod
+    def forward(ctx: Any, rt: PiecewiseRuntime, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if not rt._ready:
+            rt._setup((x, w), torch.device("cpu"))
+        y, a = rt(x, w)
+        ctx.rt = rt
+        ctx.save_for_backward(x, w, a)
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor]:
+        x, w, a = ctx.saved_tensors
+        ctx.rt.saved.read(Entry(None), (a,))
+        d = g * 2 * (1 - a * a)
+        return None, d @ w.T, x.T @ d
+
+
+def _grads_of_calls(rt: PiecewiseRuntime, calls: int, steps: int = 3) -> None:
+    """``calls`` forwards of ``rt`` before one backward, ``steps`` times: every gradient equal
+    to eager's."""
+    w = torch.randn(6, 6, requires_grad=True)
+    for step in range(steps):
+        xs = [torch.randn(4, 6, requires_grad=True) for _ in range(calls)]
+        sum(_Forward.apply(rt, x, w).square().sum() * (k + 1) for k, x in enumerate(xs)).backward()
+        got = [x.grad for x in xs] + [w.grad]
+        w_ref = w.detach().clone().requires_grad_()
+        xs_ref = [x.detach().clone().requires_grad_() for x in xs]
+        sum((torch.tanh(x @ w_ref) * 2).square().sum() * (k + 1) for k, x in enumerate(xs_ref)).backward()
+        for k, (a, b) in enumerate(zip(got, [x.grad for x in xs_ref] + [w_ref.grad])):
+            torch.testing.assert_close(a, b, msg=lambda m, k=k: f"step {step}, gradient {k}: {m}")
+        w.grad = None
+
+
+def test_a_second_call_before_the_backward_replays_a_copy(stand_ins) -> None:
+    rt = _forward_runtime(max_graphs=16)
+    _grads_of_calls(rt, calls=2)
+    assert rt.stats.captures == 2 and rt.copies == 1
+    assert rt.stats.replays == 6 and rt.stats.fallbacks == 0, rt.fallback_reasons
+
+
+def test_past_max_graphs_the_calls_run_ungraphed_and_are_counted(stand_ins) -> None:
+    rt = _forward_runtime(max_graphs=2)
+    _grads_of_calls(rt, calls=4)
+    assert rt.stats.captures == 2 and rt.copies == 1
+    assert rt.stats.replays == 6 and rt.stats.fallbacks == 6
+    (why,) = rt.fallback_reasons
+    assert "max_graphs" in why
+
+
+def test_the_stand_ins_see_an_overwritten_activation(stand_ins, monkeypatch) -> None:
+    """The harness can fail: with the block turned off, the second call's replay overwrites
+    the first call's activation before its backward, and the first call's gradient is wrong."""
+    rt = _forward_runtime(max_graphs=16)
+    monkeypatch.setattr(rt.saved, "blocks", lambda entry: False)
+    with pytest.raises(AssertionError, match="gradient"):
+        _grads_of_calls(rt, calls=2)
+
+
+def test_two_blocks_of_one_class_each_called_twice_before_the_backward(stand_ins) -> None:
+    """Regional compilation: one runtime, a set of graphs per block's weights; a model of two
+    blocks run twice before one backward. Each block's second call replays a copy of its own
+    graph, captured later in the pool than every graph of the first run."""
+    rt = _forward_runtime(max_graphs=16)
+    w1, w2 = torch.randn(6, 6, requires_grad=True), torch.randn(6, 6, requires_grad=True)
+    for step in range(3):
+        xs = [torch.randn(4, 6) for _ in range(2)]
+        sum(_Forward.apply(rt, _Forward.apply(rt, x, w1), w2).square().sum() * (k + 1)
+            for k, x in enumerate(xs)).backward()
+        r1, r2 = w1.detach().clone().requires_grad_(), w2.detach().clone().requires_grad_()
+        sum((torch.tanh((torch.tanh(x @ r1) * 2) @ r2) * 2).square().sum() * (k + 1)
+            for k, x in enumerate(xs)).backward()
+        torch.testing.assert_close(w1.grad, r1.grad, msg=lambda m: f"step {step} w1: {m}")
+        torch.testing.assert_close(w2.grad, r2.grad, msg=lambda m: f"step {step} w2: {m}")
+        w1.grad = w2.grad = None
+    assert rt.instances == 2 and rt.stats.captures == 4 and rt.copies == 2
+    assert rt.stats.fallbacks == 0, rt.fallback_reasons
