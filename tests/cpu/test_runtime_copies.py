@@ -163,3 +163,19 @@ def test_two_blocks_of_one_class_each_called_twice_before_the_backward(stand_ins
         w1.grad = w2.grad = None
     assert rt.instances == 2 and rt.stats.captures == 4 and rt.copies == 2
     assert rt.stats.fallbacks == 0, rt.fallback_reasons
+
+
+def test_forwards_dropped_before_their_backward_neither_block_nor_copy(stand_ins) -> None:
+    """Outputs dropped without a backward (a metric in train mode) free what they saved: the
+    next calls replay the one graph, with no copy and no call ungraphed."""
+    rt = _forward_runtime(max_graphs=16)
+    w = torch.randn(6, 6, requires_grad=True)
+    for _ in range(3):
+        _Forward.apply(rt, torch.randn(4, 6), w)  # dropped at once
+    x = torch.randn(4, 6, requires_grad=True)
+    _Forward.apply(rt, x, w).square().sum().backward()
+    w_ref = w.detach().clone().requires_grad_()
+    (torch.tanh(x.detach() @ w_ref) * 2).square().sum().backward()
+    torch.testing.assert_close(w.grad, w_ref.grad)
+    assert rt.stats.captures == 1 and rt.copies == 0
+    assert rt.stats.replays == 4 and rt.stats.fallbacks == 0, rt.fallback_reasons
