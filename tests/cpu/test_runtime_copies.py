@@ -179,3 +179,22 @@ def test_forwards_dropped_before_their_backward_neither_block_nor_copy(stand_ins
     torch.testing.assert_close(w.grad, w_ref.grad)
     assert rt.stats.captures == 1 and rt.copies == 0
     assert rt.stats.replays == 4 and rt.stats.fallbacks == 0, rt.fallback_reasons
+
+
+def test_a_copy_whose_call_was_dropped_serves_the_next_call(stand_ins) -> None:
+    """Three calls before one backward, the second's output dropped (a metric): the third call
+    replays the copy the second used, now free, instead of capturing another."""
+    rt = _forward_runtime(max_graphs=16)
+    w = torch.randn(6, 6, requires_grad=True)
+    for step in range(3):
+        a, b, c = (torch.randn(4, 6) for _ in range(3))
+        ya = _Forward.apply(rt, a, w)
+        _Forward.apply(rt, b, w)  # dropped at once
+        yc = _Forward.apply(rt, c, w)
+        (ya.square().sum() + 2 * yc.square().sum()).backward()
+        w_ref = w.detach().clone().requires_grad_()
+        ((torch.tanh(a @ w_ref) * 2).square().sum() + 2 * (torch.tanh(c @ w_ref) * 2).square().sum()).backward()
+        torch.testing.assert_close(w.grad, w_ref.grad, msg=lambda m: f"step {step}: {m}")
+        w.grad = None
+    assert rt.stats.captures == 2 and rt.copies == 1
+    assert rt.stats.replays == 9 and rt.stats.fallbacks == 0, rt.fallback_reasons
