@@ -198,3 +198,21 @@ def test_a_copy_whose_call_was_dropped_serves_the_next_call(stand_ins) -> None:
         w.grad = None
     assert rt.stats.captures == 2 and rt.copies == 1
     assert rt.stats.replays == 9 and rt.stats.fallbacks == 0, rt.fallback_reasons
+
+
+def test_a_shape_captured_mid_step_blocks_the_earlier_graph_which_copies(stand_ins) -> None:
+    """8 rows, then 5 rows (a new graph, captured mid-step, later in the pool), then 8 rows
+    again before one backward (a mixture of experts' token counts): the 8-row graph's replay
+    may reach the 5-row graph's activations, held for the backward, so a copy of the 8-row
+    graph serves the third call."""
+    rt = _forward_runtime(max_graphs=16)
+    w = torch.randn(6, 6, requires_grad=True)
+    for step in range(3):
+        xs = [torch.randn(n, 6) for n in (8, 5, 8)]
+        sum(_Forward.apply(rt, x, w).square().sum() * (k + 1) for k, x in enumerate(xs)).backward()
+        w_ref = w.detach().clone().requires_grad_()
+        sum((torch.tanh(x @ w_ref) * 2).square().sum() * (k + 1) for k, x in enumerate(xs)).backward()
+        torch.testing.assert_close(w.grad, w_ref.grad, msg=lambda m: f"step {step}: {m}")
+        w.grad = None
+    assert rt.stats.captures == 3 and rt.copies == 1  # 8 rows, 5 rows, a copy of the 8-row graph
+    assert rt.stats.replays == 9 and rt.stats.fallbacks == 0, rt.fallback_reasons
