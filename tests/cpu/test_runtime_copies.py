@@ -35,6 +35,9 @@ class _Graph:
             for o, n in zip(self.out, self.fn(*self.args)):
                 o.data.copy_(n)  # (no version bump: a graph's replay moves none)
 
+    def reset(self) -> None:  # (dropped with its set of graphs)
+        self.fn = None
+
 
 def _capture(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], **_: Any) -> Any:
     with torch.no_grad():
@@ -216,3 +219,21 @@ def test_a_shape_captured_mid_step_blocks_the_earlier_graph_which_copies(stand_i
         w.grad = None
     assert rt.stats.captures == 3 and rt.copies == 1  # 8 rows, 5 rows, a copy of the 8-row graph
     assert rt.stats.replays == 9 and rt.stats.fallbacks == 0, rt.fallback_reasons
+
+
+def test_weights_moved_between_steps_drop_the_graph_and_its_copy_and_capture_both_again(stand_ins) -> None:
+    """``w.data = ...`` between steps (a checkpoint reload): the set of graphs that read the old
+    memory goes, its copy with it, and the next step captures both again at the new address."""
+    rt = _forward_runtime(max_graphs=16)
+    w = torch.randn(6, 6, requires_grad=True)
+    for step in range(4):
+        if step == 2:
+            w.data = w.data.clone()  # moved
+        xs = [torch.randn(4, 6) for _ in range(2)]
+        sum(_Forward.apply(rt, x, w).square().sum() * (k + 1) for k, x in enumerate(xs)).backward()
+        w_ref = w.detach().clone().requires_grad_()
+        sum((torch.tanh(x @ w_ref) * 2).square().sum() * (k + 1) for k, x in enumerate(xs)).backward()
+        torch.testing.assert_close(w.grad, w_ref.grad, msg=lambda m: f"step {step}: {m}")
+        w.grad = None
+    assert rt.stats.captures == 4 and rt.stats.fallbacks == 0, rt.fallback_reasons
+    assert rt.instances == 1 and rt.copies == 1  # the old set and its copy are gone
