@@ -237,3 +237,91 @@ def test_weights_moved_between_steps_drop_the_graph_and_its_copy_and_capture_bot
         w.grad = None
     assert rt.stats.captures == 4 and rt.stats.fallbacks == 0, rt.fallback_reasons
     assert rt.instances == 1 and rt.copies == 1  # the old set and its copy are gone
+
+
+def _pair(max_graphs: int = 16) -> tuple[PiecewiseRuntime, PiecewiseRuntime]:
+    """A forward runtime and its backward's, wired as ``compile/training.py`` wires them: the
+    forward ``x, w -> (y, a, xb)`` saves ``a = tanh(x @ w)`` and ``xb`` (x's copy) in its pool;
+    the backward reads them in place (``pinned``) with ``w`` and the incoming gradient, finds
+    the forward graphs it consumed by their addresses, and admits only activations a forward
+    graph left in its pool."""
+
+    def forward(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        a = torch.tanh(x @ w)
+        return a * 2, a, x * 1
+
+    def backward(a: torch.Tensor, xb: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        d = g * 2 * (1 - a * a)
+        return d @ w.T, xb.T @ d
+
+    fw = PiecewiseRuntime(
+        Program((Input("x", "tensor"), Input("w", "static")), [Piece(forward, (0, 1), (2, 3, 4), True, "piece 0")],
+                (2, 3, 4)),
+        name="forward", config=GraphConfig(outputs="static"), max_graphs=max_graphs, guard_outputs=(1, 2),
+        pool=_Pool(),
+    )
+    bw = PiecewiseRuntime(
+        Program((Input("a", "pinned"), Input("xb", "pinned"), Input("w", "static"), Input("g", "tensor")),
+                [Piece(backward, (0, 1, 2, 3), (4, 5), True, "piece 0")], (4, 5)),
+        name="backward", config=GraphConfig(outputs="clone"), max_graphs=max_graphs, pool=_Pool(),
+    )
+    saved = fw.saved
+    bw.after_replay = saved.read
+    bw.admit = lambda call: all(saved.holds(call[i]) for i in (0, 1))
+    return fw, bw
+
+
+class _Pair(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, fw: PiecewiseRuntime, bw: PiecewiseRuntime, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if not fw._ready:
+            fw._setup((x, w), torch.device("cpu"))
+        y, a, xb = fw(x, w)
+        ctx.bw = bw
+        ctx.save_for_backward(a, xb, w)
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        a, xb, w = ctx.saved_tensors
+        args = (a, xb, w, g.contiguous())
+        if not ctx.bw._ready:
+            ctx.bw._setup(args, torch.device("cpu"))
+        dx, dw = ctx.bw(*args)
+        return None, None, dx, dw
+
+
+def test_forward_and_backward_graphs_of_two_calls_before_one_backward(stand_ins) -> None:
+    """The second call replays a copy of the forward graph; its backward gets a graph of its
+    own (a set per forward graph: the addresses of the activations it reads in place). Every
+    call of both runtimes replays after the first step, and gradients equal eager's."""
+    fw, bw = _pair()
+    w = torch.randn(6, 6, requires_grad=True)
+    for step in range(4):
+        xs = [torch.randn(4, 6, requires_grad=True) for _ in range(2)]
+        sum(_Pair.apply(fw, bw, x, w).square().sum() * (k + 1) for k, x in enumerate(xs)).backward()
+        w_ref = w.detach().clone().requires_grad_()
+        xs_ref = [x.detach().clone().requires_grad_() for x in xs]
+        sum((torch.tanh(x @ w_ref) * 2).square().sum() * (k + 1) for k, x in enumerate(xs_ref)).backward()
+        for k, (a, b) in enumerate(zip([x.grad for x in xs] + [w.grad], [x.grad for x in xs_ref] + [w_ref.grad])):
+            torch.testing.assert_close(a, b, msg=lambda m, k=k: f"step {step}, gradient {k}: {m}")
+        w.grad = None
+    assert fw.stats.captures == 2 and fw.copies == 1 and fw.stats.fallbacks == 0, fw.fallback_reasons
+    assert bw.instances == 2 and bw.stats.captures == 2, bw
+    assert bw.stats.replays == 8 and bw.stats.fallbacks == 0, bw.fallback_reasons
+    assert fw.saved.pending == []  # every forward graph's activations were consumed
+
+
+def test_the_pair_sees_an_overwritten_activation_without_the_block(stand_ins, monkeypatch) -> None:
+    """The pair can fail too: with the block turned off, the second forward's replay overwrites
+    the first's activations, which the backward graph reads in place: a wrong gradient."""
+    fw, bw = _pair()
+    monkeypatch.setattr(fw.saved, "blocks", lambda entry: False)
+    w = torch.randn(6, 6, requires_grad=True)
+    xs = [torch.randn(4, 6) for _ in range(2)]
+    for _ in range(2):
+        sum(_Pair.apply(fw, bw, x, w).square().sum() * (k + 1) for k, x in enumerate(xs)).backward()
+        got, w.grad = w.grad, None
+    w_ref = w.detach().clone().requires_grad_()
+    sum((torch.tanh(x @ w_ref) * 2).square().sum() * (k + 1) for k, x in enumerate(xs)).backward()
+    assert not torch.allclose(got, w_ref.grad)
