@@ -325,3 +325,24 @@ def test_the_pair_sees_an_overwritten_activation_without_the_block(stand_ins, mo
     w_ref = w.detach().clone().requires_grad_()
     sum((torch.tanh(x @ w_ref) * 2).square().sum() * (k + 1) for k, x in enumerate(xs)).backward()
     assert not torch.allclose(got, w_ref.grad)
+
+
+def test_two_blocks_each_called_twice_forward_and_backward(stand_ins) -> None:
+    """Regional compilation through the pair: two blocks (one runtime each way, a set per
+    block's weights), the model run twice before one backward: four forward graphs (two
+    copies) and four backward sets, every call replayed, gradients equal eager's."""
+    fw, bw = _pair()
+    w1, w2 = torch.randn(6, 6, requires_grad=True), torch.randn(6, 6, requires_grad=True)
+    for step in range(3):
+        xs = [torch.randn(4, 6) for _ in range(2)]
+        sum(_Pair.apply(fw, bw, _Pair.apply(fw, bw, x, w1), w2).square().sum() * (k + 1)
+            for k, x in enumerate(xs)).backward()
+        r1, r2 = w1.detach().clone().requires_grad_(), w2.detach().clone().requires_grad_()
+        sum((torch.tanh((torch.tanh(x @ r1) * 2) @ r2) * 2).square().sum() * (k + 1)
+            for k, x in enumerate(xs)).backward()
+        torch.testing.assert_close(w1.grad, r1.grad, msg=lambda m: f"step {step} w1: {m}")
+        torch.testing.assert_close(w2.grad, r2.grad, msg=lambda m: f"step {step} w2: {m}")
+        w1.grad = w2.grad = None
+    assert fw.instances == 2 and fw.stats.captures == 4 and fw.copies == 2
+    assert bw.instances == 4 and bw.stats.captures == 4
+    assert fw.stats.fallbacks == 0 and bw.stats.fallbacks == 0, (fw.fallback_reasons, bw.fallback_reasons)
