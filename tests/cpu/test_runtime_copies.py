@@ -346,3 +346,21 @@ def test_two_blocks_each_called_twice_forward_and_backward(stand_ins) -> None:
     assert fw.instances == 2 and fw.stats.captures == 4 and fw.copies == 2
     assert bw.instances == 4 and bw.stats.captures == 4
     assert fw.stats.fallbacks == 0 and bw.stats.fallbacks == 0, (fw.fallback_reasons, bw.fallback_reasons)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a backward read marks its forward graph's activations consumed even under "
+    "retain_graph=True: a forward replay before the second backward overwrites them (on a GPU "
+    "the checked outputs should make that second backward raise StaleOutputError, not "
+    "GPU-run; with these stand-ins, outputs='static', it reads the overwritten values)"))
+def test_a_retained_graph_backward_again_after_another_forward(stand_ins) -> None:
+    fw, bw = _pair()
+    w = torch.randn(6, 6, requires_grad=True)
+    x, x2 = torch.randn(4, 6), torch.randn(4, 6)
+    loss = _Pair.apply(fw, bw, x, w).square().sum()
+    loss.backward(retain_graph=True)
+    _Pair.apply(fw, bw, x2, w).sum().backward()  # another call while the first is retained
+    loss.backward()
+    w_ref = w.detach().clone().requires_grad_()
+    (2 * (torch.tanh(x @ w_ref) * 2).square().sum() + (torch.tanh(x2 @ w_ref) * 2).sum()).backward()
+    torch.testing.assert_close(w.grad, w_ref.grad)
