@@ -454,6 +454,7 @@ def test_a_later_entrys_output_saved_by_an_eager_op_blocks_an_earlier_replay() -
     y.sum().backward()
     assert not saved.blocks(earlier)  # the caller holding its output alone does not block
     y = Forward.apply(torch.randn(4, 3, requires_grad=True))
+    saved.replayed(later, tainted=False)
     pending = w * y  # an eager op saves the output for its backward
     del y  # (the caller's last reference; the eager op's node still holds it)
     assert saved.blocks(earlier)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 from torchreplay.pieces.entries import Entry
@@ -34,6 +35,19 @@ def _entry(position: int, saved: SavedActivations) -> tuple[Entry, torch.Tensor]
     return e, activation
 
 
+def _replay(saved: SavedActivations, e: Entry) -> None:
+    """``e`` replayed: autograd holds its new activations for their backward."""
+    e.outputs.is_held = True  # type: ignore[union-attr]
+    saved.replayed(e, tainted=False)
+
+
+def _backward(saved: SavedActivations, e: Entry, args: tuple[torch.Tensor, ...]) -> None:
+    """The backward of ``e``'s call replayed over ``args``; then autograd lets its activations
+    go (no ``retain_graph``)."""
+    saved.read(Entry(None), args)
+    e.outputs.is_held = False  # type: ignore[union-attr]
+
+
 def test_blocks_forward_then_backward_in_reverse_replay_every_graph() -> None:
     """Blocks 0..2 captured in that order: each forward may replay while the earlier blocks'
     activations await their backward; the backwards 2..0 consume them."""
@@ -42,12 +56,11 @@ def test_blocks_forward_then_backward_in_reverse_replay_every_graph() -> None:
     for step in range(3):
         for e, _ in entries:
             assert not saved.blocks(e), (step, e.position)
-            saved.replayed(e, tainted=False)
+            _replay(saved, e)
         assert saved.pending == [e for e, _ in entries]
         for e, activation in reversed(entries):
-            reader = Entry(None)
-            saved.read(reader, (torch.randn(2), activation[1:]))  # a view of it, and a tangent
-        assert saved.pending == []
+            _backward(saved, e, (torch.randn(2), activation[1:]))  # a view of it, and a tangent
+        assert not any(saved.blocks(e) for e, _ in entries)
 
 
 def test_a_second_forward_before_its_backward_is_blocked_while_held() -> None:
@@ -61,8 +74,10 @@ def test_a_second_forward_before_its_backward_is_blocked_while_held() -> None:
     b.outputs.is_held = False  # b's autograd graph was freed without a backward
     assert not saved.blocks(b)
     assert saved.blocks(a)  # a's own still held
-    saved.read(Entry(None), (act_a,))
-    assert not saved.blocks(a)
+    saved.read(Entry(None), (act_a,))  # its backward ran with retain_graph=True: still held
+    assert saved.blocks(a)
+    a.outputs.is_held = False  # the graph let go
+    assert not saved.blocks(a) and saved.pending == []
 
 
 def test_a_tainted_replay_leaves_nothing_pending() -> None:
@@ -73,9 +88,13 @@ def test_a_tainted_replay_leaves_nothing_pending() -> None:
     assert saved.pending == [] and not saved.blocks(a)
 
 
-def test_a_backward_finds_its_forward_again_after_entries_change() -> None:
-    """The forward entries a backward read are remembered per generation: a new entry (which
-    may take the addresses of a dropped one) makes the backward look again."""
+def test_a_backward_finds_its_forward_again_after_entries_change(monkeypatch) -> None:
+    """Without use counts a backward's read consumes the forward entries it read, found by
+    their activations' addresses and remembered per generation: a new entry (which may take
+    the addresses of a dropped one) makes the backward look again."""
+    from torchreplay.pieces import saved as saved_mod
+
+    monkeypatch.setattr(saved_mod._compat, "HAS_USE_COUNTS", False)
     saved = SavedActivations()
     a, act = _entry(0, saved)
     reader = Entry(None)
@@ -147,11 +166,17 @@ def test_only_saved_activations_a_replay_writes_are_guarded() -> None:
     assert guarded(e, outs, [], in_pool) == frozenset()
 
 
-def test_a_backward_consumes_only_the_forward_whose_activations_it_read() -> None:
+@pytest.mark.parametrize("use_counts", [True, False])
+def test_a_backward_consumes_only_the_forward_whose_activations_it_read(monkeypatch, use_counts) -> None:
     """One block at two shapes: both forward graphs save the same weight. The backward of the
     second reads the weight and its own activation: it consumes that forward only, so the
     first's activations still await their backward (a forward of the first shape stays
-    blocked while they are held). The weight stays put for a backward all the same."""
+    blocked while they are held). The weight stays put for a backward all the same. With
+    use counts, autograd letting the second's activations go is what releases them; without,
+    the read, by the activations' addresses (not the weight's)."""
+    from torchreplay.pieces import saved as saved_mod
+
+    monkeypatch.setattr(saved_mod._compat, "HAS_USE_COUNTS", use_counts)
     saved = SavedActivations()
     weight = torch.nn.Parameter(torch.randn(4, 4))
     (a, act_a), (b, act_b) = _entry(0, saved), _entry(1, saved)
@@ -159,9 +184,8 @@ def test_a_backward_consumes_only_the_forward_whose_activations_it_read() -> Non
         saved.sealed(e, [act, weight], [act])
     saved.replayed(a, tainted=False)
     saved.replayed(b, tainted=False)
-    saved.read(Entry(None), (act_b, weight, torch.randn(4)))
-    assert saved.pending == [a]
-    assert saved.blocks(a)
+    _backward(saved, b, (act_b, weight, torch.randn(4)))
+    assert saved.blocks(a) and not saved.blocks(b) and saved.pending == [a]
     assert saved.holds(weight) and saved.holds(act_a) and not saved.holds(torch.randn(4))
 
 
@@ -307,8 +331,8 @@ def test_a_copy_captured_later_replays_while_the_first_calls_activations_are_hel
     saved.replayed(copy, tainted=False)  # model(b), through the copy
     assert saved.blocks(copy)  # a third call needs a third copy
     assert not saved.blocks(_entry(2, saved)[0])
-    for activation in (act_copy, act_a):  # the backwards, in reverse
-        saved.read(Entry(None), (activation,))
+    for e, activation in ((copy, act_copy), (a, act_a)):  # the backwards, in reverse
+        _backward(saved, e, (activation,))
     assert not saved.blocks(a) and saved.pending == []
 
 

@@ -1,20 +1,21 @@
 """Saved activations: the outputs of a training forward's graphs that its backward reads in place.
 
 A forward runtime (``guard_outputs``) leaves each replay's saved activations in its pool, where
-the backward graph of that call reads them. Until that backward has replayed, a forward replay
-that may overwrite them must not run while they are still held (by autograd): the call replays a
-copy of its graph instead (the same shape, captured at the first such call, later in the pool:
-``model(a) + model(b)``, a contrastive loss, a discriminator on real then fake data all replay
-graphs), or with no room for one (``max_graphs``) runs ungraphed, into fresh memory. A replay
-may overwrite what its own entry and every entry captured after it in the pool handed out
-(:class:`~torchreplay.core.pool.Pool`).
+the backward graph of that call reads them. While autograd holds them (until that backward has
+run and let them go; a ``retain_graph=True`` backward keeps them for the next), a forward replay
+that may overwrite them must not run: the call replays a copy of its graph instead (the same
+shape, captured at the first such call, later in the pool: ``model(a) + model(b)``, a
+contrastive loss, a discriminator on real then fake data all replay graphs), or with no room for
+one (``max_graphs``) runs ungraphed, into fresh memory. A replay may overwrite what its own entry
+and every entry captured after it in the pool handed out (:class:`~torchreplay.core.pool.Pool`).
 
 Each entry is tracked on its own. With several module instances (regional compilation: one
 compiled block class, one forward runtime, graphs per set of parameters), the forwards of blocks
 1..N all replay before the backwards N..1: block k's activations await their backward while
 block k+1's forward replays, which is safe because block k+1's graph was captured after block
-k's (its replay cannot reach memory that block k's outputs held at its capture). A backward
-replay names the forward entries it read from by the addresses of its arguments.
+k's (its replay cannot reach memory that block k's outputs held at its capture). Use counts
+say when activations are let go; on a torch without them, a backward replay consumes the forward
+entries it read, found by the addresses of its arguments.
 
 The outputs the caller gets are watched the same way: an eager autograd node after the graph may
 have saved one (a custom op's autograd after a graph break), and an entry captured later, at a
@@ -29,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from torchreplay import _compat
 from torchreplay.pieces.entries import Entry
 
 __all__ = ["BLOCKED", "SavedActivations", "guarded", "saved_refs", "user_outputs"]
@@ -90,16 +92,30 @@ class SavedActivations:
             self.pending.append(entry)
 
     def blocks(self, entry: Entry) -> bool:
-        """Would replaying ``entry`` overwrite activations that still await their backward?"""
+        """Would replaying ``entry`` overwrite activations that still await their backward?
+        Entries whose activations are no longer held (their backward ran and autograd let them
+        go, or their outputs were dropped) leave :attr:`pending` as they are met."""
         position = entry.position
+        released: list[Entry] = []
+        blocked = False
         for e in self.pending:
-            if e.position >= position and e.outputs is not None and e.outputs.held():
-                return True
-        return False
+            if e.position >= position:
+                if e.outputs is not None and e.outputs.held():
+                    blocked = True
+                    break
+                released.append(e)
+        if released:
+            gone = {id(e) for e in released}
+            self.pending = [e for e in self.pending if id(e) not in gone]
+        return blocked
 
     def read(self, reader: Entry, args: Sequence[Any]) -> None:
-        """A backward graph (``reader``, of another runtime) replayed over ``args``: the
-        activations of the forward entries it read are consumed."""
+        """A backward graph (``reader``, of another runtime) replayed over ``args``. With use
+        counts nothing changes here: the forward entries it read stay pending until autograd
+        lets their activations go (:meth:`blocks`), which ``retain_graph=True`` delays until
+        a second backward. Without them, the entries it read are taken as consumed now."""
+        if _compat.HAS_USE_COUNTS:
+            return
         feeds = reader.feeds
         if feeds is None or feeds[0] != self.generation:
             found: list[Entry] = []
