@@ -364,3 +364,21 @@ def test_a_retained_graph_backward_again_after_another_forward(stand_ins) -> Non
     w_ref = w.detach().clone().requires_grad_()
     (2 * (torch.tanh(x @ w_ref) * 2).square().sum() + (torch.tanh(x2 @ w_ref) * 2).sum()).backward()
     torch.testing.assert_close(w.grad, w_ref.grad)
+
+
+def test_micro_batches_each_with_its_backward_replay_one_graph(stand_ins) -> None:
+    """The common case: each call's backward runs before the next call, and autograd lets its
+    activations go: one forward graph and one backward graph serve every call, no copy."""
+    fw, bw = _pair()
+    w = torch.randn(6, 6, requires_grad=True)
+    for step in range(3):
+        xs = [torch.randn(4, 6) for _ in range(3)]
+        for x in xs:
+            _Pair.apply(fw, bw, x, w).square().sum().backward()
+        w_ref = w.detach().clone().requires_grad_()
+        for x in xs:
+            (torch.tanh(x @ w_ref) * 2).square().sum().backward()
+        torch.testing.assert_close(w.grad, w_ref.grad, msg=lambda m: f"step {step}: {m}")
+        w.grad = None
+    assert fw.stats.captures == 1 and fw.copies == 0 and bw.stats.captures == 1
+    assert fw.stats.fallbacks == 0 and bw.stats.fallbacks == 0
