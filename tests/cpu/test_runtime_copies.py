@@ -123,6 +123,21 @@ def _grads_of_calls(rt: PiecewiseRuntime, calls: int, steps: int = 3) -> None:
         w.grad = None
 
 
+def _two_blocks_run_twice(block: Any, steps: int = 3) -> None:
+    """A model of two blocks (``block(x, w)``, weights of their own) run twice before one
+    backward, ``steps`` times: the weights' gradients equal eager's."""
+    w1, w2 = torch.randn(6, 6, requires_grad=True), torch.randn(6, 6, requires_grad=True)
+    for step in range(steps):
+        xs = [torch.randn(4, 6) for _ in range(2)]
+        sum(block(block(x, w1), w2).square().sum() * (k + 1) for k, x in enumerate(xs)).backward()
+        r1, r2 = w1.detach().clone().requires_grad_(), w2.detach().clone().requires_grad_()
+        sum((torch.tanh((torch.tanh(x @ r1) * 2) @ r2) * 2).square().sum() * (k + 1)
+            for k, x in enumerate(xs)).backward()
+        torch.testing.assert_close(w1.grad, r1.grad, msg=lambda m: f"step {step} w1: {m}")
+        torch.testing.assert_close(w2.grad, r2.grad, msg=lambda m: f"step {step} w2: {m}")
+        w1.grad = w2.grad = None
+
+
 def test_a_second_call_before_the_backward_replays_a_copy(stand_ins) -> None:
     rt = _forward_runtime(max_graphs=16)
     _grads_of_calls(rt, calls=2)
@@ -153,17 +168,7 @@ def test_two_blocks_of_one_class_each_called_twice_before_the_backward(stand_ins
     blocks run twice before one backward. Each block's second call replays a copy of its own
     graph, captured later in the pool than every graph of the first run."""
     rt = _forward_runtime(max_graphs=16)
-    w1, w2 = torch.randn(6, 6, requires_grad=True), torch.randn(6, 6, requires_grad=True)
-    for step in range(3):
-        xs = [torch.randn(4, 6) for _ in range(2)]
-        sum(_Forward.apply(rt, _Forward.apply(rt, x, w1), w2).square().sum() * (k + 1)
-            for k, x in enumerate(xs)).backward()
-        r1, r2 = w1.detach().clone().requires_grad_(), w2.detach().clone().requires_grad_()
-        sum((torch.tanh((torch.tanh(x @ r1) * 2) @ r2) * 2).square().sum() * (k + 1)
-            for k, x in enumerate(xs)).backward()
-        torch.testing.assert_close(w1.grad, r1.grad, msg=lambda m: f"step {step} w1: {m}")
-        torch.testing.assert_close(w2.grad, r2.grad, msg=lambda m: f"step {step} w2: {m}")
-        w1.grad = w2.grad = None
+    _two_blocks_run_twice(lambda x, w: _Forward.apply(rt, x, w))
     assert rt.instances == 2 and rt.stats.captures == 4 and rt.copies == 2
     assert rt.stats.fallbacks == 0, rt.fallback_reasons
 
@@ -332,17 +337,7 @@ def test_two_blocks_each_called_twice_forward_and_backward(stand_ins) -> None:
     block's weights), the model run twice before one backward: four forward graphs (two
     copies) and four backward sets, every call replayed, gradients equal eager's."""
     fw, bw = _pair()
-    w1, w2 = torch.randn(6, 6, requires_grad=True), torch.randn(6, 6, requires_grad=True)
-    for step in range(3):
-        xs = [torch.randn(4, 6) for _ in range(2)]
-        sum(_Pair.apply(fw, bw, _Pair.apply(fw, bw, x, w1), w2).square().sum() * (k + 1)
-            for k, x in enumerate(xs)).backward()
-        r1, r2 = w1.detach().clone().requires_grad_(), w2.detach().clone().requires_grad_()
-        sum((torch.tanh((torch.tanh(x @ r1) * 2) @ r2) * 2).square().sum() * (k + 1)
-            for k, x in enumerate(xs)).backward()
-        torch.testing.assert_close(w1.grad, r1.grad, msg=lambda m: f"step {step} w1: {m}")
-        torch.testing.assert_close(w2.grad, r2.grad, msg=lambda m: f"step {step} w2: {m}")
-        w1.grad = w2.grad = None
+    _two_blocks_run_twice(lambda x, w: _Pair.apply(fw, bw, x, w))
     assert fw.instances == 2 and fw.stats.captures == 4 and fw.copies == 2
     assert bw.instances == 4 and bw.stats.captures == 4
     assert fw.stats.fallbacks == 0 and bw.stats.fallbacks == 0, (fw.fallback_reasons, bw.fallback_reasons)
