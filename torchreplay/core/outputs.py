@@ -275,11 +275,7 @@ class Outputs:
                 self._kept = False
                 if self.on_live is not None:
                     self.on_live()
-            if self._one_handed:
-                if self.watch:
-                    self._watched = handed[:1]
-                if self.watch_callers:
-                    self._watched_callers = [weakref.ref(handed[0])]
+            if self._one_handed:  # (never watched: a runtime's outputs are a list)
                 return handed[0]
             leaves = list(leaves)
             for i, t in zip(self.grouped_idx, handed):

@@ -96,13 +96,15 @@ class SavedActivations:
         Entries whose activations are no longer held (their backward ran and autograd let them
         go, or their outputs were dropped) leave :attr:`pending` as they are met."""
         position = entry.position
-        released: list[Entry] = []
+        released: list[Entry] | None = None  # (made only when one is found: every call runs this)
         blocked = False
         for e in self.pending:
             if e.position >= position:
                 if e.outputs is not None and e.outputs.held():
                     blocked = True
                     break
+                if released is None:
+                    released = []
                 released.append(e)
         if released:
             gone = {id(e) for e in released}
