@@ -4,7 +4,10 @@ over many calls (and the caller's tensors after each call where the model writes
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
+import sys
+import weakref
 from typing import Any
 
 import pytest
@@ -24,6 +27,11 @@ CALLS = 8
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
+    # An earlier test's model still alive (a failed test's traceback, a reference cycle) would
+    # share this test's backend (tr.compile shares one per module class and options), and its
+    # graphs would count in this test's ``c.backend.runtimes``.
+    sys.last_type = sys.last_value = sys.last_traceback = None
+    gc.collect()
     yield
     torch._dynamo.reset()
 
@@ -631,7 +639,8 @@ def test_two_forwards_before_one_backward_equal_eager() -> None:
     fwd = [r for r in _runtimes(c) if r.name.endswith("forward")]
     bwd = [r for r in _runtimes(c) if r.name.endswith("backward")]
     assert fwd and bwd
-    assert sum(r.stats.captures for r in fwd) == 2 and sum(r.copies for r in fwd) == 1  # the graph, its copy
+    seen = [(r.name, r.stats, r.copies, r.fallback_reasons) for r in fwd + bwd]
+    assert sum(r.stats.captures for r in fwd) == 2 and sum(r.copies for r in fwd) == 1, seen  # the graph, its copy
     assert "1 graph(s) are copies of another of the same shape" in tr.explain(c)
     assert sum(r.stats.replays for r in fwd) == 12 and sum(r.stats.replays for r in bwd) >= 11
     for r in fwd + bwd:
@@ -1485,3 +1494,30 @@ def test_hf_bert_trains_through_the_backend_like_eager() -> None:
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0 and "DIFF" in run.stdout, (run.returncode, run.stderr[-3000:])
+
+
+@pytest.mark.parametrize("mode", ["training", "inference"])
+def test_a_dropped_model_frees_its_graphs_and_pool(mode: str) -> None:
+    """Once the model and its ``tr.compile`` are gone (and Dynamo's cache, which holds the
+    compiled code, is reset), its runtimes, graphs and pool memory go too: a notebook that
+    builds a model again, or a sweep over models, does not keep every old model's graphs.
+    (The pool's finalizer held the runtime through a bound method: nothing was ever freed.)"""
+    torch.manual_seed(0)
+    model = _mlp(32, 2).train(mode == "training")
+    ref = _mlp(32, 2).train(mode == "training")
+    ref.load_state_dict(model.state_dict())
+    c = tr.compile(model)
+    with torch.set_grad_enabled(mode == "training"):
+        for _ in range(4):
+            x = torch.randn(8, 32, device=DEV)
+            out, want = c(x), ref(x)
+            _close(out, want)
+            if mode == "training":
+                out.square().mean().backward()
+    runtimes = [weakref.ref(r) for r in c.backend.runtimes]
+    assert runtimes and all(r().stats.replays >= 1 for r in runtimes)  # type: ignore[union-attr]
+    del c, model, out, want, x
+    torch._dynamo.reset()
+    gc.collect()
+    alive = [r().name for r in runtimes if r() is not None]  # type: ignore[union-attr]
+    assert not alive, f"still alive: {alive}"

@@ -20,6 +20,7 @@ Calls from several threads: :mod:`~torchreplay.core.threads`."""
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -379,7 +380,9 @@ class PiecewiseRuntime:
             self._instances.add(args, ptrs_of(args, self._in_place))
             self._replays_mark = self.stats.replays + 1  # this call captures and replays once
             self._use_current()
-        self.pool.track(self, self._graphs, self._retire)
+        # (a function over the entries, not a bound method: the pool's finalizer holds it, and
+        # a reference to this runtime there would keep it, its graphs and its pool alive forever)
+        self.pool.track(self, self._graphs, functools.partial(_retire, self._entries))
         n = self.rows(args)
         if self.sizes is not None and n is not None:
             todo = [(s, self._key(s, args)) for s in reversed(self._ahead(n))]
@@ -545,11 +548,6 @@ class PiecewiseRuntime:
         current = self._instances.current
         self._static_ptrs, self._routes = current.ptrs, current.routes  # type: ignore[union-attr]
 
-    def _retire(self) -> None:
-        for entry in self._entries.values():
-            if entry.outputs is not None:
-                entry.outputs.retire()
-
     def _make_clones(self) -> None:
         outputs_to_clones(self, [e.outputs for e in self._entries.values()])
 
@@ -596,3 +594,10 @@ class PiecewiseRuntime:
             f"PiecewiseRuntime({self.name}, {graphed} graphed / {len(self._pieces)} pieces, "
             f"{self.stats.explain()})"
         )
+
+
+def _retire(entries: dict[tuple[Any, ...], Entry]) -> None:
+    """The runtime is being destroyed: the outputs its entries handed out raise when read."""
+    for entry in entries.values():
+        if entry.outputs is not None:
+            entry.outputs.retire()
