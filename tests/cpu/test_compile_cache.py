@@ -126,6 +126,15 @@ def test_each_ingredient_changes_the_key(monkeypatch: pytest.MonkeyPatch) -> Non
         variants[f"GPU {capability}"] = piece_key(gm, values, options, torch.device("cuda", 0))
     monkeypatch.undo()
 
+    # what the compile bakes in from its context (Dynamo's graph is the same under each)
+    for name, context in (
+        ("bf16 autocast", lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
+        ("fp16 autocast", lambda: torch.autocast("cpu", dtype=torch.float16)),
+        ("no_grad", torch.no_grad),
+    ):
+        with context():
+            variants[name] = piece_key(gm, values, options, CPU)
+
     const = torch.tensor([1.0, 2.0])
 
     def with_constant(t: torch.Tensor) -> torch.Tensor:
@@ -450,6 +459,68 @@ def test_tr_compile_cold_then_warm_start(tmp_path: Path) -> None:
     assert "INDUCTOR 0" in warm, warm  # no Inductor compile at the warm start
     hits = [line for line in warm.splitlines() if "cache hit" in line]
     assert len(hits) >= 2 and "cache miss" not in warm, warm
+
+
+AUTOCAST = textwrap.dedent(
+    """
+    import contextlib, sys, torch
+    sys.path.insert(0, {tests!r})
+    import torchreplay as tr
+    from inductor_counter import count_inductor_compiles
+    calls = count_inductor_compiles()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    c = tr.compile(model, cache_dir={folder!r})
+    cast = torch.autocast("cpu", dtype=torch.bfloat16) if {autocast!r} else contextlib.nullcontext()
+    with torch.no_grad(), cast:
+        for _ in range(3):
+            x = torch.randn(3, 8)
+            got, want = c(x), model(x)
+            assert got.dtype == want.dtype, (got.dtype, want.dtype)
+            torch.testing.assert_close(got, want)
+    print("INDUCTOR", len(calls))
+    print(tr.explain(c))
+    """
+)
+
+
+def test_an_entry_compiled_under_autocast_is_not_loaded_without_it(tmp_path: Path) -> None:
+    """A model run under bf16 autocast, then (a fresh process) without it, then under it again:
+    Dynamo's graph is the same each time (autocast casts are not in it, only in the compiled
+    code), so the key must say which autocast the code was compiled under: the second start
+    compiles (its outputs are fp32, as eager's), the third loads the first's entry."""
+    folder = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    runs = []
+    for autocast in (True, False, True):
+        script = AUTOCAST.format(folder=str(folder), tests=str(Path(__file__).parents[1]), autocast=autocast)
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(out.stdout)
+    bf16, fp32, again = runs
+    assert "cache miss" in bf16 and "cache hit" not in bf16, bf16
+    assert "cache miss" in fp32 and "cache hit" not in fp32, fp32
+    assert "INDUCTOR 0" in again and "cache hit" in again and "cache miss" not in again, again
+
+
+def test_torchs_aot_autograd_cache_is_off_under_autocast_where_its_key_lacks_the_dtype(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.11's AOT autograd cache keys only whether autocast is on: under autocast our
+    Inductor compiles turn it off there (``_compat.safe_aot_cache``), and only there."""
+    import torch._functorch.config as functorch_config
+
+    from torchreplay._compat import amp
+
+    before = functorch_config.enable_autograd_cache
+    for keyed in (True, False):
+        monkeypatch.setattr(amp, "_aot_cache_keys_autocast_dtype", lambda k=keyed: k)
+        with amp.safe_aot_cache():
+            assert functorch_config.enable_autograd_cache == before  # autocast off: as it was
+        with torch.autocast("cpu", dtype=torch.bfloat16), amp.safe_aot_cache():
+            assert functorch_config.enable_autograd_cache == (before and keyed)
+        assert functorch_config.enable_autograd_cache == before
 
 
 # --- the command line ------------------------------------------------------------------------

@@ -453,7 +453,8 @@ def inductor_compile(
     from torch._inductor.compile_fx import compile_fx
 
     if inner_compile is None:
-        return compile_fx(gm, list(example_inputs))
+        with safe_aot_cache():
+            return compile_fx(gm, list(example_inputs))
     import torch._functorch.config as functorch_config
 
     off = {
@@ -576,14 +577,14 @@ from torchreplay._compat.hooks import (  # noqa: E402
 __all__ += ["forward_hooks", "global_forward_hooks", "hook_handles_made", "backward_hooks",
             "global_backward_hooks", "tensor_hooks", "optimizer_hooks", "global_optimizer_hooks", "PrivateAllocations",
             "private_allocations"]
-from torchreplay._compat.amp import any_autocast, cuda_autocast, dispatch_modes  # noqa: E402
+from torchreplay._compat.amp import ambient, any_autocast, cuda_autocast, dispatch_modes, safe_aot_cache  # noqa: E402
 from torchreplay._compat.autograd import (  # noqa: E402  (autograd's node order and version counters)
     direct_apply, foreach_copy_untracked, function_forwards, function_of_call, function_of_ctx, in_backward,
     is_accumulate_grad, is_custom_op_function, is_view, normal_tensors, restore_unversioned, copy_back, unexpanded,
     expanded_dims, clone_strided, dense,
     saved_tensor_hooks, sequence_nr, set_sequence_nr, triton_launches, version_of, versions_of, watch_saved,
 )
-__all__ += ["any_autocast", "cuda_autocast", "dispatch_modes", "current_stream", "direct_apply",
+__all__ += ["ambient", "safe_aot_cache", "any_autocast", "cuda_autocast", "dispatch_modes", "current_stream", "direct_apply",
             "foreach_copy_untracked", "in_backward", "is_accumulate_grad", "is_view", "normal_tensors",
             "restore_unversioned", "copy_back", "unexpanded", "expanded_dims", "clone_strided", "dense",
             "saved_tensor_hooks", "sequence_nr", "set_sequence_nr", "version_of",

@@ -1,13 +1,16 @@
 """What a graph's every call reads of the call's context: is CUDA autocast on and in which
-dtype, and is a ``TorchDispatchMode`` on."""
+dtype, and is a ``TorchDispatchMode`` on; and what a compile bakes in of it (:func:`ambient`)."""
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import functools
+import inspect
+from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["any_autocast", "cuda_autocast", "dispatch_modes"]
+__all__ = ["ambient", "any_autocast", "cuda_autocast", "dispatch_modes", "safe_aot_cache"]
 
 
 def _cuda_on() -> bool:
@@ -36,3 +39,49 @@ def _none() -> int:
 #: ``torch._C._len_torch_dispatch_stack`` (private, the binding itself: every call reads it). A
 #: torch without it: 0 (no mode is seen).
 dispatch_modes: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack", _none)
+
+
+def ambient() -> dict[str, Any]:
+    """What AOT autograd bakes into the code it compiles from the context of the compile, not
+    from the graph: grad mode, and the dtype each device's autocast casts to (Dynamo's graph of
+    a model called under ``torch.autocast`` holds no casts; the compiled code does). Part of
+    any key of compiled code."""
+    devices = getattr(torch._C, "_autocast_supported_devices", lambda: ["cpu", "cuda"])()
+    casts: dict[str, str] = {}
+    if any_autocast():
+        for device in devices:
+            with contextlib.suppress(Exception):  # (a device this build cannot ask about)
+                if torch.is_autocast_enabled(device):
+                    casts[device] = str(torch.get_autocast_dtype(device))
+    return {"grad": torch.is_grad_enabled(), "autocast": casts}
+
+
+@functools.cache
+def _aot_cache_keys_autocast_dtype() -> bool:
+    """Does torch's AOT autograd cache key hold the autocast dtype (pytorch/pytorch#181564,
+    in torch 2.13; 2.11 keys only whether autocast is on)? Read from its source; unknown: no."""
+    try:
+        from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCacheDetails
+
+        return "get_autocast_dtype" in inspect.getsource(AOTAutogradCacheDetails._record_runtime_state)
+    except Exception:  # noqa: BLE001  (moved, renamed, no source: take it as missing)
+        return False
+
+
+@contextlib.contextmanager
+def safe_aot_cache() -> Iterator[None]:
+    """Around an Inductor compile: under autocast, on a torch whose AOT autograd cache does not
+    key the autocast dtype, that cache is off. It would hand a compile under fp16 autocast the
+    code compiled earlier under bf16 (in this process or, on disk, any earlier one): on the H200
+    (torch 2.11) ``torch.compile``'s own Inductor trained a CNN with gradients 10% off eager's
+    that way, after a bf16 run of the same model."""
+    if not any_autocast() or _aot_cache_keys_autocast_dtype():
+        yield
+        return
+    import torch._functorch.config as functorch_config
+
+    if not hasattr(functorch_config, "enable_autograd_cache"):
+        yield
+        return
+    with functorch_config.patch(enable_autograd_cache=False):
+        yield

@@ -7,6 +7,8 @@ from typing import Any, Sequence
 
 import torch
 
+from torchreplay._compat.amp import safe_aot_cache
+
 __all__ = [
     "standalone_compile", "has_standalone_compile", "artifact_saveable", "save_artifact",
     "load_artifact", "inductor_config_hash", "shape_ranges",
@@ -24,7 +26,8 @@ def standalone_compile(gm: Any, example_inputs: Sequence[Any]) -> Any:
     fn = torch._inductor.standalone_compile
     in_context = torch._guards.TracingContext.try_get() is not None
     dynamic = "from_tracing_context" if in_context else "from_graph"
-    return fn(gm, list(example_inputs), dynamic_shapes=dynamic, options={})
+    with safe_aot_cache():
+        return fn(gm, list(example_inputs), dynamic_shapes=dynamic, options={})
 
 
 def has_standalone_compile() -> bool:
