@@ -1521,3 +1521,24 @@ def test_a_dropped_model_frees_its_graphs_and_pool(mode: str) -> None:
     gc.collect()
     alive = [r().name for r in runtimes if r() is not None]  # type: ignore[union-attr]
     assert not alive, f"still alive: {alive}"
+
+
+@pytest.mark.parametrize("cache", ["our cache", "no cache"])
+def test_inference_under_bf16_then_fp16_autocast_computes_in_each(cache: str, tmp_path) -> None:
+    """Dynamo's graph of a model called under autocast holds no casts (the compiled code does),
+    so a compile under fp16 after one under bf16 must not be handed the bf16 code: not by our
+    cache (its key holds the autocast dtype), not by torch 2.11's AOT autograd cache (keyed on
+    whether autocast is on only: ours turns it off under autocast there). Each output has the
+    dtype and values of eager's under the same autocast."""
+    torch.manual_seed(0)
+    model = _mlp(64, 3)
+    c = tr.compile(model, cache_dir=(tmp_path / "cache") if cache == "our cache" else None)
+    with torch.no_grad():
+        for dtype in (torch.bfloat16, torch.float16, torch.bfloat16):
+            with torch.autocast(DEV, dtype=dtype):
+                for _ in range(3):
+                    x = torch.randn(8, 64, device=DEV)
+                    got, want = c(x), model(x)
+                    assert got.dtype == want.dtype == dtype, (got.dtype, want.dtype, dtype)
+                    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+                    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
