@@ -134,6 +134,19 @@ def test_each_ingredient_changes_the_key(monkeypatch: pytest.MonkeyPatch) -> Non
     ):
         with context():
             variants[name] = piece_key(gm, values, options, CPU)
+    precision = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")  # TF32 in Inductor's matmul templates
+        variants["TF32 matmuls"] = piece_key(gm, values, options, CPU)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        variants["deterministic algorithms"] = piece_key(gm, values, options, CPU)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert piece_key(gm, values, options, CPU) == base  # (all put back)
 
     const = torch.tensor([1.0, 2.0])
 

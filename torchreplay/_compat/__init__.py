@@ -535,6 +535,7 @@ def dispatch_modes_off() -> Iterator[None]:
 
 
 from torchreplay._compat.cache import (  # noqa: E402  (the compile cache's names)
+    ambient,
     artifact_saveable,
     has_standalone_compile,
     inductor_config_hash,
@@ -546,7 +547,7 @@ from torchreplay._compat.cache import (  # noqa: E402  (the compile cache's name
 
 __all__ += ["direct_replay"]
 __all__ += [
-    "standalone_compile", "has_standalone_compile", "artifact_saveable", "save_artifact",
+    "ambient", "standalone_compile", "has_standalone_compile", "artifact_saveable", "save_artifact",
     "load_artifact", "inductor_config_hash", "shape_ranges",
 ]
 from torchreplay._compat.distributed import (  # noqa: E402  (the torch.distributed names)
@@ -577,14 +578,14 @@ from torchreplay._compat.hooks import (  # noqa: E402
 __all__ += ["forward_hooks", "global_forward_hooks", "hook_handles_made", "backward_hooks",
             "global_backward_hooks", "tensor_hooks", "optimizer_hooks", "global_optimizer_hooks", "PrivateAllocations",
             "private_allocations"]
-from torchreplay._compat.amp import ambient, any_autocast, cuda_autocast, dispatch_modes, safe_aot_cache  # noqa: E402
+from torchreplay._compat.amp import any_autocast, cuda_autocast, dispatch_modes, safe_aot_cache  # noqa: E402
 from torchreplay._compat.autograd import (  # noqa: E402  (autograd's node order and version counters)
     direct_apply, foreach_copy_untracked, function_forwards, function_of_call, function_of_ctx, in_backward,
     is_accumulate_grad, is_custom_op_function, is_view, normal_tensors, restore_unversioned, copy_back, unexpanded,
     expanded_dims, clone_strided, dense,
     saved_tensor_hooks, sequence_nr, set_sequence_nr, triton_launches, version_of, versions_of, watch_saved,
 )
-__all__ += ["ambient", "safe_aot_cache", "any_autocast", "cuda_autocast", "dispatch_modes", "current_stream", "direct_apply",
+__all__ += ["safe_aot_cache", "any_autocast", "cuda_autocast", "dispatch_modes", "current_stream", "direct_apply",
             "foreach_copy_untracked", "in_backward", "is_accumulate_grad", "is_view", "normal_tensors",
             "restore_unversioned", "copy_back", "unexpanded", "expanded_dims", "clone_strided", "dense",
             "saved_tensor_hooks", "sequence_nr", "set_sequence_nr", "version_of",

@@ -1,16 +1,17 @@
 """What a graph's every call reads of the call's context: is CUDA autocast on and in which
-dtype, and is a ``TorchDispatchMode`` on; and what a compile bakes in of it (:func:`ambient`)."""
+dtype, and is a ``TorchDispatchMode`` on; and keeping torch's AOT autograd cache from mixing
+autocast dtypes (:func:`safe_aot_cache`)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["ambient", "any_autocast", "cuda_autocast", "dispatch_modes", "safe_aot_cache"]
+__all__ = ["any_autocast", "cuda_autocast", "dispatch_modes", "safe_aot_cache"]
 
 
 def _cuda_on() -> bool:
@@ -39,21 +40,6 @@ def _none() -> int:
 #: ``torch._C._len_torch_dispatch_stack`` (private, the binding itself: every call reads it). A
 #: torch without it: 0 (no mode is seen).
 dispatch_modes: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack", _none)
-
-
-def ambient() -> dict[str, Any]:
-    """What AOT autograd bakes into the code it compiles from the context of the compile, not
-    from the graph: grad mode, and the dtype each device's autocast casts to (Dynamo's graph of
-    a model called under ``torch.autocast`` holds no casts; the compiled code does). Part of
-    any key of compiled code."""
-    devices = getattr(torch._C, "_autocast_supported_devices", lambda: ["cpu", "cuda"])()
-    casts: dict[str, str] = {}
-    if any_autocast():
-        for device in devices:
-            with contextlib.suppress(Exception):  # (a device this build cannot ask about)
-                if torch.is_autocast_enabled(device):
-                    casts[device] = str(torch.get_autocast_dtype(device))
-    return {"grad": torch.is_grad_enabled(), "autocast": casts}
 
 
 @functools.cache

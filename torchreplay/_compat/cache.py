@@ -1,18 +1,60 @@
 """The private torch names of the compile cache (``compile/cache.py``): Inductor's saveable
-artifacts and its configuration hash, and the value ranges of a graph's dynamic sizes."""
+artifacts and its configuration hash, the value ranges of a graph's dynamic sizes, and the
+settings a compile bakes in from its context."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Sequence
 
 import torch
 
-from torchreplay._compat.amp import safe_aot_cache
+from torchreplay._compat.amp import any_autocast, safe_aot_cache
 
 __all__ = [
-    "standalone_compile", "has_standalone_compile", "artifact_saveable", "save_artifact",
+    "ambient", "standalone_compile", "has_standalone_compile", "artifact_saveable", "save_artifact",
     "load_artifact", "inductor_config_hash", "shape_ranges",
 ]
+
+
+def ambient() -> dict[str, Any]:
+    """What a compile bakes into its code from the context of the compile, not from the graph
+    (part of any key of compiled code; Inductor's own FX graph cache keys the same settings):
+    grad mode; the dtype each device's autocast casts to (Dynamo's graph of a model called under
+    ``torch.autocast`` holds no casts, the code does); the float32 matmul precision (TF32 or not
+    in Inductor's matmul templates) and reduced-precision reductions; deterministic algorithms.
+    Public getters; one a torch lacks reads as missing."""
+    devices = getattr(torch._C, "_autocast_supported_devices", lambda: ["cpu", "cuda"])()
+    casts: dict[str, str] = {}
+    if any_autocast():
+        for device in devices:
+            with contextlib.suppress(Exception):  # (a device this build cannot ask about)
+                if torch.is_autocast_enabled(device):
+                    casts[device] = str(torch.get_autocast_dtype(device))
+    matmul = torch.backends.cuda.matmul
+    return {
+        "grad": torch.is_grad_enabled(),
+        "autocast": casts,
+        "matmul": [
+            _fp32_matmul(),
+            matmul.allow_fp16_reduced_precision_reduction,
+            matmul.allow_bf16_reduced_precision_reduction,
+        ],
+        "deterministic": [
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ],
+    }
+
+
+def _fp32_matmul() -> str:
+    """The float32 matmul precision: ``highest``, ``high`` (TF32) or ``medium``. (Not the newer
+    per-backend ``fp32_precision``, which reads ``none`` or ``ieee`` for the same setting; torch
+    refuses the old getter once both APIs were used: then that one's value.)"""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return f"fp32_precision={getattr(torch.backends.cuda.matmul, 'fp32_precision', None)}"
 
 
 def standalone_compile(gm: Any, example_inputs: Sequence[Any]) -> Any:

@@ -18,9 +18,10 @@ file paths) and the shape, stride, dtype and device of every input with the valu
 dynamic size (a loaded artifact checks no shape guards), tensor constants by content, the
 backend's options, the versions of torchreplay, torch (with its commit), CUDA and Triton,
 Inductor's configuration, the GPU's compute capability, the rank where the piece holds a
-collective, and what the compile bakes in from its context: grad mode and each device's autocast
-dtype (a model run under ``torch.autocast`` has no casts in Dynamo's graph, only in the code:
-without it, a bf16 entry would be loaded under fp16 autocast, or with autocast off).
+collective, and what the compile bakes in from its context (``_compat.ambient``): grad mode, each
+device's autocast dtype (a model run under ``torch.autocast`` has no casts in Dynamo's graph, only
+in the code: without it, a bf16 entry was loaded with autocast off), the float32 matmul precision
+and deterministic algorithms.
 
 **Concurrent starts.** A miss takes a per-key file lock (``fcntl.flock``, released by the kernel
 if the process dies) before compiling, then looks again: N ranks starting at once on an empty
@@ -181,7 +182,7 @@ def piece_key(
         "ranges": _compat.shape_ranges(example_inputs),
         "constants": _constants(module, contents),
         "device": _device(device),
-        "ambient": _compat.ambient(),  # (grad mode and autocast: baked into the code)
+        "ambient": _compat.ambient(),  # (grad mode, autocast, matmul precision: in the code)
     }
     if any(c in code for c in _COLLECTIVES) and torch.distributed.is_available() \
             and torch.distributed.is_initialized():
