@@ -117,7 +117,8 @@ def test_a_training_loop_with_validation_and_a_short_last_batch_equals_eager(pre
     bf16, where ours is its kernels bit for bit; eager in fp16, where it is not: on the H200
     (torch 2.11) ``torch.compile``'s Inductor under fp16 autocast gave this model's scaled
     gradients 10% away from eager's (1.9 in 18), while ours and ``aot_eager`` were within one
-    fp16 step of eager's (0.016). Over the loop the two drift apart (AdamW's normalised steps
+    fp16 step of eager's (0.016): most likely its AOT autograd cache (on 2.11 keyed by whether
+    autocast is on, not by its dtype) handed it the code of the bf16 test before this one. Over the loop the two drift apart (AdamW's normalised steps
     move the parameters by rounding differences: 2.9% of the gradient's norm by step 7), so in
     fp16 eager starts every step and validation from ours' parameters and buffers: each step
     is compared, not the sum of the rounding. In fp32 everything is also compared with eager."""
