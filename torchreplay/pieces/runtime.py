@@ -380,8 +380,7 @@ class PiecewiseRuntime:
             self._instances.add(args, ptrs_of(args, self._in_place))
             self._replays_mark = self.stats.replays + 1  # this call captures and replays once
             self._use_current()
-        # (a function over the entries, not a bound method: the pool's finalizer holds it, and
-        # a reference to this runtime there would keep it, its graphs and its pool alive forever)
+        # (not a bound method: the pool's finalizer holds it, and would keep this runtime alive)
         self.pool.track(self, self._graphs, functools.partial(_retire, self._entries))
         n = self.rows(args)
         if self.sizes is not None and n is not None:
