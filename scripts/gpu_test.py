@@ -132,7 +132,8 @@ def test_paths(tests: str | None) -> list[str]:
 
 def pytest_counts(output: str) -> dict[str, int]:
     """Read ``N passed, M failed, K skipped, E errors`` from pytest's last summary line; without
-    one (the run was cut off), count the marks of its ``-q`` progress lines."""
+    one (the run was cut off), count the results of its ``-v`` lines, or the marks of its
+    ``-q`` progress lines."""
     counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
     summary = [line for line in output.splitlines() if re.search(r"\d+ (passed|failed|skipped|errors?)\b", line)
                and re.search(r"\bin [\d.]+s", line)]
@@ -141,7 +142,12 @@ def pytest_counts(output: str) -> dict[str, int]:
             key = "errors" if word.startswith("error") else word
             counts[key] = counts.get(key, 0) + int(n)
         return counts
+    verbose = {"PASSED": "passed", "FAILED": "failed", "SKIPPED": "skipped", "ERROR": "errors"}
     for line in output.splitlines():
+        result = re.match(r"\S+::.*? (PASSED|FAILED|SKIPPED|ERROR)\b", line)
+        if result:
+            counts[verbose[result.group(1)]] += 1
+            continue
         marks = re.fullmatch(r"([.sFExX]+)(\s+\[\s*\d+%\])?", line.strip())
         if marks:
             for mark, key in ((".", "passed"), ("s", "skipped"), ("F", "failed"), ("E", "errors")):
@@ -187,7 +193,9 @@ def main() -> int:
     if not args.skip_tests:
         paths = test_paths(args.tests)
         emit("\n== " + " ".join(paths))
-        pytest_rc, output = run_streamed([sys.executable, "-m", "pytest", *paths, "-q", "-rA"],
+        # (-v: a line as each test ends, so a run cut off by a time limit still says which
+        # passed; -q's progress marks reach the log only at a full line of 72)
+        pytest_rc, output = run_streamed([sys.executable, "-m", "pytest", *paths, "-v", "-rA"],
                                          emit, env, args.timeout)
         counts = pytest_counts(output)
 

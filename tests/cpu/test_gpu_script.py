@@ -29,3 +29,17 @@ def test_a_run_cut_off_is_counted_from_its_progress_lines() -> None:
     assert gpu_test.pytest_counts(cut) == {"passed": 75, "failed": 1, "skipped": 2, "errors": 1}
     done = cut + "===== 3 failed, 10 passed, 1 skipped in 12.5s =====\n"
     assert gpu_test.pytest_counts(done) == {"passed": 10, "failed": 3, "skipped": 1, "errors": 0}
+
+
+def test_a_verbose_run_cut_off_is_counted_from_its_result_lines() -> None:
+    cut = "\n".join([
+        "$ python -m pytest -v",
+        "tests/gpu/test_a.py::test_one PASSED                                [  1%]",
+        "tests/gpu/test_a.py::test_two[x-1] FAILED                           [  2%]",
+        "tests/gpu/test_a.py::test_three SKIPPED (needs two GPUs)            [  3%]",
+        "tests/gpu/test_b.py::test_four ERROR                                [  4%]",
+        "tests/gpu/test_b.py::test_five[whole model] PASSED                  [  5%]",
+        "FAILED tests/gpu/test_a.py::test_two[x-1] - AssertionError",  # (-rA's summary: not again)
+        "(ended by signal 9)",
+    ])
+    assert gpu_test.pytest_counts(cut) == {"passed": 2, "failed": 1, "skipped": 1, "errors": 1}
