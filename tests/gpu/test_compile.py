@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import sys
 import weakref
 from typing import Any
 
@@ -18,22 +17,14 @@ import torchreplay as tr
 from torchreplay.models.blocks import ResidualBlock
 from torchreplay.pieces.handoff import MISSES
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]
 
 DEV = "cuda"
 CALLS = 8
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    # An earlier test's model still alive (a failed test's traceback, a reference cycle) would
-    # share this test's backend (tr.compile shares one per module class and options), and its
-    # graphs would count in this test's ``c.backend.runtimes``.
-    sys.last_type = sys.last_value = sys.last_traceback = None
-    gc.collect()
-    yield
-    torch._dynamo.reset()
 
 
 def _mlp(width: int = 64, depth: int = 4) -> nn.Module:

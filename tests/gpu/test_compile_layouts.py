@@ -11,18 +11,15 @@ import torch.nn as nn
 
 import torchreplay as tr
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]
 
 DEV = "cuda"
 CALLS = 8
 B, S, D, H = 4, 16, 32, 2
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:

@@ -16,19 +16,16 @@ import torch.nn as nn
 import torchreplay as tr
 from torchreplay.compile.backend import Backend
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]
 
 DEV = "cuda"
 CALLS = 6
 _UNSAFE_TAG = getattr(torch._C.Tag, "cudagraph_unsafe", None)
 _UNSAFE = (_UNSAFE_TAG,) if _UNSAFE_TAG is not None else ()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _close(a, b) -> None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
-import sys
 from typing import Any
 
 import pytest
@@ -23,24 +21,16 @@ import torch.nn.functional as F
 
 import torchreplay as tr
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]
 
 DEV = "cuda"
 TRAIN_BATCHES = (8, 8, 8, 5)  # the last batch of an epoch is smaller
 VALID_BATCHES = (16, 7)
 EPOCHS = 3
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    # An earlier test's model still alive (a failed test's traceback, a reference cycle) would
-    # share this test's backend (tr.compile shares one per module class and options), and its
-    # graphs would count in this test's ``c.backend.runtimes``.
-    sys.last_type = sys.last_value = sys.last_traceback = None
-    gc.collect()
-    yield
-    torch._dynamo.reset()
 
 
 def _cnn() -> nn.Module:

@@ -11,17 +11,14 @@ import torch.nn as nn
 import torchreplay as tr
 from torchreplay.pieces.handoff import MISSES, MOVED, Handoff
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]
 
 DEV = "cuda"
 CALLS = 24
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 @torch.library.custom_op("trhandoff::scaled_softmax", mutates_args=())
