@@ -14,6 +14,7 @@ from torchreplay.pieces.program import Constant, Program
 __all__ = [
     "PieceGraph", "Entry", "Route", "hand_out", "entry_key", "pad_shared", "shared_key", "static_buffer",
     "stage_entry", "hold_weakly", "set_sources", "buffer_like", "shares_rows", "copy_expanded", "NOT_EXPANDED",
+    "retire_outputs",
 ]
 
 _Tensor = torch.Tensor
@@ -372,3 +373,12 @@ def hold_weakly(entry: Entry, pool_outs: list[_Tensor], in_pool: Callable[[_Tens
         if graph is not None:
             graph.out = tuple(held(t) for t in graph.out)
     pool_outs[:] = [held(t) for t in pool_outs]
+
+
+def retire_outputs(entries: dict[tuple[Any, ...], Entry]) -> None:
+    """A runtime is being destroyed: the outputs its ``entries`` handed out raise when read.
+    (A function of the entries, not a runtime's method: the pool's finalizer holds it, and a
+    bound method would keep the runtime alive for good.)"""
+    for entry in entries.values():
+        if entry.outputs is not None:
+            entry.outputs.retire()

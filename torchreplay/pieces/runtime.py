@@ -37,7 +37,7 @@ from torchreplay.core.threads import Callers, follow_stream, get_ident, outputs_
 from torchreplay.pieces.capturing import capture_piece
 from torchreplay.pieces.entries import (
     NOT_EXPANDED, Entry, PieceGraph, Route, copy_expanded, entry_key, hand_out, hold_weakly, pad_shared,
-    set_sources, shared_key, stage_entry,
+    retire_outputs, set_sources, shared_key, stage_entry,
 )
 from torchreplay.pieces.handoff import DEMOTED, MISSES, MOVED, handed_slots
 from torchreplay.pieces.instances import MOVING, Instances, drop_entries, outputs_held, ptrs_of
@@ -380,8 +380,7 @@ class PiecewiseRuntime:
             self._instances.add(args, ptrs_of(args, self._in_place))
             self._replays_mark = self.stats.replays + 1  # this call captures and replays once
             self._use_current()
-        # (not a bound method: the pool's finalizer holds it, and would keep this runtime alive)
-        self.pool.track(self, self._graphs, functools.partial(_retire, self._entries))
+        self.pool.track(self, self._graphs, functools.partial(retire_outputs, self._entries))
         n = self.rows(args)
         if self.sizes is not None and n is not None:
             todo = [(s, self._key(s, args)) for s in reversed(self._ahead(n))]
@@ -593,10 +592,3 @@ class PiecewiseRuntime:
             f"PiecewiseRuntime({self.name}, {graphed} graphed / {len(self._pieces)} pieces, "
             f"{self.stats.explain()})"
         )
-
-
-def _retire(entries: dict[tuple[Any, ...], Entry]) -> None:
-    """The runtime is being destroyed: the outputs its entries handed out raise when read."""
-    for entry in entries.values():
-        if entry.outputs is not None:
-            entry.outputs.retire()
