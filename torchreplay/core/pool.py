@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 import logging
 import weakref
 from typing import Any, Callable, Protocol, Sequence
@@ -340,7 +341,14 @@ def expect_capture() -> None:
 
 def _release(pool_ref: weakref.ReferenceType[Pool], graphs: Sequence[Any], retire: Callable[[], None]) -> None:
     """Finalizer of a pool's owner (see :meth:`Pool.track`). Runs while the owner is being
-    destroyed, before its graphs would be; never raises."""
+    destroyed, before its graphs would be; never raises.
+
+    The cache is emptied twice: now, and at the end of the next cyclic collection
+    (:func:`_after_collection`). An owner in a reference cycle is freed by the collector,
+    which runs every finalizer of the collection before it frees any of the garbage: the
+    pool's blocks are still allocated now (the owner's tensors go after), and the pool object
+    itself, garbage too, is already out of reach of ``pool_ref``."""
+    global _empty_after_collection
     with contextlib.suppress(Exception):
         retire()
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
@@ -352,21 +360,47 @@ def _release(pool_ref: weakref.ReferenceType[Pool], graphs: Sequence[Any], retir
         with contextlib.suppress(Exception):
             g.reset()  # destroys the graph now and gives back its reference on the pool
     pool = pool_ref()
-    if pool is None:
-        return
-    pool._owners = [r for r in pool._owners if r() is not None]
-    if pool._owners:
-        return  # other graphs still use the pool's memory
-    pool._handle = None
-    pool._members = []
-    pool._walked = []
-    pool._live = set()
-    pool._live_max = -1
-    pool.shared = False
-    pool._windows.clear()
-    log.debug("torchreplay: the last graph of %r was dropped; giving its memory back", pool)
+    if pool is not None:  # (None: the pool is garbage with its owner: no owner is left)
+        pool._owners = [r for r in pool._owners if r() is not None]
+        if pool._owners:
+            return  # other graphs still use the pool's memory
+        keeper, pool._keeper = pool._keeper, None
+        with contextlib.suppress(Exception):
+            if keeper is not None:
+                keeper.reset()  # a dropped graph kept for a next capture there: none will come
+        pool._handle = None
+        pool._members = []
+        pool._walked = []
+        pool._live = set()
+        pool._live_max = -1
+        pool.shared = False
+        pool._windows.clear()
+    log.debug("torchreplay: the last graph of a pool was dropped; giving its memory back")
+    _empty_after_collection = True
     with contextlib.suppress(Exception):
         torch.cuda.empty_cache()
+
+
+#: Set when a pool's last owner went: the end of the next cyclic collection empties the cache
+#: once more (see :func:`_release`).
+_empty_after_collection = False
+
+
+def _after_collection(phase: str, info: dict[str, int]) -> None:
+    """``gc.callbacks`` hook: after a collection that may have freed a dropped pool's blocks,
+    give them back. A flag test per collection otherwise; never while a stream captures (the
+    collection ran inside another tool's capture: the next one will do)."""
+    global _empty_after_collection
+    if phase != "stop" or not _empty_after_collection:
+        return
+    with contextlib.suppress(Exception):
+        if torch.cuda.is_current_stream_capturing():
+            return
+        _empty_after_collection = False
+        torch.cuda.empty_cache()
+
+
+gc.callbacks.append(_after_collection)
 
 
 def release_with(owner: Any, collectives: Sequence[Any], ranks: Any = None) -> None:

@@ -376,9 +376,18 @@ def hold_weakly(entry: Entry, pool_outs: list[_Tensor], in_pool: Callable[[_Tens
 
 
 def retire_outputs(entries: dict[tuple[Any, ...], Entry]) -> None:
-    """A runtime is being destroyed: the outputs its ``entries`` handed out raise when read.
-    (A function of the entries, not a runtime's method: the pool's finalizer holds it, and a
-    bound method would keep the runtime alive for good.)"""
+    """A runtime is being destroyed (or its graphs released): the outputs its ``entries``
+    handed out raise when read, and the entries let go of the tensors they hold in the pool
+    (graph outputs, their copies of eager steps' outputs), so that the pool's blocks are free
+    when the pool's finalizer empties the cache right after this; the runtime's own attributes
+    go only later. (A function of the entries, not a runtime's method: the pool's finalizer
+    holds it, and a bound method would keep the runtime alive for good.)"""
     for entry in entries.values():
         if entry.outputs is not None:
             entry.outputs.retire()
+        entry.inputs = []
+        for graph in entry.graphs:
+            if graph is not None:
+                graph.out = ()
+                graph.copies = []
+                graph.backs = ()
