@@ -160,6 +160,22 @@ def test_a_dropped_runtime_is_freed_with_its_graphs(stand_ins) -> None:
     assert gone() is None
 
 
+def test_a_dropped_runtime_is_freed_at_once_without_a_collection(stand_ins) -> None:
+    """No reference cycle through the runtime (its stats read the pool's size through a bound
+    method of it): one would leave it, its graphs and its pool's memory to Python's next full
+    collection, which a long-running process may not make for a long time."""
+    rt = _forward_runtime(max_graphs=16)
+    _grads_of_calls(rt, calls=2, steps=2)
+    gone = weakref.ref(rt)
+    gc.collect()
+    gc.disable()
+    try:
+        del rt
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 def test_past_max_graphs_the_calls_run_ungraphed_and_are_counted(stand_ins) -> None:
     rt = _forward_runtime(max_graphs=2)
     _grads_of_calls(rt, calls=4)

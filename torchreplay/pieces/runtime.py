@@ -23,6 +23,7 @@ import bisect
 import functools
 import logging
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -103,7 +104,9 @@ class PiecewiseRuntime:
         self.config = config
         self.strict = strict
         self.max_graphs = max_graphs
-        self.stats = GraphStats(self._pool_bytes)
+        # (weakly: a bound method here made every runtime a reference cycle, freed only by a
+        # full collection, its pool's memory held till then)
+        self.stats = GraphStats(functools.partial(_pool_bytes, weakref.ref(self)))
         self.pool: Pool | None = None
         self._shared_pool = pool
         self.device: torch.device | None = None
@@ -566,9 +569,6 @@ class PiecewiseRuntime:
             self._ranges = self.pool.segment_ranges() if self.pool is not None else []
         return self._in_pool(t)
 
-    def _pool_bytes(self) -> int:
-        return self.pool.reserved_bytes() if self.pool is not None else 0
-
     def static_ptrs(self) -> set[int]:
         """Where the live parameters and buffers it reads in place are, of each instance it has."""
         return self._instances.live()
@@ -592,3 +592,8 @@ class PiecewiseRuntime:
             f"PiecewiseRuntime({self.name}, {graphed} graphed / {len(self._pieces)} pieces, "
             f"{self.stats.explain()})"
         )
+
+
+def _pool_bytes(runtime: weakref.ReferenceType[PiecewiseRuntime]) -> int:
+    rt = runtime()
+    return rt.pool.reserved_bytes() if rt is not None and rt.pool is not None else 0
