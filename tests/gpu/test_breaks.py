@@ -186,6 +186,33 @@ def test_a_dropped_breakable_graph_is_freed_and_gives_its_memory_back() -> None:
     assert samples[1] - samples[0] < 8 * 2**20, f"grew by {(samples[1] - samples[0]) / 2**20:.1f} MiB"
 
 
+def test_a_dropped_breakable_graph_goes_at_once_without_a_collection() -> None:
+    """``del g`` frees a breakable graph, its runtime and its pool's memory at once: no
+    reference cycle leaves them to Python's next full collection, which a serving process may
+    not make for a long time (the front and its runtime held each other)."""
+    import weakref
+
+    torch.manual_seed(0)
+    model = MoE().to(DEV).eval()
+    x = torch.randn(32, H, device=DEV)
+    g = tr.graph(model, x, breaks=[route])
+    with torch.no_grad():
+        torch.testing.assert_close(g(x), model(x), **CLOSE)
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    pool = g.stats.pool_bytes
+    assert pool > 0
+    gone, rt = weakref.ref(g), weakref.ref(g.runtime)
+    gc.disable()
+    try:
+        del g
+        assert gone() is None and rt() is None
+        assert torch.cuda.memory_reserved() <= before - pool, (before, pool, torch.cuda.memory_reserved())
+    finally:
+        gc.enable()
+
+
 def trim(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     return x[: int(n)] * 2
 

@@ -25,8 +25,9 @@ the constant it was at capture.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -34,8 +35,8 @@ import torch
 from torchreplay import _compat
 from torchreplay.config import RANKS, BucketConfig, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
-from torchreplay.core.capture import Segments, capture, on_side_stream, side_stream
-from torchreplay.core.snapshot import BUILD_FIRST, SAMPLE_COPIES, WRITTEN_COPIES, StateSnapshot, copies
+from torchreplay.core.capture import on_side_stream, side_stream
+from torchreplay.core.snapshot import BUILD_FIRST, SAMPLE_COPIES, StateSnapshot, copies
 from torchreplay.core.effects import PyState
 from torchreplay.core.modes import GRAD, EagerCalls, tracked_leaf
 from torchreplay.core.padcheck import Checked, StateCheck, distributed, rng_state, same_rng
@@ -46,17 +47,14 @@ from torchreplay.core.writes import WriteWatch
 from torchreplay.distributed import agreement
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
 from torchreplay.breaks.auto import AutoBreak, find_on_copies
-from torchreplay.breaks.sized import check_padding, output_dims, padding_sample
+from torchreplay.breaks.sized import padding_sample
 from torchreplay.breaks.policy import eager_by_policy
 from torchreplay.breaks.report import report
 from torchreplay.breaks.steps import BreakStep, returns_nothing
-from torchreplay.breaks.plan import (
-    Break, BreakCall, Recorder, check_reached, intercept, outside_breaks, resolve_breaks, same_path,
-)
-from torchreplay.pieces.entries import Entry, PieceGraph
+from torchreplay.breaks.plan import Break, BreakCall, Recorder, check_reached, intercept, resolve_breaks
+from torchreplay.breaks.runtime import BreakableRuntime
 from torchreplay.pieces.program import Input, Piece, Program, Split
 from torchreplay.pieces.ranks import agree_size, run_eagerly_at
-from torchreplay.pieces.runtime import PiecewiseRuntime
 from torchreplay.sizes.plan import plan_inputs
 
 __all__ = ["BreakableGraph"]
@@ -74,6 +72,12 @@ class _Eager:
 
     def __init__(self, value: Any) -> None:
         self.value = value
+
+
+def _modules_run(front: weakref.ReferenceType[BreakableGraph]) -> list[torch.nn.Module]:
+    """The modules a breakable graph's callable runs (its own, or those its plan found)."""
+    g = front()
+    return [] if g is None else g._runs or ([g._module] if g._module is not None else [])
 
 
 def _no_segment(*_: Any) -> Sequence[Any]:
@@ -124,8 +128,8 @@ class BreakableGraph:
         self._module = owning_module(fn)
         self._runs: list[torch.nn.Module] = []  # a plain function's modules, found by the plan
         #: the Python state a segment changes (core/effects.py); the breaks' changes are real
-        self._python = PyState(self.name, fn, sample_args, sample_kwargs, reads=True, modules=lambda: (
-            self._runs or ([self._module] if self._module is not None else [])))
+        self._python = PyState(self.name, fn, sample_args, sample_kwargs, reads=True,
+                               modules=functools.partial(_modules_run, weakref.ref(self)))
         with self._python.building():  # (undone on any error)
             #: with ``breaks="auto"``: the modules chosen, each with the op that made it a break
             self.auto: list[AutoBreak] = []
@@ -163,7 +167,7 @@ class BreakableGraph:
             #: the collectives of the first capture (its segments and breaks), in order
             self.collectives: tuple[Any, ...] | None = None
             self._collective_log: Any = None
-            self.runtime = _Runtime(
+            self.runtime = BreakableRuntime(
                 self, program, name=self.name, sizes=sizes, config=config, pool=pool,
                 max_graphs=1 if sizes is None else 8,
             )
@@ -359,242 +363,3 @@ class BreakableGraph:
             f"BreakableGraph({self.name}, {len(self.breaks)} break calls of {', '.join(names)}, "
             f"{len(self.breaks) + 1} segments, {self.stats.explain()})"
         )
-
-
-class _Runtime(PiecewiseRuntime):
-    """The piecewise runtime, captured the breakable way: one run of the model per size."""
-
-    padding_check = False  # (checked at the first capture, without a call of its own)
-
-    def __init__(self, front: BreakableGraph, program: Program, **kwargs: Any) -> None:
-        super().__init__(program, **kwargs)
-        self._front = front
-        self._snapshot: StateSnapshot | None = None
-        self._warm = False
-        self._segments: Segments | None = None
-        self._pending: list[tuple[_Tensor, _Tensor]] = []
-        self._state_ptrs: set[int] = set()
-        self._capturing: int | None = None
-
-    def prepare(self, args: tuple[Any, ...]) -> None:
-        """Capture now (every size with ``sizes=``, else the sample's shapes)."""
-        self._setup(args, self._front.device)
-        if self.sizes is None:
-            self._route(args)
-
-    def _ahead(self, n: int) -> Sequence[int]:
-        # A size below the sample's rows would run the breaks with the sample's host values
-        # (lengths of more rows than the tensors have): it is captured at its first call.
-        ahead = [s for s in self.sizes or () if s >= n]
-        opts = self._front._options
-        return ahead[-1:] if opts is not None and opts.capture == "lazy" else ahead
-
-    def _run_ungraphed(self, args: tuple[Any, ...]) -> Any:
-        return self._front.run_eagerly(args)
-
-    def _capture_batch(self, todo: list[tuple[int | None, tuple[Any, ...]]], args: tuple[Any, ...]) -> list[Entry]:
-        assert self.device is not None
-        module = self._front._module
-        # (copied whole: saving what each segment's replay overwrites put a dispatch mode over
-        # every op of every capture, twice the Llama's 32-size build, for no memory saved)
-        # restore_state=False: the large ones (a KV cache) are left as the captures write them
-        large = "copy" if self.config.restore_state else "leave"
-        self._snapshot = StateSnapshot(module, self.device, large=large, copy_large=self._front._copy_large)
-        state = [*module.parameters(), *module.buffers()] if module is not None else []
-        state += [a for a in args if isinstance(a, _Tensor)]
-        self._state_ptrs = {t.untyped_storage().data_ptr() for t in state}
-        try:
-            entries = super()._capture_batch(todo, args)
-        finally:
-            self._snapshot.restore()
-            changed = [n for n, _ in self._snapshot.written_large(versions=False)]
-            self._snapshot = None
-        if changed:  # (a write the sample call did not make: nothing to put back from)
-            log.warning(
-                "torchreplay: '%s': the captures wrote %s, which the sample call did not write, "
-                "so it was not copied to be put back: it keeps what the captures wrote", self.name,
-                ", ".join(changed))
-        if self._front._placed is None:  # the breaks run eagerly: their own state may change
-            eager = [getattr(c.call, "__self__", None) for c in self._front.breaks]
-            skip = [m for m in eager if isinstance(m, torch.nn.Module)]
-            self._front._placed = Placed.of(module, self.device, skip=skip)
-        self._learn_output_dims()
-        return entries
-
-    def _run_break(self, rec: BreakCall, call: Callable[..., Any], a: Any, k: Any) -> Any:
-        """A break call in the captured run: end the segment; replay it, so that its memory
-        holds real values for the break to read; run the break for real; begin the next segment,
-        and hand the model buffers in the pool that hold the break's new tensors (the break's
-        own memory is gone at replay: each replay copies its new outputs there)."""
-        segments = self._segments
-        assert segments is not None
-        graph = segments.cut()
-        self._flush()
-        if graph is not None:
-            self._front._python.before_replay()  # (what it will write into large Python state)
-            graph.replay()
-        try:
-            with self._front._python.eager_part(f"break {rec.brk.name} at {rec.where}"):
-                out = call(*a, **k)
-        except Exception as exc:
-            size = self._capturing
-            at = f" at size {size} (a break gets the padded rows)" if size is not None else ""
-            raise CaptureError(
-                f"break {rec.brk.name} (called at {rec.where}) raised {type(exc).__name__} "
-                f"while '{self.name}' was captured{at}: {exc}. It runs eagerly, so it fails "
-                "eagerly too with these arguments"
-            ) from exc
-        outs, spec = _compat.tree_flatten(out)
-        # Outputs that alias memory the break got (a view of an argument, module state) stay
-        # what they are: later segments must read and write that memory itself.
-        kept = self._state_ptrs | {
-            v.untyped_storage().data_ptr() for v in rec.values if isinstance(v, _Tensor)
-        }
-        segments.resume()
-        handed = []
-        for o in outs:
-            if isinstance(o, _Tensor) and o.is_cuda and o.untyped_storage().data_ptr() not in kept:
-                with _compat.normal_tensors():  # replays copy into it, in either mode
-                    buf = torch.empty_like(o)  # allocated in the pool: the capture is on
-                self._pending.append((buf, o))
-                handed.append(buf)
-            else:
-                handed.append(o)
-        return _compat.tree_unflatten(handed, spec)
-
-    def _flush(self) -> None:
-        """Copy the last break's outputs into the buffers the model got, eagerly."""
-        with torch.no_grad():
-            for buf, o in self._pending:
-                buf.copy_(o)
-        self._pending.clear()
-
-    def _capture_key(self, size: int | None, key: tuple[Any, ...], args: tuple[Any, ...]) -> Entry:
-        assert self.pool is not None and self.device is not None
-        front = self._front
-        entry, env = self._stage(size, args)
-        self._capturing = size
-        leaves = env[: len(self._inputs)]
-        written = [(front._paths[i], leaves[i]) for i in self._tensors if self._inputs[i].written]
-        initial = copies(written, self.device, fix=BUILD_FIRST, what=WRITTEN_COPIES)
-        snapshot = self._snapshot
-
-        def reset() -> None:
-            if snapshot is not None:
-                snapshot.restore()
-            with torch.no_grad():
-                for t, init in initial:
-                    _compat.copy_back(t, init)
-
-        self._state_ptrs |= {leaves[i].untyped_storage().data_ptr() for i in self._tensors}
-        recorder = Recorder(leaves, front._paths, run=self._run_break)
-        reached: set[Any] = set()
-
-        def segmented(segments: Segments) -> contextlib.AbstractContextManager[Any]:
-            self._segments = segments
-            return intercept(front.fn, front._breaks, recorder, reached)
-
-        call_args, call_kwargs = front._unflatten(leaves)
-        fn = front.fn
-        if front._unpadded is not None and size is not None:  # (the first size: it pads)
-            def fn(*a: Any, **k: Any) -> Any:  # (the warm-ups run outside the segments)
-                out = front.fn(*a, **k)
-                return self._check_padding(size, out) if self._segments is not None else out
-            fn.__qualname__ = fn.__name__ = front.name
-        try:
-            captured = capture(
-                fn, call_args, call_kwargs, device=self.device, stream=self._stream,
-                pool=self.pool, config=self.config, warmup=not self._warm, snapshot=snapshot,
-                reset=reset, segmented=segmented,
-                diagnose_fn=outside_breaks(front.fn, front._breaks),
-                collectives=front.collectives is None,  # the first capture's are agreed on
-                effects=front._python, owner=front,  # (owner: fn differs at the first size)
-            )
-        finally:
-            self._segments = None
-            self._pending.clear()
-        self._warm = True
-        if front.collectives is None:
-            front.collectives, front._collective_log = captured.collectives, captured.collective_log
-        reset()  # the captured run ran the breaks (and replayed the segments) for real
-        same_path(front.name, front.breaks, recorder.calls, front._out_spec, captured.out, size)
-        segs = captured.graphs
-        self._graphs.extend(g for g in segs if g is not None)
-        self.stats.captures += sum(g is not None for g in segs)
-        self.stats.capture_seconds += captured.seconds
-        # What the breaks read in the pool is held without owning it: once this size is
-        # captured, the next one may use the same memory (each replay writes it before the
-        # break reads it), so the pool grows with the largest size, not with their number.
-        def held(v: Any) -> Any:
-            if isinstance(v, _Tensor) and v.is_cuda:
-                if v.untyped_storage().data_ptr() not in self._state_ptrs and self._pool_has(v):
-                    return _compat.weak_alias(v)
-            return v
-
-        graphs: list[PieceGraph | None] = []
-        for k, rec in enumerate(recorder.calls):
-            own = [held(v) for r, v in zip(rec.rules, rec.values) if r.leaf is None]
-            outputs = () if returns_nothing(rec) else rec.outputs
-            graphs += [PieceGraph(segs[k], own + [held(o) for o in outputs], []), None]
-        outs = _compat.tree_flatten(captured.out)[0]
-        graphs.append(PieceGraph(segs[-1], outs, []))
-        entry.graphs = graphs
-        entry.sources, pool_outs = self._sources(outs, leaves)
-        self._seal(entry, pool_outs)
-        self._entries[key] = entry
-        return entry
-
-    def _check_padding(self, size: int, out: Any) -> Any:
-        """At the end of the first capture's run (the sample padded to ``size``): end and replay
-        the last segment, and check the real rows of ``out`` (breaks/sized.py); returns it."""
-        front, segments = self._front, self._segments
-        assert segments is not None
-        unpadded, front._unpadded = front._unpadded, None
-        last = segments.cut()
-        self._flush()  # (the last break's outputs, which the last segment reads)
-        if last is not None:
-            front._python.before_replay()  # (what it will write into large Python state)
-            last.replay()
-        with front._python.eager_part("the padding check"):
-            self.stats.padding_check = check_padding(
-                front.name, unpadded, _compat.tree_flatten(out)[0], size, self._state_ptrs)
-        return out
-
-    def _sources(self, outs: list[Any], leaves: list[Any]) -> tuple[list[tuple[str, Any]], list[_Tensor]]:
-        """Where each output leaf of a replay comes from (see Entry.sources)."""
-        by_id = {id(v): i for i, v in enumerate(leaves) if not isinstance(v, (int, float, bool))}
-        buffers = {leaves[i].untyped_storage().data_ptr(): i for i in self._tensors}
-        sources: list[tuple[str, Any]] = []
-        pool_outs: list[_Tensor] = []
-        for j, v in enumerate(outs):
-            where = f"output {j} of '{self.name}'"
-            if id(v) in by_id:
-                sources.append(("input", by_id[id(v)]))
-            elif not isinstance(v, _Tensor):
-                sources.append(("const", v))
-            elif not v.is_cuda:
-                raise UnsupportedError(
-                    f"{where} is a CPU tensor made inside the model: a graph would return its "
-                    "value at capture every call. Make it in a break, or return it on the GPU"
-                )
-            elif v.untyped_storage().data_ptr() not in self._state_ptrs and self._pool_has(v):
-                sources.append(("pool", len(pool_outs)))
-                pool_outs.append(v)
-            elif v.untyped_storage().data_ptr() in buffers:
-                i = buffers[v.untyped_storage().data_ptr()]
-                raise UnsupportedError(
-                    f"{where} is a view of the argument {self._inputs[i].name}; a breakable graph "
-                    "returns the caller's argument itself but not a view of it: return a clone"
-                )
-            else:
-                sources.append(("const", v))  # module state (a cache buffer): returned as is
-        return sources, pool_outs
-
-    def _learn_output_dims(self) -> None:
-        """With sizes: which dimension of each output has the call's rows (sliced back to them)."""
-        if self.sizes is not None:
-            front = self._front
-            seen = [(front._sample_rows, front._sample_out)] + [
-                (e.size, [tuple(t.shape) if isinstance(t, _Tensor) else None for t in e.graphs[-1].out])
-                for e in self._entries.values() if e.graphs[-1] is not None]
-            self.program.output_dims = output_dims(seen, len(front._sample_out))
