@@ -36,13 +36,18 @@ class BreakableRuntime(PiecewiseRuntime):
 
     def __init__(self, front: Any, program: Program, **kwargs: Any) -> None:
         super().__init__(program, **kwargs)
-        self._front = weakref.proxy(front)  # (a cycle would leave both to a full collection)
+        self._front_ref = weakref.ref(front)  # (a cycle would leave both to a full collection)
         self._snapshot: StateSnapshot | None = None
         self._warm = False
         self._segments: Segments | None = None
         self._pending: list[tuple[_Tensor, _Tensor]] = []
         self._state_ptrs: set[int] = set()
         self._capturing: int | None = None
+
+    @property
+    def _front(self) -> Any:
+        """The breakable graph it serves (weakly held: the graph holds the runtime)."""
+        return self._front_ref()
 
     def prepare(self, args: tuple[Any, ...]) -> None:
         """Capture now (every size with ``sizes=``, else the sample's shapes)."""
