@@ -91,3 +91,12 @@ def test_no_cache_is_emptied_while_a_stream_captures(emptied, monkeypatch) -> No
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     gc.collect()
     assert emptied == [0] and not pool_module._empty_after_collection
+
+
+def test_a_forked_child_does_not_touch_its_parents_cuda(emptied, monkeypatch) -> None:
+    """A data loader's worker forked while the flag was set: torch marks CUDA uninitialized in
+    the child, whose collections must not call into the parent's CUDA context."""
+    pool_module._empty_after_collection = True
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    gc.collect()
+    assert emptied == [] and not pool_module._empty_after_collection

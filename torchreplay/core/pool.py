@@ -393,6 +393,9 @@ def _after_collection(phase: str, info: dict[str, int]) -> None:
     global _empty_after_collection
     if phase != "stop" or not _empty_after_collection:
         return
+    if not torch.cuda.is_initialized():  # a forked child (a data loader's worker): not its CUDA
+        _empty_after_collection = False
+        return
     with contextlib.suppress(Exception):
         if torch.cuda.is_current_stream_capturing():
             return
