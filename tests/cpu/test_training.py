@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import logging
 import math
+import weakref
 
 import pytest
 import torch
@@ -948,6 +949,7 @@ def _emulated_step_capture(fn, args, kwargs, *, device, stream, pool, config, gr
     step reads) and writes its outputs into the captured output tensors. The Python state the
     step changes is compared as capture() does."""
     step = fn.owner
+    owner = weakref.ref(step)  # (as a CUDA graph: the graph does not hold the step)
     n = config.num_warmup_iters if warmup else 0
     try:
         effects.start()
@@ -974,6 +976,7 @@ def _emulated_step_capture(fn, args, kwargs, *, device, stream, pool, config, gr
     leaves = _compat.tree_flatten(out)[0]
 
     def replay():
+        step = owner()
         for slot in step._lr_slots:
             slot.install()
         try:
@@ -1063,6 +1066,36 @@ def test_emulated_graph_step_n_steps_equal_n_eager_steps(emulated_step) -> None:
     for a, b in zip(model.buffers(), ref_model.buffers()):
         torch.testing.assert_close(a, b)
     assert step.stats.replays == 6
+
+
+def test_emulated_graph_step_is_freed_at_once_when_dropped(emulated_step) -> None:
+    """``del step`` frees a graph_step, its graph and (on a GPU) its pool's memory at once: no
+    reference cycle through it (its pool's finalizer, its state keeper, its optimizer hooks)
+    leaves it to Python's next full collection, or keeps it for good."""
+    import gc
+
+    model, opt = _make_training()
+
+    def train_step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    x, y = torch.randn(5, 6), torch.randn(5, 3)
+    step = tr.graph_step(train_step, x, y)
+    step(x, y)
+    assert step.stats.replays == 1
+    gone = weakref.ref(step)
+    gc.collect()
+    gc.disable()
+    try:
+        del step
+        assert gone() is None
+    finally:
+        gc.enable()
+    opt.step()  # the optimizer it adopted still steps on its own
 
 
 def test_emulated_graph_step_puts_back_what_warm_up_wrote_into_a_large_history(emulated_step) -> None:
