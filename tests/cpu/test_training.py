@@ -528,7 +528,8 @@ def _emulated_capture_pairs(runners, *, device, pool, config):
         if r._module is not None:
             external |= {id(b) for b in r._module.buffers()}
 
-        def run_on_static(r=r):
+        def run_on_static(runner=weakref.ref(r)):  # (weakly, as a CUDA graph holds nothing of it)
+            r = runner()
             leaves = [s.static if s.static is not None else s.value for s in r._inputs.slots]
             grad_in = []
             for k, i in enumerate(r._tensor_idx):
@@ -658,6 +659,38 @@ def test_emulated_call_under_a_dispatch_mode_runs_eagerly_and_then_replays(emula
         torch.testing.assert_close(a.grad, b.grad, msg=n)
     model(x).pow(2).sum().backward()
     assert model.forward.stats.replays == 1 and model.forward.stats.backward_replays == 1
+
+
+class _WithPlainTensor(nn.Module):
+    """A model whose forward reads a tensor held in a plain attribute (a RoPE table, say),
+    which the graph reads in place and checks by identity at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+        self.scale = torch.linspace(0.5, 1.5, 4)  # not a buffer: Python state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("make", [_mlp, _WithPlainTensor], ids=["parameters only", "a plain tensor attribute"])
+def test_emulated_a_dropped_model_and_its_graphs_are_freed(emulated, make) -> None:
+    """Once the model graphed by make_graphed_callables is gone, so are its graphed callable
+    and its graphs (at the collection that frees the model: the model and its ``forward`` hold
+    each other, as with torch's tool). The pool's finalizer held the pair, whose record of the
+    Python state the forward reads held the model's ``__dict__``: a model with a plain tensor
+    attribute was never freed."""
+    import gc
+
+    model = make()
+    tr.make_graphed_callables(model, (torch.randn(3, 6),))
+    model(torch.randn(3, 6)).pow(2).sum().backward()
+    assert model.forward.stats.replays == 1
+    gone, callable_gone = weakref.ref(model), weakref.ref(model.forward)
+    del model
+    gc.collect()
+    assert gone() is None and callable_gone() is None
 
 
 def test_emulated_steps_equal_eager_with_an_optimizer(emulated) -> None:

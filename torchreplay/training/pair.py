@@ -6,6 +6,7 @@ autograd (:class:`InputGrads`)."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -177,10 +178,18 @@ def capturing() -> bool:
 def retire_pair(outputs: Outputs, pair: Pair) -> Callable[[], None]:
     """What runs when a graphed callable is destroyed: handed-out outputs raise when read, and
     the capture's tensors in the pool are dropped so its memory can go back. A closure over
-    these two objects only: a bound method would keep the callable alive forever."""
+    the outputs and a weak reference to the pair only (the pool's finalizer holds it): a bound
+    method would keep the callable alive forever, and so did the pair, whose record of the
+    Python state the forward reads can hold the model's ``__dict__`` (a plain tensor
+    attribute), which holds the callable as its ``forward``. (A pair already gone, freed in
+    one collection with its callable, holds nothing any more.)"""
+    held = weakref.ref(pair)
 
     def retire() -> None:
         outputs.retire()
+        pair = held()
+        if pair is None:
+            return
         if pair.input_grads is not None:
             pair.input_grads.retire()
         pair.leaves = []
