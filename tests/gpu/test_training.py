@@ -618,6 +618,44 @@ def test_graphs_release_their_memory() -> None:
     assert reserved() <= base + 8 * 2**20
 
 
+class _Scaled(nn.Module):
+    """An MLP whose forward reads a tensor held in a plain attribute (a RoPE table, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = build_mlp(MLPConfig(depth=4, width=256), DEV)
+        self.scale = torch.rand(256, device=DEV) + 0.5  # not a buffer: Python state
+
+    def forward(self, x):
+        return self.mlp(x) * self.scale
+
+
+def test_a_dropped_model_reading_a_plain_tensor_attribute_releases_its_graphs() -> None:
+    """The pool's finalizer held the pair, whose record of the Python state the forward reads
+    held the model's ``__dict__`` and so the graphed forward: such a model, its graphs and its
+    pool were never freed."""
+    import weakref
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 256, device=DEV)
+    warm = _Scaled()
+    tr.make_graphed_callables(warm, (x,))
+    warm(x).sum().backward()
+    del warm
+    base = reserved()
+    for _ in range(3):
+        m = _Scaled()
+        ref = copy.deepcopy(m)
+        tr.make_graphed_callables(m, (x,))
+        for _ in range(3):
+            x = torch.randn(8, 256, device=DEV)
+            torch.testing.assert_close(m(x), ref(x))
+        gone = weakref.ref(m.forward)
+        del m, ref
+        assert reserved() <= base + 8 * 2**20
+        assert gone() is None
+
+
 class _Eager(nn.Module):
     """A break: runs eagerly between the graphed segments."""
 
