@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from memory import collector_off
 from torchreplay.config import GraphConfig
 from torchreplay.core.pool import Pool
 from torchreplay.pieces import capturing
@@ -167,13 +168,9 @@ def test_a_dropped_runtime_is_freed_at_once_without_a_collection(stand_ins) -> N
     rt = _forward_runtime(max_graphs=16)
     _grads_of_calls(rt, calls=2, steps=2)
     gone = weakref.ref(rt)
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_off():
         del rt
         assert gone() is None
-    finally:
-        gc.enable()
 
 
 def test_past_max_graphs_the_calls_run_ungraphed_and_are_counted(stand_ins) -> None:

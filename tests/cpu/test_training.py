@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 import torchreplay as tr
+from memory import collector_off
 from twin_steps import history_step
 from torchreplay import _compat
 from torchreplay.core.modes import GradFlags
@@ -1054,11 +1055,8 @@ def _make_training(seed=0, dropout=0.0):
     return model, opt
 
 
-def test_emulated_graph_step_n_steps_equal_n_eager_steps(emulated_step) -> None:
-    model, opt = _make_training(dropout=0.3)
-    ref_model, ref_opt = _make_training(dropout=0.3)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+def _sgd_step(model: nn.Module, opt: torch.optim.Optimizer):
+    """The training step people write: zero the gradients, a loss, backward, step."""
 
     def train_step(x, y):
         opt.zero_grad(set_to_none=True)
@@ -1067,6 +1065,15 @@ def test_emulated_graph_step_n_steps_equal_n_eager_steps(emulated_step) -> None:
         opt.step()
         return loss
 
+    return train_step
+
+
+def test_emulated_graph_step_n_steps_equal_n_eager_steps(emulated_step) -> None:
+    model, opt = _make_training(dropout=0.3)
+    ref_model, ref_opt = _make_training(dropout=0.3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+    train_step = _sgd_step(model, opt)
     x, y = torch.randn(5, 6), torch.randn(5, 3)
     for p in model.parameters():  # gradients left over from before: graphing keeps them
         p.grad = torch.full_like(p, 0.5)
@@ -1105,29 +1112,15 @@ def test_emulated_graph_step_is_freed_at_once_when_dropped(emulated_step) -> Non
     """``del step`` frees a graph_step, its graph and (on a GPU) its pool's memory at once: no
     reference cycle through it (its pool's finalizer, its state keeper, its optimizer hooks)
     leaves it to Python's next full collection, or keeps it for good."""
-    import gc
-
     model, opt = _make_training()
-
-    def train_step(x, y):
-        opt.zero_grad(set_to_none=True)
-        loss = ((model(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        return loss
-
     x, y = torch.randn(5, 6), torch.randn(5, 3)
-    step = tr.graph_step(train_step, x, y)
+    step = tr.graph_step(_sgd_step(model, opt), x, y)
     step(x, y)
     assert step.stats.replays == 1
     gone = weakref.ref(step)
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_off():
         del step
         assert gone() is None
-    finally:
-        gc.enable()
     opt.step()  # the optimizer it adopted still steps on its own
 
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torchreplay as tr
 
 import blocks
-from memory import reserved
+from memory import collector_off, reserved
 
 pytestmark = [
     pytest.mark.gpu,
@@ -204,13 +204,10 @@ def test_a_dropped_breakable_graph_goes_at_once_without_a_collection() -> None:
     pool = g.stats.pool_bytes
     assert pool > 0
     gone, rt = weakref.ref(g), weakref.ref(g.runtime)
-    gc.disable()
-    try:
+    with collector_off():
         del g
         assert gone() is None and rt() is None
         assert torch.cuda.memory_reserved() <= before - pool, (before, pool, torch.cuda.memory_reserved())
-    finally:
-        gc.enable()
 
 
 def trim(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
