@@ -556,11 +556,11 @@ from torchreplay._compat.distributed import (  # noqa: E402  (the torch.distribu
 
 __all__ += ["default_store", "dist_ready", "group_named", "group_of_arg", "group_ranks"]
 from torchreplay._compat.ops import (  # noqa: E402  (a custom op's kernel and schema, what compile made)
-    argument_kinds, compiled_module, compiled_target, custom_op_kernel, eval_frame_callback, higher_order, modes_active,
-    plain_value, static_address, without_dynamo_guard,
+    argument_kinds, call_untraced, compiled_module, compiled_target, custom_op_kernel, dynamo_tracing, eval_frame_callback,
+    higher_order, modes_active, plain_value, static_address, without_dynamo_guard,
 )
 
-__all__ += ["argument_kinds", "compiled_module", "compiled_target", "custom_op_kernel", "eval_frame_callback",
+__all__ += ["argument_kinds", "call_untraced", "dynamo_tracing", "compiled_module", "compiled_target", "custom_op_kernel", "eval_frame_callback",
             "higher_order", "modes_active", "plain_value", "static_address", "without_dynamo_guard"]
 from torchreplay._compat.shapes import (  # noqa: E402  (Dynamo's symbolic shapes and graph inputs)
     adopt_scalar_fakes, backed_size_oblivious, dynamo_restart, dynamo_source_name, fake_mode_of, fresh_unbacked_ignored,

@@ -10,6 +10,7 @@ import torch
 __all__ = [
     "custom_op_kernel", "argument_kinds", "plain_value", "modes_active", "without_dynamo_guard",
     "eval_frame_callback", "compiled_target", "compiled_module", "static_address", "higher_order",
+    "dynamo_tracing", "call_untraced",
 ]
 
 # Python types the dispatcher hands a custom op's kernel unchanged, per schema type: an argument
@@ -122,6 +123,28 @@ def without_dynamo_guard(kernel: Callable[..., Any]) -> Callable[..., Any] | Non
     if _DYNAMO_GUARD_CODE is None or code is not _DYNAMO_GUARD_CODE or not callable(inner):
         return None
     return inner
+
+
+#: ``torch.compiler.is_dynamo_compiling`` (public, torch >= 2.3): False when called, True where
+#: Dynamo traces the call (it folds the function to a constant). 30 ns: the first test of every
+#: replay. A torch without it: False (Dynamo then traces into the call, as before).
+dynamo_tracing: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)
+
+
+def _call(obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return obj(*args, **kwargs)
+
+
+_call.__name__ = _call.__qualname__ = "torchreplay_call_outside_torch_compile"
+#: ``call_untraced(obj, args, kwargs)``: ``obj(*args, **kwargs)``, where Dynamo never traces.
+#: Code that torch.compile traces makes it a graph break and runs it as eager code does (with
+#: Dynamo off inside). ``torch._disable_dynamo`` (private, torch >= 2.1) imports Dynamo at the
+#: first call, not here (1 s). A graphed callable that code compiled with torch.compile calls
+#: goes through it: Dynamo traced our replay path otherwise, breaking in it and compiling it
+#: again at every call.
+call_untraced: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] = (
+    torch._disable_dynamo(_call) if hasattr(torch, "_disable_dynamo") else _call
+)
 
 
 def _no_eval_frame_getter() -> Any:  # pragma: no cover - old torch

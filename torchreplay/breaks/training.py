@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 _Tensor = torch.Tensor
 _Handles = _compat.hook_handles_made  # its next_id counts every hook handle torch made
 _dispatch_modes = _compat.dispatch_modes
+_dynamo_tracing = _compat.dynamo_tracing
+_call_untraced = _compat.call_untraced
 _any_autocast = _compat.any_autocast
 _cuda_autocast = _compat.cuda_autocast
 
@@ -98,6 +100,8 @@ class BreakTraining:
         self._plain = _compat.tree_flatten(((0,) * n, {}))[1] == program.spec
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _dynamo_tracing():  # called from code torch.compile traces: run outside it
+            return _call_untraced(self, args, kwargs)
         prog = self._program
         if self._model.training != self._training:
             return self._fallback(args, kwargs, TRAIN_MODE)

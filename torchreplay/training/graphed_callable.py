@@ -69,6 +69,8 @@ _Tensor = torch.Tensor
 _any_autocast = _compat.any_autocast
 _cuda_autocast = _compat.cuda_autocast
 _dispatch_modes = _compat.dispatch_modes
+_dynamo_tracing = _compat.dynamo_tracing
+_call_untraced = _compat.call_untraced
 
 
 class GraphedCallable:
@@ -310,6 +312,8 @@ class GraphedCallable:
     # -- replay ----------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _dynamo_tracing():  # called from code torch.compile traces: run outside it
+            return _call_untraced(self, args, kwargs)
         module, hooks = self._module, self._hooks
         why = TRAIN_MODE if module is not None and module.training != self._training else None
         if why is None and _dispatch_modes():  # a tracer, FlopCounterMode: they see each op
