@@ -1,0 +1,98 @@
+"""``copy.deepcopy`` and ``pickle`` of graphed callables (core/copying.py), through the emulated
+captures of test_buckets and test_training: a deep copy is the eager copy (its own weights, never
+the original's graphs), a module whose forward was graphed pickles as the eager module, and what
+has no eager form to save raises ``UnsupportedError``."""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import torchreplay as tr
+from torchreplay.errors import UnsupportedError
+from torchreplay.training import callables as training
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    import test_buckets
+    import test_training
+
+    test_buckets.install_cpu_graphs(monkeypatch.setattr)
+    monkeypatch.setattr(training, "_capture_pairs", test_training._emulated_capture_pairs)
+    monkeypatch.setattr(training, "infer_device", lambda fn, call, device=None: torch.device("cpu"))
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+
+
+def test_a_deep_copy_of_a_model_graphed_for_training_runs_its_own_weights_eagerly(graphs, caplog) -> None:
+    """timm's ModelEmaV2 deep-copies the model: with torch's tool the copy keeps the original's
+    graphed forward and evaluates the live weights, silently."""
+    model = _mlp()
+    tr.make_graphed_callables(model, (torch.randn(3, 6),))
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        ema = copy.deepcopy(model)
+        copy.deepcopy(model)
+    assert [r.getMessage() for r in caplog.records if "copy.deepcopy" in r.getMessage()] == [
+        "torchreplay: copy.deepcopy of 'Sequential': the copy runs eagerly (a CUDA graph replays "
+        "the memory of the original, its weights included). Graph the copy to have it graphed"
+    ]
+    assert not isinstance(ema.forward, tr.GraphedCallable) and ema.forward.__self__ is ema
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.mul_(0.5)
+    x = torch.randn(3, 6)
+    want = nn.Sequential(*ema)(x)  # the copy's own layers, run as a fresh module
+    torch.testing.assert_close(ema(x), want)
+    assert not torch.allclose(ema(x), model(x))
+    replays = model.forward.stats.replays
+    model(x).sum().backward()  # the original stays graphed
+    assert model.forward.stats.replays == replays + 1
+
+
+def test_a_model_graphed_for_training_pickles_as_the_eager_model(graphs) -> None:
+    model = _mlp()
+    tr.make_graphed_callables(model, (torch.randn(3, 6),))
+    assert b"torchreplay" not in pickle.dumps(model)  # loads where torchreplay is not installed
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    x = torch.randn(3, 6)
+    assert not isinstance(loaded.forward, tr.GraphedCallable)
+    torch.testing.assert_close(loaded(x), model(x))
+
+
+def test_a_forward_replaced_by_tr_graph_copies_and_pickles_as_the_eager_forward(graphs) -> None:
+    model = _mlp().eval()
+    model.forward = tr.graph(model.forward, torch.randn(3, 6))
+    ema = copy.deepcopy(model)
+    assert ema.forward.__self__ is ema
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(ema(x), model(x))
+        torch.testing.assert_close(pickle.loads(pickle.dumps(model))(x), model(x))
+    assert model.forward.stats.replays == 2
+
+
+@pytest.mark.parametrize("sizes", [None, [4, 8]], ids=["one_shape", "sizes"])
+def test_a_graph_deep_copies_as_its_eager_callable_and_refuses_pickle(graphs, sizes) -> None:
+    model = _mlp().eval()
+    g = tr.graph(model, torch.randn(4, 6), sizes=sizes)
+    assert copy.copy(g) is g
+    twin = copy.deepcopy(g)
+    assert isinstance(twin, nn.Sequential) and twin is not model
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), g(x))
+    with pytest.raises(UnsupportedError, match=r"'Sequential' \((Graphed|BucketedGraph)\) cannot be pickled.*state_dict"):
+        pickle.dumps(g)

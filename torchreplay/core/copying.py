@@ -1,0 +1,65 @@
+"""What ``copy.deepcopy`` and ``pickle`` make of a graphed callable.
+
+A CUDA graph replays into the memory it was captured with: it cannot be copied, and a copy that
+shared it would run the original's weights. (torch's ``make_graphed_callables`` does that: the
+deep copy of a module keeps the original's graphed forward, so ``ema = copy.deepcopy(model)``
+silently evaluates the live model.) Ours:
+
+- a deep copy of a graphed callable is the copy of the eager callable it stands for: a module's
+  forward bound to the module's copy, so ``copy.deepcopy(model)`` after
+  ``tr.make_graphed_callables(model, ...)`` (timm's ``ModelEmaV2``, a teacher model) is an eager
+  model with its own weights; one warning per graph says the copy runs eagerly;
+- pickled (``torch.save(model)``), a module's graphed forward is saved as that module's own
+  forward: the file loads as the eager model, without torchreplay installed;
+- a shallow copy (``copy.copy``) is the graph itself, as a shallow copy of the module shares it;
+- anything else that has no eager form to save raises :class:`UnsupportedError` naming the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import types
+from typing import Any
+
+import torch
+
+from torchreplay.errors import UnsupportedError
+
+__all__ = ["CopiedEagerly"]
+
+log = logging.getLogger(__name__)
+
+
+class CopiedEagerly:
+    """Mixin of every graphed callable: ``_eager_attr`` names the attribute that holds the eager
+    callable it stands for (the function or module graphed, a module's own forward)."""
+
+    _eager_attr = "fn"
+    _copy_warned = False
+
+    def __copy__(self) -> Any:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        eager = getattr(self, self._eager_attr)
+        if not self._copy_warned:
+            self._copy_warned = True
+            log.warning(
+                "torchreplay: copy.deepcopy of '%s': the copy runs eagerly (a CUDA graph replays "
+                "the memory of the original, its weights included). Graph the copy to have it "
+                "graphed", getattr(self, "name", type(self).__name__))
+        return copy.deepcopy(eager, memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        eager = getattr(self, self._eager_attr)
+        owner = getattr(eager, "__self__", None)
+        if isinstance(eager, types.MethodType) and isinstance(owner, torch.nn.Module):
+            # (what a bound method pickles as: no torchreplay needed to load it)
+            return getattr, (owner, eager.__func__.__name__)
+        raise UnsupportedError(
+            f"'{getattr(self, 'name', type(self).__name__)}' ({type(self).__name__}) cannot be "
+            "pickled: its CUDA graphs live in this process's memory. Save what was graphed "
+            "instead (the model, or its state_dict()) and graph it again after loading; a "
+            "module whose forward tr.make_graphed_callables replaced pickles as the eager model"
+        )
