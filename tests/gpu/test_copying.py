@@ -1,0 +1,74 @@
+"""``copy.deepcopy`` and ``torch.save`` of models graphed on a real GPU (core/copying.py): an EMA
+copy of a model graphed for training computes with its own weights, eagerly; the original keeps
+replaying its graphs; a saved model loads as the eager model. Each against eager, fresh inputs."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchreplay as tr
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+DEV = "cuda"
+CLOSE = {"rtol": 1e-5, "atol": 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def full_fp32_matmul():
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)).to(DEV)
+
+
+def test_an_ema_copy_of_a_model_graphed_for_training_uses_its_own_weights() -> None:
+    model, ref = mlp(), mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    tr.make_graphed_callables(model, (torch.randn(16, 32, device=DEV),))
+    ema = copy.deepcopy(model)
+    ema_ref = copy.deepcopy(ref)
+    for _ in range(6):
+        x = torch.randn(16, 32, device=DEV)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+        with torch.no_grad():
+            for e, m in ((ema, model), (ema_ref, ref)):
+                for pe, pm in zip(e.parameters(), m.parameters()):
+                    pe.mul_(0.9).add_(pm, alpha=0.1)
+        x = torch.randn(16, 32, device=DEV)
+        with torch.no_grad():
+            torch.testing.assert_close(ema(x), ema_ref(x), **CLOSE)
+            torch.testing.assert_close(model(x), ref(x), **CLOSE)
+            assert not torch.allclose(ema(x), model(x))
+    assert model.forward.stats.replays == 18 and model.forward.stats.fallbacks == 0
+
+
+def test_a_model_graphed_for_training_saves_and_loads_as_the_eager_model() -> None:
+    model = mlp()
+    tr.make_graphed_callables(model, (torch.randn(16, 32, device=DEV),))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert not isinstance(loaded.forward, tr.GraphedCallable)
+    for _ in range(4):
+        x = torch.randn(16, 32, device=DEV)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x), model(x), **CLOSE)
