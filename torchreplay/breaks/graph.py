@@ -36,7 +36,7 @@ from torchreplay import _compat
 from torchreplay.config import RANKS, BucketConfig, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
 from torchreplay.core.capture import on_side_stream, side_stream
-from torchreplay.core.copying import CopiedEagerly
+from torchreplay.core.eager_form import EagerForm
 from torchreplay.core.snapshot import BUILD_FIRST, SAMPLE_COPIES, StateSnapshot, copies
 from torchreplay.core.effects import PyState
 from torchreplay.core.modes import GRAD, EagerCalls, tracked_leaf
@@ -87,7 +87,7 @@ def _no_segment(*_: Any) -> Sequence[Any]:
     raise AssertionError("a segment of a breakable graph has no code of its own to run")
 
 
-class BreakableGraph(CopiedEagerly):
+class BreakableGraph(EagerForm):
     """A callable captured as CUDA graph segments around the calls named in ``breaks=``.
 
     Built by ``tr.graph(fn, *sample_args, breaks=[...])`` (see :func:`torchreplay.graph` for the

@@ -23,7 +23,7 @@ from torchreplay.breaks.functions import function_calls
 from torchreplay.breaks.plan import resolve_breaks
 from torchreplay.breaks.program import Call, Program, Rebound, Ref, Segment, observe, record
 from torchreplay.core.args import CallArgs, infer_device
-from torchreplay.core.copying import CopiedEagerly
+from torchreplay.core.eager_form import EagerForm
 from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import resolve_config, resolve_pool
 from torchreplay.core.modes import AUTOCAST, DISPATCH_MODE, HOOKS, REQUIRES_GRAD, TRAIN_MODE
@@ -49,7 +49,7 @@ _any_autocast = _compat.any_autocast
 _cuda_autocast = _compat.cuda_autocast
 
 
-class BreakTraining(CopiedEagerly):
+class BreakTraining(EagerForm):
     """A model's ``forward`` after ``make_graphed_callables(model, ..., breaks=...)``: its
     segments replayed (each its forward graph and an autograd node whose backward replays its
     backward graph), its breaks called eagerly between them.
@@ -59,7 +59,7 @@ class BreakTraining(CopiedEagerly):
         stats: calls and eager fallbacks of the whole forward (each segment keeps its own).
     """
 
-    _eager_attr = "_original"  # (core/copying.py: what a deep copy or a pickle becomes)
+    _eager_attr = "_original"  # (core/eager_form.py: what a deep copy or a pickle becomes)
 
     def __init__(
         self, model: nn.Module, program: Program, runners: list[GraphedCallable], original: Any,

@@ -12,7 +12,7 @@ from torchreplay import _compat
 from torchreplay.config import RANKS, SAFE, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
 from torchreplay.core.capture import capture, side_stream
-from torchreplay.core.copying import CopiedEagerly
+from torchreplay.core.eager_form import EagerForm
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.effects import PyState
 from torchreplay.core.io import Inputs
@@ -45,7 +45,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class Graphed(CopiedEagerly):
+class Graphed(EagerForm):
     """A callable captured as one CUDA graph for one set of argument shapes.
 
     Calling it checks the arguments against the capture (:class:`~torchreplay.ReplayInputError`

@@ -27,7 +27,7 @@ from torchreplay import _compat
 from torchreplay.config import RANKS, SAFE, BucketConfig, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
 from torchreplay.core.capture import capture, progress, side_stream
-from torchreplay.core.copying import CopiedEagerly
+from torchreplay.core.eager_form import EagerForm
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.effects import PyState
 from torchreplay.core.io import Inputs, same_constant, warn_widening, widens, write_back
@@ -61,7 +61,7 @@ _copy_untracked = _compat.foreach_copy_untracked
 _TRACKED = object()  # _replay: the call must record autograd, so it runs eagerly
 
 
-class BucketedGraph(CopiedEagerly):
+class BucketedGraph(EagerForm):
     """A callable captured as one CUDA graph per size, with calls padded to the next size.
 
     A call of size ``n`` (the length of its varying dimensions) replays the graph of the smallest

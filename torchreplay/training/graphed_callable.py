@@ -43,7 +43,7 @@ from torchreplay import _compat
 from torchreplay.config import RANKS, GraphConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, owning_module
 from torchreplay.core.capture import warn_mode_changed
-from torchreplay.core.copying import CopiedEagerly
+from torchreplay.core.eager_form import EagerForm
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core import modes
 from torchreplay.core.modes import HOOKS, TRAIN_MODE, GradFlags, Hooks, warn_hooks_changed
@@ -74,7 +74,7 @@ _dynamo_tracing = _compat.dynamo_tracing
 _call_untraced = _compat.call_untraced
 
 
-class GraphedCallable(CopiedEagerly):
+class GraphedCallable(EagerForm):
     """One callable of :func:`make_graphed_callables`: forward and backward graphs.
 
     Calling it (or the module whose ``forward`` it replaced) replays the forward graph and
@@ -86,7 +86,7 @@ class GraphedCallable(CopiedEagerly):
         pool: the memory pool the graphs live in.
     """
 
-    _eager_attr = "_run_fn"  # (core/copying.py: what a deep copy or a pickle becomes)
+    _eager_attr = "_run_fn"  # (core/eager_form.py: what a deep copy or a pickle becomes)
 
     def __init__(
         self,

@@ -40,7 +40,7 @@ from torchreplay import _compat
 from torchreplay.config import RANKS, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, fn_name, owning_module
 from torchreplay.core.capture import capture, side_stream
-from torchreplay.core.copying import CopiedEagerly
+from torchreplay.core.eager_form import EagerForm
 from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
 from torchreplay.core.io import Inputs
@@ -84,7 +84,7 @@ _call_untraced = _compat.call_untraced
 # -- the graphed step ----------------------------------------------------------------------------
 
 
-class GraphedStep(CopiedEagerly):
+class GraphedStep(EagerForm):
     """A training iteration captured as one CUDA graph; call it like ``step_fn``.
 
     Build it with :func:`torchreplay.graph_step`.

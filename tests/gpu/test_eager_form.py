@@ -1,4 +1,4 @@
-"""``copy.deepcopy`` and ``torch.save`` of models graphed on a real GPU (core/copying.py): an EMA
+"""``copy.deepcopy`` and ``torch.save`` of models graphed on a real GPU (core/eager_form.py): an EMA
 copy of a model graphed for training computes with its own weights, eagerly; the original keeps
 replaying its graphs; a saved model loads as the eager model. Each against eager, fresh inputs."""
 

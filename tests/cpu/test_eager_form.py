@@ -1,11 +1,13 @@
-"""``copy.deepcopy`` and ``pickle`` of graphed callables (core/copying.py), through the emulated
-captures of test_buckets and test_training: a deep copy is the eager copy (its own weights, never
-the original's graphs), a module whose forward was graphed pickles as the eager module, and what
-has no eager form to save raises ``UnsupportedError``."""
+"""``copy.deepcopy``, ``pickle`` and ``inspect.signature`` of graphed callables
+(core/eager_form.py), through the emulated captures of test_buckets and test_training: a deep
+copy is the eager copy (its own weights, never the original's graphs), a module whose forward was
+graphed pickles as the eager module, what has no eager form to save raises ``UnsupportedError``,
+and the signature is the eager callable's."""
 
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import logging
 import pickle
@@ -96,3 +98,31 @@ def test_a_graph_deep_copies_as_its_eager_callable_and_refuses_pickle(graphs, si
         torch.testing.assert_close(twin(x), g(x))
     with pytest.raises(UnsupportedError, match=r"'Sequential' \((Graphed|BucketedGraph)\) cannot be pickled.*state_dict"):
         pickle.dumps(g)
+
+
+class Named(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, input_ids, attention_mask=None, *, scale: float = 2.0):
+        return self.lin(input_ids) * scale
+
+
+def test_a_graphed_callable_has_the_eager_signature(graphs) -> None:
+    """Hugging Face's Trainer keeps only the dataset columns ``inspect.signature(model.forward)``
+    names (every column dropped for ``(*args, **kwargs)``: "No columns in the dataset match");
+    ``generate`` passes ``cache_position`` only to a forward that names it."""
+    want = inspect.signature(Named().forward)
+    model = Named()
+    tr.make_graphed_callables(model, (torch.randn(2, 4),))
+    assert isinstance(model.forward, tr.GraphedCallable)
+    assert inspect.signature(model.forward) == want
+    eval_model = Named().eval()
+    for g in (tr.graph(eval_model, torch.randn(2, 4)), tr.graph(eval_model.forward, torch.randn(2, 4)),
+              tr.graph(eval_model, torch.randn(2, 4), sizes=[2, 4])):
+        assert inspect.signature(g) == want, type(g).__name__
+    step = tr.graph(lambda x, y=1: x * y, torch.randn(2, 4))
+    assert list(inspect.signature(step).parameters) == ["x", "y"]
+    # the classes themselves keep their constructors' signatures
+    assert "fn" in inspect.signature(tr.GraphedCallable).parameters

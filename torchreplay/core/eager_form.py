@@ -1,4 +1,4 @@
-"""What ``copy.deepcopy`` and ``pickle`` make of a graphed callable.
+"""What ``copy.deepcopy``, ``pickle`` and ``inspect.signature`` make of a graphed callable.
 
 A CUDA graph replays into the memory it was captured with: it cannot be copied, and a copy that
 shared it would run the original's weights. (torch's ``make_graphed_callables`` does that: the
@@ -12,12 +12,17 @@ silently evaluates the live model.) Ours:
 - pickled (``torch.save(model)``), a module's graphed forward is saved as that module's own
   forward: the file loads as the eager model, without torchreplay installed;
 - a shallow copy (``copy.copy``) is the graph itself, as a shallow copy of the module shares it;
-- anything else that has no eager form to save raises :class:`UnsupportedError` naming the fix.
+- anything else that has no eager form to save raises :class:`UnsupportedError` naming the fix;
+- its signature is the eager callable's (a module's: its forward's): code that reads which
+  arguments a forward takes (Hugging Face's ``Trainer`` drops the dataset columns the forward
+  does not name, ``generate`` passes ``cache_position`` only if it does) sees the model's, not
+  ``(*args, **kwargs)``.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import types
 from typing import Any
@@ -26,17 +31,36 @@ import torch
 
 from torchreplay.errors import UnsupportedError
 
-__all__ = ["CopiedEagerly"]
+__all__ = ["EagerForm"]
 
 log = logging.getLogger(__name__)
 
 
-class CopiedEagerly:
+class _EagerSignature:
+    """``__signature__`` of a graphed callable: the eager callable's, read at the first look and
+    kept (None on the class, and where the eager callable has none: inspect's default then)."""
+
+    def __get__(self, obj: Any, cls: Any = None) -> inspect.Signature | None:
+        if obj is None:
+            return None
+        eager = getattr(obj, obj._eager_attr)
+        if isinstance(eager, torch.nn.Module):
+            eager = eager.forward
+        try:
+            sig: inspect.Signature | None = inspect.signature(eager) if eager is not obj else None
+        except (TypeError, ValueError):
+            sig = None
+        obj.__dict__["__signature__"] = sig
+        return sig
+
+
+class EagerForm:
     """Mixin of every graphed callable: ``_eager_attr`` names the attribute that holds the eager
     callable it stands for (the function or module graphed, a module's own forward)."""
 
     _eager_attr = "fn"
     _copy_warned = False
+    __signature__ = _EagerSignature()
 
     def __copy__(self) -> Any:
         return self
