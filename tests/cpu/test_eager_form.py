@@ -126,3 +126,44 @@ def test_a_graphed_callable_has_the_eager_signature(graphs) -> None:
     assert list(inspect.signature(step).parameters) == ["x", "y"]
     # the classes themselves keep their constructors' signatures
     assert "fn" in inspect.signature(tr.GraphedCallable).parameters
+
+
+def test_hugging_face_trainer_trains_a_model_graphed_for_training(graphs, tmp_path) -> None:
+    """The Trainer keeps the dataset columns the graphed forward names and trains through its
+    graphs (with ``(*args, **kwargs)`` as the signature it dropped ``input_ids``). The sample
+    holds what the Trainer passes: ``num_items_in_batch`` (a float tensor) to a forward that takes
+    ``**kwargs``."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    cfg = transformers.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(cfg)
+    ref = copy.deepcopy(model)
+    sample = {"input_ids": torch.randint(0, 100, (4, 8)), "attention_mask": torch.ones(4, 8, dtype=torch.long),
+              "labels": torch.zeros(4, dtype=torch.long), "num_items_in_batch": torch.tensor(4.0)}
+    tr.make_graphed_callables(model, (), sample_kwargs=sample)
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 16
+
+        def __getitem__(self, i: int) -> dict:
+            g = torch.Generator().manual_seed(i)
+            return {"input_ids": torch.randint(0, 100, (8,), generator=g), "attention_mask": torch.ones(8, dtype=torch.long),
+                    "labels": torch.tensor(i % 2), "note": "a column the forward does not take"}
+
+    def train(m: nn.Module) -> float:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4, report_to=[], use_cpu=True,
+            save_strategy="no", seed=0, data_seed=0,
+        )
+        return transformers.Trainer(model=m, args=args, train_dataset=Rows()).train().training_loss
+
+    loss = train(model)
+    assert loss == pytest.approx(train(ref), rel=1e-5)
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, msg=n)
+    assert model.forward.stats.replays == 4 and model.forward.stats.backward_replays == 4
