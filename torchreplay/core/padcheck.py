@@ -297,11 +297,16 @@ def fingerprint(t: _Tensor) -> _Tensor | None:
         _weights[(width, t.device)] = weights
     out = torch.empty(rows.shape[0], _PROJECTIONS + 1, device=t.device)
     step = max(1, _CHUNK // 4 // width)  # (a million elements: 8 MiB of temporaries)
+    floating = t.is_floating_point()  # (a float16 row is read as float32 by the ops themselves)
     for i in range(0, rows.shape[0], step):
-        chunk = rows[i:i + step].float()
-        # (no GEMM: no cuBLAS workspace for the side stream, 32 MiB on an H100)
-        out[i:i + step, :_PROJECTIONS] = torch.sum(chunk[:, :, None] * weights, dim=1)
-        out[i:i + step, _PROJECTIONS] = torch.linalg.vector_norm(chunk, dim=1).square()
+        chunk = rows[i:i + step] if floating else rows[i:i + step].float()
+        # Four launches a chunk, into ``out`` itself: a KV cache of a 32-size build takes 96
+        # fingerprints of eight chunks. (No GEMM: no cuBLAS workspace for the side stream, 32
+        # MiB on an H100.)
+        torch.sum(chunk[:, :, None] * weights, dim=1, out=out[i:i + step, :_PROJECTIONS])
+        norms = out[i:i + step, _PROJECTIONS]
+        torch.linalg.vector_norm(chunk, dim=1, dtype=torch.float32, out=norms)
+        norms.square_()
     setattr(out, _FINGER, True)
     return out
 
