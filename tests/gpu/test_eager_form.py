@@ -16,18 +16,11 @@ import torchreplay as tr
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("full_fp32_matmul"),
 ]
 
 DEV = "cuda"
 CLOSE = {"rtol": 1e-5, "atol": 1e-5}
-
-
-@pytest.fixture(autouse=True)
-def full_fp32_matmul():
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def mlp() -> nn.Module:

@@ -21,14 +21,12 @@ CLOSE = {"rtol": 1e-4, "atol": 1e-4}
 
 
 @pytest.fixture(autouse=True)
-def dynamo_counted(fresh_dynamo):
+def dynamo_counted(fresh_dynamo, full_fp32_matmul):
+    """Dynamo's counters, cleared (with its caches: fresh_dynamo)."""
     from torch._dynamo.utils import counters
 
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
     counters.clear()
-    yield counters
-    torch.backends.cuda.matmul.allow_tf32 = before
+    return counters
 
 
 def _frames(counters) -> int:
