@@ -62,7 +62,6 @@ __all__ = ["BreakableGraph"]
 
 log = logging.getLogger(__name__)
 _dynamo_tracing = _compat.dynamo_tracing
-_call_untraced = _compat.call_untraced
 
 _Tensor = torch.Tensor
 _LEAF = _compat.tree_flatten(0)[1]
@@ -300,7 +299,7 @@ class BreakableGraph(EagerForm):
     # ------------------------------------------------------------------ the call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _dynamo_tracing():  # called from code torch.compile traces: run outside it
-            return _call_untraced(self, args, kwargs)
+            return _compat.call_untraced(self, args, kwargs)
         if self._only_args and not kwargs and len(args) == self._nargs:
             leaves: Sequence[Any] = args
         else:

@@ -44,7 +44,6 @@ _Tensor = torch.Tensor
 _Handles = _compat.hook_handles_made  # its next_id counts every hook handle torch made
 _dispatch_modes = _compat.dispatch_modes
 _dynamo_tracing = _compat.dynamo_tracing
-_call_untraced = _compat.call_untraced
 _any_autocast = _compat.any_autocast
 _cuda_autocast = _compat.cuda_autocast
 
@@ -59,7 +58,7 @@ class BreakTraining(EagerForm):
         stats: calls and eager fallbacks of the whole forward (each segment keeps its own).
     """
 
-    _eager_attr = "_original"  # (core/eager_form.py: what a deep copy or a pickle becomes)
+    _eager_attr = "_original"  # (core/eager_form.py: what copies, pickles and inspect see)
 
     def __init__(
         self, model: nn.Module, program: Program, runners: list[GraphedCallable], original: Any,
@@ -104,7 +103,7 @@ class BreakTraining(EagerForm):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _dynamo_tracing():  # called from code torch.compile traces: run outside it
-            return _call_untraced(self, args, kwargs)
+            return _compat.call_untraced(self, args, kwargs)
         prog = self._program
         if self._model.training != self._training:
             return self._fallback(args, kwargs, TRAIN_MODE)

@@ -34,7 +34,6 @@ _any_autocast = _compat.any_autocast
 _cuda_autocast = _compat.cuda_autocast
 _dispatch_modes = _compat.dispatch_modes
 _dynamo_tracing = _compat.dynamo_tracing
-_call_untraced = _compat.call_untraced
 _Handles = _compat.hook_handles_made  # its next_id counts every hook handle torch made
 
 __all__ = [
@@ -160,7 +159,7 @@ class Graphed(EagerForm):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _dynamo_tracing():  # called from code torch.compile traces: run outside it
-            return _call_untraced(self, args, kwargs)
+            return _compat.call_untraced(self, args, kwargs)
         module = self._module
         eager = self._eager  # core/modes.py: what a replay cannot do as eager does
         why = None

@@ -55,7 +55,6 @@ log = logging.getLogger(__name__)
 _Tensor = torch.Tensor
 _grad_enabled = torch.is_grad_enabled
 _dynamo_tracing = _compat.dynamo_tracing
-_call_untraced = _compat.call_untraced
 _foreach_copy = _compat.foreach_copy_
 _copy_untracked = _compat.foreach_copy_untracked
 _TRACKED = object()  # _replay: the call must record autograd, so it runs eagerly
@@ -299,7 +298,7 @@ class BucketedGraph(EagerForm):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _dynamo_tracing():  # called from code torch.compile traces: run outside it
-            return _call_untraced(self, args, kwargs)
+            return _compat.call_untraced(self, args, kwargs)
         module = self._module
         placed = self._placed  # the model moved, or weights or submodules replaced
         if placed is not None and (

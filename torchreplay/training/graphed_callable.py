@@ -71,7 +71,6 @@ _any_autocast = _compat.any_autocast
 _cuda_autocast = _compat.cuda_autocast
 _dispatch_modes = _compat.dispatch_modes
 _dynamo_tracing = _compat.dynamo_tracing
-_call_untraced = _compat.call_untraced
 
 
 class GraphedCallable(EagerForm):
@@ -86,7 +85,7 @@ class GraphedCallable(EagerForm):
         pool: the memory pool the graphs live in.
     """
 
-    _eager_attr = "_run_fn"  # (core/eager_form.py: what a deep copy or a pickle becomes)
+    _eager_attr = "_run_fn"  # (core/eager_form.py: what copies, pickles and inspect see)
 
     def __init__(
         self,
@@ -316,7 +315,7 @@ class GraphedCallable(EagerForm):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _dynamo_tracing():  # called from code torch.compile traces: run outside it
-            return _call_untraced(self, args, kwargs)
+            return _compat.call_untraced(self, args, kwargs)
         module, hooks = self._module, self._hooks
         why = TRAIN_MODE if module is not None and module.training != self._training else None
         if why is None and _dispatch_modes():  # a tracer, FlopCounterMode: they see each op

@@ -78,7 +78,6 @@ _Handles = _compat.hook_handles_made  # its next_id counts every hook handle tor
 _Tensor = torch.Tensor
 _grad_enabled = torch.is_grad_enabled
 _dynamo_tracing = _compat.dynamo_tracing
-_call_untraced = _compat.call_untraced
 
 
 # -- the graphed step ----------------------------------------------------------------------------
@@ -346,7 +345,7 @@ class GraphedStep(EagerForm):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _dynamo_tracing():  # called from code torch.compile traces: run outside it
-            return _call_untraced(self, args, kwargs)
+            return _compat.call_untraced(self, args, kwargs)
         fallback = False
         for module, training in self._modes:  # a loop, not any(): no generator per call
             if module.training != training:
