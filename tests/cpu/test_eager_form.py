@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import torchreplay as tr
+from hf_trainer import train_graphed_and_eager
 from torchreplay.errors import UnsupportedError
 from torchreplay.training import callables as training
 
@@ -133,43 +134,9 @@ def test_hugging_face_trainer_trains_a_model_graphed_for_training(graphs, tmp_pa
     graphs (with ``(*args, **kwargs)`` as the signature it dropped ``input_ids``). The sample
     holds what the Trainer passes to a forward that takes ``**kwargs`` (``num_items_in_batch``), as
     seen in the eager model's run."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-    cfg = transformers.BertConfig(
-        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )
-    torch.manual_seed(0)
-    model = transformers.BertForSequenceClassification(cfg)
-    ref = copy.deepcopy(model)
-    sample = {"input_ids": torch.randint(0, 100, (4, 8)), "attention_mask": torch.ones(4, 8, dtype=torch.long),
-              "labels": torch.zeros(4, dtype=torch.long)}
-
-    class Rows(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return 16
-
-        def __getitem__(self, i: int) -> dict:
-            g = torch.Generator().manual_seed(i)
-            return {"input_ids": torch.randint(0, 100, (8,), generator=g), "attention_mask": torch.ones(8, dtype=torch.long),
-                    "labels": torch.tensor(i % 2), "note": "a column the forward does not take"}
-
-    def train(m: nn.Module) -> float:
-        args = transformers.TrainingArguments(
-            output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4, report_to=[], use_cpu=True,
-            save_strategy="no", seed=0, data_seed=0,
-        )
-        return transformers.Trainer(model=m, args=args, train_dataset=Rows()).train().training_loss
-
-    seen: dict = {}  # what the Trainer passes besides the batch (its type depends on its version)
-    ref.register_forward_pre_hook(lambda m, a, k: seen.setdefault("kw", k) and None, with_kwargs=True)
-    want = train(ref)
-    n = seen["kw"].get("num_items_in_batch")
-    if n is not None:  # (an int64 tensor in transformers 5.17, float32 in 5.24)
-        sample["num_items_in_batch"] = torch.full_like(n, 4)
-    tr.make_graphed_callables(model, (), sample_kwargs=sample)
-    loss = train(model)
+    model, ref, loss, want = train_graphed_and_eager("cpu", str(tmp_path), steps=4, hidden=32)
     assert loss == pytest.approx(want, rel=1e-5)
     for (n, a), b in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, msg=n)
     assert model.forward.stats.replays == 4 and model.forward.stats.backward_replays == 4
+    assert model.forward.stats.fallbacks == 0

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import torchreplay as tr
+from hf_trainer import train_graphed_and_eager
 
 pytestmark = [
     pytest.mark.gpu,
@@ -71,43 +72,7 @@ def test_hugging_face_trainer_trains_a_model_graphed_for_training(tmp_path) -> N
     """The Trainer keeps the columns the graphed forward's signature names and trains through the
     graphs, equal to the eager model trained alike. The sample holds what the Trainer passes to a
     forward with ``**kwargs`` (``num_items_in_batch``), as seen in the eager model's run."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-    cfg = transformers.BertConfig(
-        vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )
-    torch.manual_seed(0)
-    model = transformers.BertForSequenceClassification(cfg).to(DEV)
-    ref = copy.deepcopy(model)
-    sample = {"input_ids": torch.randint(0, 100, (4, 8), device=DEV),
-              "attention_mask": torch.ones(4, 8, dtype=torch.long, device=DEV),
-              "labels": torch.zeros(4, dtype=torch.long, device=DEV)}
-
-    class Rows(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return 24
-
-        def __getitem__(self, i: int) -> dict:
-            g = torch.Generator().manual_seed(i)
-            return {"input_ids": torch.randint(0, 100, (8,), generator=g), "attention_mask": torch.ones(8, dtype=torch.long),
-                    "labels": torch.tensor(i % 2), "note": "a column the forward does not take"}
-
-    def train(m: nn.Module) -> float:
-        args = transformers.TrainingArguments(
-            output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=6, report_to=[],
-            save_strategy="no", seed=0, data_seed=0, learning_rate=1e-3,
-        )
-        return transformers.Trainer(model=m, args=args, train_dataset=Rows()).train().training_loss
-
-    seen: dict = {}  # what the Trainer passes besides the batch (its type depends on its version)
-    ref.register_forward_pre_hook(lambda m, a, k: seen.setdefault("kw", k) and None, with_kwargs=True)
-    want = train(ref)
-    n = seen["kw"].get("num_items_in_batch")
-    if n is not None:  # (an int64 tensor in transformers 5.17, float32 in 5.24)
-        sample["num_items_in_batch"] = torch.full_like(n, 4)
-    tr.make_graphed_callables(model, (), sample_kwargs=sample)
-    loss = train(model)
+    model, ref, loss, want = train_graphed_and_eager(DEV, str(tmp_path), steps=6, hidden=64)
     assert loss == pytest.approx(want, rel=1e-4)
     for (n, a), b in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, msg=n, rtol=1e-4, atol=1e-5)
