@@ -140,3 +140,20 @@ def test_hugging_face_trainer_trains_a_model_graphed_for_training(graphs, tmp_pa
         torch.testing.assert_close(a, b, msg=n)
     assert model.forward.stats.replays == 4 and model.forward.stats.backward_replays == 4
     assert model.forward.stats.fallbacks == 0
+
+
+def test_a_graphed_step_deep_copies_as_its_function_and_refuses_pickle(monkeypatch) -> None:
+    """``graph_step``'s step stands for the step function, whose deep copy is itself (as eagerly:
+    a function is not copied); a closure cannot be pickled, so neither can the step."""
+    import test_training
+
+    monkeypatch.setattr(test_training.step_mod, "capture", test_training._emulated_step_capture)
+    monkeypatch.setattr(test_training.step_parts_mod, "infer_device", lambda fn, call, device=None: torch.device("cpu"))
+    monkeypatch.setattr(test_training.step_mod, "side_stream", lambda device: None)
+    model, opt = test_training._make_training()
+    train_step = test_training._sgd_step(model, opt)
+    step = tr.graph_step(train_step, torch.randn(5, 6), torch.randn(5, 3))
+    assert copy.deepcopy(step) is train_step and copy.copy(step) is step
+    assert list(inspect.signature(step).parameters) == ["x", "y"]
+    with pytest.raises(UnsupportedError, match=r"'.*train_step' \(GraphedStep\) cannot be pickled"):
+        pickle.dumps(step)
