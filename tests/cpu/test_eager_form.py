@@ -62,10 +62,27 @@ def test_a_deep_copy_of_a_model_graphed_for_training_runs_its_own_weights_eagerl
     assert model.forward.stats.replays == replays + 1
 
 
-def test_a_model_graphed_for_training_pickles_as_the_eager_model(graphs) -> None:
+def test_torchs_averaged_model_of_a_model_graphed_for_training_averages_its_own_copy(graphs) -> None:
     model = _mlp()
     tr.make_graphed_callables(model, (torch.randn(3, 6),))
-    assert b"torchreplay" not in pickle.dumps(model)  # loads where torchreplay is not installed
+    swa = torch.optim.swa_utils.AveragedModel(model)  # a deep copy inside
+    swa.update_parameters(model)  # (the first: a copy)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    swa.update_parameters(model)  # the mean of the first weights and these
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(swa(x), nn.Sequential(*swa.module)(x))
+        assert not torch.allclose(swa(x), model(x))
+
+
+def test_a_model_graphed_for_training_pickles_as_the_eager_model(graphs, caplog) -> None:
+    model = _mlp()
+    tr.make_graphed_callables(model, (torch.randn(3, 6),))
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        assert b"torchreplay" not in pickle.dumps(model)  # loads where torchreplay is not installed
+    assert "pickle (torch.save) of 'Sequential': saved as the eager forward" in caplog.text
     buf = io.BytesIO()
     torch.save(model, buf)
     buf.seek(0)

@@ -7,10 +7,11 @@ silently evaluates the live model.) Ours:
 
 - a deep copy of a graphed callable is the copy of the eager callable it stands for: a module's
   forward bound to the module's copy, so ``copy.deepcopy(model)`` after
-  ``tr.make_graphed_callables(model, ...)`` (timm's ``ModelEmaV2``, a teacher model) is an eager
-  model with its own weights; one warning per graph says the copy runs eagerly;
-- pickled (``torch.save(model)``), a module's graphed forward is saved as that module's own
-  forward: the file loads as the eager model, without torchreplay installed;
+  ``tr.make_graphed_callables(model, ...)`` (timm's ``ModelEmaV2``, torch's ``AveragedModel``, a
+  teacher model) is an eager model with its own weights; one warning per graph says so;
+- pickled (``torch.save(model)``, a process spawned with the model), a module's graphed forward
+  is saved as that module's own forward: the file loads as the eager model, without torchreplay
+  installed; one warning per graph;
 - a shallow copy (``copy.copy``) is the graph itself, as a shallow copy of the module shares it;
 - anything else that has no eager form to save raises :class:`UnsupportedError` naming the fix;
 - its signature is the eager callable's (a module's: its forward's): code that reads which
@@ -66,19 +67,16 @@ class EagerForm:
         return self
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        eager = getattr(self, self._eager_attr)
-        if not self._copy_warned:
-            self._copy_warned = True
-            log.warning(
-                "torchreplay: copy.deepcopy of '%s': the copy runs eagerly (a CUDA graph replays "
-                "the memory of the original, its weights included). Graph the copy to have it "
-                "graphed", getattr(self, "name", type(self).__name__))
-        return copy.deepcopy(eager, memo)
+        self._warn_copied("copy.deepcopy", "the copy runs eagerly (a CUDA graph replays the memory "
+                          "of the original, its weights included). Graph the copy to have it graphed")
+        return copy.deepcopy(getattr(self, self._eager_attr), memo)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         eager = getattr(self, self._eager_attr)
         owner = getattr(eager, "__self__", None)
         if isinstance(eager, types.MethodType) and isinstance(owner, torch.nn.Module):
+            self._warn_copied("pickle (torch.save)", "saved as the eager forward: the graphs belong "
+                              "to this process. Graph the model again after loading")
             # (what a bound method pickles as: no torchreplay needed to load it)
             return getattr, (owner, eager.__func__.__name__)
         raise UnsupportedError(
@@ -87,3 +85,9 @@ class EagerForm:
             "instead (the model, or its state_dict()) and graph it again after loading; a "
             "module whose forward tr.make_graphed_callables replaced pickles as the eager model"
         )
+
+    def _warn_copied(self, how: str, what: str) -> None:
+        """One warning per graph (a checkpoint saved every epoch says it once)."""
+        if not self._copy_warned:
+            self._copy_warned = True
+            log.warning("torchreplay: %s of '%s': %s", how, getattr(self, "name", type(self).__name__), what)
