@@ -174,3 +174,28 @@ def test_a_graphed_step_deep_copies_as_its_function_and_refuses_pickle(monkeypat
     assert list(inspect.signature(step).parameters) == ["x", "y"]
     with pytest.raises(UnsupportedError, match=r"'.*train_step' \(GraphedStep\) cannot be pickled"):
         pickle.dumps(step)
+
+
+@pytest.mark.parametrize("sizes", [None, [2, 4]], ids=["one_shape", "sizes"])
+def test_a_graph_made_the_forward_of_its_own_module_runs_eagerly_without_calling_itself(graphs, sizes) -> None:
+    """``layer.forward = tr.graph(layer, x)``: a call that runs eagerly (here the layer is put in
+    train mode) called the layer, whose forward is the graph: a RecursionError. It runs the
+    layer's class forward now; its hooks ran around the call, once."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)).eval()
+    layer = model[0]
+    g = tr.graph(layer, torch.randn(2, 4), sizes=sizes)
+    layer.forward = g
+    calls = []
+    hook = layer.register_forward_hook(lambda m, a, out: calls.append(1))
+    layer.train()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model[2](model[1](nn.functional.linear(x, layer.weight, layer.bias))))
+    assert calls == [1] and g.stats.fallbacks == 1
+    assert inspect.signature(layer.forward) == inspect.signature(nn.Linear(4, 4).forward)
+    hook.remove()  # (a lambda: not picklable)
+    twin = copy.deepcopy(model)  # the copy's layer runs its own class forward, eagerly
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), model(x))
+        torch.testing.assert_close(pickle.loads(pickle.dumps(model))(x), model(x))

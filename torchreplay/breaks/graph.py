@@ -324,15 +324,15 @@ class BreakableGraph(EagerForm):
             if size == -1 and not mode_changed:
                 self.runtime._count_fallback("a call above the largest captured size (on a rank)")
                 with torch.no_grad():
-                    out = run_eagerly_at(self.runtime, flat_call(self.fn, self._spec), leaves, rows)
+                    out = run_eagerly_at(self.runtime, flat_call(self._eager_fn(), self._spec), leaves, rows)
                 return _compat.tree_unflatten(out, self._out_spec)
         if self._policy_on and not mode_changed and eager_by_policy(self, leaves, size):
             with torch.no_grad():
-                return self.fn(*args, **kwargs)
+                return self._eager_fn()(*args, **kwargs)
         if why is not None:
             k = tracked_leaf(leaves) if why == GRAD else None
             what = self._paths[k] if k is not None else ""
-            return calls.run(self.fn, args, kwargs, why, self.stats, what)
+            return calls.run(self._eager_fn(), args, kwargs, why, self.stats, what)
         if grad:
             with torch.no_grad():
                 out = self.runtime(*leaves, size=size)
@@ -355,7 +355,7 @@ class BreakableGraph(EagerForm):
 
     def run_eagerly(self, leaves: Sequence[Any]) -> _Eager:
         args, kwargs = self._unflatten(leaves)
-        return _Eager(self.fn(*args, **kwargs))
+        return _Eager(self._eager_fn()(*args, **kwargs))
 
     def explain(self) -> str:
         """What was graphed and what runs eagerly (:func:`torchreplay.breaks.report.report`)."""

@@ -44,7 +44,7 @@ class _EagerSignature:
     def __get__(self, obj: Any, cls: Any = None) -> inspect.Signature | None:
         if obj is None:
             return None
-        eager = getattr(obj, obj._eager_attr)
+        eager = obj._eager_fn()
         if isinstance(eager, torch.nn.Module):
             eager = eager.forward
         try:
@@ -66,13 +66,23 @@ class EagerForm:
     def __copy__(self) -> Any:
         return self
 
+    def _eager_fn(self) -> Any:
+        """What a call run eagerly (a fallback) calls: what was graphed, except a module this
+        graph was then made the forward of (``layer.forward = tr.graph(layer, x)``): calling the
+        module would call the graph again, without end, so its class's forward runs (the module's
+        hooks ran around the call that got here)."""
+        fn = getattr(self, self._eager_attr)
+        if isinstance(fn, torch.nn.Module) and fn.__dict__.get("forward") is self:
+            return types.MethodType(type(fn).forward, fn)
+        return fn
+
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         self._warn_copied("copy.deepcopy", "the copy runs eagerly (a CUDA graph replays the memory "
                           "of the original, its weights included). Graph the copy to have it graphed")
-        return copy.deepcopy(getattr(self, self._eager_attr), memo)
+        return copy.deepcopy(self._eager_fn(), memo)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        eager = getattr(self, self._eager_attr)
+        eager = self._eager_fn()
         owner = getattr(eager, "__self__", None)
         if isinstance(eager, types.MethodType) and isinstance(owner, torch.nn.Module):
             self._warn_copied("pickle (torch.save)", "saved as the eager forward: the graphs belong "

@@ -228,7 +228,7 @@ class Graphed(EagerForm):
 
     def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any], why: str) -> Any:
         what = self._inputs.tracked_path(args, kwargs) if why == GRAD else ""
-        return self._eager.run(self.fn, args, kwargs, why, self.stats, what)
+        return self._eager.run(self._eager_fn(), args, kwargs, why, self.stats, what)
 
     def __repr__(self) -> str:
         return f"Graphed({self.name}, device={self.device}, {self.stats.explain()})"

@@ -499,10 +499,10 @@ class BucketedGraph(EagerForm):
             log.warning("%s", message)
         if padded_from is None:  # no autograd, as the graph, unless it must record one (core/modes.py)
             with torch.set_grad_enabled(tracked_leaf(self._inputs.flatten(args, kwargs)) is not None):
-                return self.fn(*args, **kwargs)
+                return self._eager_fn()(*args, **kwargs)
         plan = self._out_plan
         out_dims = ["size" if leaf.kind == "size" else leaf.dims for leaf in plan.leaves]
-        out = run_padded(flat_call(self.fn, self._inputs.spec), self._inputs.flatten(args, kwargs),
+        out = run_padded(flat_call(self._eager_fn(), self._inputs.spec), self._inputs.flatten(args, kwargs),
                          padded_from, n, self._plan.dims, self._plan.fills, out_dims)
         return _compat.tree_unflatten(out, plan.spec)
 
@@ -550,7 +550,7 @@ class BucketedGraph(EagerForm):
 
     def _mode_fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any], why: str) -> Any:
         what = self._inputs.tracked_path(args, kwargs) if why == GRAD else ""
-        return self._eager_calls.run(self.fn, args, kwargs, why, self.stats, what)
+        return self._eager_calls.run(self._eager_fn(), args, kwargs, why, self.stats, what)
 
     def _check_call(self, leaves: list[Any], n: int) -> None:
         """Raise the input error of a call whose arguments do not fit any size."""
