@@ -199,3 +199,42 @@ def test_a_graph_made_the_forward_of_its_own_module_runs_eagerly_without_calling
     with torch.no_grad():
         torch.testing.assert_close(twin(x), model(x))
         torch.testing.assert_close(pickle.loads(pickle.dumps(model))(x), model(x))
+
+
+@pytest.mark.parametrize("sizes", [None, [2, 4]], ids=["one_shape", "sizes"])
+def test_a_graph_inside_torch_func_transforms_runs_eagerly_as_the_transform_expects(graphs, sizes) -> None:
+    """vmap, jvp and forward-mode AD over a graph raised a ReplayInputError that called the
+    same shape a mismatch (or torch's "no batching rule for _foreach_copy_"): a replay can
+    neither batch nor carry tangents. Such calls run the callable eagerly now, inside the
+    transform, counted as fallbacks."""
+    import torch.autograd.forward_ad as fw_ad
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4).eval().requires_grad_(False)
+    g = tr.graph(model, torch.randn(2, 4), sizes=sizes)
+    xs, x, t = torch.randn(3, 2, 4), torch.randn(2, 4), torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.func.vmap(g)(xs), model(xs))
+        out, tangent = torch.func.jvp(g, (x,), (t,))
+        torch.testing.assert_close(tangent, t @ model.weight.T)
+        with fw_ad.dual_level():
+            dual = g(fw_ad.make_dual(x, t))
+            torch.testing.assert_close(fw_ad.unpack_dual(dual).tangent, t @ model.weight.T)
+        torch.testing.assert_close(g(x), model(x))  # and replays again after
+    assert g.stats.fallbacks == 3
+
+
+def test_a_model_graphed_for_training_inside_torch_func_grad_runs_eagerly(graphs) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    ref = copy.deepcopy(model)
+    tr.make_graphed_callables(model, (torch.randn(2, 4, requires_grad=True),))
+    x = torch.randn(2, 4)
+    got = torch.func.grad(lambda v: model(v).pow(2).sum())(x)
+    torch.testing.assert_close(got, torch.func.grad(lambda v: ref(v).pow(2).sum())(x))
+    params = dict(model.named_parameters())
+    grads = torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).sum())(params)
+    ref_grads = torch.func.grad(lambda p: torch.func.functional_call(ref, p, (x,)).sum())(dict(ref.named_parameters()))
+    for name in params:
+        torch.testing.assert_close(grads[name], ref_grads[name], msg=name)
+    assert model.forward.stats.fallbacks == 2 and model.forward.stats.replays == 0

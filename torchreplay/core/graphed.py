@@ -15,9 +15,9 @@ from torchreplay.core.capture import capture, side_stream
 from torchreplay.core.eager_form import EagerForm
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.effects import PyState
-from torchreplay.core.io import Inputs
+from torchreplay.core.io import Inputs, TransformedInput
 from torchreplay.core.modes import (
-    AUTOCAST, CAPTURE, DISPATCH_MODE, GRAD, HOOKS, TRAIN_MODE, EagerCalls, tracked_leaf,
+    AUTOCAST, CAPTURE, DISPATCH_MODE, GRAD, HOOKS, TRAIN_MODE, TRANSFORM, EagerCalls, tracked_leaf,
 )
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import CHANGES, GONE, Placed
@@ -204,7 +204,10 @@ class Graphed(EagerForm):
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # Copy-in first: an argument may be a previous output of this graph (y = g(y)), which
         # must be read before the replay overwrites it and before it is marked stale.
-        leaves = self._inputs.copy_in(args, kwargs)
+        try:
+            leaves = self._inputs.copy_in(args, kwargs)
+        except TransformedInput:  # inside vmap, grad, jvp: eagerly, as the transform expects
+            return self._fallback(args, kwargs, TRANSFORM)
         if leaves is None:  # autograd on and an argument that requires grad
             return self._fallback(args, kwargs, GRAD)
         if self._writes:

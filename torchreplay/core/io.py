@@ -28,6 +28,7 @@ from torchreplay.errors import CaptureError, ReplayInputError
 
 __all__ = [
     "Inputs",
+    "TransformedInput",
     "byte_span",
     "describe_tensor",
     "same_constant",
@@ -207,6 +208,12 @@ class _Slot:
                 ) from exc
 
 
+class TransformedInput(ReplayInputError):
+    """A tensor argument of a ``torch.func`` transform or a forward-AD dual: the graphs that can
+    run a call eagerly do (``tr.graph`` of one shape, ``tr.make_graphed_callables``), as eager
+    code runs inside the transform; the others raise it."""
+
+
 class Inputs:
     """The captured arguments of one graph: their structure, static buffers and constants.
 
@@ -350,8 +357,9 @@ class Inputs:
                 (_copy_untracked if tracked else _foreach_copy)(dsts, srcs)
         except RuntimeError:
             for i, static, _, _, _, slot in self._tensor_checks:
-                if leaves[i] is not static and leaves[i].layout is not torch.strided:
-                    raise self.tensor_error(slot, leaves[i]) from None
+                leaf = leaves[i]
+                if leaf is not static and (leaf.layout is not torch.strided or _compat.transformed(leaf)):
+                    raise self.tensor_error(slot, leaf) from None
             raise
         return leaves
 
@@ -461,6 +469,12 @@ class Inputs:
 
     def tensor_error(self, slot: _Slot, leaf: Any) -> ReplayInputError:
         """Build the error for a tensor argument that does not match its capture."""
+        if isinstance(leaf, _Tensor) and _compat.transformed(leaf):
+            return TransformedInput(
+                f"{slot.path} is a tensor of a torch.func transform (vmap, grad, jvp) or a "
+                "forward-mode AD dual: a graph replays fixed kernels and can neither batch nor "
+                "carry tangents. Call the eager function inside the transform"
+            )
         assert slot.static is not None
         captured = describe_tensor(slot.static)
         if not isinstance(leaf, _Tensor):

@@ -61,9 +61,9 @@ from torchreplay.core.capture import warn_mode_changed
 from torchreplay.errors import CaptureError
 
 __all__ = [
-    "TRAIN_MODE", "AUTOCAST", "DISPATCH_MODE", "GRAD", "CAPTURE", "NO_GRAD", "HOOKS", "REQUIRES_GRAD",
+    "TRAIN_MODE", "AUTOCAST", "DISPATCH_MODE", "GRAD", "CAPTURE", "NO_GRAD", "HOOKS", "REQUIRES_GRAD", "TRANSFORM",
     "EagerCalls", "GradFlags", "Hooks", "autocast_changed", "autocast_name", "refuse_inference_capture",
-    "note_dispatch_mode", "tracked_leaf", "warn_autocast", "warn_hooks_changed", "warn_hooks_with_effects",
+    "note_dispatch_mode", "note_transform", "tracked_leaf", "warn_autocast", "warn_hooks_changed", "warn_hooks_with_effects",
     "warn_no_sample_grad", "warn_requires_grad",
 ]
 
@@ -77,6 +77,7 @@ CAPTURE = "another graph's capture"
 NO_GRAD = "autograd off"
 HOOKS = "forward hooks"
 REQUIRES_GRAD = "requires_grad"
+TRANSFORM = "a torch.func transform"
 
 _Tensor = torch.Tensor
 _any_autocast = _compat.any_autocast
@@ -195,6 +196,14 @@ def note_dispatch_mode(name: str) -> None:
     log.info(
         "torchreplay: '%s' is called under a TorchDispatchMode: it runs its callable, so that "
         "the mode sees every op as it would eagerly", name,
+    )
+
+
+def note_transform(name: str) -> None:
+    """Log (what the caller asked for: no warning) that a call runs eagerly in a transform."""
+    log.info(
+        "torchreplay: '%s' is called inside a torch.func transform (vmap, grad, jvp) or with "
+        "forward-AD duals: it runs its callable eagerly there, as the transform expects", name,
     )
 
 
@@ -381,6 +390,8 @@ class EagerCalls:
             warn_mode_changed(self.name, self.training)
         elif why == DISPATCH_MODE:  # what the caller asked for: no warning
             note_dispatch_mode(self.name)
+        elif why == TRANSFORM:  # what the caller asked for: the transform sees each op
+            note_transform(self.name)
         elif why == CAPTURE:  # what eager code does there: not a degradation, no warning
             log.info(
                 "torchreplay: '%s' is called inside another CUDA graph's capture: it runs its "

@@ -30,8 +30,8 @@ from torchreplay.core.capture import capture, progress, side_stream
 from torchreplay.core.eager_form import EagerForm
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.effects import PyState
-from torchreplay.core.io import Inputs, same_constant, warn_widening, widens, write_back
-from torchreplay.core.modes import CAPTURE, GRAD, EagerCalls, tracked_leaf
+from torchreplay.core.io import Inputs, TransformedInput, same_constant, warn_widening, widens, write_back
+from torchreplay.core.modes import CAPTURE, GRAD, TRANSFORM, EagerCalls, tracked_leaf
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.padding import flat_call, pad_sample, run_padded
 from torchreplay.core.placed import CHANGES, GONE, Placed
@@ -339,7 +339,10 @@ class BucketedGraph(EagerForm):
         route = self._routes[n] if n <= self._max else None
         if route is None:
             return self._new_size(n, leaves, args, kwargs)
-        out = self._replay(route, n, leaves)
+        try:
+            out = self._replay(route, n, leaves)
+        except TransformedInput:  # inside vmap, jvp: eagerly, as the transform expects
+            return self._mode_fallback(args, kwargs, TRANSFORM)
         return self._mode_fallback(args, kwargs, GRAD) if out is _TRACKED else out
 
     def _replay(self, route: _Route, n: int, leaves: list[Any]) -> Any:
@@ -374,7 +377,13 @@ class BucketedGraph(EagerForm):
             self._pad(n)
         # Copy-in before the old outputs are invalidated: an argument may be one of them.
         if dsts:  # autograd off for the copy: it must not record one
-            (_copy_untracked if grad else _foreach_copy)(dsts, srcs)
+            try:
+                (_copy_untracked if grad else _foreach_copy)(dsts, srcs)
+            except RuntimeError:
+                for slot, leaf in zip(self._slots, leaves):
+                    if isinstance(leaf, _Tensor) and _compat.transformed(leaf):
+                        raise self._inputs.tensor_error(slot, leaf) from None
+                raise
         for dst, leaf in widened:  # after the padding refill, so it lands on top of it
             with torch.no_grad():
                 dst.copy_(leaf)

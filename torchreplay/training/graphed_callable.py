@@ -324,7 +324,9 @@ class GraphedCallable(EagerForm):
             why = HOOKS  # added or removed since capture: eagerly they would run, or not
         if why is None and self._grad_flags.changed():
             why = modes.REQUIRES_GRAD
-        placed = self._placed  # the model moved, or weights or submodules replaced
+        if why is None and _compat.transform_active():  # vmap, grad, jvp: eagerly, as they expect
+            why = modes.TRANSFORM  # (functional_call's weights are theirs: not checked)
+        placed = self._placed if why is not modes.TRANSFORM else None  # moved, weights replaced
         moved = placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
         ) and placed.moved()
@@ -567,8 +569,8 @@ class GraphedCallable(EagerForm):
                 warn_hooks_changed(self.name, self._hooks)
             elif why == modes.REQUIRES_GRAD:
                 modes.warn_requires_grad(self.name, self._grad_flags.describe())
-            elif why == modes.DISPATCH_MODE:
-                modes.note_dispatch_mode(self.name)
+            elif why in (modes.DISPATCH_MODE, modes.TRANSFORM):  # what the caller asked for
+                (modes.note_transform if why == modes.TRANSFORM else modes.note_dispatch_mode)(self.name)
             else:
                 warn_mode_changed(self.name, self._training)
         return self._run_fn(*args, **kwargs)
