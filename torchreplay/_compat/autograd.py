@@ -333,6 +333,8 @@ def triton_launches() -> dict[Any, str]:
     return {code: "triton.runtime.jit.JITFunction.run"} if code is not None else {}
 
 
+from torch.autograd import forward_ad as _forward_ad  # noqa: E402  (its level: a module global)
+
 _functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
 
 
@@ -343,11 +345,9 @@ def transformed(t: torch.Tensor) -> bool:
     fixed kernels: it can neither batch nor carry a tangent. Called on an error path only."""
     if _functorch_wrapped is not None and _functorch_wrapped(t):
         return True
-    from torch.autograd import forward_ad
-
-    if getattr(forward_ad, "_current_level", -1) < 0:
+    if getattr(_forward_ad, "_current_level", -1) < 0:
         return False
-    return forward_ad.unpack_dual(t).tangent is not None
+    return _forward_ad.unpack_dual(t).tangent is not None
 
 
 _maybe_level = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", None)
@@ -359,7 +359,5 @@ def transform_active() -> bool:
     0.1 us: for calls that take tens of microseconds (a training forward)."""
     if _maybe_level is not None and _maybe_level() is not None:
         return True
-    from torch.autograd import forward_ad
-
-    return getattr(forward_ad, "_current_level", -1) >= 0
+    return getattr(_forward_ad, "_current_level", -1) >= 0
 
