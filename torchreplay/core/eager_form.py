@@ -32,7 +32,7 @@ import torch
 
 from torchreplay.errors import UnsupportedError
 
-__all__ = ["EagerForm"]
+__all__ = ["EagerForm", "own_forward"]
 
 log = logging.getLogger(__name__)
 
@@ -101,3 +101,14 @@ class EagerForm:
         if not self._copy_warned:
             self._copy_warned = True
             log.warning("torchreplay: %s of '%s': %s", how, getattr(self, "name", type(self).__name__), what)
+
+
+def own_forward(module: torch.nn.Module) -> Any:
+    """``module``'s forward as it runs eagerly: where a graph took its place (a module graphed
+    before, by any of ours), the forward that graph stands for."""
+    forward = module.forward
+    if not isinstance(forward, EagerForm):
+        return forward
+    eager = forward._eager_fn()
+    return eager.forward if isinstance(eager, torch.nn.Module) else eager
+

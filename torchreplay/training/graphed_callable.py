@@ -43,7 +43,7 @@ from torchreplay import _compat
 from torchreplay.config import RANKS, GraphConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, owning_module
 from torchreplay.core.capture import warn_mode_changed
-from torchreplay.core.eager_form import EagerForm
+from torchreplay.core.eager_form import EagerForm, own_forward
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core import modes
 from torchreplay.core.modes import HOOKS, TRAIN_MODE, GradFlags, Hooks, warn_hooks_changed
@@ -108,7 +108,7 @@ class GraphedCallable(EagerForm):
         self.config = config
         self._module = owning_module(fn)
         # Capture and eager fallback run the forward itself: a module's own hooks run around it
-        self._run_fn: Callable[..., Any] = _original_forward(fn)
+        self._run_fn: Callable[..., Any] = own_forward(fn) if isinstance(fn, torch.nn.Module) else fn
         self._training = self._module.training if self._module is not None else False
         self._order = order
         self._allow_unused = allow_unused
@@ -595,11 +595,3 @@ class _GraphedFunction(torch.autograd.Function):
 
 
 _graphed_apply = _compat.direct_apply(_GraphedFunction)  # its apply, without the Python preamble
-
-
-def _original_forward(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The callable to capture: a module's forward (its own, if it was graphed before)."""
-    if not isinstance(fn, torch.nn.Module):
-        return fn
-    forward = fn.forward
-    return forward._run_fn if isinstance(forward, GraphedCallable) else forward
