@@ -108,19 +108,24 @@ class TrainingStats(GraphStats):
     Attributes:
         backward_replays: backward graph replays.
         verified: calls compared against eager (``verify=K``).
+        recomputed: backwards the backward graph cannot compute (``create_graph=True``, a
+            second backward of one forward, activations overwritten), each computed through an
+            eager run of the forward (training/recompute.py).
     """
 
-    __slots__ = ("backward_replays", "verified")
+    __slots__ = ("backward_replays", "verified", "recomputed")
 
     def __init__(self, pool_bytes: Callable[[], int] | None = None) -> None:
         super().__init__(pool_bytes)
         self.backward_replays = 0
         self.verified = 0
+        self.recomputed = 0
 
     def as_dict(self) -> dict[str, object]:
         d = super().as_dict()
         d["backward_replays"] = self.backward_replays
         d["verified"] = self.verified
+        d["recomputed"] = self.recomputed
         return d
 
     def explain(self) -> str:
@@ -128,6 +133,8 @@ class TrainingStats(GraphStats):
         extra = f"backward_replays={self.backward_replays}"
         if self.verified:
             extra += f" verified={self.verified}"
+        if self.recomputed:
+            extra += f" recomputed={self.recomputed}"
         return f"{text}; {extra}"
 
     def __repr__(self) -> str:

@@ -217,7 +217,7 @@ def test_parallel_callables_backward_in_the_safe_order() -> None:
             torch.testing.assert_close(p.grad, q.grad, **TOL)
 
 
-def test_out_of_order_replay_is_detected_naming_both_graphs() -> None:
+def test_out_of_order_replay_is_detected_and_backward_equals_eager() -> None:
     torch.manual_seed(0)
     f1 = nn.Linear(16, 16).to(DEV)
     f2 = nn.Linear(16, 16).to(DEV)
@@ -233,21 +233,32 @@ def test_out_of_order_replay_is_detected_naming_both_graphs() -> None:
     with pytest.raises(RuntimeError, match="StaleOutputError.*sharing its memory pool"):
         y.sum().item()
 
-    # ... and callable 2's pending backward (what its forward saved) is refused before it runs
+    # ... and callable 2's pending backward, whose saved activations callable 1's replay
+    # overwrote, runs its forward again eagerly (training/recompute.py): eager's gradients
+    for m in (f1, f2, r1, r2):
+        m.zero_grad(set_to_none=True)
+    x = torch.randn(4, 16, device=DEV)
     with torch.no_grad():
-        h = f1(torch.randn(4, 16, device=DEV))
-    loss = f2(h.requires_grad_()).sum()
+        h, hr = f1(x), r1(x)
+    loss = f2(h.requires_grad_()).pow(2).sum()
     with torch.no_grad():
         f1(torch.randn(4, 16, device=DEV))
-    with pytest.raises(tr.StaleOutputError, match=r"backward of graphed 'Linear' cannot run: after its forward, a replay of 'Linear \(forward\)'"):
-        loss.backward()
+    loss.backward()
+    r2(hr.requires_grad_()).pow(2).sum().backward()
+    torch.testing.assert_close(h.grad, hr.grad, **TOL)
 
-    # callable 1's backward before callable 2's
-    y1 = f1(torch.randn(4, 16, device=DEV))
-    y2 = f2(torch.randn(4, 16, device=DEV, requires_grad=True))
+    # callable 1's backward before callable 2's: the same
+    x, x2 = torch.randn(4, 16, device=DEV), torch.randn(4, 16, device=DEV)
+    y1 = f1(x)
+    y2 = f2(x2.clone().requires_grad_())
     y1.sum().backward()
-    with pytest.raises(tr.StaleOutputError, match=r"a replay of 'Linear \(backward\)'"):
-        y2.sum().backward()
+    y2.pow(2).sum().backward()
+    r1(x).sum().backward()
+    r2(x2.clone().requires_grad_()).pow(2).sum().backward()
+    for m, r in ((f1, r1), (f2, r2)):
+        for p, q in zip(m.parameters(), r.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **TOL)
+    assert f2.forward.stats.recomputed == 2 and f1.forward.stats.recomputed == 0
 
     # one callable, two forwards before one backward over both (micro-batches): the second
     # runs eagerly (a replay would overwrite what the first saved), the gradients are eager's
@@ -393,26 +404,125 @@ def test_eval_mode_runs_eagerly_and_is_counted() -> None:
     assert model.forward.stats.fallbacks == 1 and model.forward.stats.replays == 0
 
 
-def test_double_backward_second_backward_and_requires_grad_mismatch(caplog: pytest.LogCaptureFixture) -> None:
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh()).to(DEV)
-    tr.make_graphed_callables(model, (torch.randn(2, 8, device=DEV),))
-    loss = model(torch.randn(2, 8, device=DEV)).pow(2).sum()
-    with pytest.raises(tr.UnsupportedError, match="double backward"):
-        torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
-    del loss  # its backward never ran: while it is alive, the next forward would run eagerly
-    loss = model(torch.randn(2, 8, device=DEV)).pow(2).sum()
-    assert model.forward.stats.fallbacks == 0
-    loss.backward(retain_graph=True)
-    with pytest.raises(tr.UnsupportedError, match="a second time for one forward"):
-        loss.backward()
+def test_higher_order_and_second_backwards_equal_eager(caplog: pytest.LogCaptureFixture) -> None:
+    """What the backward graph cannot compute runs the forward again (training/recompute.py):
+    a gradient penalty (create_graph=True over the parameters), a physics-informed loss (the
+    derivative of the output with respect to the input, differentiated again), two losses of
+    one output (retain_graph=True). Eager's gradients at every step, fresh inputs; torch's tool
+    raises on the first (once_differentiable). A tensor argument that requires grad where its
+    sample did not: as torch's, no gradient, one warning naming it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.SiLU(), nn.Linear(32, 1)).to(DEV)
+    ref = copy.deepcopy(model)
+    tr.make_graphed_callables(model, (torch.randn(16, 8, device=DEV, requires_grad=True),))
+
+    def penalty(m: nn.Module, x: torch.Tensor) -> None:
+        loss = m(x).pow(2).mean()
+        gs = torch.autograd.grad(loss, list(m.parameters()), create_graph=True)
+        (loss + sum(g.pow(2).sum() for g in gs)).backward()
+
+    def pinn(m: nn.Module, x: torch.Tensor) -> None:
+        x = x.clone().requires_grad_(True)
+        u = m(x)
+        (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)
+        (du.pow(2).mean() + (u - 1).pow(2).mean()).backward()
+
+    def two_losses(m: nn.Module, x: torch.Tensor) -> None:
+        y = m(x)
+        y.pow(2).mean().backward(retain_graph=True)
+        y.sin().mean().backward()
+
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        for step in (penalty, pinn, two_losses) * 4:
+            x = torch.randn(16, 8, device=DEV)
+            for m in (model, ref):
+                m.zero_grad(set_to_none=True)
+                step(m, x)
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, msg=lambda s: f"{step.__name__} {name}: {s}", **TOL)
+    said = [r.getMessage() for r in caplog.records if "runs the forward again eagerly" in r.getMessage()]
+    assert len(said) == 2, said
+    stats = model.forward.stats
+    assert stats.replays == 12 and stats.backward_replays == 4 and stats.recomputed == 20
+    before = stats.backward_replays
+    x = torch.randn(16, 8, device=DEV)
+    model(x).sum().backward()  # an ordinary step replays both graphs again
+    assert stats.backward_replays == before + 1 and stats.fallbacks == 0
+
+    # an argument changed in place after the call: autograd's own error, as eager's
+    x = torch.randn(16, 8, device=DEV)
+    y = model(x).pow(2).sum()
+    x.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(y, list(model.parameters()), create_graph=True)
+    del y
+
     # Drop-in: like torch's, the call runs and computes no gradient for that input; unlike
     # torch's, one warning names the missing gradient.
+    m2 = nn.Sequential(nn.Linear(8, 8), nn.Tanh()).to(DEV)
+    tr.make_graphed_callables(m2, (torch.randn(2, 8, device=DEV),))
     x = torch.randn(2, 8, device=DEV, requires_grad=True)
     with caplog.at_level(logging.WARNING, logger="torchreplay"):
-        model(x).sum().backward()
-        model(x).sum().backward()
+        m2(x).sum().backward()
+        m2(x).sum().backward()
     said = [r.getMessage() for r in caplog.records if "requires grad, but its sample" in r.getMessage()]
     assert len(said) == 1 and x.grad is None
+
+
+def test_recompute_draws_the_replays_dropout_keeps_running_stats_and_refuses_a_written_argument() -> None:
+    """The recomputed forward draws the random numbers the replay drew (dropout's mask, read
+    off the graphed output), runs on clones of the buffers (BatchNorm's running statistics move
+    once per forward, as eager's) and under the call's autocast (bf16). A forward that writes its argument
+    cannot run again from the caller's tensor: a clear error naming it."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 64).to(DEV)
+    model = nn.Sequential(lin, nn.Dropout(0.5))
+    tr.make_graphed_callables(model, (torch.randn(32, 64, device=DEV),))
+    ref = copy.deepcopy(lin)
+    for _ in range(4):
+        x = torch.randn(32, 64, device=DEV)
+        y = model(x)
+        y.pow(2).sum().backward(retain_graph=True)
+        first = [p.grad.clone() for p in lin.parameters()]
+        y.sin().sum().backward()  # recomputed: must draw the same mask
+        keep = (y != 0).float() * 2.0  # the replay's mask, scaled as dropout scales
+        ref.zero_grad(set_to_none=True)
+        yr = ref(x) * keep
+        (yr.pow(2).sum() + yr.sin().sum()).backward()
+        for p, q, f in zip(lin.parameters(), ref.parameters(), first):
+            torch.testing.assert_close(p.grad, q.grad, **TOL)
+            assert not torch.equal(p.grad, f)  # the second backward added something
+        lin.zero_grad(set_to_none=True)
+    assert model.forward.stats.recomputed == 4
+
+    torch.manual_seed(0)
+    cnn = build_cnn(CNNConfig(depths=(1,), width=8, num_classes=10), DEV)
+    cref = copy.deepcopy(cnn)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        tr.make_graphed_callables(cnn, (torch.randn(4, 3, 16, 16, device=DEV),))
+    for _ in range(3):
+        x = torch.randn(4, 3, 16, 16, device=DEV)
+        for m in (cnn, cref):
+            m.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = m(x).float().pow(2).mean()
+            gs = torch.autograd.grad(loss, list(m.parameters()), create_graph=True)
+            (loss + 1e-3 * sum(g.float().pow(2).sum() for g in gs)).backward()
+        # every gradient here comes from the recomputed forward: eager's kernels, in bf16
+        for (name, p), q in zip(cnn.named_parameters(), cref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=1e-3, msg=lambda s: f"{name}: {s}")
+    assert cnn.forward.stats.recomputed == 6 and cnn.forward.stats.fallbacks == 0
+    assert_same_state(cnn, cref, rtol=2e-2, atol=1e-3)  # running statistics: one update a forward
+
+    def bump(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x.add_(1.0)
+        return (x * w).sum(0)
+
+    w = torch.randn(8, device=DEV, requires_grad=True)
+    g = tr.make_graphed_callables(bump, (torch.randn(4, 8, device=DEV), w))
+    y = g(torch.randn(4, 8, device=DEV), w)
+    with pytest.raises(tr.UnsupportedError, match=r"create_graph=True.*writes its argument\(s\) args\[0\]"):
+        torch.autograd.grad(y.sum(), [w], create_graph=True)
 
 
 # -- verify= -------------------------------------------------------------------------------------

@@ -300,15 +300,13 @@ def make_graphed_callables(
     Returns:
         the graphed callable, or a tuple of them.
 
-    .. warning::
-        Call graphed callables that share a pool in the order they were given, and run their
+    .. note::
+        Callables that share a pool replay fastest called in the order they were given, their
         backwards in reverse (as one ``backward()`` over all of them does). A backward that
-        would read activations another replay overwrote raises
-        :class:`~torchreplay.StaleOutputError`.
-
-    .. warning::
-        Double backward (``create_graph=True``) and a second backward of one forward
-        (``retain_graph=True``) raise :class:`~torchreplay.UnsupportedError`.
+        would read activations another replay overwrote, a higher-order gradient
+        (``create_graph=True``) and a second backward of one forward (``retain_graph=True``) run
+        the forward again eagerly and differentiate it (eager's gradients; one warning per
+        reason; ``stats.recomputed``).
 
     .. warning::
         Hooks on the module itself run eagerly around every call. Hooks on its submodules run

@@ -23,9 +23,8 @@ are captured forward 1..N, then backward N..1. A forward's saved activations liv
 from its replay until its backward reads them; a graph captured before that forward or after that
 backward may use the same memory as scratch. Each forward replay therefore opens a
 :class:`~torchreplay.core.pool.LiveWindow`; a replay at any position outside it marks it clobbered,
-and the backward that would read clobbered activations raises
-:class:`~torchreplay.StaleOutputError` naming both graphs instead of computing wrong gradients.
-The replay that clobbers is not itself an error: the pending backward may never run. A forward
+and the backward that would read clobbered activations runs the forward again eagerly instead
+(training/recompute.py, as for ``create_graph=True`` and a second backward of one forward). A forward
 with gradients whose own last replay awaits its backward runs eagerly instead (micro-batches). Backward nodes get sequence numbers in creation order,
 enforced per pool, so the engine runs ready graphed backwards newest-first: the reverse of the
 capture order.
@@ -53,9 +52,10 @@ from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import LiveWindow, Pool
 from torchreplay.core.threads import Callers, follow_stream, one_at_a_time
 from torchreplay.distributed import EAGER, GRAPH, agreement
-from torchreplay.errors import ReplayInputError, StaleOutputError, UnsupportedError
+from torchreplay.errors import ReplayInputError, UnsupportedError
 from torchreplay.stats import TrainingStats
 from torchreplay.training.pair import InputGrads, Member, Order, Pair, capturing, next_sequence_nr
+from torchreplay.training.recompute import CLOBBERED, CREATE_GRAPH, SECOND, recompute_backward, rng_reader
 from torchreplay.training.state import StateKeeper
 from torchreplay.training.verify import (
     Tolerance, buffers_swapped, check_close, check_tree, detached, named_buffers,
@@ -117,6 +117,8 @@ class GraphedCallable(EagerForm):
         self._tol = tol
         self._warned: set[str] = set()  # the reasons to run eagerly it warned about
         self._warned_awaiting = False
+        self._recompute_said: set[str] = set()  # (training/recompute.py: said once per reason)
+        self._rng: Callable[[], tuple[int, int]] | None = None  # set if it draws random numbers
         self.pool: Pool | None = None
         self.stats = TrainingStats()
 
@@ -127,6 +129,7 @@ class GraphedCallable(EagerForm):
         del call
         slots = self._inputs.slots
         self._tensor_idx = [i for i, s in enumerate(slots) if s.static is not None]
+        self._n_in = len(self._tensor_idx)
         self._sample_req = [
             bool(sample_leaves[i].requires_grad)
             and (sample_leaves[i].dtype.is_floating_point or sample_leaves[i].dtype.is_complex)
@@ -171,9 +174,13 @@ class GraphedCallable(EagerForm):
         # a plain function: the modules it runs, watched as a module is (core/args.py)
         find = self._module is None and self._called is None and not now_capturing
         finder = StateSnapshot(None, self.device, find=True, save=False) if find else None
+        rng = rng_reader(self.device) if not now_capturing else None
+        before = rng() if rng is not None else None
         with keeper.discovering() if discover else contextlib.nullcontext():  # type: ignore[union-attr]
             with finder.running() if finder is not None else contextlib.nullcontext():
                 out = self._run_fn(*args, **kwargs)
+        if rng is not None and rng() != before:  # it draws random numbers (dropout)
+            self._rng = rng
         self._called = finder.called if finder is not None else self._called
         self._discovering_done = self._discovering_done or discover
         if self._surface is None:
@@ -367,6 +374,7 @@ class GraphedCallable(EagerForm):
         pool = self.pool
         if pool.shared:  # type: ignore[union-attr]
             pool.before_replay(self._fwd_pos)  # type: ignore[union-attr]
+        rng = self._rng() if self._rng is not None and grad_on else None
         self._fwd_replay()
         if self._writes:  # eager semantics: the forward's writes reach the caller's tensors
             self._inputs.copy_back(leaves)
@@ -382,6 +390,8 @@ class GraphedCallable(EagerForm):
             node = outs[0].grad_fn
             if node is not None:
                 self._attach(node, verify)
+                if rng is not None:  # where its random ops drew: a recompute draws the same
+                    node.tr_rng = rng
                 for i, o in zip(self._diff_idx, outs):
                     flat[i] = o
         if self._single:
@@ -408,33 +418,23 @@ class GraphedCallable(EagerForm):
             return self._backward_locked(ctx, grads)
 
     def _backward_locked(self, ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> list[Any]:
-        if torch.is_grad_enabled():
-            raise UnsupportedError(
-                f"double backward through graphed '{self.name}' is not supported (backward ran "
-                "with create_graph=True): its backward is a CUDA graph replay, which autograd "
-                "cannot differentiate. Compute higher-order terms (gradient penalties) with the "
-                "eager callable, or call backward without create_graph"
-            )
-        if getattr(ctx, "tr_done", False):
-            raise UnsupportedError(
-                f"backward of graphed '{self.name}' ran a second time for one forward "
-                "(retain_graph=True): its backward graph reuses the memory of the activations "
-                "it reads, so a second replay would read overwritten data. Run the forward "
-                "again before each backward"
-            )
         window: LiveWindow | None = getattr(ctx, "tr_window", None)
-        if window is not None and window.clobbered_by is not None:
-            raise StaleOutputError(
-                f"backward of graphed '{self.name}' cannot run: after its forward, a replay of "
-                f"'{window.clobbered_by}' may have overwritten the activations that forward "
-                "saved (graphs that share a memory pool reuse each other's scratch memory). "
-                "Graphs sharing a pool must run forward 1..N, then backward N..1, the order "
-                f"they were captured in: run this backward before replaying '{window.clobbered_by}',"
-                " call backward once per forward (one micro-batch at a time), or graph the "
-                "callables in separate make_graphed_callables calls (separate pools)"
-            )
+        why = (
+            CREATE_GRAPH if torch.is_grad_enabled()
+            else SECOND if getattr(ctx, "tr_done", False)
+            else CLOBBERED if window is not None and window.clobbered_by is not None
+            else None
+        )
         pool = self.pool
         assert pool is not None
+        if why is not None:  # as eager computes it: the forward again (training/recompute.py)
+            if why is CLOBBERED:
+                why = f"{why} ('{window.clobbered_by}')"  # type: ignore[union-attr]
+            grads_in = recompute_backward(self, ctx, grads, why)
+            ctx.tr_done = True
+            if window is not None:
+                pool.close_window(window)
+            return grads_in
         follow_stream(pool)  # ordered after a call on another stream
         if pool.shared:
             pool.before_replay(self._bwd_pos, window)
@@ -587,6 +587,7 @@ class _GraphedFunction(torch.autograd.Function):
         # outs: this call's outputs (just replayed); tensors: the node's inputs (args, params)
         ctx.set_materialize_grads(False)  # an unused output's gradient is None: zero it once
         ctx.runner = runner
+        ctx.save_for_backward(*tensors[:runner._n_in])  # the call's own tensors: for recompute.py
         return outs
 
     @staticmethod

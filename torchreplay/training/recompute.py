@@ -1,0 +1,148 @@
+"""Backward passes the backward graph cannot serve, computed as eager autograd would.
+
+The backward graph of :func:`torchreplay.make_graphed_callables` computes first-order gradients,
+once per forward, from the activations that forward's replay left in the pool. Eager autograd
+does more, and a drop-in must too:
+
+- ``create_graph=True``: gradient penalties, physics-informed losses (a derivative of the
+  output with respect to the input, differentiated again), meta-learning;
+- a second backward through one forward (``loss_a.backward(retain_graph=True)``, then
+  ``loss_b.backward()``: two losses of one output);
+- a backward after another graph of the pool replayed over that forward's saved activations
+  (backwards in another order than the capture's).
+
+Torch's tool refuses the first (its node is ``once_differentiable``) and silently reads
+overwritten memory in the other two. Here the node runs the callable's forward again, eagerly,
+on the caller's tensors it saved at the call (``save_for_backward``: an argument changed in place
+since, or a second backward without ``retain_graph``, raises autograd's own error, as eager), under
+the call's autocast and at the call's place in the CUDA random stream (dropout draws the same
+masks as the replay did), with its modules' buffers swapped for clones (running statistics are
+not updated twice), and differentiates that with ``torch.autograd.grad``, ``create_graph`` as
+asked. This is what ``torch.utils.checkpoint`` does for a checkpointed segment; it costs one eager
+forward and backward, so each graphed callable says it once.
+
+What it cannot make equal: a forward that writes one of its tensor arguments (the recompute would
+start from the written value: raises), and Python state the forward changes (it changes again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Iterator
+
+import torch
+
+from torchreplay import _compat
+from torchreplay.errors import UnsupportedError
+from torchreplay.training.verify import buffers_swapped
+
+__all__ = ["CREATE_GRAPH", "SECOND", "CLOBBERED", "recompute_backward", "rng_reader"]
+
+log = logging.getLogger(__name__)
+
+CREATE_GRAPH = "backward ran with create_graph=True (a higher-order gradient)"
+SECOND = "a second backward through one forward (retain_graph=True)"
+CLOBBERED = "another graph of its pool replayed over the activations its forward saved"
+
+RngPosition = tuple[int, int]
+
+
+def rng_reader(device: torch.device) -> Callable[[], RngPosition] | None:
+    """A reader of the (seed, offset) of ``device``'s default CUDA generator, whose philox
+    stream a graph's random ops draw from at the offset the generator has when it replays;
+    None where there is none (a CPU build)."""
+    if device.type != "cuda":
+        return None
+    try:
+        gen = torch.cuda.default_generators[device.index or 0]
+        gen.get_offset()
+    except (AttributeError, IndexError, RuntimeError):
+        return None
+
+    def read() -> RngPosition:
+        return gen.initial_seed(), gen.get_offset()
+
+    return read
+
+
+@contextlib.contextmanager
+def _at_rng(device: torch.device, position: RngPosition | None) -> Iterator[None]:
+    """Within the block the device's generator stands where it stood at the call; afterwards
+    where it stands now."""
+    if position is None:
+        yield
+        return
+    index = device.index or 0
+    with torch.random.fork_rng(devices=[index], device_type="cuda"):
+        gen = torch.cuda.default_generators[index]
+        gen.manual_seed(position[0])
+        gen.set_offset(position[1])
+        yield
+
+
+def recompute_backward(runner: Any, ctx: Any, grads: tuple[torch.Tensor | None, ...], why: str) -> list[Any]:
+    """The gradients of ``runner``'s node (a GraphedCallable's) for ``grads``, through an eager
+    run of its forward on what ``ctx`` saved at the call; ``create_graph`` when grad mode is on
+    (autograd turns it on for a backward with ``create_graph=True``)."""
+    saved = ctx.saved_tensors  # autograd's errors: freed (no retain_graph), changed in place
+    if runner._writes:
+        raise UnsupportedError(
+            f"'{runner.name}': {why}, which its backward graph cannot compute; the forward would "
+            f"run again eagerly, but it writes its argument(s) {', '.join(runner.stats.written_inputs)}, "
+            "so that run would start from the written values. Call backward once per forward "
+            "without create_graph, or graph a callable that does not write its arguments"
+        )
+    if why not in runner._recompute_said:
+        runner._recompute_said.add(why)
+        log.warning(
+            "torchreplay: '%s': %s; its backward graph cannot compute that, so this backward runs "
+            "the forward again eagerly and differentiates it (as torch.utils.checkpoint does): "
+            "correct, at the cost of an eager forward and backward (counted in stats.recomputed)",
+            runner.name, why,
+        )
+    n = len(runner._tensor_idx)
+    surface = runner._surface_t
+    # Run again at each such backward, never kept for the next: the graph of a create_graph
+    # backward's results leads into this run, and the backward that follows (of the penalty
+    # and the loss together) frees it on its way, before or after it reaches this node again.
+    runner.stats.recomputed += 1
+    flat = _forward_again(runner, saved, getattr(ctx, "tr_rng", None))
+    pairs = [
+        (flat[i], g) for i, g in zip(runner._diff_idx, grads)
+        if g is not None and isinstance(flat[i], torch.Tensor) and flat[i].requires_grad
+    ]
+    needs = ctx.needs_input_grad  # after the runner and the outputs tuple: position + 2
+    wanted = [p for p in range(n + len(surface)) if needs[p + 2]]
+    result: list[Any] = [None] * (n + len(surface))
+    if pairs and wanted:
+        got = torch.autograd.grad(
+            [o for o, _ in pairs],
+            [saved[p] if p < n else surface[p - n] for p in wanted],
+            [g for _, g in pairs],
+            create_graph=torch.is_grad_enabled(),
+            allow_unused=True,
+        )
+        for p, g in zip(wanted, got):
+            result[p] = g
+    return result
+
+
+def _forward_again(runner: Any, saved: tuple[torch.Tensor, ...], rng: RngPosition | None) -> list[Any]:
+    """The forward's flat outputs, run eagerly, with autograd, as the call ran."""
+    slots = runner._inputs.slots
+    leaves = [s.value for s in slots]
+    for k, i in enumerate(runner._tensor_idx):
+        t = saved[k]
+        leaves[i] = t if t.dtype is slots[i].dtype else t.to(slots[i].dtype)  # widened: as copied
+    args, kwargs = _compat.tree_unflatten(leaves, runner._inputs.spec)
+    modules = [runner._module] if runner._module is not None else list(runner._called or ())
+    autocast = runner._autocast
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(_at_rng(runner.device, rng))
+        stack.enter_context(torch.autocast(runner.device.type, dtype=autocast, enabled=autocast is not None))
+        for m in modules:
+            stack.enter_context(buffers_swapped(m))
+        out = runner._run_fn(*args, **kwargs)
+    return _compat.tree_flatten(out)[0]
