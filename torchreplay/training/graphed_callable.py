@@ -431,9 +431,10 @@ class GraphedCallable(EagerForm):
             if why is CLOBBERED:
                 why = f"{why} ('{window.clobbered_by}')"  # type: ignore[union-attr]
             grads_in = recompute_backward(self, ctx, grads, why)
-            ctx.tr_done = True
-            if window is not None:
-                pool.close_window(window)
+            if why is not CREATE_GRAPH:  # (after that one, the loss's own backward replays)
+                ctx.tr_done = True
+                if window is not None:
+                    pool.close_window(window)
             return grads_in
         follow_stream(pool)  # ordered after a call on another stream
         if pool.shared:

@@ -19,7 +19,9 @@ the call's autocast and at the call's place in the CUDA random stream (dropout d
 masks as the replay did), with its modules' buffers swapped for clones (running statistics are
 not updated twice), and differentiates that with ``torch.autograd.grad``, ``create_graph`` as
 asked. This is what ``torch.utils.checkpoint`` does for a checkpointed segment; it costs one eager
-forward and backward, so each graphed callable says it once.
+forward and backward, so each graphed callable says it once per reason. A ``create_graph``
+backward leaves the replay's activations where they are: the first-order backward that usually
+follows (the loss's own, next to the penalty) still replays the backward graph.
 
 What it cannot make equal: a forward that writes one of its tensor arguments (the recompute would
 start from the written value: raises), and Python state the forward changes (it changes again).
