@@ -853,6 +853,38 @@ def test_emulated_recompute_keeps_running_statistics_and_refuses_a_written_argum
     torch.testing.assert_close(model[1].running_var, ref[1].running_var)
     assert int(model[1].num_batches_tracked) == int(ref[1].num_batches_tracked) == 3
 
+    # A function with no module (as a segment of breaks=, whose ops hold the tensors): the
+    # tensors it writes that it did not make keep their values through a recompute
+    def running(stat: torch.Tensor, w: torch.Tensor, reads: bool = False):
+        def f(x: torch.Tensor) -> torch.Tensor:
+            stat.mul_(0.9).add_(x.detach().mean(0), alpha=0.1)
+            return torch.tanh(x * w + (stat if reads else 0.0)).sum(0)
+        return f
+
+    torch.manual_seed(1)
+    w, stat = torch.randn(4, requires_grad=True), torch.zeros(4)
+    w_ref, stat_ref = w.detach().clone().requires_grad_(True), stat.clone()
+    f, f_ref = running(stat, w), running(stat_ref, w_ref)
+    gf = tr.make_graphed_callables(f, (torch.randn(3, 4),))
+    stat.zero_()  # (the emulated warm-up and capture ran it)
+    assert gf._module is None and not gf._called
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        for fn, ww in ((gf, w), (f_ref, w_ref)):
+            (gw,) = torch.autograd.grad(fn(x).pow(2).sum(), [ww], create_graph=True)
+            gw.pow(2).sum().backward()
+    torch.testing.assert_close(w.grad, w_ref.grad)
+    torch.testing.assert_close(stat, stat_ref)
+    assert gf.stats.recomputed == 3
+    # ... but one that reads what it wrote would be recomputed from the call's result: refused
+    stat = torch.zeros(4)
+    gr = tr.make_graphed_callables(running(stat, w, reads=True), (torch.randn(3, 4),))
+    y = gr(torch.randn(3, 4)).pow(2).sum()
+    before = stat.clone()
+    with pytest.raises(UnsupportedError, match=r"reads a tensor it wrote itself \(\(4,\) torch.float32, read by aten.add"):
+        torch.autograd.grad(y, [w], create_graph=True)
+    torch.testing.assert_close(stat, before)  # put back
+
     def bump(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         x.add_(1.0)
         return (x * w).sum(0)

@@ -33,6 +33,15 @@ def test_in_place_out_and_view_writes_are_seen() -> None:
     assert _watch(lambda a, b, c: torch._foreach_add_([c, a], 1.0), a, b, c) == [2, 0]  # first-write order
 
 
+def test_batch_norm_running_statistics_passed_as_arguments_are_seen_in_training() -> None:
+    """The batch-norm kernels eager reaches (native on the CPU, cuDNN's on CUDA) update the
+    running statistics without their schemas marking them written; found all the same."""
+    x, rm, rv = torch.randn(3, 4), torch.zeros(4), torch.ones(4)
+    bn = torch.nn.functional.batch_norm
+    assert _watch(lambda x, rm, rv: bn(x, rm, rv, training=True), x, rm, rv) == [1, 2]
+    assert _watch(lambda x, rm, rv: bn(x, rm, rv, training=False), x, rm, rv) == []
+
+
 def test_a_kv_cache_index_copy_is_seen() -> None:
     cache = torch.zeros(2, 8, 4)  # [B, S, D]
     pos = torch.tensor([3])

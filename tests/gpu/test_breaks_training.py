@@ -282,6 +282,40 @@ def test_batchnorm_statistics_move_once_per_step_and_a_replaced_weight_raises():
         model(*batch())
 
 
+def test_higher_order_and_second_backwards_through_segments_equal_eager(caplog):
+    """A gradient penalty (create_graph=True) and two losses of one output (retain_graph=True)
+    through a model trained with breaks: each segment runs its ops again for what its backward
+    graph cannot compute (training/recompute.py), the breaks' own autograd does the rest. The
+    BatchNorm statistics, which the segment's recorded ops write, move once per forward."""
+    torch.manual_seed(0)
+    model = NormedBlock().to(DEV)
+    ref = copy.deepcopy(model)
+    g = torch.Generator(device=DEV).manual_seed(5)
+
+    def batch():
+        x = torch.randn(B, T, H, device=DEV, generator=g)
+        return x, torch.randint(1, T + 1, (B,), generator=torch.Generator().manual_seed(int(x.sum().abs() * 1000)))
+
+    tr.make_graphed_callables(model, batch(), breaks=[HostAttention])
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        for step in range(6):
+            x, lengths = batch()
+            for m in (model, ref):
+                m.zero_grad(set_to_none=True)
+                if step % 2 == 0:
+                    loss = m(x, lengths).square().mean()
+                    gs = torch.autograd.grad(loss, list(m.parameters()), create_graph=True)
+                    (loss + sum(gg.square().sum() for gg in gs)).backward()
+                else:
+                    y = m(x, lengths)
+                    y.square().mean().backward(retain_graph=True)
+                    y.sin().mean().backward()
+            _assert_same(model, ref, f"step {step}")
+            for name, b in model.bn.named_buffers():
+                torch.testing.assert_close(b, dict(ref.bn.named_buffers())[name], msg=f"step {step}: bn.{name}")
+    assert sum(seg.stats.recomputed for seg in model.forward.segments) >= 6
+
+
 class DropBlock(Block):
     def __init__(self) -> None:
         super().__init__()

@@ -44,6 +44,27 @@ def test_the_issue_example_writes_reach_the_caller() -> None:
         torch.testing.assert_close(w, w_eager, rtol=0, atol=0)
 
 
+def test_running_statistics_passed_as_arguments_reach_the_caller() -> None:
+    """``F.batch_norm(x, running_mean, running_var, training=True)`` with the statistics passed
+    in: cuDNN's kernel updates them though its schema does not say so; they were silently
+    left as they were (found in session 59)."""
+    bn = torch.nn.functional.batch_norm
+
+    def step(x, rm, rv):
+        return bn(x, rm, rv, training=True, momentum=0.1)
+
+    rm, rv = torch.randn(16, device=DEV), torch.rand(16, device=DEV) + 0.5
+    g = tr.graph(step, torch.randn(16, 16, device=DEV), rm.clone(), rv.clone())
+    assert g.stats.written_inputs == ["args[1] 'rm'", "args[2] 'rv'"]
+    rm_e, rv_e = rm.clone(), rv.clone()
+    for _ in range(CALLS):
+        x = torch.randn(16, 16, device=DEV)
+        want = step(x, rm_e, rv_e)
+        torch.testing.assert_close(g(x, rm, rv), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rm, rm_e, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rv, rv_e, rtol=1e-5, atol=1e-6)
+
+
 def test_a_kv_cache_argument_written_with_index_copy() -> None:
     torch.manual_seed(0)
     proj = nn.Linear(16, 16).to(DEV).eval()

@@ -46,7 +46,10 @@ __all__ = [
     "set_grad_scaler_state",
     "supports_amp_scaling",
     "module_hooks",
-    "written_tensors", "written_arguments", "returns_view",
+    "written_tensors",
+    "written_arguments",
+    "returns_view",
+    "returns_fresh",
 ]
 
 
@@ -394,46 +397,6 @@ class LightDispatchMode(TorchDispatchMode):
         return False
 
 
-def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors an aten op writes: arguments its schema marks as written (``Tensor(a!)``),
-    ``self`` of in-place ops and ``out=`` arguments, TensorList arguments included.
-
-    ``OpOverload._schema`` is private but is what every torch tracer reads for this (Dynamo's
-    mutation detection, FX's ``is_impure``); it exists since torch 1.x. An op without a schema
-    (a Python-only op) is reported as writing nothing.
-    """
-    return written_arguments(func, args, kwargs, torch.Tensor)
-
-
-def written_arguments(func: Any, args: Sequence[Any], kwargs: dict[str, Any], kind: type = object) -> list[Any]:
-    """:func:`written_tensors` for any argument values of type ``kind`` (the FX nodes of an
-    op's call in a graph: which nodes it writes)."""
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return []
-    out: list[Any] = []
-    for i, arg in enumerate(schema.arguments):
-        info = arg.alias_info
-        if info is None or not info.is_write:
-            continue
-        if arg.kwarg_only or i >= len(args):
-            value = kwargs.get(arg.name)
-        else:
-            value = args[i]
-        if isinstance(value, (list, tuple)):
-            out.extend(t for t in value if isinstance(t, kind))
-        elif isinstance(value, kind) and value is not None:
-            out.append(value)
-    return out
-
-
-def returns_view(func: Any) -> bool:
-    """Does an aten op return a view of (an alias of) an argument (its schema's first return
-    is annotated, ``Tensor(a)``: ``select``, ``view``, ``t``)? False without a schema."""
-    returns = getattr(getattr(func, "_schema", None), "returns", ())
-    return bool(returns) and returns[0].alias_info is not None
-
-
 def inductor_compile(
     gm: Any, example_inputs: Sequence[Any], inner_compile: Callable[..., Any] | None = None
 ) -> Callable[..., Any]:
@@ -569,6 +532,12 @@ from torchreplay._compat.shapes import (  # noqa: E402  (Dynamo's symbolic shape
 
 __all__ += ["adopt_scalar_fakes", "backed_size_oblivious", "dynamo_restart", "dynamo_source_name", "fake_mode_of", "fresh_unbacked_ignored",
             "is_static_input", "maybe_mark_dynamic", "new_unbacked_symbols", "symbol_of"]
+from torchreplay._compat.schema import (  # noqa: E402  (what an aten op writes, per its schema)
+    returns_fresh,
+    returns_view,
+    written_arguments,
+    written_tensors,
+)
 from torchreplay._compat.streams import current_stream  # noqa: E402
 from torchreplay._compat.mempool import PrivateAllocations, private_allocations  # noqa: E402  (a private pool)
 from torchreplay._compat.hooks import (  # noqa: E402

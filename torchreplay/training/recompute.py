@@ -16,15 +16,17 @@ overwritten memory in the other two. Here the node runs the callable's forward a
 on the caller's tensors it saved at the call (``save_for_backward``: an argument changed in place
 since, or a second backward without ``retain_graph``, raises autograd's own error, as eager), under
 the call's autocast and at the call's place in the CUDA random stream (dropout draws the same
-masks as the replay did), with its modules' buffers swapped for clones (running statistics are
-not updated twice), and differentiates that with ``torch.autograd.grad``, ``create_graph`` as
+masks as the replay did), the state it writes put back afterwards (running statistics are not
+updated twice), and differentiates that with ``torch.autograd.grad``, ``create_graph`` as
 asked. This is what ``torch.utils.checkpoint`` does for a checkpointed segment; it costs one eager
 forward and backward, so each graphed callable says it once per reason. A ``create_graph``
 backward leaves the replay's activations where they are: the first-order backward that usually
 follows (the loss's own, next to the penalty) still replays the backward graph.
 
-What it cannot make equal: a forward that writes one of its tensor arguments (the recompute would
-start from the written value: raises), and Python state the forward changes (it changes again).
+What it cannot make equal: a forward that writes one of its tensor arguments, or reads a tensor
+it wrote earlier in the same call (a running statistic used after its update, a step counter):
+the recompute would start from what the call left there, so it raises, naming it. Python state
+the forward changes changes again.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.errors import UnsupportedError
-from torchreplay.training.verify import buffers_swapped
 
 __all__ = ["CREATE_GRAPH", "SECOND", "CLOBBERED", "recompute_backward", "rng_reader"]
 
@@ -109,7 +110,7 @@ def recompute_backward(runner: Any, ctx: Any, grads: tuple[torch.Tensor | None, 
     # backward's results leads into this run, and the backward that follows (of the penalty
     # and the loss together) frees it on its way, before or after it reaches this node again.
     runner.stats.recomputed += 1
-    flat = _forward_again(runner, saved, getattr(ctx, "tr_rng", None))
+    flat = _forward_again(runner, saved, getattr(ctx, "tr_rng", None), why)
     pairs = [
         (flat[i], g) for i, g in zip(runner._diff_idx, grads)
         if g is not None and isinstance(flat[i], torch.Tensor) and flat[i].requires_grad
@@ -130,7 +131,7 @@ def recompute_backward(runner: Any, ctx: Any, grads: tuple[torch.Tensor | None, 
     return result
 
 
-def _forward_again(runner: Any, saved: tuple[torch.Tensor, ...], rng: RngPosition | None) -> list[Any]:
+def _forward_again(runner: Any, saved: tuple[torch.Tensor, ...], rng: RngPosition | None, why: str) -> list[Any]:
     """The forward's flat outputs, run eagerly, with autograd, as the call ran."""
     slots = runner._inputs.slots
     leaves = [s.value for s in slots]
@@ -138,13 +139,67 @@ def _forward_again(runner: Any, saved: tuple[torch.Tensor, ...], rng: RngPositio
         t = saved[k]
         leaves[i] = t if t.dtype is slots[i].dtype else t.to(slots[i].dtype)  # widened: as copied
     args, kwargs = _compat.tree_unflatten(leaves, runner._inputs.spec)
-    modules = [runner._module] if runner._module is not None else list(runner._called or ())
     autocast = runner._autocast
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.enable_grad())
-        stack.enter_context(_at_rng(runner.device, rng))
-        stack.enter_context(torch.autocast(runner.device.type, dtype=autocast, enabled=autocast is not None))
-        for m in modules:
-            stack.enter_context(buffers_swapped(m))
-        out = runner._run_fn(*args, **kwargs)
+    guard = _StateGuard()
+    try:
+        with torch.enable_grad(), _at_rng(runner.device, rng), torch.autocast(
+            runner.device.type, dtype=autocast, enabled=autocast is not None
+        ), guard:
+            out = runner._run_fn(*args, **kwargs)
+    finally:
+        guard.restore()
+    if guard.read_back is not None:
+        raise UnsupportedError(
+            f"'{runner.name}': {why}, which its backward graph cannot compute, and its forward "
+            f"cannot run again as the call ran it: it reads a tensor it wrote itself "
+            f"({guard.read_back}), which holds what the call left there, not what the call "
+            "read. Call backward once per forward without create_graph, or keep that state "
+            "outside the graphed callable (update it after the call)"
+        )
     return _compat.tree_flatten(out)[0]
+
+
+class _StateGuard(_compat.LightDispatchMode):
+    """Around a recompute: keeps the value of each tensor made before it that an op writes (a
+    running statistic, a counter; a module's buffer or a tensor a segment of ``breaks=`` holds)
+    and puts it back afterwards through ``.data``, so that the version autograd saved stays
+    (the recompute's own backward may read it). :attr:`read_back` names a tensor that an op
+    read (without writing it) after an earlier op wrote it: the recompute read the call's
+    result there, not what the call read. Tensors made inside are the recompute's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._made: set[int] = set()
+        self._dirty: set[int] = set()
+        self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+        self.read_back: str | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        written = _compat.written_tensors(func, args, kwargs)
+        if self._dirty and self.read_back is None:
+            writes = {t.untyped_storage().data_ptr() for t in written}
+            for a in _compat.tree_flatten((args, kwargs))[0]:
+                if isinstance(a, torch.Tensor):
+                    ptr = a.untyped_storage().data_ptr()
+                    if ptr in self._dirty and ptr not in writes:
+                        self.read_back = f"{tuple(a.shape)} {a.dtype}, read by {func}"
+        for t in written:
+            ptr = t.untyped_storage().data_ptr()
+            key = (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+            if ptr not in self._made and key not in self._seen:
+                self._seen.add(key)
+                self._dirty.add(ptr)
+                self._kept.append((t, t.detach().clone()))
+        out = func(*args, **kwargs)
+        if _compat.returns_fresh(func):
+            for o in _compat.tree_flatten(out)[0]:
+                if isinstance(o, torch.Tensor):
+                    self._made.add(o.untyped_storage().data_ptr())
+        return out
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for t, value in reversed(self._kept):
+                t.data.copy_(value)
