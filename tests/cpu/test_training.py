@@ -833,6 +833,57 @@ def test_emulated_higher_order_and_second_backwards_equal_eager(emulated, caplog
     assert stats.backward_replays == before + 1 and stats.fallbacks == 0
 
 
+class _HostAttention(nn.Module):
+    """Row b attends to its first lengths[b] positions (host lengths: a break)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        rows = [(q[b] @ k[b, :n].T).softmax(-1) @ v[b, :n] for b, n in enumerate(lengths.tolist())]
+        return torch.stack(rows)
+
+
+class _AroundABreak(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.attn, self.out = nn.Linear(8, 8), _HostAttention(), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.out(h * self.attn(h, lengths))
+
+
+def test_emulated_higher_order_backwards_through_segments_around_a_break(emulated, monkeypatch) -> None:
+    """With breaks=: the segment after the break reads ``h`` and the break's output ``a =
+    attn(h)``. Its recompute differentiates with respect to aliases of its inputs: with respect
+    to ``h`` itself autograd would also take the path through ``a``, which the break's own
+    backward takes too (counted twice: the first version of the recompute did). A gradient
+    penalty and a second-order term through the input, equal to eager."""
+    from torchreplay.breaks import training as breaks_training
+
+    monkeypatch.setattr(breaks_training, "infer_device", lambda fn, call, device=None: CPU)
+    torch.manual_seed(0)
+    model = _AroundABreak()
+    ref = copy.deepcopy(model)
+    lengths = torch.tensor([4, 2, 3])
+    tr.make_graphed_callables(model, (torch.randn(3, 4, 8), lengths), breaks=[_HostAttention])
+    for step in range(4):
+        x = torch.randn(3, 4, 8)
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(step % 2 == 1)
+            loss = m(xi, lengths).square().mean()
+            wrt = list(m.parameters()) + ([xi] if step % 2 else [])
+            gs = torch.autograd.grad(loss, wrt, create_graph=True)
+            (loss + sum(g.square().sum() for g in gs)).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda s: f"step {step} {name}: {s}")
+    assert all(seg.stats.recomputed == 4 for seg in model.forward.segments)
+
+
 def test_emulated_recompute_keeps_running_statistics_and_refuses_a_written_argument(emulated) -> None:
     """The recompute runs on clones of the buffers: BatchNorm's running statistics are updated
     once per forward, as in eager. A forward that writes its argument cannot be run again from

@@ -110,7 +110,7 @@ def recompute_backward(runner: Any, ctx: Any, grads: tuple[torch.Tensor | None, 
     # backward's results leads into this run, and the backward that follows (of the penalty
     # and the loss together) frees it on its way, before or after it reaches this node again.
     runner.stats.recomputed += 1
-    flat = _forward_again(runner, saved, getattr(ctx, "tr_rng", None), why)
+    flat, ins = _forward_again(runner, saved, getattr(ctx, "tr_rng", None), why)
     pairs = [
         (flat[i], g) for i, g in zip(runner._diff_idx, grads)
         if g is not None and isinstance(flat[i], torch.Tensor) and flat[i].requires_grad
@@ -121,7 +121,7 @@ def recompute_backward(runner: Any, ctx: Any, grads: tuple[torch.Tensor | None, 
     if pairs and wanted:
         got = torch.autograd.grad(
             [o for o, _ in pairs],
-            [saved[p] if p < n else surface[p - n] for p in wanted],
+            [ins[p] if p < n else surface[p - n] for p in wanted],
             [g for _, g in pairs],
             create_graph=torch.is_grad_enabled(),
             allow_unused=True,
@@ -131,13 +131,29 @@ def recompute_backward(runner: Any, ctx: Any, grads: tuple[torch.Tensor | None, 
     return result
 
 
-def _forward_again(runner: Any, saved: tuple[torch.Tensor, ...], rng: RngPosition | None, why: str) -> list[Any]:
-    """The forward's flat outputs, run eagerly, with autograd, as the call ran."""
+def _forward_again(
+    runner: Any, saved: tuple[torch.Tensor, ...], rng: RngPosition | None, why: str
+) -> tuple[list[Any], list[torch.Tensor]]:
+    """The forward's flat outputs, run eagerly, with autograd, as the call ran; and the
+    tensors it ran on, one per saved argument, to differentiate with respect to.
+
+    Those are aliases (``view_as``) of the caller's tensors that require grad: a gradient with
+    respect to the alias takes only the paths through this call, where one with respect to the
+    caller's tensor would also take its other uses (a break's output ``a = attn(h)`` passed
+    next to ``h`` itself, whose path the break's own backward already takes), and what is
+    computed with ``create_graph`` stays connected to the caller's tensor through the alias."""
     slots = runner._inputs.slots
     leaves = [s.value for s in slots]
-    for k, i in enumerate(runner._tensor_idx):
-        t = saved[k]
-        leaves[i] = t if t.dtype is slots[i].dtype else t.to(slots[i].dtype)  # widened: as copied
+    ins: list[torch.Tensor] = []
+    with torch.enable_grad():
+        for k, i in enumerate(runner._tensor_idx):
+            t = saved[k]
+            if t.dtype is not slots[i].dtype:
+                t = t.to(slots[i].dtype)  # widened: as copied in (a new node already)
+            elif t.requires_grad:
+                t = t.view_as(t)
+            ins.append(t)
+            leaves[i] = t
     args, kwargs = _compat.tree_unflatten(leaves, runner._inputs.spec)
     autocast = runner._autocast
     guard = _StateGuard()
@@ -156,7 +172,7 @@ def _forward_again(runner: Any, saved: tuple[torch.Tensor, ...], rng: RngPositio
             "read. Call backward once per forward without create_graph, or keep that state "
             "outside the graphed callable (update it after the call)"
         )
-    return _compat.tree_flatten(out)[0]
+    return _compat.tree_flatten(out)[0], ins
 
 
 class _StateGuard(_compat.LightDispatchMode):
