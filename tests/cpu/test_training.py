@@ -814,6 +814,7 @@ def test_emulated_higher_order_and_second_backwards_equal_eager(emulated, caplog
     # after it. two_losses replays the first and recomputes the second.
     assert stats.recomputed == 6 and stats.replays == 6 and stats.backward_replays == 6
     assert "recomputed=6" in repr(stats)
+    assert model.forward._recompute.guard is False  # it writes no state: no guard after the first
 
     # As eager: an argument changed in place after the call, then a backward that needs it
     x = torch.randn(3, 6)
@@ -903,6 +904,7 @@ def test_emulated_recompute_keeps_running_statistics_and_refuses_a_written_argum
     torch.testing.assert_close(model[1].running_mean, ref[1].running_mean)
     torch.testing.assert_close(model[1].running_var, ref[1].running_var)
     assert int(model[1].num_batches_tracked) == int(ref[1].num_batches_tracked) == 3
+    assert model.forward._recompute.guard is True  # it writes its statistics: guarded each time
 
     # A function with no module (as a segment of breaks=, whose ops hold the tensors): the
     # tensors it writes that it did not make keep their values through a recompute

@@ -55,7 +55,7 @@ from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import ReplayInputError, UnsupportedError
 from torchreplay.stats import TrainingStats
 from torchreplay.training.pair import InputGrads, Member, Order, Pair, capturing, next_sequence_nr
-from torchreplay.training.recompute import CLOBBERED, CREATE_GRAPH, SECOND, recompute_backward, rng_reader
+from torchreplay.training.recompute import CLOBBERED, CREATE_GRAPH, SECOND, Recomputes, recompute_backward, rng_reader
 from torchreplay.training.state import StateKeeper
 from torchreplay.training.verify import (
     Tolerance, buffers_swapped, check_close, check_tree, detached, named_buffers,
@@ -117,7 +117,7 @@ class GraphedCallable(EagerForm):
         self._tol = tol
         self._warned: set[str] = set()  # the reasons to run eagerly it warned about
         self._warned_awaiting = False
-        self._recompute_said: set[str] = set()  # (training/recompute.py: said once per reason)
+        self._recompute = Recomputes()  # (training/recompute.py: what it said, what it found)
         self._rng: Callable[[], tuple[int, int]] | None = None  # set if it draws random numbers
         self.pool: Pool | None = None
         self.stats = TrainingStats()

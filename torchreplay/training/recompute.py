@@ -40,7 +40,7 @@ import torch
 from torchreplay import _compat
 from torchreplay.errors import UnsupportedError
 
-__all__ = ["CREATE_GRAPH", "SECOND", "CLOBBERED", "recompute_backward", "rng_reader"]
+__all__ = ["CREATE_GRAPH", "SECOND", "CLOBBERED", "Recomputes", "recompute_backward", "rng_reader"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,19 @@ SECOND = "a second backward through one forward (retain_graph=True)"
 CLOBBERED = "another graph of its pool replayed over the activations its forward saved"
 
 RngPosition = tuple[int, int]
+
+
+class Recomputes:
+    """One graphed callable's recomputes: the reasons it has said (once each), and whether
+    the next one runs under the state guard. The first does; when it found no tensor made
+    before it written, the later ones (the same ops: the graph replays one path) do not, and
+    pay no dispatch mode."""
+
+    __slots__ = ("said", "guard")
+
+    def __init__(self) -> None:
+        self.said: set[str] = set()
+        self.guard = True
 
 
 def rng_reader(device: torch.device) -> Callable[[], RngPosition] | None:
@@ -96,8 +109,8 @@ def recompute_backward(runner: Any, ctx: Any, grads: tuple[torch.Tensor | None, 
             "so that run would start from the written values. Call backward once per forward "
             "without create_graph, or graph a callable that does not write its arguments"
         )
-    if why not in runner._recompute_said:
-        runner._recompute_said.add(why)
+    if why not in runner._recompute.said:
+        runner._recompute.said.add(why)
         log.warning(
             "torchreplay: '%s': %s; its backward graph cannot compute that, so this backward runs "
             "the forward again eagerly and differentiates it (as torch.utils.checkpoint does): "
@@ -156,14 +169,19 @@ def _forward_again(
             leaves[i] = t
     args, kwargs = _compat.tree_unflatten(leaves, runner._inputs.spec)
     autocast = runner._autocast
-    guard = _StateGuard()
+    state = runner._recompute
+    guard = _StateGuard() if state.guard else None
     try:
         with torch.enable_grad(), _at_rng(runner.device, rng), torch.autocast(
             runner.device.type, dtype=autocast, enabled=autocast is not None
-        ), guard:
+        ), guard if guard is not None else contextlib.nullcontext():
             out = runner._run_fn(*args, **kwargs)
     finally:
-        guard.restore()
+        if guard is not None:
+            guard.restore()
+    if guard is None:
+        return _compat.tree_flatten(out)[0], ins
+    state.guard = bool(guard.kept)
     if guard.read_back is not None:
         raise UnsupportedError(
             f"'{runner.name}': {why}, which its backward graph cannot compute, and its forward "
@@ -187,7 +205,7 @@ class _StateGuard(_compat.LightDispatchMode):
         super().__init__()
         self._made: set[int] = set()
         self._dirty: set[int] = set()
-        self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
         self.read_back: str | None = None
 
@@ -207,7 +225,7 @@ class _StateGuard(_compat.LightDispatchMode):
             if ptr not in self._made and key not in self._seen:
                 self._seen.add(key)
                 self._dirty.add(ptr)
-                self._kept.append((t, t.detach().clone()))
+                self.kept.append((t, t.detach().clone()))
         out = func(*args, **kwargs)
         if _compat.returns_fresh(func):
             for o in _compat.tree_flatten(out)[0]:
@@ -217,5 +235,5 @@ class _StateGuard(_compat.LightDispatchMode):
 
     def restore(self) -> None:
         with torch.no_grad():
-            for t, value in reversed(self._kept):
+            for t, value in reversed(self.kept):
                 t.data.copy_(value)
