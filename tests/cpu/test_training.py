@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 
 import torchreplay as tr
+
+import higher_order
 from memory import collector_off
 from twin_steps import history_step
 from torchreplay import _compat
@@ -27,7 +29,6 @@ from torchreplay.training import step as step_mod
 from torchreplay.training import step_parts as step_parts_mod
 from torchreplay.errors import (
     ReplayInputError,
-    StaleOutputError,
     TorchReplayError,
     UnsupportedError,
     VerifyError,
@@ -782,24 +783,8 @@ def test_emulated_higher_order_and_second_backwards_equal_eager(emulated, caplog
     ref = copy.deepcopy(model)
     tr.make_graphed_callables(model, (torch.randn(3, 6, requires_grad=True),))
 
-    def penalty(m: nn.Module, x: torch.Tensor) -> None:
-        loss = m(x).pow(2).sum()
-        gs = torch.autograd.grad(loss, list(m.parameters()), create_graph=True)
-        (loss + sum(g.pow(2).sum() for g in gs)).backward()
-
-    def pinn(m: nn.Module, x: torch.Tensor) -> None:
-        x = x.clone().requires_grad_(True)
-        u = m(x)
-        (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)
-        (du.pow(2).mean() + u.pow(2).mean()).backward()
-
-    def two_losses(m: nn.Module, x: torch.Tensor) -> None:
-        y = m(x)
-        y.pow(2).sum().backward(retain_graph=True)
-        y.sin().sum().backward()
-
     with caplog.at_level(logging.WARNING, logger="torchreplay"):
-        for step in (penalty, pinn, two_losses, penalty, pinn, two_losses):
+        for step in higher_order.STEPS * 2:
             x = torch.randn(3, 6)
             model.zero_grad(set_to_none=True)
             ref.zero_grad(set_to_none=True)

@@ -256,16 +256,22 @@ class NormedBlock(nn.Module):
         return self.out(h + self.attn(h, lengths))
 
 
-def test_batchnorm_statistics_move_once_per_step_and_a_replaced_weight_raises():
-    torch.manual_seed(0)
-    model = NormedBlock().to(DEV)
-    ref = copy.deepcopy(model)
-    g = torch.Generator(device=DEV).manual_seed(4)
+def _normed_batches(g: torch.Generator):
+    """A maker of NormedBlock's batches: fresh inputs from ``g``, and host lengths."""
 
     def batch():
         x = torch.randn(B, T, H, device=DEV, generator=g)
         return x, torch.randint(1, T + 1, (B,), generator=torch.Generator().manual_seed(int(x.sum().abs() * 1000)))
 
+    return batch
+
+
+def test_batchnorm_statistics_move_once_per_step_and_a_replaced_weight_raises():
+    torch.manual_seed(0)
+    model = NormedBlock().to(DEV)
+    ref = copy.deepcopy(model)
+    g = torch.Generator(device=DEV).manual_seed(4)
+    batch = _normed_batches(g)
     tr.make_graphed_callables(model, batch(), breaks=[HostAttention])
     for name, b in model.bn.named_buffers():  # the record and the captures left them as they were
         torch.testing.assert_close(b, dict(ref.bn.named_buffers())[name])
@@ -290,12 +296,7 @@ def test_higher_order_and_second_backwards_through_segments_equal_eager(caplog):
     torch.manual_seed(0)
     model = NormedBlock().to(DEV)
     ref = copy.deepcopy(model)
-    g = torch.Generator(device=DEV).manual_seed(5)
-
-    def batch():
-        x = torch.randn(B, T, H, device=DEV, generator=g)
-        return x, torch.randint(1, T + 1, (B,), generator=torch.Generator().manual_seed(int(x.sum().abs() * 1000)))
-
+    batch = _normed_batches(torch.Generator(device=DEV).manual_seed(5))
     tr.make_graphed_callables(model, batch(), breaks=[HostAttention])
     with caplog.at_level(logging.WARNING, logger="torchreplay"):
         for step in range(6):

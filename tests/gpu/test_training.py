@@ -15,6 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchreplay as tr
+
+import higher_order
 from torchreplay.models import CNNConfig, MLPConfig, build_cnn, build_mlp
 
 from memory import reserved
@@ -417,24 +419,8 @@ def test_higher_order_and_second_backwards_equal_eager(caplog: pytest.LogCapture
     ref = copy.deepcopy(model)
     tr.make_graphed_callables(model, (torch.randn(16, 8, device=DEV, requires_grad=True),))
 
-    def penalty(m: nn.Module, x: torch.Tensor) -> None:
-        loss = m(x).pow(2).mean()
-        gs = torch.autograd.grad(loss, list(m.parameters()), create_graph=True)
-        (loss + sum(g.pow(2).sum() for g in gs)).backward()
-
-    def pinn(m: nn.Module, x: torch.Tensor) -> None:
-        x = x.clone().requires_grad_(True)
-        u = m(x)
-        (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)
-        (du.pow(2).mean() + (u - 1).pow(2).mean()).backward()
-
-    def two_losses(m: nn.Module, x: torch.Tensor) -> None:
-        y = m(x)
-        y.pow(2).mean().backward(retain_graph=True)
-        y.sin().mean().backward()
-
     with caplog.at_level(logging.WARNING, logger="torchreplay"):
-        for step in (penalty, pinn, two_losses) * 4:
+        for step in higher_order.STEPS * 4:
             x = torch.randn(16, 8, device=DEV)
             for m in (model, ref):
                 m.zero_grad(set_to_none=True)
