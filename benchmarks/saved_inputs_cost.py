@@ -8,7 +8,8 @@ tensor arguments (``save_for_backward``) so that a backward its backward graph c
 ``.sum().backward()``, a synchronize before each step): the node as it is against the node
 without the save (its forward replaced in this process), interleaved, host us per step, and
 torch's tool as the anchor. Then the cost of a recomputed backward: a gradient-penalty step
-(``create_graph=True``) graphed against eager.
+(``create_graph=True``) graphed against eager, and the same step graphed whole by
+``tr.graph_step`` (the double backward inside the one graph).
 
 Usage: ``PYTHONPATH=. python benchmarks/saved_inputs_cost.py``
 """
@@ -124,6 +125,22 @@ def plain(m):
 
 pm = {"eager, penalty step": penalty(ref), "graphed, penalty step (recomputed)": penalty(net),
       "eager, plain step": plain(ref), "graphed, plain step": plain(net)}
+# the whole penalty step in one graph (tr.graph_step): the double backward is more kernels in it
+whole = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 1)).cuda()
+whole.load_state_dict(ref.state_dict())
+try:
+    def penalty_of(x):
+        for p in whole.parameters():
+            p.grad = None
+        loss = whole(x).pow(2).mean()
+        gs = torch.autograd.grad(loss, list(whole.parameters()), create_graph=True)
+        total = loss + sum(g.pow(2).sum() for g in gs)
+        total.backward()
+        return total
+    stepped = tr.graph_step(penalty_of, xp)
+    pm["graph_step, penalty step (one graph)"] = lambda: stepped(xp)
+except Exception as exc:  # (a row that cannot run is reported, not fatal)
+    print(f"graph_step of the penalty step failed: {type(exc).__name__}: {exc}")
 import logging
 logging.getLogger("torchreplay").setLevel(logging.ERROR)  # the recompute's one warning
 for f in pm.values():

@@ -237,6 +237,37 @@ def test_sgd_momentum_20_steps_equal_eager() -> None:
         step(*data[0])
 
 
+def test_a_gradient_penalty_step_20_steps_equal_eager() -> None:
+    """A WGAN-GP style step (the norm of the input gradient, create_graph=True, in the loss)
+    graphed whole: the double backward is more kernels in the one graph, so this is the fast
+    way to run it (make_graphed_callables recomputes such a backward eagerly)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 128), nn.SiLU(), nn.Linear(128, 1)).to(DEV)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True, fused=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, capturable=True, fused=True)
+
+    def penalty_step(m, o):
+        def step(x, y):
+            o.zero_grad(set_to_none=True)
+            x = x.clone().requires_grad_(True)
+            out = m(x)
+            (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            loss = F.mse_loss(out, y) + 0.1 * (gx.norm(2, dim=1) - 1).pow(2).mean()
+            loss.backward()
+            o.step()
+            return loss
+        return step
+
+    data = batches(STEPS, (16, 32), (16, 1))
+    step = tr.graph_step(penalty_step(model, opt), *data[0])
+    ref_step = penalty_step(ref, ref_opt)
+    for x, y in data:
+        torch.testing.assert_close(step(x, y).clone(), ref_step(x, y).detach(), **TOL)
+    assert_same_state(model, ref)
+    assert step.stats.replays == STEPS and step.stats.fallbacks == 0
+
+
 # -- refusals, guards and outputs --------------------------------------------------------------
 
 
