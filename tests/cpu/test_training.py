@@ -923,6 +923,16 @@ def test_emulated_recompute_keeps_running_statistics_and_refuses_a_written_argum
         torch.autograd.grad(y, [w], create_graph=True)
     torch.testing.assert_close(stat, before)  # put back
 
+    # A forward with collectives: run again on this rank alone, it would hang the others
+    from torchreplay.distributed.collectives import Collective
+
+    net = _mlp()
+    tr.make_graphed_callables(net, (torch.randn(3, 6),))
+    net.forward.collectives = (Collective("allreduce_", "0", (0, 1), "torch.float32", 8),)
+    y = net(torch.randn(3, 6)).sum()
+    with pytest.raises(UnsupportedError, match=r"holds collectives \(allreduce_\(8 x torch.float32, group 0 = ranks \[0, 1\]\)\).*a hang"):
+        torch.autograd.grad(y, list(net.parameters()), create_graph=True)
+
     def bump(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         x.add_(1.0)
         return (x * w).sum(0)

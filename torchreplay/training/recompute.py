@@ -25,8 +25,9 @@ follows (the loss's own, next to the penalty) still replays the backward graph.
 
 What it cannot make equal: a forward that writes one of its tensor arguments, or reads a tensor
 it wrote earlier in the same call (a running statistic used after its update, a step counter):
-the recompute would start from what the call left there, so it raises, naming it. Python state
-the forward changes changes again.
+the recompute would start from what the call left there, so it raises, naming it. A forward
+with ``torch.distributed`` collectives raises too: run again on one rank, they would hang the
+others. Python state the forward changes changes again.
 """
 
 from __future__ import annotations
@@ -102,6 +103,13 @@ def recompute_backward(runner: Any, ctx: Any, grads: tuple[torch.Tensor | None, 
     run of its forward on what ``ctx`` saved at the call; ``create_graph`` when grad mode is on
     (autograd turns it on for a backward with ``create_graph=True``)."""
     saved = ctx.saved_tensors  # autograd's errors: freed (no retain_graph), changed in place
+    if runner.collectives:  # (torch.distributed: the other ranks would not run them)
+        raise UnsupportedError(
+            f"'{runner.name}': {why}, which its backward graph cannot compute; the forward would "
+            f"run again eagerly, but it holds collectives ({_names(runner.collectives)}), which "
+            "this rank alone would call and the others would wait for: a hang. Call backward "
+            "once per forward without create_graph on graphs with collectives"
+        )
     if runner._writes:
         raise UnsupportedError(
             f"'{runner.name}': {why}, which its backward graph cannot compute; the forward would "
@@ -142,6 +150,11 @@ def recompute_backward(runner: Any, ctx: Any, grads: tuple[torch.Tensor | None, 
         for p, g in zip(wanted, got):
             result[p] = g
     return result
+
+
+def _names(collectives: tuple[Any, ...]) -> str:
+    names = [c.line() if hasattr(c, "line") else str(c) for c in collectives[:3]]
+    return ", ".join(names) + (", ..." if len(collectives) > 3 else "")
 
 
 def _forward_again(
