@@ -226,14 +226,16 @@ class _StateGuard(_compat.LightDispatchMode):
         kwargs = kwargs or {}
         written = _compat.written_tensors(func, args, kwargs)
         if self._dirty and self.read_back is None:
-            writes = {t.untyped_storage().data_ptr() for t in written}
+            writes = {_storage(t) for t in written}
             for a in _compat.tree_flatten((args, kwargs))[0]:
                 if isinstance(a, torch.Tensor):
-                    ptr = a.untyped_storage().data_ptr()
+                    ptr = _storage(a)
                     if ptr in self._dirty and ptr not in writes:
                         self.read_back = f"{tuple(a.shape)} {a.dtype}, read by {func}"
         for t in written:
-            ptr = t.untyped_storage().data_ptr()
+            ptr = _storage(t)
+            if ptr is None:  # (no storage of its own to keep: a sparse or a wrapper tensor)
+                continue
             key = (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
             if ptr not in self._made and key not in self._seen:
                 self._seen.add(key)
@@ -242,11 +244,21 @@ class _StateGuard(_compat.LightDispatchMode):
         out = func(*args, **kwargs)
         if _compat.returns_fresh(func):
             for o in _compat.tree_flatten(out)[0]:
-                if isinstance(o, torch.Tensor):
-                    self._made.add(o.untyped_storage().data_ptr())
+                if isinstance(o, torch.Tensor) and (ptr := _storage(o)) is not None:
+                    self._made.add(ptr)
         return out
 
     def restore(self) -> None:
         with torch.no_grad():
             for t, value in reversed(self.kept):
                 t.data.copy_(value)
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """Where a dense tensor's storage starts; None for one without a plain storage."""
+    if t.layout is not torch.strided or t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
