@@ -870,6 +870,26 @@ def test_emulated_higher_order_backwards_through_segments_around_a_break(emulate
     assert all(seg.stats.recomputed == 4 for seg in model.forward.segments)
 
 
+def test_emulated_recompute_of_a_widened_argument(emulated, caplog: pytest.LogCaptureFixture) -> None:
+    """A bfloat16 argument copied into the float32 capture (a lossless widening): the recompute
+    runs on it widened, as the replay did, and its gradient comes back in its own dtype."""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    tr.make_graphed_callables(model, (torch.randn(3, 6, requires_grad=True),))
+    x = torch.randn(3, 6).bfloat16().requires_grad_(True)
+    xr = x.detach().clone().requires_grad_(True)
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        for m, xi in ((model, x), (ref, xr)):
+            u = m(xi) if m is model else m(xi.float())
+            (gx,) = torch.autograd.grad(u.sum(), xi, create_graph=True)
+            (gx.float().pow(2).sum() + u.pow(2).sum()).backward()
+    assert x.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(x.grad, xr.grad)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert model.forward.stats.recomputed == 1
+
+
 def test_emulated_recompute_keeps_running_statistics_and_refuses_a_written_argument(emulated) -> None:
     """The recompute runs on clones of the buffers: BatchNorm's running statistics are updated
     once per forward, as in eager. A forward that writes its argument cannot be run again from

@@ -174,12 +174,10 @@ def _forward_again(
     with torch.enable_grad():
         for k, i in enumerate(runner._tensor_idx):
             t = saved[k]
-            if t.dtype is not slots[i].dtype:
-                t = t.to(slots[i].dtype)  # widened: as copied in (a new node already)
-            elif t.requires_grad:
+            if t.requires_grad:
                 t = t.view_as(t)
             ins.append(t)
-            leaves[i] = t
+            leaves[i] = t if t.dtype is slots[i].dtype else t.to(slots[i].dtype)  # widened: as copied in
     args, kwargs = _compat.tree_unflatten(leaves, runner._inputs.spec)
     autocast = runner._autocast
     state = runner._recompute
