@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator, overload
 import torch
 
 from torchreplay._compat import LightDispatchMode
+from torchreplay._compat.rng import can_register_generators
 
 __all__ = ["Finding", "Report", "check", "check_call", "diagnose", "user_line", "KINDS", "NO_CUDA_OP"]
 
@@ -183,11 +184,14 @@ _MULTI = _Rule("multi-device", "uses tensors on several CUDA devices, but a grap
                "one device", "keep the graphed function on one device, or graph each device's "
                "part separately")
 _RNG_STATE = _Rule(_RNG, "reads or writes the RNG state on the host, which a graph does not "
-                   "replay", "seed once before capture; random ops inside the graph draw fresh "
-                   "numbers on every replay")
-_RNG_GENERATOR = _Rule(_RNG, "draws from an explicit torch.Generator, which a CUDA graph replays "
-                       "only if it was registered with the graph", "use the default generator "
-                       "inside the graphed function and seed it once outside")
+                   "replay", "seed outside the graphed call (before a call): a graph reads the "
+                   "generator's seed and offset at every replay and draws on from there")
+_RNG_GENERATOR = _Rule(_RNG, "draws from an explicit torch.Generator, which this torch cannot "
+                       "register with a CUDA graph (torch >= 2.4 can)", "use the default generator "
+                       "inside the graphed function and seed it outside, or upgrade torch")
+_RNG_HOST_GENERATOR = _Rule(_RNG, "draws from a CPU torch.Generator on the host, which a graph does "
+                            "not replay: the numbers drawn at capture are used at every replay",
+                            "draw on the device from a CUDA generator (torch.Generator(device='cuda'))")
 _PINNED = _Rule("pinned-memory", "allocates pinned host memory, which calls into the CUDA driver "
                 "while capturing", "allocate pinned buffers once outside the graphed function")
 
@@ -336,7 +340,10 @@ def _classify(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
             rules.append(_SYNC_COPY)
         elif src.type == dst.type == "cuda" and src.index != dst.index:
             rules.append(_MULTI)
-    if kwargs.get("generator") is not None:
+    gen = kwargs.get("generator")
+    if gen is not None and gen.device.type != "cuda":
+        rules.append(_RNG_HOST_GENERATOR)
+    elif gen is not None and not can_register_generators():  # (else registered: core/generators.py)
         rules.append(_RNG_GENERATOR)
     if kwargs.get("pin_memory"):
         rules.append(_PINNED)
@@ -389,7 +396,7 @@ class _Recorder:
         if rules:
             at = _user_location(sys._getframe())
             for rule in rules:
-                op = "torch.Generator" if rule is _RNG_GENERATOR else name
+                op = "torch.Generator" if rule in (_RNG_GENERATOR, _RNG_HOST_GENERATOR) else name
                 self.add(op, rule, at)
 
     def profile(self, frame: FrameType, event: str, arg: Any) -> None:

@@ -562,3 +562,5 @@ __all__ += ["safe_aot_cache", "any_autocast", "cuda_autocast", "dispatch_modes",
             "saved_tensor_hooks", "sequence_nr", "set_sequence_nr", "version_of",
             "versions_of", "function_forwards", "function_of_call", "function_of_ctx", "is_custom_op_function",
             "triton_launches", "watch_saved"]
+from torchreplay._compat.rng import register_generator  # noqa: E402  (a graph drawing from a generator of the user's)
+__all__ += ["register_generator"]

@@ -228,13 +228,16 @@ class BreakableGraph(EagerForm):
         rng = rng_state(device)
         try:
             with on_side_stream(side_stream(device), device), torch.no_grad(), self._python.build_call():
-                with watch, intercept(self.fn, self._breaks, recorder, reached), snapshot.running():
+                with (
+                    watch, intercept(self.fn, self._breaks, recorder, reached), snapshot.running(),
+                    snapshot.draws.watch(compare=False),  # (put back after; its padding check skipped)
+                ):
                     out = self.fn(*args, **kwargs)
                 self._copy_large = {id(t) for _, t in snapshot.written_large()} if sums else None
                 if self._state_check is not None:  # (all of it: a segment's replay moves no version)
                     self._state_check.after_first(
                         [(n, t) for n, t, _ in snapshot.kept()] + [(n, t) for n, t, _ in self._python.held_tensors()])
-            self._drew = not same_rng(rng, rng_state(device))  # (its outputs are not comparable)
+            self._drew = not same_rng(rng, rng_state(device)) or snapshot.draws.explicit  # (outputs not comparable)
         except Exception as exc:
             raise CaptureError(
                 f"the sample call of '{self.name}' raised {type(exc).__name__}: {exc}; it fails "

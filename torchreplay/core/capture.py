@@ -26,7 +26,7 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.config import GraphConfig
-from torchreplay.core import constants
+from torchreplay.core import constants, generators
 from torchreplay.core.args import fn_name
 from torchreplay.core.effects import NO_EFFECTS, NoEffects, PyState
 from torchreplay.core.failures import capture_error, empty_message, warmup_error
@@ -132,6 +132,9 @@ class Captured:
     collectives: tuple[Collective, ...] = ()
     #: The log that recorded them (it keeps each group object by name).
     collective_log: CollectiveLog | None = None
+    #: The explicit CUDA generators (not a default one) registered with the graphs: the call
+    #: draws from them (core/generators.py).
+    generators: tuple[torch.Generator, ...] = ()
 
 
 class Segments:
@@ -142,9 +145,10 @@ class Segments:
     runs between two of them runs eagerly, on the capture stream, for real.
     """
 
-    def __init__(self, pool: Pool, mode: str) -> None:
+    def __init__(self, pool: Pool, mode: str, generators: Sequence[torch.Generator] = ()) -> None:
         self._pool = pool
         self._mode = mode
+        self._generators = generators  # registered with each graph before its capture begins
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.empty: list[bool] = []
         #: the graph whose capture began and has not ended (``None`` between segments)
@@ -153,6 +157,8 @@ class Segments:
     def resume(self) -> None:
         """Begin capturing the next segment."""
         graph = torch.cuda.CUDAGraph()
+        for gen in self._generators:  # (each replay draws from where it stands, and moves it on)
+            _compat.register_generator(graph, gen)
         expect_capture()  # a graph called inside this capture runs eagerly (core/pool.py)
         # The capture's cuBLAS workspace must live in the graph's pool (see _compat).
         _compat.clear_cublas_workspaces()
@@ -292,6 +298,13 @@ def capture(
     running = snapshot.running() if isinstance(snapshot, StateSnapshot) else contextlib.nullcontext()
     python = effects if effects is not None else NO_EFFECTS
     key = fn if owner is None else owner
+    # The generators it draws from (core/generators.py): found by its first two warm-ups, or
+    # remembered from an earlier build of the same callable (a capture without a warm-up).
+    draws = getattr(snapshot, "draws", None)  # (put back with the snapshot's RNG)
+    known = generators.remembered(key)
+    watching = warmup and config.num_warmup_iters > 0 and (draws is not None or known is None)
+    if watching and draws is None:
+        draws = generators.Draws(device)
     with on_side_stream(stream, device), grad_ctx(), running:
         if warmup:
             python.start()
@@ -302,19 +315,30 @@ def capture(
                     if i:  # (the first starts from it: nothing ran before, or put it back)
                         from_the_start(snapshot, python)
                     last = i == config.num_warmup_iters - 1
-                    with python.warmup(last=last), constants.watching(key, on=last):
+                    with (
+                        python.warmup(last=last),
+                        constants.watching(key, on=last),
+                        draws.watch() if watching and i < 2 else contextlib.nullcontext(),  # type: ignore[union-attr]
+                    ):
                         fn(*args, **kwargs)
                 except Exception as exc:
                     _undo(None, device, pool, snapshot, exc, python)
                     raise warmup_error(fn, i, exc) from exc
             if config.num_warmup_iters:
                 from_the_start(snapshot, python)  # (a breakable capture runs its calls for real)
+            if watching:
+                err = draws.verdict(fn_name(fn))  # type: ignore[union-attr]
+                if err is not None:  # (a seed set inside the call: no graph can replay it)
+                    _undo(None, device, pool, snapshot, err, python)
+                    raise err
+                known = tuple(draws.generators)  # type: ignore[union-attr]
+                generators.remember(key, draws.generators)  # type: ignore[union-attr]
             if sync:
                 stream.synchronize()  # surface asynchronous warm-up errors before capture begins
             if free_warmup:
                 torch.cuda.empty_cache()
 
-        segments = Segments(pool, config.capture_error_mode)
+        segments = Segments(pool, config.capture_error_mode, known or ())
         watcher = WriteWatch(watch) if watch else contextlib.nullcontext()
         recorder = CollectiveLog() if collectives and _compat.dist_ready() else None
         out = None
@@ -379,6 +403,7 @@ def capture(
         first, out, seconds, written, graphs,
         tuple(recorder.collectives) if recorder is not None else (),
         recorder,
+        tuple(known or ()),
     )
 
 

@@ -41,6 +41,7 @@ from typing import Any, Collection, Iterator
 import torch
 
 from torchreplay import _compat
+from torchreplay.core.generators import Draws
 from torchreplay.core.pystate import large_tensors
 from torchreplay.errors import CaptureError
 from torchreplay.core.rewind import Rewind
@@ -101,6 +102,9 @@ class StateSnapshot:
             self._keep(module, recurse=True)
         self._cpu_rng = torch.get_rng_state()
         self._cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        #: the generators of the user's that the build's watched calls drew from, put back with
+        #: the RNG state (core/generators.py)
+        self.draws = Draws(device)
 
     @property
     def saved_bytes(self) -> int:
@@ -220,6 +224,7 @@ class StateSnapshot:
         torch.set_rng_state(self._cpu_rng)
         if self._cuda_rng is not None:
             torch.cuda.set_rng_state(self._cuda_rng, self._device)
+        self.draws.put_back()
 
 
 #: How to build without the copies, for :func:`check_fits`'s error (``tr.graph``'s words)

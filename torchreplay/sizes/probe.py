@@ -133,8 +133,9 @@ def probe(
             before = held.versions()
             flat = inputs.flatten(a, k)
             leaf_versions = [_compat.version_of(x) if isinstance(x, _Tensor) else None for x in flat]
+            drawing = snapshot.draws.watch(compare=False) if snapshot is not None else contextlib.nullcontext()
             try:
-                with effects.build_call():  # its writes into Python state: put back
+                with effects.build_call(), drawing:  # its writes into Python state: put back
                     outs[key] = fn(*a, **k)
             except Exception as exc:
                 if snapshot is not None:
@@ -159,7 +160,7 @@ def probe(
         if real is not None:
             if distributed():
                 skip = DISTRIBUTED
-            elif not same_rng(rng, rng_state(device)):
+            elif not same_rng(rng, rng_state(device)) or snapshot is not None and snapshot.draws.explicit:
                 skip = "it draws random numbers"
             elif held.why_not() is not None:
                 skip = held.why_not()

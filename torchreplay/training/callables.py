@@ -129,6 +129,7 @@ def _capture_pairs(
             collectives=fwd.collectives + (bwd.collectives if bwd is not None else ()),
             collective_log=fwd.collective_log or (bwd.collective_log if bwd is not None else None),
             reads=python[i].reads(),
+            generators=fwd.generators,
         )
         forwards[i] = None  # type: ignore[call-overload]
         del leaves, fwd, bwd

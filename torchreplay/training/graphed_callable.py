@@ -118,7 +118,7 @@ class GraphedCallable(EagerForm):
         self._warned: set[str] = set()  # the reasons to run eagerly it warned about
         self._warned_awaiting = False
         self._recompute = Recomputes()  # (training/recompute.py: what it said, what it found)
-        self._rng: Callable[[], tuple[int, int]] | None = None  # set if it draws random numbers
+        self._rng: Callable[[], Any] | None = None  # set if it draws random numbers
         self.pool: Pool | None = None
         self.stats = TrainingStats()
 
@@ -179,8 +179,7 @@ class GraphedCallable(EagerForm):
         with keeper.discovering() if discover else contextlib.nullcontext():  # type: ignore[union-attr]
             with finder.running() if finder is not None else contextlib.nullcontext():
                 out = self._run_fn(*args, **kwargs)
-        if rng is not None and rng() != before:  # it draws random numbers (dropout)
-            self._rng = rng
+        self._rng = rng if rng is not None and rng() != before else self._rng  # it draws (dropout)
         self._called = finder.called if finder is not None else self._called
         self._discovering_done = self._discovering_done or discover
         if self._surface is None:
@@ -291,6 +290,8 @@ class GraphedCallable(EagerForm):
         self._static_grad_outputs = pair.static_grad_outputs
         self._static_grad_inputs = pair.static_grad_inputs
         self._reads = pair.reads  # tensors in Python state the forward reads (core/effects.py)
+        if pair.generators:  # (registered with it: a recompute draws from where the call did)
+            self._rng = rng_reader(self.device, self._rng is not None, pair.generators)
         self._inputs.set_written(pair.written)
         self._writes = bool(self._inputs.written)
         self.stats.written_inputs = self._inputs.written_paths()

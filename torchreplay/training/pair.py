@@ -168,6 +168,7 @@ class Pair:
     collective_log: Any = None
     input_grads: InputGrads | None = None  # set when the callable adopts the pair
     reads: StateReads | None = None
+    generators: tuple[torch.Generator, ...] = ()  # explicit ones the forward draws from
 
 
 def capturing() -> bool:

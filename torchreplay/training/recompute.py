@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from torchreplay import _compat
+from torchreplay._compat.rng import Position, default_generator, position
 from torchreplay.errors import UnsupportedError
 
 __all__ = ["CREATE_GRAPH", "SECOND", "CLOBBERED", "Recomputes", "recompute_backward", "rng_reader"]
@@ -49,7 +50,9 @@ CREATE_GRAPH = "backward ran with create_graph=True (a higher-order gradient)"
 SECOND = "a second backward through one forward (retain_graph=True)"
 CLOBBERED = "another graph of its pool replayed over the activations its forward saved"
 
-RngPosition = tuple[int, int]
+#: where the generators a forward draws from stood at its call: the device's default one (None:
+#: it does not draw from it), then each explicit generator registered with its graph
+RngPosition = tuple[Optional[Position], tuple[Position, ...]]
 
 
 class Recomputes:
@@ -65,37 +68,47 @@ class Recomputes:
         self.guard = True
 
 
-def rng_reader(device: torch.device) -> Callable[[], RngPosition] | None:
-    """A reader of the (seed, offset) of ``device``'s default CUDA generator, whose philox
-    stream a graph's random ops draw from at the offset the generator has when it replays;
-    None where there is none (a CPU build)."""
-    if device.type != "cuda":
+def rng_reader(
+    device: torch.device, default: bool = True, generators: Sequence[torch.Generator] = ()
+) -> Callable[[], RngPosition] | None:
+    """A reader of where the generators a forward draws from stand: ``device``'s default CUDA
+    generator (``default``) and ``generators`` (explicit ones, registered with its graph: a
+    graph's random ops draw from where each stands when it replays); None where there is
+    nothing to read (a CPU build)."""
+    gen = default_generator(device) if default else None
+    if gen is None and not generators:
         return None
-    try:
-        gen = torch.cuda.default_generators[device.index or 0]
-        gen.get_offset()
-    except (AttributeError, IndexError, RuntimeError):
-        return None
+    gens = tuple(generators)
 
     def read() -> RngPosition:
-        return gen.initial_seed(), gen.get_offset()
+        return (position(gen) if gen is not None else None), tuple(position(g) for g in gens)
 
+    read.generators = gens  # type: ignore[attr-defined]
     return read
 
 
 @contextlib.contextmanager
-def _at_rng(device: torch.device, position: RngPosition | None) -> Iterator[None]:
-    """Within the block the device's generator stands where it stood at the call; afterwards
-    where it stands now."""
-    if position is None:
+def _at_rng(device: torch.device, at: RngPosition | None, generators: Sequence[torch.Generator]) -> Iterator[None]:
+    """Within the block the generators stand where they stood at the call; afterwards where
+    they stand now."""
+    if at is None:
         yield
         return
     index = device.index or 0
-    with torch.random.fork_rng(devices=[index], device_type="cuda"):
-        gen = torch.cuda.default_generators[index]
-        gen.manual_seed(position[0])
-        gen.set_offset(position[1])
-        yield
+    now = [position(g) for g in generators]
+    moved = list(zip(generators, at[1]))
+    if at[0] is not None:
+        moved.append((torch.cuda.default_generators[index], at[0]))
+    with torch.random.fork_rng(devices=[index] if at[0] is not None else [], device_type="cuda"):
+        try:
+            for gen, (seed, offset) in moved:
+                gen.manual_seed(seed)
+                gen.set_offset(offset)
+            yield
+        finally:
+            for gen, (seed, offset) in zip(generators, now):
+                gen.manual_seed(seed)
+                gen.set_offset(offset)
 
 
 def recompute_backward(runner: Any, ctx: Any, grads: tuple[torch.Tensor | None, ...], why: str) -> list[Any]:
@@ -183,7 +196,8 @@ def _forward_again(
     state = runner._recompute
     guard = _StateGuard() if state.guard else None
     try:
-        with torch.enable_grad(), _at_rng(runner.device, rng), torch.autocast(
+        gens = getattr(runner._rng, "generators", ())
+        with torch.enable_grad(), _at_rng(runner.device, rng, gens), torch.autocast(
             runner.device.type, dtype=autocast, enabled=autocast is not None
         ), guard if guard is not None else contextlib.nullcontext():
             out = runner._run_fn(*args, **kwargs)

@@ -25,6 +25,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torchreplay import _compat
+from torchreplay.core.generators import Draws
 
 
 __all__ = ["StateKeeper", "reset_fresh_state", "referenced_objects", "find_instances"]
@@ -181,6 +182,8 @@ class StateKeeper:
         self._scalers = [_ScalerState(s) for s in scalers]
         self._cpu_rng = torch.get_rng_state()
         self._cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        #: the generators of the user's that the warm-ups drew from (core/generators.py)
+        self.draws = Draws(device)
         for m in modules:
             self.add_module(m)
         for opt in optimizers:
@@ -280,6 +283,7 @@ class StateKeeper:
         torch.set_rng_state(self._cpu_rng)
         if self._cuda_rng is not None:
             torch.cuda.set_rng_state(self._cuda_rng, self._device)
+        self.draws.put_back()
 
 
 def referenced_objects(fn: Callable[..., Any]) -> list[Any]:

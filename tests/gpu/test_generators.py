@@ -1,0 +1,233 @@
+"""Random numbers from the user's own CUDA generators (``torch.randn(..., generator=g)``: a
+sampler's per-request generator, diffusers' ``generator=``, an RNG tracker's) in every API, and a
+call that seeds a generator inside itself, refused (core/generators.py).
+
+Every test runs the same calls eagerly and graphed from the same generator state, on fresh random
+inputs, over many calls, and compares bitwise (the graph launches the same kernels at the same
+philox offsets), and checks where the generator stands after each call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchreplay as tr
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+DEV = "cuda"
+CALLS = 12
+
+
+def cuda_generator(seed: int) -> torch.Generator:
+    g = torch.Generator(device=DEV)
+    g.manual_seed(seed)
+    return g
+
+
+class Noisy(nn.Module):
+    """A block that draws from its own generator (noise and a mask) and from the default one
+    (dropout)."""
+
+    def __init__(self, gen: torch.Generator, width: int = 64) -> None:
+        super().__init__()
+        self.gen = gen
+        self.lin = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        h = h + 0.1 * torch.randn(h.shape, device=h.device, dtype=h.dtype, generator=self.gen)
+        keep = torch.rand(h.shape, device=h.device, generator=self.gen) > 0.1
+        return self.drop(torch.where(keep, h, 0.0).tanh())
+
+
+def test_a_function_drawing_from_its_own_generator_replays_as_eager() -> None:
+    """The issue's case: this failed to capture ("Attempt to increase offset for a CUDA
+    generator not in capture mode"). The build leaves the generator where it found it; every
+    replay draws what the eager call would and moves the generator as far."""
+    gen = cuda_generator(1)
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        noise = torch.rand(logits.shape, device=logits.device, generator=gen)
+        gumbel = -torch.log(-torch.log(noise.clamp_min(1e-10)))
+        return (logits + gumbel).argmax(-1), torch.bernoulli(logits.sigmoid(), generator=gen)
+
+    x = torch.randn(4, 100, device=DEV)
+    before = gen.get_state()
+    g = tr.graph(sample, x)
+    assert torch.equal(gen.get_state(), before), "the build moved the caller's generator"
+    inputs = [torch.randn(4, 100, device=DEV) for _ in range(CALLS)]
+    got = []
+    for i, xi in enumerate(inputs):
+        got.append([t.clone() for t in g(xi)])
+        if i == CALLS // 2:  # seeded outside, between calls: both follow
+            gen.manual_seed(7)
+    after_graph = gen.get_state()
+    gen.set_state(before)
+    for i, xi in enumerate(inputs):
+        want = sample(xi)
+        assert all(torch.equal(a, b) for a, b in zip(got[i], want)), f"call {i}"
+        if i == CALLS // 2:
+            gen.manual_seed(7)
+    assert torch.equal(after_graph, gen.get_state())
+    assert g.stats.replays == CALLS
+
+
+def test_a_module_with_its_generator_and_dropout_under_sizes() -> None:
+    """Its own generator and the default one (dropout, train mode) in one module, with
+    ``sizes=``: each size's graph registers the generator; calls at the captured sizes, in
+    any order, draw what eager draws."""
+    torch.manual_seed(0)
+    gen = cuda_generator(3)
+    model = Noisy(gen).to(DEV).train()
+    g = tr.graph(model, torch.randn(8, 64, device=DEV), sizes=[2, 4, 8])
+    rows = [2, 8, 4, 4, 2, 8, 8, 2, 4, 2, 8, 4]
+    inputs = [torch.randn(n, 64, device=DEV) for n in rows]
+    gen_at, cuda_at = gen.get_state(), torch.cuda.get_rng_state()
+    got = [g(x).clone() for x in inputs]
+    gen_after, cuda_after = gen.get_state(), torch.cuda.get_rng_state()
+    gen.set_state(gen_at)
+    torch.cuda.set_rng_state(cuda_at)
+    for i, x in enumerate(inputs):
+        assert torch.equal(got[i], model(x)), f"call {i} at {rows[i]} rows"
+    assert torch.equal(gen_after, gen.get_state()) and torch.equal(cuda_after, torch.cuda.get_rng_state())
+
+
+def test_a_generator_passed_as_an_argument_and_another_one_refused() -> None:
+    """A generator is a non-tensor argument: the captured one is the graph's. Another one at a
+    call raises (a graph cannot draw from a generator it was not captured with)."""
+    gen = cuda_generator(5)
+
+    def noisy(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return x + torch.randn(x.shape, device=x.device, generator=generator)
+
+    x = torch.randn(16, device=DEV)
+    g = tr.graph(noisy, x, generator=gen)
+    twin = cuda_generator(5)
+    for _ in range(CALLS):
+        xi = torch.randn(16, device=DEV)
+        assert torch.equal(g(xi, generator=gen), noisy(xi, generator=twin))
+    with pytest.raises(tr.ReplayInputError, match="generator"):
+        g(x, generator=cuda_generator(5))
+
+
+@pytest.mark.parametrize("how", ["torch.manual_seed", "Generator.manual_seed", "made per call"])
+def test_a_call_that_seeds_inside_itself_is_refused(how: str) -> None:
+    """Eagerly such a call draws the same numbers every time; a graph's replays would draw on
+    (this was silent for torch.manual_seed: replays differed from eager, no error). Refused at
+    the build with the fix; the process and the caller's generators carry on."""
+    gen = cuda_generator(2)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        if how == "torch.manual_seed":
+            torch.manual_seed(0)
+            return x + torch.randn(x.shape, device=x.device)
+        g = gen if how == "Generator.manual_seed" else torch.Generator(device=x.device)
+        g.manual_seed(0)
+        return x + torch.randn(x.shape, device=x.device, generator=g)
+
+    x = torch.randn(8, device=DEV)
+    cuda_at, gen_at = torch.cuda.get_rng_state(), gen.get_state()
+    fix = r"Seed it outside the graphed call"
+    with pytest.raises(tr.CaptureError, match="makes at every call" if how == "made per call" else "sets the state") as err:
+        tr.graph(f, x)
+    assert fix in str(err.value)
+    if how != "torch.manual_seed":  # (that one seeds the caller's generator: as eager would)
+        assert torch.equal(torch.cuda.get_rng_state(), cuda_at)
+    assert torch.equal(gen.get_state(), gen_at) or how == "Generator.manual_seed"
+    g = tr.graph(lambda t: t * 2 + torch.randn(t.shape, device=t.device, generator=gen), x)
+    assert g(x).shape == x.shape  # the process carries on
+
+
+def test_make_graphed_callables_and_a_recomputed_penalty_draw_what_eager_draws() -> None:
+    """make_graphed_callables of a module with its own generator: forward and backward equal
+    eager over many steps; a create_graph backward (recomputed eagerly) draws the call's noise
+    again from where the generator stood at that call, not from where it stands now."""
+    torch.manual_seed(0)
+    gen, ref_gen = cuda_generator(9), cuda_generator(9)
+    model = Noisy(gen).to(DEV).eval()  # (eval: no dropout; the recompute's default RNG is tested elsewhere)
+    ref = Noisy(ref_gen).to(DEV).eval()
+    ref.load_state_dict(model.state_dict())
+    x0 = torch.randn(16, 64, device=DEV, requires_grad=True)
+    graphed = tr.make_graphed_callables(model, (x0,))
+    for step in range(CALLS):
+        x = torch.randn(16, 64, device=DEV, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        y, yr = graphed(x), ref(xr)
+        torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-6, msg=f"step {step}")
+        if step % 3 == 2:  # a gradient penalty: the backward graph cannot compute it
+            (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+            (gxr,) = torch.autograd.grad(yr.square().sum(), xr, create_graph=True)
+            loss, loss_r = y.sum() + gx.square().sum(), yr.sum() + gxr.square().sum()
+        else:
+            loss, loss_r = y.square().mean(), yr.square().mean()
+        loss.backward()
+        loss_r.backward()
+        torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+        assert torch.equal(gen.get_state(), ref_gen.get_state())
+    assert graphed.stats.recomputed >= CALLS // 3
+
+
+def test_graph_step_with_a_generator_trains_as_eager() -> None:
+    torch.manual_seed(0)
+    gen, ref_gen = cuda_generator(11), cuda_generator(11)
+    model = nn.Sequential(Noisy(gen), nn.Linear(64, 1)).to(DEV)
+    ref = nn.Sequential(Noisy(ref_gen), nn.Linear(64, 1)).to(DEV)
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True, fused=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, capturable=True, fused=True)
+
+    def make(m, o):
+        def step(x, y):
+            o.zero_grad(set_to_none=True)
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            o.step()
+            return loss
+        return step
+
+    data = [(torch.randn(8, 64, device=DEV), torch.randn(8, 1, device=DEV)) for _ in range(CALLS)]
+    cuda_at = torch.cuda.get_rng_state()
+    step = tr.graph_step(make(model, opt), *data[0])
+    torch.cuda.set_rng_state(cuda_at)  # (dropout: both from one default-generator state)
+    ref_step = make(ref, ref_opt)
+    losses = [step(x, y).clone() for x, y in data]
+    torch.cuda.set_rng_state(cuda_at)
+    for i, (x, y) in enumerate(data):
+        torch.testing.assert_close(losses[i], ref_step(x, y).detach(), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert torch.equal(gen.get_state(), ref_gen.get_state())
+
+
+def test_a_breakable_graph_whose_segments_and_break_draw_from_one_generator() -> None:
+    """Draws before the break, in it (eager at replay) and after it: one sequence, as eager."""
+    gen = cuda_generator(13)
+
+    def host_noise(h: torch.Tensor) -> torch.Tensor:  # the break: it reads a host value
+        scale = float(h.abs().max().item()) + 1.0
+        return h / scale + torch.randn(h.shape, device=h.device, generator=gen)
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        h = x * 2 + torch.rand(x.shape, device=x.device, generator=gen)
+        h = host_noise(h)
+        return h.sin() + torch.randn(h.shape, device=h.device, generator=gen)
+
+    x = torch.randn(32, device=DEV)
+    at = gen.get_state()
+    g = tr.graph(model, x, breaks=[host_noise])
+    assert torch.equal(gen.get_state(), at)
+    inputs = [torch.randn(32, device=DEV) for _ in range(CALLS)]
+    got = [g(xi).clone() for xi in inputs]
+    gen.set_state(at)
+    for i, xi in enumerate(inputs):
+        assert torch.equal(got[i], model(xi)), f"call {i}"

@@ -1,0 +1,239 @@
+"""The CUDA generators a callable draws random numbers from: registered with its graphs, put back
+after a build, and a call that re-seeds one inside itself refused.
+
+Eagerly ``torch.randn(..., generator=g)`` draws from where ``g`` stands and moves it on, at every
+call. A replay does the same only for a generator registered with the graph before its capture
+(``CUDAGraph.register_generator_state``): at each replay torch reads its seed and offset, and
+moves it on by what the capture drew. Torch registers the device's default generator by itself;
+any other one (a sampler's per-request generator, diffusers' ``generator=``, an RNG tracker's)
+made the capture fail ("Attempt to increase offset for a CUDA generator not in capture mode").
+
+A graph's draws are placed relative to where the generator stands at the replay. So it replays
+what eager does only if every call draws from where the generator stands, the same amounts in the
+same order. A call that seeds the generator inside itself (``torch.manual_seed(0)`` or
+``g.manual_seed(0)`` in the callable, a generator made at every call) draws the same numbers at
+every eager call, but different ones at every replay, silently. The warm-ups show it: such a
+call draws from another place, relative to where it started, than the call before it did.
+
+:class:`Draws` watches the build's eager calls with a dispatch mode (it sees the generator each op
+is given, and reads where the default generator stands before each op), and keeps where each
+generator stood when the build first drew from it. Which generators a callable draws from is
+remembered by callable (:func:`remembered`), for its captures without a warm-up (later sizes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Iterator
+
+import torch
+
+from torchreplay import _compat
+from torchreplay._compat.rng import Position, can_register_generators, default_generator, position, same_generator
+from torchreplay.errors import CaptureError
+
+__all__ = ["Draws", "remember", "remembered"]
+
+#: The fix that every message here gives.
+SEED_OUTSIDE = (
+    "Seed it outside the graphed call (torch.manual_seed(...) or g.manual_seed(...) before a call, "
+    "or g.set_state(...)): a graph reads the generator's seed and offset at every replay, and its "
+    "replays then draw what eager calls draw"
+)
+
+
+class _Call:
+    """What one watched call drew: where the default generator stood before each op at which it
+    had moved (op index, position), and each op given an explicit CUDA generator (the generator,
+    where it stood before the op, the op)."""
+
+    __slots__ = ("ops", "start", "last", "moves", "explicit", "end", "groups")
+
+    def __init__(self, start: Position | None) -> None:
+        self.ops = 0
+        self.start = self.last = start
+        self.moves: list[tuple[int, Position]] = []
+        self.explicit: list[tuple[torch.Generator, Position, Any]] = []
+        self.end: Position | None = None
+        #: the explicit generators, each once, in the order first drawn from, with their draws
+        self.groups: list[tuple[torch.Generator, list[tuple[Position, Any]], Position]] = []
+
+
+class _Watch(_compat.LightDispatchMode):
+    """Notes, per op, where the default generator stands (when it moved) and the generator the
+    op is given; changes nothing."""
+
+    def __init__(self, call: _Call, default: torch.Generator | None) -> None:
+        super().__init__()
+        self.call = call
+        self.default = default
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        call = self.call
+        if self.default is not None:
+            pos = position(self.default)
+            if pos != call.last:
+                call.moves.append((call.ops, pos))
+                call.last = pos
+        gen = kwargs.get("generator")
+        if isinstance(gen, torch.Generator) and gen.device.type == "cuda":
+            call.explicit.append((gen, position(gen), func))
+        call.ops += 1
+        return func(*args, **kwargs)
+
+
+class Draws:
+    """The generators the watched calls of one build drew from (:meth:`watch`), where each stood
+    when the build first drew from it (:meth:`put_back`), and whether the compared calls drew as
+    a graph can replay (:meth:`verdict`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._default = default_generator(device)
+        self._calls: list[_Call] = []  # the compared calls (warm-ups of the same arguments)
+        self._first: list[tuple[torch.Generator, Position]] = []
+        #: the explicit CUDA generators drawn from (not a default one), each once
+        self.generators: list[torch.Generator] = []
+
+    @property
+    def explicit(self) -> bool:
+        """Did a watched call draw from an explicit generator?"""
+        return bool(self._first)
+
+    @contextlib.contextmanager
+    def watch(self, compare: bool = True) -> Iterator[None]:
+        """Watch one eager call; ``compare``: it is one of the calls :meth:`verdict` compares
+        (the warm-ups: the same arguments each time; not a call at another size)."""
+        default = self._default
+        call = _Call(position(default) if default is not None else None)
+        with _Watch(call, default):
+            yield
+        if default is not None:
+            call.end = position(default)
+        self.record(call, compare)
+
+    def record(self, call: _Call, compare: bool = True) -> None:
+        """Take in what a watched call drew (:meth:`watch` does, after the call)."""
+        self._group(call)
+        if compare:
+            self._calls = [*self._calls[-1:], call]
+
+    def _group(self, call: _Call) -> None:
+        groups: dict[int, int] = {}  # entry's generator, by id, to its group
+        for gen, pos, func in call.explicit:
+            k = groups.get(id(gen))
+            if k is None:
+                k = next((j for j, g in enumerate(call.groups) if same_generator(gen, g[0])), None)
+                if k is None:
+                    call.groups.append((gen, [], position(gen)))
+                    k = len(call.groups) - 1
+                groups[id(gen)] = k
+            call.groups[k][1].append((pos, func))
+        default = self._default
+        for gen, draws, _ in call.groups:
+            if default is not None and same_generator(gen, default):
+                continue  # (``generator=torch.cuda.default_generators[i]``: torch registers it)
+            if not any(same_generator(gen, g) for g, _ in self._first):
+                self._first.append((gen, draws[0][0]))
+            if not any(same_generator(gen, g) for g in self.generators):
+                self.generators.append(gen)
+
+    def put_back(self) -> None:
+        """Put each explicit generator back where the build first drew from it."""
+        for gen, (seed, offset) in self._first:
+            gen.manual_seed(seed)
+            gen.set_offset(offset)
+
+    def verdict(self, name: str) -> CaptureError | None:
+        """The error for the last two compared calls, if they drew from a generator other than
+        as a replay would: seeded inside the call, or made at every call."""
+        if self.generators and not can_register_generators():
+            return CaptureError(
+                f"'{name}' draws from a torch.Generator of its own ({_op(self._calls, 0)}); this "
+                "torch cannot register one with a graph (torch >= 2.4 can). Use the default "
+                "generator inside the graphed function, or upgrade torch"
+            )
+        calls = self._calls
+        for call in calls:
+            for _, pos in call.moves:
+                if call.start is not None and pos[0] != call.start[0]:
+                    return _reseeded(name, "the default CUDA generator", None)
+        if len(calls) < 2:
+            return None
+        a, b = calls
+        if a.ops == b.ops and a.start is not None and b.start is not None and a.end is not None and b.end is not None:
+            if _relative(a.moves, a.start) != _relative(b.moves, b.start) or (
+                a.end[1] - a.start[1] != b.end[1] - b.start[1]
+            ):
+                return _reseeded(name, "the default CUDA generator", None)
+        if len(a.groups) != len(b.groups):
+            return None  # (drawn from on one call only: nothing to compare)
+        for (ga, da, ea), (gb, db, _) in zip(a.groups, b.groups):
+            op = da[0][1]
+            if not same_generator(ga, gb):
+                return CaptureError(
+                    f"'{name}' draws from a torch.Generator that it makes at every call (at "
+                    f"{_opname(op)}): a graph can only draw from a generator that outlives the "
+                    "call, registered with it at capture. Make the generator once, outside the "
+                    "call, and pass it in or keep it on the module. " + SEED_OUTSIDE
+                )
+            seeds = {p[0] for p, _ in da} | {p[0] for p, _ in db}
+            start_a, start_b = da[0][0][1], db[0][0][1]
+            moved_on = start_b >= ea[1] and len(seeds) == 1
+            same = [p[1] - start_a for p, _ in da] == [p[1] - start_b for p, _ in db]
+            if not (moved_on and same):
+                return _reseeded(name, "a torch.Generator it draws from", op)
+        return None
+
+
+def _relative(moves: list[tuple[int, Position]], start: Position) -> list[tuple[int, int]]:
+    return [(i, pos[1] - start[1]) for i, pos in moves]
+
+
+def _opname(func: Any) -> str:
+    return str(func).removeprefix("aten.") if func is not None else "an op"
+
+
+def _op(calls: list[_Call], k: int) -> str:
+    for call in calls:
+        if len(call.groups) > k:
+            return _opname(call.groups[k][1][0][1])
+    return "an op"
+
+
+def _reseeded(name: str, what: str, op: Any) -> CaptureError:
+    at = f" (at {_opname(op)})" if op is not None else ""
+    return CaptureError(
+        f"'{name}' sets the state of {what} inside the call{at}: its warm-up calls drew from "
+        "the same place at every call, not from where the generator stood. Eagerly every call "
+        "then draws the same numbers; a graph's replays would draw on from where the last one "
+        "stopped, silently different. " + SEED_OUTSIDE
+    )
+
+
+# Which explicit generators each callable's last watched build drew from, for its captures that
+# have no warm-up (later sizes, pieces); by the callable, weakly (its owner for a bound method).
+_REMEMBERED: weakref.WeakKeyDictionary[Any, tuple[torch.Generator, ...]] = weakref.WeakKeyDictionary()
+
+
+def _key(fn: Any) -> Any:
+    owner = getattr(fn, "__self__", None)
+    return fn if owner is None else owner
+
+
+def remember(fn: Any, generators: list[torch.Generator]) -> None:
+    with contextlib.suppress(TypeError):  # (not weakly referable: its later captures find none)
+        _REMEMBERED[_key(fn)] = tuple(generators)
+
+
+def remembered(fn: Any) -> tuple[torch.Generator, ...] | None:
+    """The generators ``fn``'s last watched warm-ups drew from; None if it was never watched."""
+    try:
+        return _REMEMBERED.get(_key(fn))
+    except TypeError:
+        return None
