@@ -47,11 +47,11 @@ def registering_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(generators, "can_register_generators", lambda: True)
 
 
-def call(draws: list[tuple[Gen, str]], seed_first: dict[int, int] | None = None) -> _Call:
-    """A call that draws ``draws`` in order, each moving its generator by 4; ``seed_first``:
-    generators (by id) seeded to that seed at the call's start, as ``g.manual_seed`` in the
-    callable does."""
-    c = _Call(None)
+def run(d: Draws, draws: list[tuple[Gen, str]], seed_first: dict[int, int] | None = None, compare: bool = True) -> None:
+    """A watched call that draws ``draws`` in order, each moving its generator by 4, recorded
+    as :meth:`Draws.watch` does; ``seed_first``: generators (by id) seeded to that seed at the
+    call's start, as ``g.manual_seed`` in the callable does."""
+    c = d.begin(compare)
     for gen in {id(g): g for g, _ in draws}.values():
         if seed_first and id(gen) in seed_first:
             gen.manual_seed(seed_first[id(gen)])
@@ -59,14 +59,14 @@ def call(draws: list[tuple[Gen, str]], seed_first: dict[int, int] | None = None)
         c.explicit.append((gen, (gen.seed, gen.offset), op))
         gen.offset += 4
         c.ops += 1
-    return c
+    d.record(c, compare)
 
 
 def test_a_generator_drawn_from_where_it_stands_is_registered_and_put_back() -> None:
     g = Gen(5, 40)
     d = Draws(CUDA)
-    d.record(call([(g, RANDN), (g, RANDN)]))
-    d.record(call([(g, RANDN), (g, RANDN)]))
+    run(d, [(g, RANDN), (g, RANDN)])
+    run(d, [(g, RANDN), (g, RANDN)])
     assert d.verdict("f") is None
     assert d.generators == [g] and d.explicit
     d.put_back()
@@ -76,8 +76,8 @@ def test_a_generator_drawn_from_where_it_stands_is_registered_and_put_back() -> 
 def test_two_generators_each_once_and_another_object_of_the_same_generator() -> None:
     a, b = Gen(1), Gen(1)  # same seed and offset, two generators
     d = Draws(CUDA)
-    d.record(call([(a, RANDN), (b, RANDN), (a, RANDN)]))
-    d.record(call([(a, RANDN), (b, RANDN), (a, RANDN)]))
+    run(d, [(a, RANDN), (b, RANDN), (a, RANDN)])
+    run(d, [(a, RANDN), (b, RANDN), (a, RANDN)])
     assert d.verdict("f") is None
     assert d.generators == [a, b]
 
@@ -85,8 +85,8 @@ def test_two_generators_each_once_and_another_object_of_the_same_generator() -> 
 def test_a_generator_seeded_inside_the_call_is_refused() -> None:
     g = Gen(2)
     d = Draws(CUDA)
-    d.record(call([(g, RANDN)], seed_first={id(g): 0}))
-    d.record(call([(g, RANDN)], seed_first={id(g): 0}))
+    run(d, [(g, RANDN)], seed_first={id(g): 0})
+    run(d, [(g, RANDN)], seed_first={id(g): 0})
     err = d.verdict("sample")
     assert isinstance(err, CaptureError)
     assert "'sample' sets the state of a torch.Generator it draws from inside the call (at randn.generator)" in str(err)
@@ -113,8 +113,8 @@ def test_a_seed_set_between_two_draws_of_one_call_is_refused() -> None:
 
 def test_a_generator_made_at_every_call_is_refused() -> None:
     d = Draws(CUDA)
-    d.record(call([(Gen(0), RANDN)]))
-    d.record(call([(Gen(0), RANDN)]))
+    run(d, [(Gen(0), RANDN)])
+    run(d, [(Gen(0), RANDN)])
     err = d.verdict("f")
     assert isinstance(err, CaptureError) and "makes at every call" in str(err)
 
@@ -122,8 +122,8 @@ def test_a_generator_made_at_every_call_is_refused() -> None:
 def test_one_call_or_calls_at_other_sizes_are_not_compared() -> None:
     g = Gen(3)
     d = Draws(CUDA)
-    d.record(call([(g, RANDN)], seed_first={id(g): 0}), compare=False)  # a probe at another size
-    d.record(call([(g, RANDN)], seed_first={id(g): 0}))
+    run(d, [(g, RANDN)], seed_first={id(g): 0}, compare=False)  # a probe at another size
+    run(d, [(g, RANDN)], seed_first={id(g): 0})
     assert d.verdict("f") is None  # one compared call: nothing to compare with
     assert d.generators == [g]
 
@@ -170,7 +170,26 @@ def test_a_torch_that_cannot_register_generators_says_so(monkeypatch: pytest.Mon
     monkeypatch.setattr(generators, "can_register_generators", lambda: False)
     g = Gen(1)
     d = Draws(CUDA)
-    d.record(call([(g, RANDN)]))
+    run(d, [(g, RANDN)])
     err = d.verdict("f")
     assert isinstance(err, CaptureError) and "this torch cannot register one with a graph" in str(err)
     assert "(randn.generator)" in str(err)
+
+
+def test_put_back_before_each_warm_up_a_draw_passes_and_a_seed_to_the_same_state_is_refused() -> None:
+    """A breakable graph's build puts the generators back before each warm-up. A generator
+    seeded 0 and never drawn from stands where a call that seeds it 0 inside itself draws: the
+    second compared call starts elsewhere (``Draws._shift``), so only the seeding call draws
+    from another place than where it started."""
+    g = Gen(0)
+    d = Draws(CUDA)
+    run(d, [(g, RANDN), (g, RANDN)])
+    d.put_back()
+    run(d, [(g, RANDN), (g, RANDN)])
+    assert d.verdict("f") is None
+    g = Gen(0)
+    d = Draws(CUDA)
+    run(d, [(g, RANDN)], seed_first={id(g): 0})
+    d.put_back()
+    run(d, [(g, RANDN)], seed_first={id(g): 0})
+    assert isinstance(d.verdict("f"), CaptureError)

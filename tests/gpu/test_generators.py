@@ -118,14 +118,20 @@ def test_a_generator_passed_as_an_argument_and_another_one_refused() -> None:
         g(x, generator=cuda_generator(5))
 
 
+def host_scale(x: torch.Tensor) -> torch.Tensor:  # a break: it reads a value on the host
+    return x / (float(x.abs().max().item()) + 1.0)
+
+
+@pytest.mark.parametrize("api", ["graph", "breaks"])
 @pytest.mark.parametrize("how", ["torch.manual_seed", "Generator.manual_seed", "made per call"])
-def test_a_call_that_seeds_inside_itself_is_refused(how: str) -> None:
+def test_a_call_that_seeds_inside_itself_is_refused(how: str, api: str) -> None:
     """Eagerly such a call draws the same numbers every time; a graph's replays would draw on
     (this was silent for torch.manual_seed: replays differed from eager, no error). Refused at
     the build with the fix; the process and the caller's generators carry on."""
     gen = cuda_generator(2)
 
     def f(x: torch.Tensor) -> torch.Tensor:
+        x = host_scale(x) if api == "breaks" else x
         if how == "torch.manual_seed":
             torch.manual_seed(0)
             return x + torch.randn(x.shape, device=x.device)
@@ -137,7 +143,7 @@ def test_a_call_that_seeds_inside_itself_is_refused(how: str) -> None:
     cuda_at, gen_at = torch.cuda.get_rng_state(), gen.get_state()
     fix = r"Seed it outside the graphed call"
     with pytest.raises(tr.CaptureError, match="makes at every call" if how == "made per call" else "sets the state") as err:
-        tr.graph(f, x)
+        tr.graph(f, x, breaks=[host_scale] if api == "breaks" else None)
     assert fix in str(err.value)
     if how != "torch.manual_seed":  # (that one seeds the caller's generator: as eager would)
         assert torch.equal(torch.cuda.get_rng_state(), cuda_at)
@@ -170,11 +176,12 @@ def test_make_graphed_callables_and_a_recomputed_penalty_draw_what_eager_draws()
             loss, loss_r = y.square().mean(), yr.square().mean()
         loss.backward()
         loss_r.backward()
-        torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
+        # (noise drawn elsewhere would differ by about 0.1; the graph's kernels by rounding)
+        torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-5)
         for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
         assert torch.equal(gen.get_state(), ref_gen.get_state())
-    assert graphed.stats.recomputed >= CALLS // 3
+    assert graphed.forward.stats.recomputed >= CALLS // 3
 
 
 def test_graph_step_with_a_generator_trains_as_eager() -> None:

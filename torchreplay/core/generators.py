@@ -43,16 +43,22 @@ SEED_OUTSIDE = (
 )
 
 
+#: How far :meth:`Draws._shift` moves a generator (philox offsets move in steps of four)
+SHIFT = 1 << 20
+
+
 class _Call:
     """What one watched call drew: where the default generator stood before each op at which it
     had moved (op index, position), and each op given an explicit CUDA generator (the generator,
     where it stood before the op, the op)."""
 
-    __slots__ = ("ops", "start", "last", "moves", "explicit", "end", "groups")
+    __slots__ = ("ops", "start", "last", "moves", "explicit", "end", "groups", "starts")
 
-    def __init__(self, start: Position | None) -> None:
+    def __init__(self, start: Position | None, starts: list[tuple[torch.Generator, Position]] | None = None) -> None:
         self.ops = 0
         self.start = self.last = start
+        #: the explicit generators known before the call (found by an earlier one), where each stood
+        self.starts = starts or []
         self.moves: list[tuple[int, Position]] = []
         self.explicit: list[tuple[torch.Generator, Position, Any]] = []
         self.end: Position | None = None
@@ -109,16 +115,22 @@ class Draws:
     def watch(self, compare: bool = True) -> Iterator[None]:
         """Watch one eager call; ``compare``: it is one of the calls :meth:`verdict` compares
         (the warm-ups: the same arguments each time; not a call at another size)."""
-        default = self._default
-        call = _Call(position(default) if default is not None else None)
-        with _Watch(call, default):
+        call = self.begin(compare)
+        with _Watch(call, self._default):
             yield
-        if default is not None:
-            call.end = position(default)
         self.record(call, compare)
+
+    def begin(self, compare: bool = True) -> _Call:
+        """The record of a call about to run (:meth:`watch` makes it, before the call)."""
+        default = self._default
+        if compare and self._calls:  # (see _shift)
+            self._shift()
+        return _Call(position(default) if default is not None else None, [(g, position(g)) for g in self.generators])
 
     def record(self, call: _Call, compare: bool = True) -> None:
         """Take in what a watched call drew (:meth:`watch` does, after the call)."""
+        if self._default is not None:
+            call.end = position(self._default)
         self._group(call)
         if compare:
             self._calls = [*self._calls[-1:], call]
@@ -142,6 +154,16 @@ class Draws:
                 self._first.append((gen, draws[0][0]))
             if not any(same_generator(gen, g) for g in self.generators):
                 self.generators.append(gen)
+
+    def _shift(self) -> None:
+        """Move every generator known on by :data:`SHIFT` before the second compared call. A
+        build may put the generators back before each warm-up (a breakable graph's does), so
+        that a call which seeds one inside itself would draw from the same place relative to
+        its start as a call that draws from where the generator stands; from another start,
+        the first draws from the same place as before, the second from another one."""
+        for gen in ([self._default] if self._default is not None else []) + self.generators:
+            seed, offset = position(gen)
+            gen.set_offset(offset + SHIFT)
 
     def put_back(self) -> None:
         """Put each explicit generator back where the build first drew from it."""
@@ -182,11 +204,13 @@ class Draws:
                     "call, registered with it at capture. Make the generator once, outside the "
                     "call, and pass it in or keep it on the module. " + SEED_OUTSIDE
                 )
+            # Only its own draws move an explicit generator: a call drawing as a replay does
+            # draws first from where it stood at the call (known for the second: found by the
+            # first), and on from there, the same amounts as the call before.
+            start = next((pos for g, pos in b.starts if same_generator(g, gb)), None)
             seeds = {p[0] for p, _ in da} | {p[0] for p, _ in db}
-            start_a, start_b = da[0][0][1], db[0][0][1]
-            moved_on = start_b >= ea[1] and len(seeds) == 1
-            same = [p[1] - start_a for p, _ in da] == [p[1] - start_b for p, _ in db]
-            if not (moved_on and same):
+            same = [p[1] - da[0][0][1] for p, _ in da] == [p[1] - db[0][0][1] for p, _ in db]
+            if not (same and len(seeds) == 1 and (start is None or db[0][0] == start)):
                 return _reseeded(name, "a torch.Generator it draws from", op)
         return None
 
@@ -210,7 +234,7 @@ def _reseeded(name: str, what: str, op: Any) -> CaptureError:
     at = f" (at {_opname(op)})" if op is not None else ""
     return CaptureError(
         f"'{name}' sets the state of {what} inside the call{at}: its warm-up calls drew from "
-        "the same place at every call, not from where the generator stood. Eagerly every call "
+        "the same place, whatever the place the generator stood at the call. Eagerly every call "
         "then draws the same numbers; a graph's replays would draw on from where the last one "
         "stopped, silently different. " + SEED_OUTSIDE
     )
