@@ -5,7 +5,8 @@ a dict) runs the callable eagerly once and watches it from two sides:
 
 - a ``TorchDispatchMode`` sees every aten op with its arguments: values read on the host
   (``aten._local_scalar_dense``), data-dependent output sizes, copies between host and device,
-  tensors on the CPU or on several devices, explicit generators, pinned allocations;
+  tensors on the CPU or on several devices, CPU generators (a CUDA one is registered with the
+  graph: core/generators.py), pinned allocations;
 - a ``sys.setprofile`` hook sees Python-level calls that never reach aten on CPU tensors
   (``.tolist()``, ``.cpu()`` on a CPU tensor, printing, ``torch.cuda.synchronize``, RNG state).
 

@@ -78,6 +78,7 @@ def test_a_function_drawing_from_its_own_generator_replays_as_eager() -> None:
             gen.manual_seed(7)
     assert torch.equal(after_graph, gen.get_state())
     assert g.stats.replays == CALLS
+    assert not [f for f in tr.check(sample, x) if f.kind == "rng"]  # (no longer a finding)
 
 
 def test_a_module_with_its_generator_and_dropout_under_sizes() -> None:
