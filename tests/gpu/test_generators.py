@@ -101,22 +101,56 @@ def test_a_module_with_its_generator_and_dropout_under_sizes() -> None:
     assert torch.equal(gen_after, gen.get_state()) and torch.equal(cuda_after, torch.cuda.get_rng_state())
 
 
-def test_a_generator_passed_as_an_argument_and_another_one_refused() -> None:
-    """A generator is a non-tensor argument: the captured one is the graph's. Another one at a
-    call raises (a graph cannot draw from a generator it was not captured with)."""
-    gen = cuda_generator(5)
+def noisy(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return x + torch.randn(x.shape, device=x.device, generator=generator)
 
-    def noisy(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        return x + torch.randn(x.shape, device=x.device, generator=generator)
 
+def test_a_generator_argument_is_taken_from_every_call() -> None:
+    """A per-request generator (a serving sampler's: one seeded generator per request): any
+    CUDA generator may be passed at a call. The graph draws from its own stand-in, put where the
+    call's generator stands, and moves the call's generator on as the eager call would. The
+    sample's generator is not moved by the build."""
+    sample_gen = cuda_generator(5)
     x = torch.randn(16, device=DEV)
-    g = tr.graph(noisy, x, generator=gen)
-    twin = cuda_generator(5)
-    for _ in range(CALLS):
+    g = tr.graph(noisy, x, generator=sample_gen)
+    assert sample_gen.get_offset() == 0
+    for call in range(CALLS):
         xi = torch.randn(16, device=DEV)
-        assert torch.equal(g(xi, generator=gen), noisy(xi, generator=twin))
-    with pytest.raises(tr.ReplayInputError, match="generator"):
-        g(x, generator=cuda_generator(5))
+        request, twin = cuda_generator(100 + call), cuda_generator(100 + call)
+        for _ in range(2):  # two steps of one request
+            assert torch.equal(g(xi, generator=request), noisy(xi, generator=twin)), f"call {call}"
+            assert request.get_offset() == twin.get_offset() > 0
+    assert torch.equal(g(x, generator=sample_gen), noisy(x, generator=cuda_generator(5)))
+    with pytest.raises(tr.ReplayInputError, match=r"kwargs\['generator'\].*pass a generator on that device"):
+        g(x, generator=torch.Generator())  # a CPU generator: the graph cannot draw from it
+    assert g.stats.fallbacks == 0
+
+
+def test_generator_arguments_under_sizes_and_make_graphed_callables() -> None:
+    gen = cuda_generator(1)
+    g = tr.graph(noisy, torch.randn(8, 4, device=DEV), gen, sizes=[2, 4, 8])
+    for call, rows in enumerate([2, 8, 4, 2, 8]):
+        xi = torch.randn(rows, 4, device=DEV)
+        request, twin = cuda_generator(call), cuda_generator(call)
+        assert torch.equal(g(xi, request), noisy(xi, twin)), f"call {call} at {rows} rows"
+        assert request.get_offset() == twin.get_offset()
+    lin = nn.Linear(4, 4).to(DEV)
+
+    def layer(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return lin(noisy(x, generator))
+
+    x0 = torch.randn(8, 4, device=DEV, requires_grad=True)
+    graphed = tr.make_graphed_callables(layer, (x0, gen))
+    for call in range(CALLS):
+        x = torch.randn(8, 4, device=DEV, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        request, twin = cuda_generator(50 + call), cuda_generator(50 + call)
+        y, yr = graphed(x, request), layer(xr, twin)
+        torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-6)
+        y.square().sum().backward()
+        yr.square().sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
+        assert request.get_offset() == twin.get_offset()
 
 
 def host_scale(x: torch.Tensor) -> torch.Tensor:  # a break: it reads a value on the host

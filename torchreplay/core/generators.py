@@ -33,7 +33,7 @@ from torchreplay import _compat
 from torchreplay._compat.rng import Position, can_register_generators, default_generator, position, same_generator
 from torchreplay.errors import CaptureError
 
-__all__ = ["Draws", "remember", "remembered"]
+__all__ = ["Draws", "bind", "hand_back", "remember", "remembered", "stand_in"]
 
 #: The fix that every message here gives.
 SEED_OUTSIDE = (
@@ -261,3 +261,39 @@ def remembered(fn: Any) -> tuple[torch.Generator, ...] | None:
         return _REMEMBERED.get(_key(fn))
     except TypeError:
         return None
+
+
+# -- a generator passed as an argument ---------------------------------------------------------
+#
+# A graph draws from the generator state registered at its capture, so a generator argument
+# cannot be swapped for another one at a call (a sampler's per-request generator). Instead the
+# graph is built around a stand-in of its own, and each call puts the stand-in where the call's
+# generator stands (its seed and offset) and, after the replay, moves the call's generator on to
+# where the stand-in got: what the eager call would have drawn and left.
+
+
+def stand_in(gen: torch.Generator) -> torch.Generator:
+    """The graph's own generator for the argument ``gen``, where ``gen`` stands (the build's
+    warm-ups draw from it: ``gen`` is left as it is)."""
+    own = torch.Generator(device=gen.device)
+    own.set_state(gen.get_state())
+    return own
+
+
+def bind(own: torch.Generator, gen: Any) -> bool:
+    """Put ``own`` where the call's generator ``gen`` stands; False if ``gen`` is not a
+    generator on ``own``'s device."""
+    if gen is own:
+        return True
+    if not isinstance(gen, torch.Generator) or gen.device != own.device:
+        return False
+    seed, offset = position(gen)
+    own.manual_seed(seed)
+    own.set_offset(offset)
+    return True
+
+
+def hand_back(own: torch.Generator, gen: torch.Generator) -> None:
+    """After the replay: the call's generator moves on as far as the replay moved ``own``."""
+    if gen is not own:
+        gen.set_offset(own.get_offset())

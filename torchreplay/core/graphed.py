@@ -125,7 +125,7 @@ class Graphed(EagerForm):
         refuse_static_written_outputs(self._inputs, captured.out, config.outputs, self.name)
         owned = owned_by(self.pool, self._inputs)
         refuse_objects_holding_graph_tensors(captured.out, owned, self.name)
-        self._writes = bool(self._inputs.written)
+        self._writes = bool(self._inputs.written or self._inputs.rebound)  # (generators: moved on)
         self._outputs = Outputs(
             captured.out, config.outputs, self.name, owned, reuse=True,
             inputs=[s.static for s in self._inputs.slots],  # an argument returned: the caller's
@@ -154,7 +154,7 @@ class Graphed(EagerForm):
             device,
             self.stats.capture_seconds,
             self._outputs.policy,
-            f"; writes {', '.join(self._inputs.written_paths())}" if self._writes else "",
+            f"; writes {', '.join(self._inputs.written_paths())}" if self._inputs.written else "",
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -23,6 +23,7 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.core.args import CallArgs
+from torchreplay.core.generators import bind, hand_back, stand_in
 from torchreplay.core.rewind import Rewind
 from torchreplay.errors import CaptureError, ReplayInputError
 
@@ -157,10 +158,12 @@ def conversion_fix(leaf: torch.Tensor, slot: _Slot) -> str:
 class _Slot:
     """One flattened input leaf: a tensor with its static buffer, or a constant."""
 
-    __slots__ = ("path", "static", "value", "shape", "dtype", "device", "adopted")
+    __slots__ = ("path", "static", "value", "shape", "dtype", "device", "adopted", "rebound")
 
     def __init__(self, path: str, leaf: Any, device: torch.device, adopt: bool = False) -> None:
         self.path = path
+        #: a CUDA generator: the graph draws from a stand-in, put where the call's one stands
+        self.rebound = isinstance(leaf, torch.Generator) and leaf.device.type == "cuda"
         #: the caller's tensor itself is the buffer (marked with mark_static_address; adopt)
         self.adopted = adopt and _compat.static_address(leaf)
         if isinstance(leaf, _Tensor):
@@ -188,7 +191,7 @@ class _Slot:
             self.device = leaf.device
         else:
             self.static = None
-            self.value = leaf
+            self.value = stand_in(leaf) if self.rebound else leaf
             self.shape = self.dtype = self.device = None
 
     def _copy(self, leaf: torch.Tensor, path: str) -> None:
@@ -251,8 +254,10 @@ class Inputs:
         #: the caller's tensors that are their own buffers: each call must pass the same one
         self.adopted = [(i, s.static, s) for i, s in enumerate(self.slots) if s.adopted]
         self._constant_checks = [
-            (i, s.value, s) for i, s in enumerate(self.slots) if s.static is None
+            (i, s.value, s) for i, s in enumerate(self.slots) if s.static is None and not s.rebound
         ]
+        #: the generator arguments, each with the graph's stand-in (core/generators.py)
+        self.rebound = [(i, s.value, s) for i, s in enumerate(self.slots) if s.rebound]
         self._only_args = self.flat and not self.kw_keys
         #: Slot positions whose static buffer the graph writes (set after capture: set_written).
         self.written: tuple[int, ...] = ()
@@ -260,7 +265,7 @@ class Inputs:
         self._widened: set[tuple[int, torch.dtype]] = set()
         self._one = (
             self._tensor_checks[0]
-            if len(self._tensor_checks) == 1 and not self._constant_checks and not self.adopted
+            if len(self._tensor_checks) == 1 and not self._constant_checks and not self.adopted and not self.rebound
             else None
         )
         #: The tensor slots of at least 64 MiB, once known the written ones (:meth:`note_same_large`;
@@ -330,6 +335,9 @@ class Inputs:
             leaf = leaves[i]
             if leaf is not value and not same_constant(leaf, value):
                 raise self.constant_error(slot, leaf)
+        for i, own, slot in self.rebound:
+            if not bind(own, leaves[i]):
+                raise self.constant_error(slot, leaves[i])
         tracked = False
         for i, static, slot in self.adopted:
             if leaves[i] is not static:
@@ -438,6 +446,8 @@ class Inputs:
                 dsts.append(leaf)
                 srcs.append(static)
         write_back(dsts, srcs)
+        for i, own, _ in self.rebound:  # (the call's generators move on as the replay drew)
+            hand_back(own, leaves[i])
 
     def check_aliasing(self, leaves: Sequence[Any], where: str = "call") -> None:
         """Refuse a call whose written argument shares memory with another tensor argument.
@@ -445,6 +455,8 @@ class Inputs:
         Eagerly, the callable's write through one would be seen through the other; the graph
         reads and writes two separate static buffers, so the result would silently differ.
         """
+        if not self.written:
+            return
         spans: dict[int, tuple[int, int]] = {}
         for i, static, _, _, _, _ in self._tensor_checks:
             leaf = leaves[i]
@@ -523,6 +535,12 @@ class Inputs:
 
     def constant_error(self, slot: _Slot, leaf: Any) -> ReplayInputError:
         """Build the error for a non-tensor argument that differs from the captured constant."""
+        if slot.rebound:
+            return ReplayInputError(
+                f"{slot.path}: {leaf!r} but the graph was captured with a torch.Generator on "
+                f"{slot.value.device}; pass a generator on that device (any one: the graph draws "
+                "from where it stands, and moves it on)"
+            )
         return ReplayInputError(
             f"{slot.path}: {leaf!r} but the graph was captured with the constant "
             f"{slot.value!r}; non-tensor arguments are baked into the graph: pass "

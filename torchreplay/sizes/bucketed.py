@@ -28,6 +28,7 @@ from torchreplay.config import RANKS, SAFE, BucketConfig, GraphConfig, RankConfi
 from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
 from torchreplay.core.capture import capture, progress, side_stream
 from torchreplay.core.eager_form import EagerForm
+from torchreplay.core.generators import bind, hand_back
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.effects import PyState
 from torchreplay.core.io import Inputs, TransformedInput, same_constant, warn_widening, widens, write_back
@@ -202,7 +203,7 @@ class BucketedGraph(EagerForm):
         )
         del collective_log
         self._inputs.set_written(first.written)
-        self._writes = bool(self._inputs.written)
+        self._writes = bool(self._inputs.written or self._inputs.rebound)  # (generators: moved on)
         self.stats.written_inputs = self._inputs.written_paths()
         if snapshot is not None:
             snapshot.restore()
@@ -354,7 +355,7 @@ class BucketedGraph(EagerForm):
         ):
             if dst is None:
                 value = slot.value
-                if leaf is not value and not same_constant(leaf, value):
+                if leaf is not value and not (bind(value, leaf) if slot.rebound else same_constant(leaf, value)):
                     raise self._inputs.constant_error(slot, leaf)
             elif leaf is not dst:
                 if slot.adopted:
@@ -428,6 +429,8 @@ class BucketedGraph(EagerForm):
                 dsts.append(leaf)
                 srcs.append(src)  # type: ignore[arg-type]
         write_back(dsts, srcs)
+        for i, own, _ in self._inputs.rebound:  # (the call's generators move on as the replay drew)
+            hand_back(own, leaves[i])
 
     def _pad(self, n: int) -> None:
         """Write the fill value into rows ``n .. _clean_from-1`` of every varying buffer."""

@@ -96,7 +96,7 @@ def input_error(
         )
     for i, (leaf, slot) in enumerate(zip(leaves, slots)):
         if slot.static is None:
-            if leaf is not slot.value and not same_constant(leaf, slot.value):
+            if not accepted(leaf, slot):
                 return inputs.constant_error(slot, leaf)
             continue
         if fits(leaf, slot, plan, i, n):
@@ -139,6 +139,14 @@ def input_error(
     return ReplayInputError(f"the arguments do not fit a call of size {n}")  # pragma: no cover
 
 
+def accepted(leaf: Any, slot: Any) -> bool:
+    """Does the call's non-tensor ``leaf`` fit ``slot``: its captured constant, or, for a
+    generator argument, any generator on the graph's device (core/generators.py)?"""
+    if slot.rebound:
+        return isinstance(leaf, torch.Generator) and leaf.device == slot.value.device
+    return leaf is slot.value or same_constant(leaf, slot.value)
+
+
 def fits(leaf: Any, slot: Any, plan: InputPlan, i: int, n: int) -> bool:
     """Is ``leaf`` a dense tensor that fits argument ``i`` of a call of size ``n``?"""
     if not isinstance(leaf, _Tensor):
@@ -166,7 +174,7 @@ def check_call(plan: InputPlan, inputs: Inputs, largest: int, leaves: Sequence[A
     """Raise the input error of a call of ``n`` rows whose arguments do not fit any size."""
     for i, (leaf, slot) in enumerate(zip(leaves, inputs.slots)):
         if slot.static is None:
-            if leaf is not slot.value and not same_constant(leaf, slot.value):
+            if not accepted(leaf, slot):
                 raise inputs.constant_error(slot, leaf)
         elif not fits(leaf, slot, plan, i, n):
             raise input_error(plan, inputs, largest, list(leaves), n)

@@ -123,7 +123,7 @@ def recompute_backward(runner: Any, ctx: Any, grads: tuple[torch.Tensor | None, 
             "this rank alone would call and the others would wait for: a hang. Call backward "
             "once per forward without create_graph on graphs with collectives"
         )
-    if runner._writes:
+    if runner._inputs.written:
         raise UnsupportedError(
             f"'{runner.name}': {why}, which its backward graph cannot compute; the forward would "
             f"run again eagerly, but it writes its argument(s) {', '.join(runner.stats.written_inputs)}, "

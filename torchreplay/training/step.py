@@ -245,7 +245,7 @@ class GraphedStep(EagerForm):
         self._graph = captured.graph
         self._replay = _compat.direct_replay(captured.graph)
         self._inputs.set_written(captured.written)
-        self._writes = bool(self._inputs.written)
+        self._writes = bool(self._inputs.written or self._inputs.rebound)  # (generators: moved on)
         self.stats.written_inputs = self._inputs.written_paths()
         self._position = self.pool.register(self)
         self.pool.track(self, [self._graph], self._outputs.retire)
