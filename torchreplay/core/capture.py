@@ -318,7 +318,7 @@ def capture(
                     with (
                         python.warmup(last=last),
                         constants.watching(key, on=last),
-                        draws.watch(key=key) if watching and i < 2 else contextlib.nullcontext(),  # type: ignore[union-attr]
+                        draws.watch() if watching and i < 2 else contextlib.nullcontext(),  # type: ignore[union-attr]
                     ):
                         fn(*args, **kwargs)
                 except Exception as exc:

@@ -48,28 +48,32 @@ SHIFT = 1 << 20
 
 
 class _Call:
-    """What one watched call did to the generators: where the default generator and the
-    explicit ones known before the call stood at its start and at its end; for the call the
-    dispatch mode watched, each op given an explicit CUDA generator (the generator, where it
-    stood before the op, the op), grouped by generator (each with where it stood at the end)."""
+    """What one watched call drew: where the default generator stood before each op at which it
+    had moved (op index, position), and each op given an explicit CUDA generator (the generator,
+    where it stood before the op, the op)."""
 
-    __slots__ = ("start", "end", "starts", "ends", "explicit", "groups")
+    __slots__ = ("ops", "start", "last", "moves", "explicit", "end", "groups", "starts")
 
     def __init__(self, start: Position | None, starts: list[tuple[torch.Generator, Position]] | None = None) -> None:
-        self.start = start
-        self.end: Position | None = None
+        self.ops = 0
+        self.start = self.last = start
+        #: the explicit generators known before the call (found by an earlier one), where each stood
         self.starts = starts or []
-        self.ends: list[Position] = []
+        self.moves: list[tuple[int, Position]] = []
         self.explicit: list[tuple[torch.Generator, Position, Any]] = []
+        self.end: Position | None = None
+        #: the explicit generators, each once, in the order first drawn from, with their draws
         self.groups: list[tuple[torch.Generator, list[tuple[Position, Any]], Position]] = []
 
 
 class _Watch(_compat.LightDispatchMode):
-    """Notes the CUDA generator each op is given, and where it stood; changes nothing."""
+    """Notes, per op, where the default generator stands (when it moved) and the generator the
+    op is given; changes nothing."""
 
-    def __init__(self, call: _Call) -> None:
+    def __init__(self, call: _Call, default: torch.Generator | None) -> None:
         super().__init__()
         self.call = call
+        self.default = default
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -77,23 +81,28 @@ class _Watch(_compat.LightDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
+        call = self.call
+        if self.default is not None:
+            pos = position(self.default)
+            if pos != call.last:
+                call.moves.append((call.ops, pos))
+                call.last = pos
         gen = kwargs.get("generator")
         if isinstance(gen, torch.Generator) and gen.device.type == "cuda":
-            self.call.explicit.append((gen, position(gen), func))
+            call.explicit.append((gen, position(gen), func))
+        call.ops += 1
         return func(*args, **kwargs)
 
 
 class Draws:
-    """The explicit generators a build's calls draw from, found by the first call it watches
-    (a dispatch mode: each op's ``generator=``), with where each stood then (:meth:`put_back`);
-    and whether two warm-ups moved the generators as replays would (:meth:`verdict`), from where
-    each stood at their start and end: the later calls cost four reads a generator, no mode."""
+    """The generators the watched calls of one build drew from (:meth:`watch`), where each stood
+    when the build first drew from it (:meth:`put_back`), and whether the compared calls drew as
+    a graph can replay (:meth:`verdict`)."""
 
     def __init__(self, device: torch.device) -> None:
         self._default = default_generator(device)
         self._calls: list[_Call] = []  # the compared calls (warm-ups of the same arguments)
         self._first: list[tuple[torch.Generator, Position]] = []
-        self._found: set[int] = set()  # the callables (by id) a call of which the mode watched
         #: the explicit CUDA generators drawn from (not a default one), each once
         self.generators: list[torch.Generator] = []
 
@@ -103,18 +112,13 @@ class Draws:
         return bool(self._first)
 
     @contextlib.contextmanager
-    def watch(self, compare: bool = True, key: Any = None) -> Iterator[None]:
-        """Watch one eager call of ``key`` (the callable; its first call is watched by the
-        mode); ``compare``: it is one of the calls :meth:`verdict` compares (the warm-ups: the
-        same arguments each time; not a call at another size)."""
-        found = id(key) in self._found
-        if found and not compare:
-            yield
-            return
+    def watch(self, compare: bool = True) -> Iterator[None]:
+        """Watch one eager call; ``compare``: it is one of the calls :meth:`verdict` compares
+        (the warm-ups: the same arguments each time; not a call at another size)."""
         call = self.begin(compare)
-        with _Watch(call) if not found else contextlib.nullcontext():
+        with _Watch(call, self._default):
             yield
-        self.record(call, compare, None if found else key)
+        self.record(call, compare)
 
     def begin(self, compare: bool = True) -> _Call:
         """The record of a call about to run (:meth:`watch` makes it, before the call)."""
@@ -123,15 +127,11 @@ class Draws:
             self._shift()
         return _Call(position(default) if default is not None else None, [(g, position(g)) for g in self.generators])
 
-    def record(self, call: _Call, compare: bool = True, found: Any = None) -> None:
-        """Take in what a watched call did (:meth:`watch` does, after the call); ``found``: the
-        callable whose call the mode watched (``call.explicit`` is filled)."""
+    def record(self, call: _Call, compare: bool = True) -> None:
+        """Take in what a watched call drew (:meth:`watch` does, after the call)."""
         if self._default is not None:
             call.end = position(self._default)
-        call.ends = [position(g) for g, _ in call.starts]
-        if found is not None:
-            self._found.add(id(found))
-            self._group(call)
+        self._group(call)
         if compare:
             self._calls = [*self._calls[-1:], call]
 
@@ -150,17 +150,17 @@ class Draws:
         for gen, draws, _ in call.groups:
             if default is not None and same_generator(gen, default):
                 continue  # (``generator=torch.cuda.default_generators[i]``: torch registers it)
-            if not any(same_generator(gen, g) for g in self.generators):
+            if not any(same_generator(gen, g) for g, _ in self._first):
                 self._first.append((gen, draws[0][0]))
+            if not any(same_generator(gen, g) for g in self.generators):
                 self.generators.append(gen)
 
     def _shift(self) -> None:
         """Move every generator known on by :data:`SHIFT` before the second compared call. A
-        call that seeds a generator inside itself draws from the same place, and ends at the
-        same place, whatever the place it started from; a call that draws from where the
-        generator stands ends as far on from its start as the call before. (A build may put
-        the generators back before each warm-up, as a breakable graph's does: without the
-        shift both calls would start at one place, and the two would look the same.)"""
+        build may put the generators back before each warm-up (a breakable graph's does), so
+        that a call which seeds one inside itself would draw from the same place relative to
+        its start as a call that draws from where the generator stands; from another start,
+        the first draws from the same place as before, the second from another one."""
         for gen in ([self._default] if self._default is not None else []) + self.generators:
             seed, offset = position(gen)
             gen.set_offset(offset + SHIFT)
@@ -172,62 +172,71 @@ class Draws:
             gen.set_offset(offset)
 
     def verdict(self, name: str) -> CaptureError | None:
-        """The error for the last two compared calls, if they moved a generator other than as
-        replays would: seeded inside the call, or a generator made at every call."""
+        """The error for the last two compared calls, if they drew from a generator other than
+        as a replay would: seeded inside the call, or made at every call."""
         if self.generators and not can_register_generators():
             return CaptureError(
-                f"'{name}' draws from a torch.Generator of its own ({self._op(self.generators[0])}); "
-                "this torch cannot register one with a graph (torch >= 2.4 can). Use the default "
+                f"'{name}' draws from a torch.Generator of its own ({_op(self._calls, 0)}); this "
+                "torch cannot register one with a graph (torch >= 2.4 can). Use the default "
                 "generator inside the graphed function, or upgrade torch"
             )
         calls = self._calls
         for call in calls:
-            if call.start is not None and call.end is not None and call.start[0] != call.end[0]:
-                return _reseeded(name, "the default CUDA generator")
+            for _, pos in call.moves:
+                if call.start is not None and pos[0] != call.start[0]:
+                    return _reseeded(name, "the default CUDA generator", None)
         if len(calls) < 2:
             return None
         a, b = calls
-        if None not in (a.start, a.end, b.start, b.end):
-            if a.end[1] - a.start[1] != b.end[1] - b.start[1]:  # type: ignore[index]
-                return _reseeded(name, "the default CUDA generator")
-        for (gen, start_b), end_b in zip(b.starts, b.ends):
-            span_a = self._span(a, gen)
-            moved_b = (start_b[0] == end_b[0], end_b[1] - start_b[1])
-            if span_a is not None and moved_b != (span_a[0][0] == span_a[1][0], span_a[1][1] - span_a[0][1]):
-                return _reseeded(f"{name}", f"a torch.Generator it draws from ({self._op(gen)})", made=True)
+        if a.ops == b.ops and a.start is not None and b.start is not None and a.end is not None and b.end is not None:
+            if _relative(a.moves, a.start) != _relative(b.moves, b.start) or (
+                a.end[1] - a.start[1] != b.end[1] - b.start[1]
+            ):
+                return _reseeded(name, "the default CUDA generator", None)
+        if len(a.groups) != len(b.groups):
+            return None  # (drawn from on one call only: nothing to compare)
+        for (ga, da, ea), (gb, db, _) in zip(a.groups, b.groups):
+            op = da[0][1]
+            if not same_generator(ga, gb):
+                return CaptureError(
+                    f"'{name}' draws from a torch.Generator that it makes at every call (at "
+                    f"{_opname(op)}): a graph can only draw from a generator that outlives the "
+                    "call, registered with it at capture. Make the generator once, outside the "
+                    "call, and pass it in or keep it on the module. " + SEED_OUTSIDE
+                )
+            # Only its own draws move an explicit generator: a call drawing as a replay does
+            # draws first from where it stood at the call (known for the second: found by the
+            # first), and on from there, the same amounts as the call before.
+            start = next((pos for g, pos in b.starts if same_generator(g, gb)), None)
+            seeds = {p[0] for p, _ in da} | {p[0] for p, _ in db}
+            same = [p[1] - da[0][0][1] for p, _ in da] == [p[1] - db[0][0][1] for p, _ in db]
+            if not (same and len(seeds) == 1 and (start is None or db[0][0] == start)):
+                return _reseeded(name, "a torch.Generator it draws from", op)
         return None
 
-    def _span(self, call: _Call, gen: torch.Generator) -> tuple[Position, Position] | None:
-        """Where ``gen`` stood at the start of ``call`` (or at its first draw there, for the call
-        that found it) and at its end; None if the call did not know it."""
-        for (g, start), end in zip(call.starts, call.ends):
-            if g is gen:
-                return start, end
-        for g, draws, end in call.groups:
-            if g is gen:
-                return draws[0][0], end
-        return None
 
-    def _op(self, gen: torch.Generator) -> str:
-        for call in self._calls:
-            for g, draws, _ in call.groups:
-                if g is gen:
-                    return f"at {_opname(draws[0][1])}"
-        return "at an op"
+def _relative(moves: list[tuple[int, Position]], start: Position) -> list[tuple[int, int]]:
+    return [(i, pos[1] - start[1]) for i, pos in moves]
 
 
 def _opname(func: Any) -> str:
     return str(func).removeprefix("aten.") if func is not None else "an op"
 
 
-def _reseeded(name: str, what: str, made: bool = False) -> CaptureError:
-    how = ", or makes a new one at every call" if made else ""
+def _op(calls: list[_Call], k: int) -> str:
+    for call in calls:
+        if len(call.groups) > k:
+            return _opname(call.groups[k][1][0][1])
+    return "an op"
+
+
+def _reseeded(name: str, what: str, op: Any) -> CaptureError:
+    at = f" (at {_opname(op)})" if op is not None else ""
     return CaptureError(
-        f"'{name}' sets the state of {what} inside the call{how}: two warm-up calls started "
-        "from different places and did not move it on by the same amount. Eagerly every call "
+        f"'{name}' sets the state of {what} inside the call{at}: its warm-up calls drew from "
+        "the same place, whatever the place the generator stood at the call. Eagerly every call "
         "then draws the same numbers; a graph's replays would draw on from where the last one "
-        "stopped, silently different. Make the generator once, outside the call. "
-        + SEED_OUTSIDE
+        "stopped, silently different. " + SEED_OUTSIDE
     )
 
 
