@@ -240,6 +240,7 @@ def capture(
     effects: PyState | None = None,
     free_warmup: bool = False,
     owner: Any = None,
+    find_generators: bool = True,
 ) -> Captured:
     """Warm ``fn`` up on ``stream`` and capture one call of it into a new graph in ``pool``.
 
@@ -281,6 +282,10 @@ def capture(
         owner: what stays the same across the captures of one graph's sizes (default ``fn``;
             a closure made per size is not): where its warm-up made a host constant on the
             device, every capture makes them with kernels (core/constants.py).
+        find_generators: watch the first two warm-ups for the generators the call draws from
+            (core/generators.py). False for the compile backend's pieces: they pay no watch
+            (hundreds of captures), and a piece that draws from an explicit generator fails
+            to capture and runs eagerly, as before generators were registered.
         collectives: record the ``torch.distributed`` collectives of the captured call
             (``Captured.collectives``; only when a process group exists: a dispatch mode sees
             every op of the capture, so callers that do not use them pass False).
@@ -302,7 +307,7 @@ def capture(
     # remembered from an earlier build of the same callable (a capture without a warm-up).
     draws = getattr(snapshot, "draws", None)  # (put back with the snapshot's RNG)
     known = generators.remembered(key)
-    watching = warmup and config.num_warmup_iters > 0 and (draws is not None or known is None)
+    watching = find_generators and warmup and config.num_warmup_iters > 0 and (draws is not None or known is None)
     if watching and draws is None:
         draws = generators.Draws(device)
     with on_side_stream(stream, device), grad_ctx(), running:

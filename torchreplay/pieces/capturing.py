@@ -57,6 +57,7 @@ def capture_piece(rt: Any, k: int, vals: list[Any]) -> tuple[PieceGraph | None, 
                 rt.config, num_warmup_iters=min(1, rt.config.num_warmup_iters)),
             sync=k not in rt._warmed,  # _capture_batch syncs once after the sizes
             grad=torch.is_grad_enabled(), reset=reset if initial else None, collectives=False,
+            find_generators=False,  # (core/capture.py: no watch; such a piece runs eagerly)
         )
     except CaptureError as exc:
         reset()  # the piece runs ungraphed next, from the call's state
