@@ -193,3 +193,19 @@ def test_put_back_before_each_warm_up_a_draw_passes_and_a_seed_to_the_same_state
     d.put_back()
     run(d, [(g, RANDN)], seed_first={id(g): 0})
     assert isinstance(d.verdict("f"), CaptureError)
+
+
+def test_a_first_call_that_draws_more_to_set_itself_up_is_not_refused() -> None:
+    """A lazy initialisation draws from the generator at the first call only: the two compared
+    warm-ups draw different amounts. Told only by where the second starts drawing: where the
+    generator stood (moved on), not a seed's place."""
+    g = Gen(4)
+    d = Draws(CUDA)
+    run(d, [(g, RANDN), (g, RANDN)])  # the set-up draw, then the call's own
+    run(d, [(g, RANDN)])
+    assert d.verdict("f") is None
+    g = Gen(4)
+    d = Draws(CUDA)
+    run(d, [(g, RANDN), (g, RANDN)], seed_first={id(g): 0})
+    run(d, [(g, RANDN)], seed_first={id(g): 0})
+    assert isinstance(d.verdict("f"), CaptureError)

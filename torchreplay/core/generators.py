@@ -209,7 +209,8 @@ class Draws:
             # first), and on from there, the same amounts as the call before.
             start = next((pos for g, pos in b.starts if same_generator(g, gb)), None)
             seeds = {p[0] for p, _ in da} | {p[0] for p, _ in db}
-            same = [p[1] - da[0][0][1] for p, _ in da] == [p[1] - db[0][0][1] for p, _ in db]
+            # (a call that draws more than the next, a first call's set-up: only its start told)
+            same = len(da) != len(db) or [p[1] - da[0][0][1] for p, _ in da] == [p[1] - db[0][0][1] for p, _ in db]
             if not (same and len(seeds) == 1 and (start is None or db[0][0] == start)):
                 return _reseeded(name, "a torch.Generator it draws from", op)
         return None
