@@ -33,7 +33,7 @@ from torchreplay import _compat
 from torchreplay._compat.rng import Position, can_register_generators, default_generator, position, same_generator
 from torchreplay.errors import CaptureError
 
-__all__ = ["Draws", "bind", "hand_back", "remember", "remembered", "stand_in"]
+__all__ = ["Draws", "bind", "fits", "hand_back", "remember", "remembered", "stand_in"]
 
 #: The fix that every message here gives.
 SEED_OUTSIDE = (
@@ -281,12 +281,16 @@ def stand_in(gen: torch.Generator) -> torch.Generator:
     return own
 
 
+def fits(own: torch.Generator, gen: Any) -> bool:
+    """May the call pass ``gen`` where the graph draws from ``own``: a generator on its device?"""
+    return isinstance(gen, torch.Generator) and gen.device == own.device
+
+
 def bind(own: torch.Generator, gen: Any) -> bool:
-    """Put ``own`` where the call's generator ``gen`` stands; False if ``gen`` is not a
-    generator on ``own``'s device."""
+    """Put ``own`` where the call's generator ``gen`` stands; False if it does not :func:`fits`."""
     if gen is own:
         return True
-    if not isinstance(gen, torch.Generator) or gen.device != own.device:
+    if not fits(own, gen):
         return False
     seed, offset = position(gen)
     own.manual_seed(seed)

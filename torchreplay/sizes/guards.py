@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import torch
 
 from torchreplay.core.failures import user_frame
+from torchreplay.core.generators import fits as generator_fits
 from torchreplay.core.io import Inputs, conversion_fix, describe_tensor, same_constant
 from torchreplay.errors import CaptureError, ReplayInputError, UnsupportedError
 from torchreplay.sizes.plan import InputPlan, disagreement_message
@@ -143,7 +144,7 @@ def accepted(leaf: Any, slot: Any) -> bool:
     """Does the call's non-tensor ``leaf`` fit ``slot``: its captured constant, or, for a
     generator argument, any generator on the graph's device (core/generators.py)?"""
     if slot.rebound:
-        return isinstance(leaf, torch.Generator) and leaf.device == slot.value.device
+        return generator_fits(slot.value, leaf)
     return leaf is slot.value or same_constant(leaf, slot.value)
 
 
