@@ -3,14 +3,16 @@
 For the MLP and ResNet-50 b1 rows: the hand-written graph (the floor), ``outputs="static"``, and
 the default ``"checked"`` policy with the caller dropping each output ("dropped") or keeping it
 until the next call returns ("kept", as ``y = g(x)`` in a loop does), and "checked" without the
-per-call check that the module's state stayed put (``core/placed.py``), to show what it costs. 300 rounds of 10 calls,
+per-call check that the module's state stayed put (``core/placed.py``), to show what it costs;
+then hand-written and "checked" given a different input tensor at each call (eight in turn: the
+graph's copy node is pointed at each, _compat/copy_nodes.py). 300 rounds of 10 calls,
 the methods' order rotated each round; per method the min and median, and the paired difference
 to the floor in the same round (median, 25th and 75th percentile): the machines are noisy, the
 paired difference much less so. Then the same with the replay replaced by a no-op everywhere
 ("dry": the launch, identical for all, taken out), the cost of the single operations, and a
 cProfile of 20000 checked calls. Usage: ``python benchmarks/host_overhead.py``.
 """
-import sys, os, time, statistics, cProfile, pstats, io
+import sys, os, time, statistics, cProfile, pstats, io, itertools
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torchreplay as tr
@@ -63,6 +65,23 @@ for row, fac in (("mlp", mlp_factory), ("resnet50", resnet50_factory)):
     print(" real replays (host us/call):")
     interleaved({"hand": hand_call, "static": static_call, "checked (dropped)": checked_call, "checked (kept)": checked_keep,
                  "checked, no state check": lambda: gc_unplaced(x)})
+    # A different input tensor at each call (eight in turn): the graph's copy node is pointed
+    # at each (_compat/copy_nodes.py), where the same tensor again needs nothing.
+    xs = [torch.randn_like(x) for _ in range(8)]
+    rot_static = x.clone()
+    side = torch.cuda.Stream(); side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(3): model(rot_static)
+    torch.cuda.current_stream().wait_stream(side)
+    rot_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(rot_graph), torch.no_grad():
+        rot_out = model(rot_static)
+    hand_turn, ours_turn = itertools.cycle(xs), itertools.cycle(xs)
+    def hand_rot():
+        rot_static.copy_(next(hand_turn)); rot_graph.replay(); return rot_out
+    def checked_rot(): return gc_(next(ours_turn))
+    print(" real replays, a different input tensor at each call (host us/call):")
+    interleaved({"hand": hand_rot, "checked (dropped)": checked_rot})
     # dry: no replay anywhere (identical launch cost removed)
     noop = lambda: None
     hand_static = x.clone()

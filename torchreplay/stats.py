@@ -27,6 +27,9 @@ class GraphStats:
         padding_check: with ``sizes=``, whether padding changes what a call returns, checked
             once at the build or the first call (``"rows independent: ..."``, ``"CHANGES the
             result: ..."`` with a warning, ``"not checked: <why>"``); ``""`` without padding.
+        graph_copies: tensor arguments the graph copies in by itself (its first nodes, pointed
+            at the caller's tensors at each call, which launches no copy); 0 where each call
+            launches the copy.
     """
 
     __slots__ = (
@@ -39,6 +42,7 @@ class GraphStats:
         "padded_rows",
         "written_inputs",
         "padding_check",
+        "graph_copies",
         "_pool_bytes",
     )
 
@@ -52,6 +56,7 @@ class GraphStats:
         self.padded_rows = 0
         self.written_inputs: list[str] = []
         self.padding_check = ""
+        self.graph_copies = 0
         self._pool_bytes = pool_bytes
 
     @property
@@ -79,6 +84,7 @@ class GraphStats:
             "pool_bytes": self.pool_bytes,
             "written_inputs": list(self.written_inputs),
             "padding_check": self.padding_check,
+            "graph_copies": self.graph_copies,
         }
 
     def explain(self) -> str:

@@ -400,7 +400,7 @@ def install_cpu_graphs(setattr_: Any) -> list[int]:
     order: list[int] = []
 
     def fake_capture(fn, args, kwargs, *, device, stream, pool, config, grad=False, warmup=True,
-                     snapshot=None, watch=(), collectives=True, effects=None, reset=None, owner=None):
+                     snapshot=None, watch=(), collectives=True, effects=None, reset=None, owner=None, copy_in=()):
         watcher = WriteWatch(watch)
         python = effects if effects is not None else NO_EFFECTS  # as capture() runs it
         running = snapshot.running() if snapshot is not None else contextlib.nullcontext()

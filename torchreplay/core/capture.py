@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from torchreplay import _compat
+from torchreplay._compat import copy_nodes
 from torchreplay.config import GraphConfig
 from torchreplay.core import constants, generators
 from torchreplay.core.args import fn_name
@@ -135,6 +136,10 @@ class Captured:
     #: The explicit CUDA generators (not a default one) registered with the graphs: the call
     #: draws from them (core/generators.py).
     generators: tuple[torch.Generator, ...] = ()
+    #: With ``copy_in``: the graph's copy into each static input, each off (_compat/copy_nodes.py).
+    copies: tuple[copy_nodes.CopyNode, ...] = ()
+    #: Buffers the graph writes at every replay, to be kept as long as it (copy nodes not found).
+    spares: tuple[torch.Tensor, ...] = ()
 
 
 class Segments:
@@ -145,10 +150,13 @@ class Segments:
     runs between two of them runs eagerly, on the capture stream, for real.
     """
 
-    def __init__(self, pool: Pool, mode: str, generators: Sequence[torch.Generator] = ()) -> None:
+    def __init__(
+        self, pool: Pool, mode: str, generators: Sequence[torch.Generator] = (), copies: int = 0
+    ) -> None:
         self._pool = pool
         self._mode = mode
         self._generators = generators  # registered with each graph before its capture begins
+        self._copies = copies  # copy nodes the (one) graph begins with: its template is kept
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.empty: list[bool] = []
         #: the graph whose capture began and has not ended (``None`` between segments)
@@ -156,7 +164,7 @@ class Segments:
 
     def resume(self) -> None:
         """Begin capturing the next segment."""
-        graph = torch.cuda.CUDAGraph()
+        graph = copy_nodes.graph(keep=self._copies > 0)
         for gen in self._generators:  # (each replay draws from where it stands, and moves it on)
             _compat.register_generator(graph, gen)
         expect_capture()  # a graph called inside this capture runs eagerly (core/pool.py)
@@ -178,6 +186,10 @@ class Segments:
         self.open = None
         _compat.clear_cublas_workspaces()
         empty = any("graph is empty" in str(w.message).lower() for w in caught)
+        if self._copies:  # (the copies into the static inputs alone are none of the call's work)
+            empty = copy_nodes.node_count(graph) <= self._copies
+            if not empty:
+                graph.instantiate()  # (a kept template is not instantiated by capture_end)
         self.graphs.append(graph)
         self.empty.append(empty)
         return None if empty else graph
@@ -241,6 +253,7 @@ def capture(
     free_warmup: bool = False,
     owner: Any = None,
     find_generators: bool = True,
+    copy_in: Sequence[torch.Tensor] = (),
 ) -> Captured:
     """Warm ``fn`` up on ``stream`` and capture one call of it into a new graph in ``pool``.
 
@@ -286,6 +299,11 @@ def capture(
             (core/generators.py). False for the compile backend's pieces: they pay no watch
             (hundreds of captures), and a piece that draws from an explicit generator fails
             to capture and runs eagerly, as before generators were registered.
+        copy_in: static inputs (dense; not with ``segmented``) the graph begins by copying
+            into, by nodes returned off in ``Captured.copies``: a call points them at its
+            tensors instead of copying them itself (_compat/copy_nodes.py). None is returned
+            where the driver does not show them after the capture (never seen): each call
+            then copies with a launch, and ``Captured.spares`` must live as long as the graph.
         collectives: record the ``torch.distributed`` collectives of the captured call
             (``Captured.collectives``; only when a process group exists: a dispatch mode sees
             every op of the capture, so callers that do not use them pass False).
@@ -343,7 +361,9 @@ def capture(
             if free_warmup:
                 torch.cuda.empty_cache()
 
-        segments = Segments(pool, config.capture_error_mode, known or ())
+        assert not (copy_in and segmented), "copy nodes begin a graph of one segment"
+        segments = Segments(pool, config.capture_error_mode, known or (), len(copy_in))
+        spares = [torch.empty_like(t) for t in copy_in]  # (outside the pool: allocated before)
         watcher = WriteWatch(watch) if watch else contextlib.nullcontext()
         recorder = CollectiveLog() if collectives and _compat.dist_ready() else None
         out = None
@@ -354,6 +374,8 @@ def capture(
                 python.before_capture()
                 segments.resume()
                 try:
+                    if copy_in:  # the graph's first nodes, before anything reads the inputs
+                        copy_nodes.record(copy_in, spares, stream)
                     with (
                         watcher,
                         recorder if recorder is not None else contextlib.nullcontext(),
@@ -393,6 +415,13 @@ def capture(
                 raise err
             finally:
                 del err  # as above: no frame-error cycle
+        copies = copy_nodes.bind(segments.graphs[0], copy_in, spares) if copy_in else []
+        if copies is None:  # (each replay copies a buffer into its spare: harmless, kept alive)
+            log.warning("torchreplay: '%s': the graph's own copies into its inputs were not found "
+                        "after its capture; each call copies with a launch", fn_name(fn))
+            copies = []
+        else:
+            spares = []  # (a node found is pointed into the buffer before it is turned on)
         python.put_back_tensors()
     seconds = time.perf_counter() - start
     log.debug("captured %s on %s in %.4f s", fn_name(fn), device, seconds)
@@ -409,6 +438,8 @@ def capture(
         tuple(recorder.collectives) if recorder is not None else (),
         recorder,
         tuple(known or ()),
+        tuple(copies),
+        tuple(spares),
     )
 
 

@@ -108,6 +108,9 @@ class Graphed(EagerForm):
                 watch=[s.static for s in self._inputs.tensor_slots],
                 reset=_reset_written(self._inputs, call.leaves, adopted),
                 effects=python,  # the Python state it changes: core/effects.py
+                # The graph copies its tensor arguments in itself, as its first nodes: a call
+                # points them at its tensors, and launches no copy (_compat/copy_nodes.py).
+                copy_in=self._inputs.copied_by_graph(),
             )
         if snapshot is not None:
             snapshot.restore()
@@ -119,6 +122,8 @@ class Graphed(EagerForm):
         self._eager = EagerCalls(self.name, self._training, self._module)  # calls a replay cannot serve
         self._hooks = self._eager.hooks
         self._graph = captured.graph
+        self._inputs.attach(captured.copies)
+        self._spares = captured.spares  # (copies not found: written at every replay)
         self._inputs.set_written(captured.written)
         self._inputs.check_aliasing(call.leaves, where="capture")
         del call  # it holds the caller's sample tensors
@@ -133,6 +138,7 @@ class Graphed(EagerForm):
         self.stats.captures = 1
         self.stats.capture_seconds = captured.seconds
         self.stats.written_inputs = self._inputs.written_paths()
+        self.stats.graph_copies = len(captured.copies)
         self.collectives = captured.collectives
         self._ranks = agreement(
             ranks, captured.collectives, captured.collective_log, name=self.name, device=device

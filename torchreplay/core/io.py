@@ -22,9 +22,11 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from torchreplay import _compat
+from torchreplay._compat import copy_nodes
 from torchreplay.core.args import CallArgs
 from torchreplay.core.generators import bind, hand_back, stand_in
 from torchreplay.core.rewind import Rewind
+from torchreplay.core.values import copy_widening, conversion_fix, describe_tensor, same_constant, warn_widening, widens
 from torchreplay.errors import CaptureError, ReplayInputError
 
 __all__ = [
@@ -47,66 +49,9 @@ _LARGE_BYTES = 64 << 20
 _foreach_copy = _compat.foreach_copy_
 _copy_untracked = _compat.foreach_copy_untracked
 _grad_enabled = torch.is_grad_enabled
-
-
-def warn_widening(
-    warned: set[tuple[int, torch.dtype]], i: int, path: str, got: torch.dtype, want: torch.dtype
-) -> None:
-    """Warn once per argument ``i`` and dtype that a lossless cast copies it in."""
-    if (i, got) in warned:
-        return
-    warned.add((i, got))
-    name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
-    log.warning(
-        "torchreplay: %s is %s but the graph was captured with %s: copying it in with a lossless "
-        "cast (the graph computes in %s; each call pays the cast). Pass %s, or graph with a "
-        "sample of this dtype",
-        path, name(got), name(want), name(want), name(want),
-    )
-
-
-def _copy_widening(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each source into its static buffer with a (lossless) cast, unrecorded by autograd."""
-    with torch.no_grad():
-        for static, leaf in pairs:
-            static.copy_(leaf)
-
-# Lossless casts a call may make into a static buffer: every value of the source dtype is exactly
-# representable in the target. Integer -> float and bool -> anything are left out on purpose: they
-# change what the argument means, not only its precision.
-_WIDENINGS: dict[torch.dtype, frozenset[torch.dtype]] = {
-    torch.float16: frozenset({torch.float32, torch.float64}),
-    torch.bfloat16: frozenset({torch.float32, torch.float64}),
-    torch.float32: frozenset({torch.float64}),
-    torch.int8: frozenset({torch.int16, torch.int32, torch.int64}),
-    torch.uint8: frozenset({torch.int16, torch.int32, torch.int64}),
-    torch.int16: frozenset({torch.int32, torch.int64}),
-    torch.int32: frozenset({torch.int64}),
-}
-
-
-def widens(src: torch.dtype, dst: torch.dtype) -> bool:
-    """Is casting ``src`` to ``dst`` lossless (every ``src`` value exact in ``dst``)?"""
-    return dst in _WIDENINGS.get(src, ())
-
-
-def describe_tensor(t: torch.Tensor) -> str:
-    """Return ``'shape (8, 512) float32 on cuda:0'`` for error messages."""
-    dtype = str(t.dtype).removeprefix("torch.")
-    layout = "" if t.layout is torch.strided else f" {str(t.layout).removeprefix('torch.')}"
-    return f"shape {tuple(t.shape)} {dtype}{layout} on {t.device}"
-
-
-def same_constant(a: Any, b: Any) -> bool:
-    """Is the call's non-tensor ``a`` the captured constant ``b`` (same type, equal)?"""
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    try:
-        return bool(a == b)
-    except Exception:  # an object whose == raises or is ambiguous: only identity counts
-        return False
+#: At most this many tensor arguments are copied by the graph's own nodes: each one whose tensor
+#: changes costs a driver call (1.5 us on the H200), four cost what one copy launch does.
+_MAX_COPY_NODES = 3
 
 
 def write_back(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
@@ -146,13 +91,13 @@ def _matches(leaf: Any, shape: torch.Size, dtype: torch.dtype, device: int) -> b
         return False
 
 
-def conversion_fix(leaf: torch.Tensor, slot: _Slot) -> str:
-    """The fix for a tensor of the right shape but another dtype, device or layout."""
-    if leaf.dtype != slot.dtype:
-        return f"cast it with .to({slot.dtype})"
-    if leaf.device != slot.device:
-        return f"move it with .to('{slot.device}')"
-    return "pass a dense tensor (e.g. .to_dense())"
+def _pointed(node: copy_nodes.CopyNode, leaf: torch.Tensor) -> bool:
+    """Point the graph's copy ``node`` at ``leaf`` (True), or turn it off to copy ``leaf`` with
+    a launch (False: a tensor subclass, a layout or a flag a byte copy would not keep)."""
+    if type(leaf) is _Tensor and leaf.is_contiguous() and not leaf.is_neg() and node.point(leaf.data_ptr()):
+        return True
+    node.off()
+    return False
 
 
 class _Slot:
@@ -246,8 +191,8 @@ class Inputs:
         self.eager_if_tracked = False
         # What copy_in checks, precomputed as tuples: attribute lookups on the hot path cost
         # as much as the checks themselves.
-        self._tensor_checks = [
-            (i, s.static, s.shape, s.dtype, _device_index(s.device), s)
+        self._tensor_checks: list[tuple[Any, ...]] = [
+            (i, s.static, s.shape, s.dtype, _device_index(s.device), s, None)
             for i, s in enumerate(self.slots)
             if s.static is not None and not s.adopted
         ]
@@ -263,11 +208,7 @@ class Inputs:
         self.written: tuple[int, ...] = ()
         self._write_backs: list[tuple[int, torch.Tensor]] = []
         self._widened: set[tuple[int, torch.dtype]] = set()
-        self._one = (
-            self._tensor_checks[0]
-            if len(self._tensor_checks) == 1 and not self._constant_checks and not self.adopted and not self.rebound
-            else None
-        )
+        self._set_one()
         #: The tensor slots of at least 64 MiB, once known the written ones (:meth:`note_same_large`;
         #: emptied once it told)
         self.large = [
@@ -275,6 +216,30 @@ class Inputs:
             if s.static is not None and not s.adopted and s.static.nbytes >= _LARGE_BYTES
         ]
         self._last_large: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def _set_one(self) -> None:
+        self._one = (
+            self._tensor_checks[0]
+            if len(self._tensor_checks) == 1 and not self._constant_checks and not self.adopted and not self.rebound
+            else None
+        )
+
+    def copied_by_graph(self) -> list[torch.Tensor]:
+        """The static buffers of the tensor arguments, for a graph that copies them in itself
+        (core/capture.py ``copy_in``; _compat/copy_nodes.py): none unless all can be (one
+        left to copy costs the launch they save): dense, real, under 64 MiB, at most three."""
+        statics = [static for _, static, *_ in self._tensor_checks]
+        if not statics or len(statics) > _MAX_COPY_NODES or not copy_nodes.available():
+            return []
+        if all(t.is_contiguous() and 0 < t.nbytes < _LARGE_BYTES and not t.is_complex() for t in statics):
+            return statics
+        return []
+
+    def attach(self, copies: Sequence[copy_nodes.CopyNode]) -> None:
+        """Copy the tensor arguments with the graph's own nodes (:meth:`copied_by_graph`'s order)."""
+        if copies:
+            self._tensor_checks = [(*c[:-1], node) for c, node in zip(self._tensor_checks, copies, strict=True)]
+            self._set_one()
 
     # -- replay path -------------------------------------------------------------------------
 
@@ -307,29 +272,35 @@ class Inputs:
             leaves = self.flatten(args, kwargs)
         one = self._one
         if one is not None:  # the common case: one tensor argument, no constants
-            i, static, shape, dtype, device, slot = one
+            i, static, shape, dtype, device, slot, node = one
             leaf = leaves[i]
-            if leaf is not static:
-                if not (
-                    type(leaf) is _Tensor
-                    and leaf.shape == shape
-                    and leaf.dtype is dtype
-                    and leaf.get_device() == device
-                ) and not _matches(leaf, shape, dtype, device):
-                    self._check_widening(i, slot, leaf)
-                    if leaf.requires_grad and self.eager_if_tracked and _grad_enabled():
-                        return None
-                    _copy_widening([(static, leaf)])
-                    return leaves
-                try:  # one tensor through the multi-tensor copy: a microsecond less than copy_
-                    if leaf.requires_grad:  # (training) a copy autograd must not record
-                        if self.eager_if_tracked and _grad_enabled():
-                            return None
-                        _copy_untracked([static], [leaf])
-                    else:
-                        _foreach_copy([static], [leaf])
-                except RuntimeError:
-                    raise self.tensor_error(slot, leaf) from None
+            if leaf is static:
+                if node is not None:
+                    node.off()
+                return leaves
+            plain = type(leaf) is _Tensor and leaf.shape == shape and leaf.dtype is dtype and leaf.get_device() == device
+            if not plain and not _matches(leaf, shape, dtype, device):
+                self._check_widening(i, slot, leaf)
+                if leaf.requires_grad and self.eager_if_tracked and _grad_enabled():
+                    return None
+                if node is not None:
+                    node.off()
+                copy_widening([(static, leaf)])
+                return leaves
+            try:
+                if leaf.requires_grad and self.eager_if_tracked and _grad_enabled():
+                    return None
+                if node is not None:  # the graph's first node copies it: no launch here
+                    if plain and leaf.is_contiguous() and not leaf.is_neg() and node.point(leaf.data_ptr()):
+                        return leaves
+                    node.off()
+                # one tensor through the multi-tensor copy: a microsecond less than copy_
+                if leaf.requires_grad:  # (training) a copy autograd must not record
+                    _copy_untracked([static], [leaf])
+                else:
+                    _foreach_copy([static], [leaf])
+            except RuntimeError:
+                raise self.tensor_error(slot, leaf) from None
             return leaves
         for i, value, slot in self._constant_checks:
             leaf = leaves[i]
@@ -346,25 +317,30 @@ class Inputs:
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         widened: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i, static, shape, dtype, device, slot in self._tensor_checks:
+        for i, static, shape, dtype, device, slot, node in self._tensor_checks:
             leaf = leaves[i]
-            if leaf is not static:
-                if not _matches(leaf, shape, dtype, device):
-                    self._check_widening(i, slot, leaf)  # a widening cast: copied on its own
-                    widened.append((static, leaf))
-                else:
-                    dsts.append(static)
-                    srcs.append(leaf)
-                tracked = tracked or leaf.requires_grad
+            if leaf is static:
+                if node is not None:
+                    node.off()
+                continue
+            if not _matches(leaf, shape, dtype, device):
+                self._check_widening(i, slot, leaf)  # a widening cast: copied on its own
+                widened.append((static, leaf))
+                if node is not None:
+                    node.off()
+            elif node is None or not _pointed(node, leaf):
+                dsts.append(static)
+                srcs.append(leaf)
+            tracked = tracked or leaf.requires_grad
         if tracked and self.eager_if_tracked and _grad_enabled():
             return None  # before anything is written
         if widened:
-            _copy_widening(widened)
+            copy_widening(widened)
         try:
             if dsts:
                 (_copy_untracked if tracked else _foreach_copy)(dsts, srcs)
         except RuntimeError:
-            for i, static, _, _, _, slot in self._tensor_checks:
+            for i, static, _, _, _, slot, _ in self._tensor_checks:
                 leaf = leaves[i]
                 if leaf is not static and (leaf.layout is not torch.strided or _compat.transformed(leaf)):
                     raise self.tensor_error(slot, leaf) from None
@@ -458,7 +434,7 @@ class Inputs:
         if not self.written:
             return
         spans: dict[int, tuple[int, int]] = {}
-        for i, static, _, _, _, _ in self._tensor_checks:
+        for i, static, *_ in self._tensor_checks:
             leaf = leaves[i]
             if isinstance(leaf, _Tensor) and leaf is not static:
                 spans[i] = byte_span(leaf)

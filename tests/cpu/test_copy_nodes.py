@@ -1,0 +1,147 @@
+"""The graph's own copies into its static inputs (_compat/copy_nodes.py) without a GPU: the
+node's state machine over a fake driver, and which node each kind of argument turns on or off
+in ``Inputs.copy_in`` (core/io.py), with CPU tensors. The GPU tests (tests/gpu/test_copy_nodes.py)
+replay real graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchreplay._compat import copy_nodes
+from torchreplay.core.args import CallArgs
+from torchreplay.core.io import Inputs
+
+CPU = torch.device("cpu")
+
+
+class FakeDriver:
+    """The two calls a CopyNode makes at each call, recorded; each answers ``rc`` (0: done)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.set_rc = 0
+        self.enable_rc = 0
+
+    def cuGraphExecMemcpyNodeSetParams(self, exe, node, ref, ctx):  # noqa: N802
+        self.calls.append(("set", ref._obj.srcDevice, ref._obj.dstDevice))
+        return self.set_rc
+
+    def cuGraphNodeSetEnabled(self, exe, node, on):  # noqa: N802
+        self.calls.append(("enable", on))
+        return self.enable_rc
+
+
+@pytest.fixture()
+def driver(monkeypatch):
+    fake = FakeDriver()
+    monkeypatch.setattr(copy_nodes, "_driver", [fake])
+    return fake
+
+
+def node(static: int = 0x1000) -> copy_nodes.CopyNode:
+    params = copy_nodes._Memcpy3D()
+    params.srcDevice, params.dstDevice, params.WidthInBytes = static, 0x9000, 256  # as recorded
+    return copy_nodes.CopyNode(1, 2, params, 3, static)
+
+
+def test_a_node_is_set_and_turned_on_once_per_new_source(driver) -> None:
+    n = node()
+    assert n.source == 0 and driver.calls == []  # bind hands it out off
+    assert n.point(0x2000)
+    assert driver.calls == [("set", 0x2000, 0x1000), ("enable", 1)]  # into the buffer, not the spare
+    assert n.point(0x2000) and len(driver.calls) == 2  # the same tensor again: nothing
+    assert n.point(0x3000)
+    assert driver.calls[2:] == [("set", 0x3000, 0x1000)]  # on already
+    n.off()
+    assert driver.calls[3:] == [("enable", 0)] and n.source == 0
+    n.off()
+    assert len(driver.calls) == 4  # off already
+
+
+def test_the_buffer_itself_turns_the_node_off(driver) -> None:
+    n = node(static=0x1000)
+    n.point(0x2000)
+    assert n.point(0x1000)  # the static buffer (or a view of all of it) holds the values
+    assert driver.calls[-1] == ("enable", 0) and n.source == 0
+
+
+def test_a_refused_source_leaves_the_node_off(driver) -> None:
+    n = node()
+    n.point(0x2000)
+    driver.set_rc = 1
+    assert not n.point(0x3000)
+    assert driver.calls[-1] == ("enable", 0) and n.source == 0
+    driver.set_rc, driver.enable_rc = 0, 1
+    assert not n.point(0x4000)  # set, but could not be turned on: still off
+    assert n.source == 0
+
+
+def test_a_node_that_cannot_be_turned_off_stops_the_call(driver) -> None:
+    n = node()
+    n.point(0x2000)
+    driver.enable_rc = 1
+    with pytest.raises(RuntimeError, match="cannot be replayed"):
+        n.off()
+
+
+class FakeNode:
+    """What copy_in asks of a node."""
+
+    def __init__(self, dst: int) -> None:
+        self.dst, self.source, self.log = dst, 0, []
+
+    def point(self, ptr: int) -> bool:
+        self.log.append(("point", ptr))
+        self.source = 0 if ptr == self.dst else ptr
+        return True
+
+    def off(self) -> None:
+        self.log.append("off")
+        self.source = 0
+
+
+def inputs_with_nodes(*samples: torch.Tensor) -> tuple[Inputs, list[FakeNode]]:
+    inp = Inputs(CallArgs(lambda *a: a, samples, {}), CPU)
+    nodes = [FakeNode(s.static.data_ptr()) for s in inp.tensor_slots]
+    inp.attach(nodes)  # type: ignore[arg-type]
+    return inp, nodes
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_copy_in_points_plain_tensors_and_copies_the_rest_itself(count: int) -> None:
+    inp, nodes = inputs_with_nodes(*[torch.randn(4, 8) for _ in range(count)])
+    statics = list(inp.static_args)
+    plain = [torch.randn(4, 8) for _ in range(count)]
+    before = [s.clone() for s in statics]
+    inp.copy_in(tuple(plain), {})
+    for n, x, s, b in zip(nodes, plain, statics, before):
+        assert n.log[-1] == ("point", x.data_ptr()) and n.source == x.data_ptr()
+        assert torch.equal(s, b)  # the graph's node copies it, not the call
+    others = [
+        torch.randn(8, 4).t(),  # another layout of the same shape
+        torch.randn(4, 8, dtype=torch.float16),  # a widening cast
+        torch.complex(torch.randn(4, 8), torch.randn(4, 8)).conj().imag,  # the negative bit
+    ]
+    for x in others:
+        args = tuple([x] + plain[1:])
+        inp.copy_in(args, {})
+        assert nodes[0].log[-1] == "off" and nodes[0].source == 0
+        torch.testing.assert_close(statics[0], x.float(), rtol=0, atol=0)  # copied by the call
+    inp.copy_in(tuple([statics[0]] + plain[1:]), {})  # the graph's own buffer
+    assert nodes[0].log[-1] == "off"
+
+
+def test_which_arguments_a_graph_copies_itself(monkeypatch) -> None:
+    monkeypatch.setattr(copy_nodes, "available", lambda: True)
+
+    def statics(*samples):
+        return Inputs(CallArgs(lambda *a: a, samples, {}), CPU).copied_by_graph()
+
+    assert len(statics(torch.randn(4, 8), torch.randn(3), 7)) == 2  # constants are not copied
+    assert len(statics(*[torch.randn(2) for _ in range(3)])) == 3
+    assert statics(*[torch.randn(2) for _ in range(4)]) == []  # four cost what a launch does
+    assert statics(torch.randn(4, 8), torch.randn(2, dtype=torch.complex64)) == []  # all or none
+    assert statics(torch.empty(0, 8)) == []
+    monkeypatch.setattr(copy_nodes, "available", lambda: False)
+    assert statics(torch.randn(4, 8)) == []

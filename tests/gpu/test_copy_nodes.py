@@ -1,0 +1,225 @@
+"""A graph that copies its tensor arguments in by itself (_compat/copy_nodes.py): its first nodes
+are memcpys into the static inputs, pointed at the caller's tensors at each call, so that a call
+launches no copy of its own.
+
+Every test compares with eager on fresh random inputs over many calls, in the orders that move a
+node's source (new tensors, the same tensor rewritten, the graph's own buffer, a tensor a byte
+copy cannot take, a freed one), and says whether the graph copied by itself (``stats``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchreplay as tr
+from torchreplay._compat import copy_nodes
+from torchreplay.errors import CaptureError
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+DEV = "cuda"
+CALLS = 30
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).to(DEV).eval()
+
+
+def eager(model: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(*args)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+needs_nodes = pytest.mark.skipif(
+    torch.cuda.is_available() and not copy_nodes.available(), reason="this torch or driver has no copy nodes"
+)
+
+
+@needs_nodes
+def test_new_tensors_at_every_call_are_copied_by_the_graph() -> None:
+    model = mlp()
+    g = tr.graph(model, torch.randn(8, 64, device=DEV))
+    assert g.stats.graph_copies == 1
+    for _ in range(CALLS):
+        x = torch.randn(8, 64, device=DEV)
+        same(g(x), eager(model, x))
+    assert g.stats.replays == CALLS and g.stats.fallbacks == 0
+
+
+@needs_nodes
+def test_the_same_tensor_rewritten_between_calls() -> None:
+    """The source does not move: the node reads what the tensor holds at each launch."""
+    model = mlp()
+    g = tr.graph(model, torch.randn(8, 64, device=DEV))
+    x = torch.randn(8, 64, device=DEV)
+    outs = []
+    for _ in range(CALLS):
+        x.copy_(torch.randn(8, 64, device=DEV))
+        y = g(x)
+        same(y, eager(model, x))
+        outs.append(y.clone())
+    assert not torch.equal(outs[0], outs[-1])
+
+
+@needs_nodes
+def test_the_graphs_own_buffer_new_tensors_and_views_in_turn() -> None:
+    """Passing ``g.static_args`` turns the copy off (the buffer holds the values), a view of the
+    whole buffer too; a new tensor after it turns it on again."""
+    model = mlp()
+    g = tr.graph(model, torch.randn(8, 64, device=DEV))
+    (static,) = g.static_args
+    for k in range(CALLS):
+        kind = k % 3
+        if kind == 0:
+            static.copy_(torch.randn(8, 64, device=DEV))
+            x = static
+        elif kind == 1:
+            static.copy_(torch.randn(8, 64, device=DEV))
+            x = static.view(8, 64)
+        else:
+            x = torch.randn(8, 64, device=DEV)
+        same(g(x), eager(model, x))
+
+
+@needs_nodes
+def test_tensors_a_byte_copy_cannot_take_are_copied_by_a_launch() -> None:
+    """Another layout of the same shape, a widening cast, a negative-bit view: the node is off for
+    that call, and on again for the next plain tensor."""
+    model = mlp()
+    g = tr.graph(model, torch.randn(8, 64, device=DEV))
+    for k in range(CALLS):
+        plain = torch.randn(8, 64, device=DEV)
+        kind = k % 4
+        if kind == 0:
+            x = plain.t().contiguous().t()  # strides (1, 8)
+            assert not x.is_contiguous()
+        elif kind == 1:
+            x = plain.half()  # copied with a cast (a warning, once)
+        elif kind == 2:
+            x = torch.complex(torch.randn(8, 64, device=DEV), plain).conj().imag  # the negative bit
+            assert x.is_neg()
+        else:
+            x = plain
+        same(g(x), eager(model, x.float()))
+
+
+@needs_nodes
+def test_freed_inputs_and_an_emptied_cache_between_calls() -> None:
+    """A temporary freed right after the call, and its memory given back to the driver: the next
+    call's node reads its own tensor, never the freed one."""
+    model = mlp()
+    g = tr.graph(model, torch.randn(8, 64, device=DEV))
+    for k in range(CALLS):
+        seed = torch.randint(0, 2**31, (1,)).item()
+        torch.manual_seed(seed)
+        y = g(torch.randn(8, 64, device=DEV)).clone()
+        torch.manual_seed(seed)
+        same(y, eager(model, torch.randn(8, 64, device=DEV)))
+        if k % 5 == 0:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+
+@needs_nodes
+def test_an_output_passed_back_in() -> None:
+    """``y = g(y)``: the node reads the last output before the graph overwrites it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh()).to(DEV).eval()
+    g = tr.graph(model, torch.randn(8, 64, device=DEV))
+    y = torch.randn(8, 64, device=DEV)
+    ref = y.clone()
+    for _ in range(CALLS):
+        y = g(y)
+        ref = eager(model, ref)
+        same(y, ref)
+
+
+@needs_nodes
+def test_three_arguments_are_copied_by_the_graph_four_by_a_launch() -> None:
+    def f3(a, b, c):
+        return (a * b).sum(-1) + c.mean()
+
+    def f4(a, b, c, d):
+        return (a * b).sum(-1) + c.mean() - d
+
+    shapes3 = [(8, 64), (8, 64), (16,)]
+    shapes4 = shapes3 + [(8,)]
+    g3 = tr.graph(f3, *[torch.randn(s, device=DEV) for s in shapes3])
+    g4 = tr.graph(f4, *[torch.randn(s, device=DEV) for s in shapes4])
+    assert g3.stats.graph_copies == 3 and g4.stats.graph_copies == 0
+    static_b = g3.static_args[1]
+    for k in range(CALLS):
+        a3 = [torch.randn(s, device=DEV) for s in shapes3]
+        if k % 2:  # one of three passed as the graph's own buffer: that node alone is off
+            static_b.copy_(a3[1])
+            a3[1] = static_b
+        same(g3(*a3), f3(*a3))
+        a4 = [torch.randn(s, device=DEV) for s in shapes4]
+        same(g4(*a4), f4(*a4))
+
+
+@needs_nodes
+def test_a_written_argument_still_reaches_the_caller() -> None:
+    def step(x, cache):
+        cache.mul_(0.5).add_(x)
+        return cache.sum(-1)
+
+    g = tr.graph(step, torch.randn(8, 64, device=DEV), torch.randn(8, 64, device=DEV))
+    assert g.stats.graph_copies == 2 and g.stats.written_inputs
+    cache = torch.randn(8, 64, device=DEV)
+    ref_cache = cache.clone()
+    for _ in range(CALLS):
+        x = torch.randn(8, 64, device=DEV)
+        y = g(x, cache)
+        ref = step(x, ref_cache)
+        same(y, ref)
+        same(cache, ref_cache)
+
+
+@needs_nodes
+def test_on_a_side_stream() -> None:
+    model = mlp()
+    g = tr.graph(model, torch.randn(8, 64, device=DEV))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(CALLS):
+            x = torch.randn(8, 64, device=DEV)
+            same(g(x), eager(model, x))
+    torch.cuda.current_stream().wait_stream(side)
+
+
+@needs_nodes
+def test_a_call_that_records_no_work_is_still_refused() -> None:
+    """The copies alone are not the call's work: a callable that launches nothing is refused as
+    before they existed."""
+    with pytest.raises(CaptureError, match="no CUDA work"):
+        tr.graph(lambda x: x.shape[0], torch.randn(8, 64, device=DEV))
+
+
+@needs_nodes
+def test_copies_not_found_leave_each_call_copying_by_a_launch(monkeypatch, caplog) -> None:
+    """Copy nodes that the graph does not show after the capture (never seen; the driver's
+    business): they stay as recorded, copying each static buffer into a spare nobody reads,
+    and each call copies its tensors in with a launch."""
+    monkeypatch.setattr(copy_nodes, "bind", lambda graph, pairs: None)
+    model = mlp()
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        g = tr.graph(model, torch.randn(8, 64, device=DEV))
+    assert g.stats.graph_copies == 0
+    assert "were not found" in caplog.text
+    for _ in range(CALLS):
+        x = torch.randn(8, 64, device=DEV)
+        same(g(x), eager(model, x))
