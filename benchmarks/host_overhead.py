@@ -5,7 +5,8 @@ the default ``"checked"`` policy with the caller dropping each output ("dropped"
 until the next call returns ("kept", as ``y = g(x)`` in a loop does), and "checked" without the
 per-call check that the module's state stayed put (``core/placed.py``), to show what it costs;
 then hand-written and "checked" given a different input tensor at each call (eight in turn: the
-graph's copy node is pointed at each, _compat/copy_nodes.py). 300 rounds of 10 calls,
+graph's copy node is pointed at each, _compat/copy_nodes.py), and the device time of those
+calls back to back. 300 rounds of 10 calls,
 the methods' order rotated each round; per method the min and median, and the paired difference
 to the floor in the same round (median, 25th and 75th percentile): the machines are noisy, the
 paired difference much less so. Then the same with the replay replaced by a no-op everywhere
@@ -82,6 +83,19 @@ for row, fac in (("mlp", mlp_factory), ("resnet50", resnet50_factory)):
     def checked_rot(): return gc_(next(ours_turn))
     print(" real replays, a different input tensor at each call (host us/call):")
     interleaved({"hand": hand_rot, "checked (dropped)": checked_rot})
+    # Device time of the same calls back to back (the GPU's pace, the host ahead of it): does
+    # repointing the copy node cost the device anything? Seven alternating rounds of 300 calls.
+    def device_us(f, n=300):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(); e0.record()
+        for _ in range(n): f()
+        e1.record(); torch.cuda.synchronize()
+        return e0.elapsed_time(e1) / n * 1000
+    dev = {"hand": [], "checked (dropped)": []}
+    for _ in range(7):
+        dev["hand"].append(device_us(hand_rot)); dev["checked (dropped)"].append(device_us(checked_rot))
+    print(" device time, the same calls back to back (us/call, median of 7 rounds): " + ", ".join(
+        f"{k} {statistics.median(v):.1f}" for k, v in dev.items()))
     # dry: no replay anywhere (identical launch cost removed)
     noop = lambda: None
     hand_static = x.clone()
