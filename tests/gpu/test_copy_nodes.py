@@ -10,6 +10,11 @@ copy cannot take, a freed one), and says whether the graph copied by itself (``s
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,3 +228,38 @@ def test_copies_not_found_leave_each_call_copying_by_a_launch(monkeypatch, caplo
     for _ in range(CALLS):
         x = torch.randn(8, 64, device=DEV)
         same(g(x), eager(model, x))
+
+
+_EXPANDABLE = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {root!r})
+    import torchreplay as tr
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 32)).cuda().eval()
+    g = tr.graph(model, torch.randn(8, 64, device="cuda"))
+    keep = []
+    for k in range(40):  # new tensors from the expandable segments, some freed, some kept
+        x = torch.randn(8, 64, device="cuda")
+        with torch.no_grad():
+            ref = model(x)
+        torch.testing.assert_close(g(x), ref, rtol=1e-5, atol=1e-5)
+        if k % 3 == 0:
+            keep.append(torch.randn(1 << 20, device="cuda"))  # the segment grows under later inputs
+        if k % 10 == 9:
+            keep.clear(); torch.cuda.synchronize(); torch.cuda.empty_cache()
+    node = g._inputs._one[-1]
+    print("EQUAL", g.stats.graph_copies, "node on" if node is not None and node.source else "node off: copied by a launch")
+    """
+)
+
+
+@needs_nodes
+def test_inputs_from_expandable_segments() -> None:
+    """``expandable_segments:True`` maps memory into one growing range (cuMemMap), not cudaMalloc
+    blocks: the node takes sources there too, or, refused by the driver, the call copies."""
+    script = _EXPANDABLE.format(root=str(Path(__file__).resolve().parents[2]))
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and "EQUAL" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
+    print(proc.stdout.strip())  # (-s: whether the driver took those sources)
