@@ -59,6 +59,18 @@ def test_a_node_is_set_and_turned_on_once_per_new_source(driver) -> None:
     assert len(driver.calls) == 4  # off already
 
 
+def test_a_call_of_fewer_rows_copies_fewer_bytes(driver) -> None:
+    """``sizes=``: the graph of 16 rows copies a call's 13 rows (the padding stays)."""
+    n = node()
+    assert n.width == 256
+    n.point(0x2000, 208)
+    assert driver.calls == [("set", 0x2000, 0x1000), ("enable", 1)]
+    assert n._params.WidthInBytes == 208
+    assert n.point(0x2000, 208) and len(driver.calls) == 2
+    n.point(0x2000)  # the same tensor, all recorded rows: set again
+    assert len(driver.calls) == 3 and n._params.WidthInBytes == 256
+
+
 def test_the_buffer_itself_turns_the_node_off(driver) -> None:
     n = node(static=0x1000)
     n.point(0x2000)
@@ -91,8 +103,8 @@ class FakeNode:
     def __init__(self, dst: int) -> None:
         self.dst, self.source, self.log = dst, 0, []
 
-    def point(self, ptr: int) -> bool:
-        self.log.append(("point", ptr))
+    def point(self, ptr: int, nbytes: int = 0) -> bool:
+        self.log.append(("point", ptr) if not nbytes else ("point", ptr, nbytes))
         self.source = 0 if ptr == self.dst else ptr
         return True
 
@@ -145,3 +157,45 @@ def test_which_arguments_a_graph_copies_itself(monkeypatch) -> None:
     assert statics(torch.empty(0, 8)) == []
     monkeypatch.setattr(copy_nodes, "available", lambda: False)
     assert statics(torch.randn(4, 8)) == []
+
+
+def test_which_arguments_a_size_graph_copies_itself(monkeypatch) -> None:
+    """``sizes=``: arguments that vary along their first dimension (a prefix of rows) or not at
+    all; one varying along another dimension leaves every copy to the call."""
+    from torchreplay.sizes.routes import copy_targets
+
+    monkeypatch.setattr(copy_nodes, "available", lambda: True)
+    inp = Inputs(CallArgs(lambda *a: a, (torch.randn(16, 8), torch.randn(4), 3), {}), CPU)
+    targets = copy_targets(inp, [0, None, None], 4, 16)
+    assert list(targets) == [0, 1]
+    assert targets[0].shape == (4, 8) and targets[0].data_ptr() == inp.slots[0].static.data_ptr()
+    assert targets[1] is inp.slots[1].static
+    assert copy_targets(inp, [0, None, None], 16, 16)[0] is inp.slots[0].static
+    assert copy_targets(inp, [1, None, None], 4, 16) == {}
+
+
+def test_a_size_route_points_its_nodes_at_the_call_rows(monkeypatch) -> None:
+    """A call of 3 rows into the graph of 4: the node copies 3 rows' bytes; a widening cast
+    turns it off; the rows are never copied by the call when the node took them."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_buckets import install_cpu_graphs
+
+    import torchreplay as tr
+
+    install_cpu_graphs(monkeypatch.setattr)
+    g = tr.graph(lambda x: x * 2, torch.randn(3, 8), sizes=[2, 4])
+    g(torch.randn(3, 8))  # the route of 3 rows
+    route = g._routes[3]
+    static = g._inputs.slots[0].static
+    fake = FakeNode(static.data_ptr())
+    route.nodes[0] = (fake, route.dsts[0].nbytes)
+    before = static.clone()
+    x = torch.randn(3, 8)
+    g(x)
+    assert fake.log[-1] == ("point", x.data_ptr(), 3 * 8 * 4)
+    assert torch.equal(static[:3], before[:3])  # the node's rows: not copied by the call
+    g(x.double().float().half())  # a widening cast: copied by the call
+    assert fake.log[-1] == "off"

@@ -230,6 +230,50 @@ def test_copies_not_found_leave_each_call_copying_by_a_launch(monkeypatch, caplo
         same(g(x), eager(model, x))
 
 
+@needs_nodes
+def test_sizes_copy_the_call_rows_with_each_size_graphs_node() -> None:
+    """``sizes=``: each size's graph copies a call's ``n`` rows (fewer than its size: the padding
+    rows keep the fill value), at every ``n``, with new tensors and with views of one tensor at
+    the same address but another row count."""
+    model = mlp()
+    g = tr.graph(model, torch.randn(3, 64, device=DEV), sizes=[1, 2, 4, 8, 16])
+    assert g.stats.graph_copies == 1
+    for _ in range(3):
+        for n in range(1, 17):
+            x = torch.randn(n, 64, device=DEV)
+            same(g(x), eager(model, x))
+    big = torch.randn(16, 64, device=DEV)
+    for n in (13, 14, 13, 16, 9, 16):  # one address, the rows changing (and the graph, at 16 and 9)
+        big.normal_()
+        x = big[:n]
+        same(g(x), eager(model, x))
+    assert g.stats.fallbacks == 0
+
+
+@needs_nodes
+def test_sizes_with_a_fixed_argument_and_one_written() -> None:
+    """A varying argument, a fixed one, and a written one (a running sum) through the nodes."""
+
+    def step(x, w, acc):
+        acc.add_(x.sum(0))
+        return (x @ w).relu(), acc * 1
+
+    w = torch.randn(64, 32, device=DEV)
+    g = tr.graph(step, torch.randn(4, 64, device=DEV), w, torch.zeros(64, device=DEV),
+                 sizes=[2, 4, 8], dim={"x": 0, "w": None, "acc": None})
+    assert g.stats.graph_copies == 3
+    acc, ref_acc = torch.zeros(64, device=DEV), torch.zeros(64, device=DEV)
+    for k in range(CALLS):
+        n = 1 + k % 8
+        x = torch.randn(n, 64, device=DEV)
+        w2 = torch.randn(64, 32, device=DEV) if k % 4 == 0 else w
+        y, a = g(x, w2, acc)
+        ry, ra = step(x, w2, ref_acc)
+        same(y, ry)
+        same(a, ra)
+        same(acc, ref_acc)
+
+
 _EXPANDABLE = textwrap.dedent(
     """
     import sys, torch

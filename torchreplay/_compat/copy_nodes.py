@@ -92,20 +92,24 @@ def record(statics: Sequence[torch.Tensor], spares: Sequence[torch.Tensor], stre
             raise RuntimeError(f"cuMemcpyDtoDAsync failed while capturing (CUresult {rc})")
 
 
-def _nodes(template: int) -> list[int]:
-    cu = _driver[0]
+def _count(template: int) -> int:
     n = _size(0)
-    if cu.cuGraphGetNodes(template, None, ctypes.byref(n)):
-        return []
+    return 0 if _driver[0].cuGraphGetNodes(template, None, ctypes.byref(n)) else n.value
+
+
+def _nodes(template: int) -> Any:
+    """The template's nodes (in the order they were made, the driver's, which :func:`bind`
+    only takes as a hint)."""
+    n = _size(_count(template))
     nodes = (_vp * n.value)()
-    if cu.cuGraphGetNodes(template, nodes, ctypes.byref(n)):
-        return []
-    return [int(h or 0) for h in nodes[: n.value]]
+    if not n.value or _driver[0].cuGraphGetNodes(template, nodes, ctypes.byref(n)):
+        return ()
+    return nodes[: n.value]
 
 
 def node_count(g: torch.cuda.CUDAGraph) -> int:
     """How many nodes the ended capture of ``g`` (made with ``keep=True``) recorded."""
-    return len(_nodes(g.raw_cuda_graph()))
+    return _count(g.raw_cuda_graph())
 
 
 class CopyNode:
@@ -117,7 +121,7 @@ class CopyNode:
     off, so that no launch reads a tensor of an earlier call.
     """
 
-    __slots__ = ("_exec", "_node", "_params", "_ref", "_ctx", "_set", "_enable", "dst", "source")
+    __slots__ = ("_exec", "_node", "_params", "_ref", "_ctx", "_set", "_enable", "dst", "width", "source")
 
     def __init__(self, exe: int, node: int, params: _Memcpy3D, ctx: int, static: int) -> None:
         cu = _driver[0]
@@ -127,21 +131,25 @@ class CopyNode:
         self._ref = ctypes.byref(params)
         self._set = cu.cuGraphExecMemcpyNodeSetParams
         self._enable = cu.cuGraphNodeSetEnabled
-        #: the static buffer's address
+        #: the static buffer's address, and the bytes recorded (what a call copies by default)
         self.dst = static
+        self.width: int = params.WidthInBytes
         #: the address the node copies from, 0 while it is off (as :func:`bind` hands it out)
         self.source = 0
 
-    def point(self, ptr: int) -> bool:
-        """Make the next launches copy from device address ``ptr`` (a dense tensor of the
-        static buffer's size, on its device). False when the driver refused: the node is off
-        and the caller copies itself."""
-        if ptr == self.source:
+    def point(self, ptr: int, nbytes: int = 0) -> bool:
+        """Make the next launches copy from device address ``ptr`` (a dense tensor on the static
+        buffer's device): ``nbytes`` of it (a call's rows of a size's buffer; default: what was
+        recorded). False when the driver refused: the node is off and the caller copies."""
+        params = self._params
+        width = nbytes or self.width
+        if ptr == self.source and width == params.WidthInBytes:
             return True
-        if ptr == self.dst:  # the static buffer itself (or a view of all of it): nothing to copy
+        if ptr == self.dst:  # the static buffer itself (or a view of its start): nothing to copy
             self.off()
             return True
-        self._params.srcDevice = ptr
+        params.srcDevice = ptr
+        params.WidthInBytes = width
         if self._set(self._exec, self._node, self._ref, self._ctx):
             self.off()
             return False
@@ -166,16 +174,20 @@ def bind(
     with ``keep=True``), each off; None when one is not found: the graph then copies each
     static buffer into its spare at every replay, and the spares must live as long as it."""
     cu = _driver[0]
+    wanted = {(t.data_ptr(), s.data_ptr(), t.nbytes) for t, s in zip(statics, spares, strict=True)}
     found: dict[tuple[int, int, int], tuple[int, _Memcpy3D]] = {}
-    for node in _nodes(g.raw_cuda_graph()):
+    for node in _nodes(g.raw_cuda_graph()):  # (the copies were made first: found first)
         kind = ctypes.c_int(-1)
         if cu.cuGraphNodeGetType(node, ctypes.byref(kind)) or kind.value != _NODE_MEMCPY:
             continue
         params = _Memcpy3D()
         if cu.cuGraphMemcpyNodeGetParams(node, ctypes.byref(params)):
             continue
-        if params.srcMemoryType == params.dstMemoryType == _MEMORYTYPE_DEVICE:
-            found[(params.srcDevice, params.dstDevice, params.WidthInBytes)] = (node, params)
+        key = (params.srcDevice, params.dstDevice, params.WidthInBytes)
+        if key in wanted and params.srcMemoryType == params.dstMemoryType == _MEMORYTYPE_DEVICE:
+            found[key] = (node, params)
+            if len(found) == len(wanted):
+                break
     ctx = _vp()
     if cu.cuCtxGetCurrent(ctypes.byref(ctx)) or not ctx.value:
         return None

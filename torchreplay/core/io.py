@@ -36,6 +36,7 @@ __all__ = [
     "describe_tensor",
     "same_constant",
     "conversion_fix",
+    "point_or_off",
     "warn_widening",
     "widens",
     "write_back",
@@ -91,10 +92,11 @@ def _matches(leaf: Any, shape: torch.Size, dtype: torch.dtype, device: int) -> b
         return False
 
 
-def _pointed(node: copy_nodes.CopyNode, leaf: torch.Tensor) -> bool:
-    """Point the graph's copy ``node`` at ``leaf`` (True), or turn it off to copy ``leaf`` with
-    a launch (False: a tensor subclass, a layout or a flag a byte copy would not keep)."""
-    if type(leaf) is _Tensor and leaf.is_contiguous() and not leaf.is_neg() and node.point(leaf.data_ptr()):
+def point_or_off(node: copy_nodes.CopyNode, leaf: torch.Tensor, nbytes: int = 0) -> bool:
+    """Point the graph's copy ``node`` at ``leaf`` (``nbytes`` of it; default: the recorded
+    size) and return True, or turn it off to copy ``leaf`` with a launch (False: a tensor
+    subclass, a layout or a flag a byte copy would not keep, or the driver refused)."""
+    if type(leaf) is _Tensor and leaf.is_contiguous() and not leaf.is_neg() and node.point(leaf.data_ptr(), nbytes):
         return True
     node.off()
     return False
@@ -328,7 +330,7 @@ class Inputs:
                 widened.append((static, leaf))
                 if node is not None:
                     node.off()
-            elif node is None or not _pointed(node, leaf):
+            elif node is None or not point_or_off(node, leaf):
                 dsts.append(static)
                 srcs.append(leaf)
             tracked = tracked or leaf.requires_grad

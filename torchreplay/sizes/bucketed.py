@@ -31,7 +31,9 @@ from torchreplay.core.eager_form import EagerForm
 from torchreplay.core.generators import bind, hand_back
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.effects import PyState
-from torchreplay.core.io import Inputs, TransformedInput, same_constant, warn_widening, widens, write_back
+from torchreplay.core.io import (
+    Inputs, TransformedInput, point_or_off, same_constant, warn_widening, widens, write_back,
+)
 from torchreplay.core.modes import CAPTURE, GRAD, TRANSFORM, EagerCalls, tracked_leaf
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.padding import flat_call, pad_sample, run_padded
@@ -45,7 +47,7 @@ from torchreplay.sizes.probe import args_at, probe
 from torchreplay.sizes.plan import (
     DimSpec, FillSpec, InputPlan, decide, format_sizes, narrow_leading, plan_inputs, target_size,
 )
-from torchreplay.sizes.routes import Route as _Route, SizeGraph as _SizeGraph
+from torchreplay.sizes.routes import Route as _Route, SizeGraph as _SizeGraph, copy_targets
 from torchreplay.sizes.routes import log_summary, retire_routes, route_views
 from torchreplay.stats import GraphStats
 
@@ -264,6 +266,9 @@ class BucketedGraph(EagerForm):
         # capture() names the callable in its messages by __qualname__.
         body.__qualname__ = body.__name__ = self.name
         a, k = self._args_at(s)
+        # The graph copies its tensor arguments in itself (_compat/copy_nodes.py): a call
+        # points its first nodes at its tensors' rows, and launches no copy.
+        targets = copy_targets(self._inputs, self._plan.dims, s, self._max)
         captured = capture(
             body,
             a,
@@ -279,6 +284,7 @@ class BucketedGraph(EagerForm):
             effects=self._effects,
             reset=reset,
             owner=self,  # (body is made per size)
+            copy_in=list(targets.values()),
         )
         if watch:  # the first capture: what the ranks agree on
             self._first_collectives = (captured.collectives, captured.collective_log)
@@ -286,9 +292,11 @@ class BucketedGraph(EagerForm):
         externals = {i: leaves[i] for i in plan.external}
         # Drop the callable's own outputs: their memory goes back to the pool for smaller sizes.
         graph, seconds, written = captured.graph, captured.seconds, captured.written
+        nodes, spares = dict(zip(targets, captured.copies)), captured.spares
         del captured, leaves
         self._graph_list.append(graph)
-        entry = _SizeGraph(s, graph, externals, seconds, written)
+        entry = _SizeGraph(s, graph, externals, seconds, written, nodes, spares)
+        self.stats.graph_copies = max(self.stats.graph_copies, len(nodes))
         self._graphs[s] = entry
         self.stats.captures += 1
         self.stats.capture_seconds += seconds
@@ -350,14 +358,17 @@ class BucketedGraph(EagerForm):
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         widened: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i, (leaf, slot, dst, shape) in enumerate(
-            zip(leaves, self._slots, route.dsts, route.shapes)
+        for i, (leaf, slot, dst, shape, copy) in enumerate(
+            zip(leaves, self._slots, route.dsts, route.shapes, route.nodes)
         ):
             if dst is None:
                 value = slot.value
                 if leaf is not value and not (bind(value, leaf) if slot.rebound else same_constant(leaf, value)):
                     raise self._inputs.constant_error(slot, leaf)
-            elif leaf is not dst:
+            elif leaf is dst:
+                if copy is not None:  # (the buffer holds the values: nothing to copy)
+                    copy[0].off()
+            else:
                 if slot.adopted:
                     raise self._inputs.adopted_error(slot, leaf)
                 if (
@@ -368,9 +379,12 @@ class BucketedGraph(EagerForm):
                     raise self._input_error(leaves, n)
                 if leaf.dtype != slot.dtype:
                     widened.append((self._widen(i, slot, leaf, leaves, n), leaf))
+                    if copy is not None:
+                        copy[0].off()
                     continue
-                dsts.append(dst)
-                srcs.append(leaf)
+                if copy is None or not point_or_off(copy[0], leaf, copy[1]):  # the graph's node, or a launch
+                    dsts.append(dst)
+                    srcs.append(leaf)
         grad = _grad_enabled()
         if grad and tracked_leaf(leaves) is not None:
             return _TRACKED  # before anything is written
@@ -543,7 +557,10 @@ class BucketedGraph(EagerForm):
             reuse=True, inputs=dsts,
         )
         clean_after = s if self._writes_inputs else n
-        return _Route(n, s, _compat.direct_replay(entry.graph), dsts, shapes, outputs, clean_after)
+        route = _Route(n, s, _compat.direct_replay(entry.graph), dsts, shapes, outputs, clean_after)
+        for i, node in entry.copies.items():  # (a call of n rows copies n rows' bytes)
+            route.nodes[i] = (node, dsts[i].nbytes)  # type: ignore[union-attr]
+        return route
 
     def invalidate_outputs(self) -> None:
         """Mark the outputs handed out so far stale (another graph may overwrite them)."""

@@ -11,7 +11,7 @@ import torch
 from torchreplay.core.outputs import Outputs
 from torchreplay.sizes.plan import format_sizes
 
-__all__ = ["SizeGraph", "Route", "log_summary", "retire_routes", "route_views"]
+__all__ = ["SizeGraph", "Route", "copy_targets", "log_summary", "retire_routes", "route_views"]
 
 log = logging.getLogger("torchreplay.sizes.bucketed")
 
@@ -19,7 +19,7 @@ log = logging.getLogger("torchreplay.sizes.bucketed")
 class SizeGraph:
     """One captured size: its graph and the external outputs (module state) it returned."""
 
-    __slots__ = ("size", "graph", "externals", "seconds", "written")
+    __slots__ = ("size", "graph", "externals", "seconds", "written", "copies", "spares")
 
     def __init__(
         self,
@@ -28,12 +28,29 @@ class SizeGraph:
         externals: dict[int, torch.Tensor],
         seconds: float,
         written: tuple[int, ...] = (),
+        copies: dict[int, Any] | None = None,
+        spares: tuple[torch.Tensor, ...] = (),
     ):
         self.size = size
         self.graph = graph
         self.externals = externals
         self.seconds = seconds
         self.written = written
+        #: slot position -> the graph's own copy into that argument's buffer (_compat/copy_nodes.py)
+        self.copies = copies or {}
+        self.spares = spares  # (copies not found: written at every replay, kept with the graph)
+
+
+def copy_targets(inputs: Any, dims: Any, s: int, largest: int) -> dict[int, torch.Tensor]:
+    """What the graph of size ``s`` copies in itself (_compat/copy_nodes.py), by slot position:
+    each tensor argument's buffer, its leading ``s`` rows where it varies. None unless every one
+    can be (``Inputs.copied_by_graph``) and varies, if at all, along its first dimension, whose
+    rows are a prefix of its bytes: a call copies its ``n`` rows, and the padding stays."""
+    statics = inputs.copied_by_graph()
+    slots = [i for i, slot in enumerate(inputs.slots) if slot.static is not None and not slot.adopted]
+    if not statics or any(dims[i] not in (None, 0) for i in slots):
+        return {}
+    return {i: t if dims[i] is None or s == largest else t.narrow(0, 0, s) for i, t in zip(slots, statics)}
 
 
 def route_views(slots: Any, dims: Any, n: int, largest: int) -> list[torch.Tensor | None]:
@@ -53,7 +70,7 @@ class Route:
     ``n`` rows of a varying buffer, the whole buffer of a static one, None for a constant).
     """
 
-    __slots__ = ("n", "size", "pad", "replay", "dsts", "shapes", "outputs", "clean_after")
+    __slots__ = ("n", "size", "pad", "replay", "dsts", "shapes", "outputs", "clean_after", "nodes")
 
     def __init__(
         self,
@@ -73,6 +90,8 @@ class Route:
         self.shapes = shapes
         self.outputs = outputs
         self.clean_after = clean_after
+        #: per slot, the size's graph's copy node and the bytes of this call's rows (or None)
+        self.nodes: list[tuple[Any, int] | None] = [None] * len(dsts)
 
 
 def log_summary(graph: Any) -> None:
