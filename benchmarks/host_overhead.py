@@ -19,6 +19,7 @@ import torch
 import torchreplay as tr
 from torchreplay import _compat
 from torchreplay.bench.timing import handwritten_graph
+from _paired import device_us, interleaved
 from torchreplay.core.placed import CHANGES
 from torchreplay.models.factories import mlp_factory, resnet50_factory
 
@@ -30,20 +31,6 @@ def per_call(f, n=2000, reps=9):
         best.append((time.perf_counter() - t) / n * 1e6)
         torch.cuda.synchronize()
     return min(best)
-
-def interleaved(methods, rounds=300, calls=10):
-    names = list(methods); s = {k: [] for k in names}
-    for r in range(rounds):
-        for k in names[r % len(names):] + names[:r % len(names)]:
-            f = methods[k]; torch.cuda.synchronize(); t = time.perf_counter()
-            for _ in range(calls): f()
-            s[k].append((time.perf_counter() - t) / calls * 1e6)
-    torch.cuda.synchronize()
-    floor = names[0]
-    for k in names:
-        d = sorted(a - b for a, b in zip(s[k], s[floor]))
-        q = lambda p: d[int(p * (len(d) - 1))]
-        print(f"   {k:28s} min {min(s[k]):8.2f}  med {statistics.median(s[k]):8.2f}  paired d vs floor: med {q(.5):+6.2f} p25 {q(.25):+6.2f} p75 {q(.75):+6.2f}")
 
 for row, fac in (("mlp", mlp_factory), ("resnet50", resnet50_factory)):
     torch.manual_seed(0)
@@ -85,12 +72,6 @@ for row, fac in (("mlp", mlp_factory), ("resnet50", resnet50_factory)):
     interleaved({"hand": hand_rot, "checked (dropped)": checked_rot})
     # Device time of the same calls back to back (the GPU's pace, the host ahead of it): does
     # repointing the copy node cost the device anything? Seven alternating rounds of 300 calls.
-    def device_us(f, n=300):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(); e0.record()
-        for _ in range(n): f()
-        e1.record(); torch.cuda.synchronize()
-        return e0.elapsed_time(e1) / n * 1000
     dev = {"hand": [], "checked (dropped)": []}
     for _ in range(7):
         dev["hand"].append(device_us(hand_rot)); dev["checked (dropped)"].append(device_us(checked_rot))

@@ -5,34 +5,13 @@ different one at each (eight in turn: the size graph's copy node is repointed, _
 then the device time of the latter back to back. 300 rounds of 10 calls, the methods' order
 rotated each round; the paired difference to the hand-written graph in the same round (median,
 25th and 75th percentile). Usage: ``python benchmarks/sizes_host.py``."""
-import itertools, os, statistics, sys, time
+import itertools, os, statistics, sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torchreplay as tr
 from torchreplay.bench.timing import handwritten_padded
 from torchreplay.models.factories import llama_factory, mlp_factory
-
-
-def interleaved(methods, rounds=300, calls=10):
-    names = list(methods); s = {k: [] for k in names}
-    for r in range(rounds):
-        for k in names[r % len(names):] + names[:r % len(names)]:
-            f = methods[k]; torch.cuda.synchronize(); t = time.perf_counter()
-            for _ in range(calls): f()
-            s[k].append((time.perf_counter() - t) / calls * 1e6)
-    torch.cuda.synchronize()
-    for k in names:
-        d = sorted(a - b for a, b in zip(s[k], s[names[0]]))
-        q = lambda p: d[int(p * (len(d) - 1))]
-        print(f"   {k:34s} min {min(s[k]):8.2f}  med {statistics.median(s[k]):8.2f}  paired d: med {q(.5):+6.2f} p25 {q(.25):+6.2f} p75 {q(.75):+6.2f}")
-
-
-def device_us(f, n=200):
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize(); e0.record()
-    for _ in range(n): f()
-    e1.record(); torch.cuda.synchronize()
-    return e0.elapsed_time(e1) / n * 1000
+from _paired import device_us, interleaved
 
 
 N = 13
@@ -47,7 +26,7 @@ for row, factory, sizes in (("mlp", lambda: mlp_factory(N), [1, 2, 4, 8, 16]),
         hand_turn, ours_turn = itertools.cycle(turns), itertools.cycle(turns)
         print(f"== {row} ({len(args)} tensor arguments, {N} rows into the graph of 16; graph copies: {g.stats.graph_copies})")
         print(" the same input tensors at every call (host us/call):")
-        interleaved({"hand-written padded": hand, "tr.graph sizes= (checked)": lambda: g(*args)})
+        interleaved({"hand-written padded": hand, "tr.graph sizes= (checked)": lambda: g(*args)}, width=34)
         # the hand-written call copies from the sample tensors: give it the next tensors by
         # writing them into the samples (one copy each, in both methods' rounds alike)
         def hand_rot():
@@ -58,10 +37,11 @@ for row, factory, sizes in (("mlp", lambda: mlp_factory(N), [1, 2, 4, 8, 16]),
             for a, b in zip(args, nxt): a.copy_(b)  # the same extra copies as hand_rot
             return g(*nxt)
         print(" a different input tensor at each call (host us/call; both pay the same extra copies):")
-        interleaved({"hand-written padded": hand_rot, "tr.graph sizes= (checked)": ours_rot})
+        interleaved({"hand-written padded": hand_rot, "tr.graph sizes= (checked)": ours_rot}, width=34)
         dev = {"hand-written padded": [], "tr.graph sizes= (checked)": []}
         for _ in range(5):
-            dev["hand-written padded"].append(device_us(hand_rot)); dev["tr.graph sizes= (checked)"].append(device_us(ours_rot))
+            dev["hand-written padded"].append(device_us(hand_rot, 200))
+            dev["tr.graph sizes= (checked)"].append(device_us(ours_rot, 200))
         print(" device time back to back (us/call, median of 5): " + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in dev.items()))
     del model, hand, g
     torch.cuda.empty_cache()
