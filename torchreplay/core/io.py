@@ -2,7 +2,8 @@
 
 Data flows one way through this module: the caller's ``(args, kwargs)`` are flattened and checked
 against what the graph was captured with, tensors are copied into the graph's static input
-buffers (one launch for many), the graph replays, the static buffers the callable writes are
+buffers (by the graph's own first nodes, pointed at the caller's tensors: _compat/copy_nodes.py;
+else one launch for many), the graph replays, the static buffers the callable writes are
 copied back into the caller's tensors (eager semantics for in-place writes to arguments), and
 :class:`~torchreplay.core.outputs.Outputs` hands the results back under the output policy.
 
