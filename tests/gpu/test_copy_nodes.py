@@ -79,6 +79,27 @@ def test_the_same_tensor_rewritten_between_calls() -> None:
 
 
 @needs_nodes
+@pytest.mark.parametrize("sizes", [None, [4, 8, 16]])
+def test_calls_queued_behind_a_busy_gpu_keep_their_own_sources(sizes) -> None:
+    """The GPU held back (a sleep kernel) while the host queues many calls, each repointing the
+    node (and, with ``sizes=``, its byte count): a launch already queued keeps the source it was
+    launched with (the driver's contract), so each queued call reads its own tensor. Nothing is
+    read back until every call is queued."""
+    model = mlp()
+    g = tr.graph(model, torch.randn(8, 64, device=DEV), sizes=sizes)
+    rows = [8] * CALLS if sizes is None else [3 + 11 * k % 14 for k in range(CALLS)]
+    xs = [torch.randn(n, 64, device=DEV) for n in rows]
+    for n in sorted(set(rows)):  # (each call size's route made first, outside the timed run)
+        g(torch.randn(n, 64, device=DEV))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: the host runs ahead of it
+    outs = [g(x).clone() for x in xs]  # (a clone is queued too: no sync)
+    torch.cuda.synchronize()
+    for x, y in zip(xs, outs):
+        same(y, eager(model, x))
+
+
+@needs_nodes
 def test_the_graphs_own_buffer_new_tensors_and_views_in_turn() -> None:
     """Passing ``g.static_args`` turns the copy off (the buffer holds the values), a view of the
     whole buffer too; a new tensor after it turns it on again."""
