@@ -97,6 +97,8 @@ class GraphStats:
         ]
         if self.written_inputs:
             lines.append(f"writes {', '.join(self.written_inputs)} (copied back)")
+        if self.graph_copies:
+            lines.append(f"copies {self.graph_copies} input(s) in by itself (no copy launch per call)")
         if self.size_hits:
             hits = ", ".join(f"{k}:{v}" for k, v in sorted(self.size_hits.items()))
             lines.append(f"size hits {{{hits}}}; padding {self.pad_waste:.1%} of rows")

@@ -199,3 +199,12 @@ def test_a_size_route_points_its_nodes_at_the_call_rows(monkeypatch) -> None:
     assert torch.equal(static[:3], before[:3])  # the node's rows: not copied by the call
     g(x.double().float().half())  # a widening cast: copied by the call
     assert fake.log[-1] == "off"
+
+
+def test_stats_say_how_many_inputs_the_graph_copies_itself() -> None:
+    from torchreplay.stats import GraphStats
+
+    stats = GraphStats()
+    assert "by itself" not in stats.explain() and stats.as_dict()["graph_copies"] == 0
+    stats.graph_copies = 2
+    assert "copies 2 input(s) in by itself" in stats.explain() and stats.as_dict()["graph_copies"] == 2
