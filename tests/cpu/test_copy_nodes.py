@@ -208,3 +208,27 @@ def test_stats_say_how_many_inputs_the_graph_copies_itself() -> None:
     assert "by itself" not in stats.explain() and stats.as_dict()["graph_copies"] == 0
     stats.graph_copies = 2
     assert "copies 2 input(s) in by itself" in stats.explain() and stats.as_dict()["graph_copies"] == 2
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_tensors_of_torch_func_transforms_are_never_copied_by_address(count: int) -> None:
+    """A forward-AD dual has its primal's storage: a copy by address would drop the tangent, and
+    the graph would replay without it, silently. vmap's batched tensor has no storage. Both are
+    left to the call's own copy, which raises what the graph turns into an eager run
+    (``TransformedInput``), with one argument or several."""
+    import torch.autograd.forward_ad as fw_ad
+
+    from torchreplay.core.io import TransformedInput
+
+    inp, nodes = inputs_with_nodes(*[torch.randn(4, 8) for _ in range(count)])
+    rest = tuple(torch.randn(4, 8) for _ in range(count - 1))
+    with fw_ad.dual_level():
+        dual = fw_ad.make_dual(torch.randn(4, 8), torch.randn(4, 8))
+        with pytest.raises(TransformedInput):
+            inp.copy_in((dual, *rest), {})
+    assert ("point", dual.data_ptr()) not in nodes[0].log
+    with pytest.raises(TransformedInput):
+        torch.func.vmap(lambda a: inp.copy_in((a, *rest), {}))(torch.randn(3, 4, 8))
+    plain = torch.randn(4, 8)
+    inp.copy_in((plain, *rest), {})  # and pointed again after
+    assert nodes[0].log[-1] == ("point", plain.data_ptr())

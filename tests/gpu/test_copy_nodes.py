@@ -295,6 +295,35 @@ def test_sizes_with_a_fixed_argument_and_one_written() -> None:
         same(acc, ref_acc)
 
 
+@needs_nodes
+@pytest.mark.parametrize("sizes", [None, [2, 4]], ids=["one_shape", "sizes"])
+def test_torch_func_transforms_run_eagerly_not_through_the_node(sizes) -> None:
+    """A forward-AD dual has its primal's storage: pointed at by address, the graph would replay
+    without its tangent, silently. vmap's and jvp's tensors have no storage. Each runs eagerly
+    inside the transform (a fallback), the tangent right; plain calls replay after."""
+    import torch.autograd.forward_ad as fw_ad
+
+    torch.manual_seed(0)
+    model = nn.Linear(64, 32).to(DEV).eval().requires_grad_(False)
+    g = tr.graph(model, torch.randn(2, 64, device=DEV), sizes=sizes)
+    xs, x, t = (torch.randn(3, 2, 64, device=DEV), torch.randn(2, 64, device=DEV),
+                torch.randn(2, 64, device=DEV))
+    with torch.no_grad():
+        y0 = torch.randn(2, 64, device=DEV)
+        same(g(y0), model(y0))  # (the node on, pointed at y0)
+        same(torch.func.vmap(g)(xs), model(xs))
+        _, tangent = torch.func.jvp(g, (x,), (t,))
+        same(tangent, t @ model.weight.T)
+        with fw_ad.dual_level():
+            dual = g(fw_ad.make_dual(x, t))
+            assert fw_ad.unpack_dual(dual).tangent is not None
+            same(fw_ad.unpack_dual(dual).tangent, t @ model.weight.T)
+        for _ in range(3):
+            y = torch.randn(2, 64, device=DEV)
+            same(g(y), model(y))
+    assert g.stats.fallbacks == 3
+
+
 _EXPANDABLE = textwrap.dedent(
     """
     import sys, torch

@@ -553,10 +553,10 @@ from torchreplay._compat.autograd import (  # noqa: E402  (autograd's node order
     is_accumulate_grad, is_custom_op_function, is_view, normal_tensors, restore_unversioned, copy_back, unexpanded,
     expanded_dims, clone_strided, dense,
     saved_tensor_hooks, sequence_nr, set_sequence_nr, transform_active, transformed, triton_launches, version_of, versions_of,
-    watch_saved,
+    watch_saved, dual_level,
 )
 __all__ += ["safe_aot_cache", "any_autocast", "cuda_autocast", "dispatch_modes", "current_stream", "direct_apply",
-            "transform_active", "transformed",
+            "transform_active", "transformed", "dual_level",
             "foreach_copy_untracked", "in_backward", "is_accumulate_grad", "is_view", "normal_tensors",
             "restore_unversioned", "copy_back", "unexpanded", "expanded_dims", "clone_strided", "dense",
             "saved_tensor_hooks", "sequence_nr", "set_sequence_nr", "version_of",

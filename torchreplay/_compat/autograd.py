@@ -15,7 +15,7 @@ __all__ = [
     "restore_unversioned", "copy_back", "unexpanded", "expanded_dims", "clone_strided", "dense",
     "in_backward", "is_accumulate_grad", "is_view", "normal_tensors", "versions_of",
     "function_forwards", "function_of_call", "function_of_ctx", "is_custom_op_function", "triton_launches",
-    "watch_saved", "transformed", "transform_active",
+    "watch_saved", "transformed", "transform_active", "dual_level",
 ]
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
@@ -351,6 +351,13 @@ def transformed(t: torch.Tensor) -> bool:
 
 
 _maybe_level = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", None)
+
+
+def dual_level() -> bool:
+    """Is a forward-mode AD ``dual_level`` entered (``torch.autograd.forward_ad._current_level``,
+    a private module global; absent: False)? A dual tensor has the primal's storage, so a copy
+    by address would drop its tangent: the copy node steps aside while one is (core/io.py)."""
+    return getattr(_forward_ad, "_current_level", -1) >= 0
 
 
 def transform_active() -> bool:

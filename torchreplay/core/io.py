@@ -51,6 +51,7 @@ _LARGE_BYTES = 64 << 20
 _foreach_copy = _compat.foreach_copy_
 _copy_untracked = _compat.foreach_copy_untracked
 _grad_enabled = torch.is_grad_enabled
+_dual_level = _compat.dual_level
 #: At most this many tensor arguments are copied by the graph's own nodes: each one whose tensor
 #: changes costs a driver call (1.5 us on the H200), four cost what one copy launch does.
 _MAX_COPY_NODES = 3
@@ -96,9 +97,17 @@ def _matches(leaf: Any, shape: torch.Size, dtype: torch.dtype, device: int) -> b
 def point_or_off(node: copy_nodes.CopyNode, leaf: torch.Tensor, nbytes: int = 0) -> bool:
     """Point the graph's copy ``node`` at ``leaf`` (``nbytes`` of it; default: the recorded
     size) and return True, or turn it off to copy ``leaf`` with a launch (False: a tensor
-    subclass, a layout or a flag a byte copy would not keep, or the driver refused)."""
-    if type(leaf) is _Tensor and leaf.is_contiguous() and not leaf.is_neg() and node.point(leaf.data_ptr(), nbytes):
-        return True
+    subclass, a layout or a flag a byte copy would not keep, a forward-AD dual level, no
+    storage, or the driver refused). The launch then raises what the copy-in always raised for
+    a tensor of a torch.func transform or a stale output, which the caller turns into its error."""
+    try:
+        if (
+            type(leaf) is _Tensor and leaf.is_contiguous() and not leaf.is_neg() and not _dual_level()
+            and node.point(leaf.data_ptr(), nbytes)
+        ):
+            return True
+    except RuntimeError:  # no storage: a torch.func wrapper, a stale output
+        pass
     node.off()
     return False
 
@@ -294,7 +303,9 @@ class Inputs:
                 if leaf.requires_grad and self.eager_if_tracked and _grad_enabled():
                     return None
                 if node is not None:  # the graph's first node copies it: no launch here
-                    if plain and leaf.is_contiguous() and not leaf.is_neg() and node.point(leaf.data_ptr()):
+                    if plain and leaf.is_contiguous() and not leaf.is_neg() and not _dual_level() and node.point(
+                        leaf.data_ptr()  # (raises for a torch.func wrapper, which has no storage)
+                    ):
                         return leaves
                     node.off()
                 # one tensor through the multi-tensor copy: a microsecond less than copy_
