@@ -89,6 +89,15 @@ def test_a_refused_source_leaves_the_node_off(driver) -> None:
     assert n.source == 0
 
 
+def test_no_address_is_never_a_source(driver) -> None:
+    """A tensor with no memory (address 0) while the node is off must not read as "pointed"
+    (0 is also what an off node's source says)."""
+    n = node()
+    assert not n.point(0) and n.source == 0 and driver.calls == []
+    n.point(0x2000)
+    assert not n.point(0) and n.source == 0 and driver.calls[-1] == ("enable", 0)
+
+
 def test_a_node_that_cannot_be_turned_off_stops_the_call(driver) -> None:
     n = node()
     n.point(0x2000)

@@ -141,6 +141,9 @@ class CopyNode:
         """Make the next launches copy from device address ``ptr`` (a dense tensor on the static
         buffer's device): ``nbytes`` of it (a call's rows of a size's buffer; default: what was
         recorded). False when the driver refused: the node is off and the caller copies."""
+        if not ptr:  # (no memory: a zero-size or efficient-zero tensor) copied by the caller
+            self.off()
+            return False
         params = self._params
         width = nbytes or self.width
         if ptr == self.source and width == params.WidthInBytes:
