@@ -302,7 +302,7 @@ class Inputs:
             try:
                 if leaf.requires_grad and self.eager_if_tracked and _grad_enabled():
                     return None
-                if node is not None:  # the graph's first node copies it: no launch here
+                if node is not None:  # the graph's first node copies it (point_or_off, inline)
                     if plain and leaf.is_contiguous() and not leaf.is_neg() and not _dual_level() and node.point(
                         leaf.data_ptr()  # (raises for a torch.func wrapper, which has no storage)
                     ):

@@ -43,7 +43,7 @@ class SizeGraph:
 
 def copy_targets(inputs: Any, dims: Any, s: int, largest: int) -> dict[int, torch.Tensor]:
     """What the graph of size ``s`` copies in itself (_compat/copy_nodes.py), by slot position:
-    each tensor argument's buffer, its leading ``s`` rows where it varies. None unless every one
+    each tensor argument's buffer, its leading ``s`` rows where it varies; none unless every one
     can be (``Inputs.copied_by_graph``) and varies, if at all, along its first dimension, whose
     rows are a prefix of its bytes: a call copies its ``n`` rows, and the padding stays."""
     statics = inputs.copied_by_graph()
