@@ -12,7 +12,7 @@ Torch has no way to change a node of an instantiated graph, so this calls the CU
 through ``ctypes``: ``libcuda.so.1``, which every CUDA process has loaded, and whose symbols and
 structures are stable across CUDA versions (the ``_v2`` names are the ones its headers map to).
 The node is found in the graph's template, which torch keeps only for a graph made with
-``CUDAGraph(keep_graph=True)`` (torch >= 2.7, with ``raw_cuda_graph`` and ``instantiate``).
+``CUDAGraph(keep_graph=True)`` (torch >= 2.8, with ``raw_cuda_graph`` and ``instantiate``; pytorch#155164).
 Where any of this is missing, :func:`available` is False and callers copy with a launch, as
 before: correct, a few microseconds slower.
 """
