@@ -6,7 +6,7 @@ import time
 import torch
 
 
-def interleaved(methods: dict, rounds: int = 300, calls: int = 10, width: int = 28) -> None:
+def interleaved(methods: dict, rounds: int = 300, calls: int = 10, width: int = 36) -> None:
     """Time each method's ``calls`` calls per round, the order rotated each round, and print per
     method the min and median (us per call) and the paired difference to the first method in
     the same round (median, 25th and 75th percentile): the machines are noisy, the paired

@@ -5,9 +5,7 @@ call), each against a hand-written graph, interleaved, paired medians (as host_o
 Then ``make_graphed_callables`` forward + backward of the module and of a function over it.
 Usage: ``PYTHONPATH=. python benchmarks/function_watch.py`` (CUDA only)."""
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
@@ -15,25 +13,7 @@ import torch.nn as nn
 
 import torchreplay as tr
 from torchreplay.bench.timing import handwritten_graph
-
-
-def interleaved(methods, rounds=300, calls=10):
-    names = list(methods)
-    s = {k: [] for k in names}
-    for r in range(rounds):
-        for k in names[r % len(names):] + names[:r % len(names)]:
-            f = methods[k]
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(calls):
-                f()
-            s[k].append((time.perf_counter() - t) / calls * 1e6)
-    torch.cuda.synchronize()
-    for k in names:
-        d = sorted(a - b for a, b in zip(s[k], s[names[0]]))
-        q = lambda p: d[int(p * (len(d) - 1))]  # noqa: E731
-        print(f"   {k:36s} min {min(s[k]):8.2f}  med {statistics.median(s[k]):8.2f}  "
-              f"paired vs {names[0]}: med {q(.5):+6.2f} [{q(.25):+6.2f}, {q(.75):+6.2f}]")
+from _paired import interleaved  # noqa: E402
 
 
 torch.manual_seed(0)
