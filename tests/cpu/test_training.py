@@ -1580,3 +1580,55 @@ def test_emulated_graphed_callable_runs_eagerly_once_a_frozen_layer_is_unfrozen(
     assert model.forward.stats.fallbacks == 1
     for (n, a), b in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad, msg=n)
+
+
+def test_emulated_optimizer_step_alone_with_a_gradient_set_to_none_runs_eagerly(emulated_step, caplog) -> None:
+    """An optimizer step graphed alone (the partial-network recipe) reads every ``.grad``; eagerly
+    a parameter whose ``.grad`` is None is skipped (its momentum buffer untouched), while a
+    replay would step it on a zero gradient and move it by its momentum. Such a call runs
+    eagerly, warned once and counted; calls with every gradient replay. A step whose own
+    backward writes the gradient (``zero_grad(set_to_none=False)`` inside) replays whatever
+    ``.grad`` the caller left."""
+    model, opt = _make_training()
+    ref_model, ref_opt = _make_training()
+    params, ref_params = list(model.parameters()), list(ref_model.parameters())
+    gen = torch.Generator().manual_seed(3)
+    grads = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(6)]
+    for ps, o in ((params, opt), (ref_params, ref_opt)):
+        for p, g in zip(ps, grads[0]):
+            p.grad = g.clone()
+        o.step()  # momentum buffers exist: a zero gradient would still move a parameter
+    step = tr.graph_step(lambda: opt.step(), optimizers=opt)
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        for i, gs in enumerate(grads[1:]):
+            for ps, o in ((params, step), (ref_params, ref_opt.step)):
+                for k, (p, g) in enumerate(zip(ps, gs)):
+                    p.grad = None if i in (1, 2) and k == 0 else g.clone()
+                o()
+            for (n, a), b in zip(model.named_parameters(), ref_params):
+                torch.testing.assert_close(a, b, msg=f"call {i}: {n}")
+    assert step.stats.fallbacks == 2 and step.stats.replays == 3
+    warned = [r.getMessage() for r in caplog.records if "without" in r.getMessage() or "None at" in r.getMessage()]
+    assert len(warned) == 1 and "param_groups[0]['params'][0]" in warned[0], warned
+
+    model, opt = _make_training()
+    ref_model, ref_opt = _make_training()
+
+    def accumulating(m, o):
+        def train_step(x, y):
+            o.zero_grad(set_to_none=False)
+            ((m(x) - y) ** 2).mean().backward()
+            o.step()
+        return train_step
+
+    x, y = torch.randn(5, 6), torch.randn(5, 3)
+    ref = accumulating(ref_model, ref_opt)
+    step = tr.graph_step(accumulating(model, opt), x, y)
+    assert step._read_only == []  # every .grad is written by the step's own backward
+    for p in model.parameters():
+        p.grad = None  # the step's backward gives it again: a replay, not an eager call
+    step(x, y)
+    ref(x, y)
+    assert step.stats.fallbacks == 0 and step.stats.replays == 1
+    for (n, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, msg=n)

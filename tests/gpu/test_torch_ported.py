@@ -1098,6 +1098,7 @@ def _graphed_optimizer_run(
     steps_train: int = 2,
     grad_write: str = "copy_",
     bare: bool = False,
+    none_at: int | None = None,
 ) -> None:
     """torch's ``test_graph_optims`` body: a control optimizer (``capturable=False``) and one with
     ``capturable=True`` whose step alone is captured after eager warm-up steps, the gradients
@@ -1110,10 +1111,12 @@ def _graphed_optimizer_run(
     params_graphed = [p.clone().requires_grad_() for p in params]
     grads = [[torch.randn_like(p) for p in params] for _ in range(steps_warmup + steps_train)]
 
+    # none_at: at that training step, parameter 0 has no gradient (eagerly: skipped)
+    unset = -1 if none_at is None else steps_warmup + none_at
     opt = cls(params_control, **(dict(kwargs, capturable=False) if capturable else kwargs))
     for i in range(steps_warmup + steps_train):
         for j, p in enumerate(params_control):
-            p.grad = grads[i][j].clone()
+            p.grad = None if (i, j) == (unset, 0) else grads[i][j].clone()
         opt.step()
 
     opt = cls(params_graphed, **(dict(kwargs, capturable=True) if capturable else kwargs))
@@ -1128,12 +1131,15 @@ def _graphed_optimizer_run(
         step = tr.graph_step(lambda: opt.step(), optimizers=opt)
     for i in range(steps_train):
         for j, p in enumerate(params_graphed):
-            if grad_write == "copy_":
+            if (i + steps_warmup, j) == (unset, 0):
+                p.grad = None
+            elif grad_write == "copy_" and p.grad is not None:
                 p.grad.copy_(grads[i + steps_warmup][j])  # torch's: into the captured buffer
             else:
                 p.grad = grads[i + steps_warmup][j].clone()  # eager style: a new tensor
         step()
-    assert step.stats.replays == steps_train
+    assert step.stats.replays == steps_train - (none_at is not None)
+    assert step.stats.fallbacks == (none_at is not None)
     for k, (p_control, p_graphed) in enumerate(zip(params_control, params_graphed)):
         torch.testing.assert_close(
             p_graphed, p_control, msg=lambda m, k=k: f"{cls.__name__}{kwargs} param {k}: {m}"
@@ -1160,6 +1166,20 @@ def test_graph_optims_grad_assigned_outside_the_graph(name: str) -> None:
     (``p.grad = new_tensor`` before each call, not ``p.grad.copy_``): the graphed step reads them."""
     kwargs = {"lr": 0.1, "momentum": 0.9} if name == "SGD" else {"lr": 0.1}
     _graphed_optimizer_run(getattr(torch.optim, name), kwargs, grad_write="assign")
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "SGD"])
+def test_graph_optims_with_a_gradient_set_to_none_at_one_step(name: str) -> None:
+    """Not in torch's test: one step gives parameter 0 no gradient (``p.grad = None``, as
+    ``zero_grad()`` leaves a parameter the backward did not reach). Eagerly the optimizer skips
+    it; a replay would step it on a zero gradient (Adam's momentum, SGD's momentum and weight
+    decay would move it), so that call runs eagerly and the next ones replay; the parameters
+    equal eager's throughout."""
+    kwargs = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1} if name == "SGD" else {"lr": 0.1}
+    _graphed_optimizer_run(getattr(torch.optim, name), kwargs, steps_train=5, grad_write="assign",
+                           none_at=2)
+    kwargs = dict(kwargs, fused=True)
+    _graphed_optimizer_run(getattr(torch.optim, name), kwargs, steps_train=5, none_at=1)
 
 
 def test_graph_optims_bare_step_lambda() -> None:

@@ -19,8 +19,10 @@ Methods (each builds its own copy of the model from the same seed):
   steps ``tr.graph_step fused``: the same with ``AdamW(capturable=True, fused=True)``, the form the
   README recommends.
 - ``tr.make_graphed_callables + graphed AdamW step`` (steps only): the partial-network recipe,
-  forward/backward graphed, ``zero_grad(set_to_none=False)`` eager, and the fused capturable AdamW
-  step captured alone with ``tr.graph_step``.
+  forward/backward graphed, ``zero_grad()`` eager, and the fused capturable AdamW step captured
+  alone with ``tr.graph_step`` (which copies the backward's new gradients in, one launch).
+  ``zero_grad(set_to_none=False)`` instead costs ResNet-50 about 600 us more per step (each
+  backward then adds into every ``.grad``: RESULTS.md, session 62).
 """
 
 from __future__ import annotations
@@ -158,12 +160,11 @@ def _graphed_optimizer_loop(model: Any, params: Any, w: TrainingWorkload) -> Cal
 
     opt = torch.optim.AdamW(params, lr=1e-4, capturable=True, fused=True)
     x, target, loss_fn = w.x, w.target, w.loss_fn
-    opt.zero_grad(set_to_none=False)
-    loss_fn(model(x), target).backward()  # .grad exists: later backwards accumulate into it
+    loss_fn(model(x), target).backward()  # every .grad exists for the capture to read
     opt_step = tr.graph_step(opt.step, optimizers=opt)
 
     def call() -> None:
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad()
         loss = loss_fn(model(x), target)
         loss.backward()
         opt_step()

@@ -62,6 +62,7 @@ from torchreplay.errors import CaptureError
 
 __all__ = [
     "TRAIN_MODE", "AUTOCAST", "DISPATCH_MODE", "GRAD", "CAPTURE", "NO_GRAD", "HOOKS", "REQUIRES_GRAD", "TRANSFORM",
+    "NO_GRADIENT",
     "EagerCalls", "GradFlags", "Hooks", "autocast_changed", "autocast_name", "refuse_inference_capture",
     "note_dispatch_mode", "note_transform", "tracked_leaf", "warn_autocast", "warn_hooks_changed", "warn_hooks_with_effects",
     "warn_no_sample_grad", "warn_requires_grad",
@@ -78,6 +79,7 @@ NO_GRAD = "autograd off"
 HOOKS = "forward hooks"
 REQUIRES_GRAD = "requires_grad"
 TRANSFORM = "a torch.func transform"
+NO_GRADIENT = "a parameter without a gradient"
 
 _Tensor = torch.Tensor
 _any_autocast = _compat.any_autocast
@@ -411,6 +413,15 @@ class EagerCalls:
             warn_requires_grad(self.name, what)
         elif why == AUTOCAST:
             warn_autocast(self.name, self.autocast)
+        elif why == NO_GRADIENT:
+            log.warning(
+                "torchreplay: '%s' reads the .grad of %s, which is None at this call: eagerly "
+                "the optimizer skips such a parameter, and a replay cannot (it would step it on "
+                "a zero gradient), so such calls run eagerly (counted in stats.fallbacks). To "
+                "replay, give every parameter the step updates a gradient, or build the step "
+                "on the parameters that have one.",
+                self.name, what,
+            )
         else:
             log.warning(
                 "torchreplay: '%s' is called with autograd on and %s requiring grad: eagerly the "

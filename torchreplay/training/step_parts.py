@@ -11,7 +11,10 @@ from torchreplay.core.args import CallArgs, infer_device, roots_of
 from torchreplay.errors import CaptureError
 from torchreplay.training.state import find_instances
 
-__all__ = ["roots_of", "param_names", "step_device", "as_optimizers", "as_scalers", "ddp_warmup"]
+__all__ = [
+    "roots_of", "param_names", "step_device", "as_optimizers", "as_scalers", "ddp_warmup",
+    "Accumulated", "read_only_grads", "missing_grad",
+]
 
 #: DDP collects runtime statistics (timed with CUDA events, read on the host) in its first 10
 #: iterations and every 100th: a capture must come after the 10th.
@@ -93,3 +96,44 @@ def as_scalers(scaler: Any, step_fn: Callable[..., Any]) -> list[Any]:
         if s.is_enabled() and not any(o is s for o in out):
             out.append(s)
     return out
+
+
+class Accumulated:
+    """Which of ``params`` get a gradient accumulated by a backward run inside the block (their
+    post-accumulate-grad hooks fire), as indices in ``seen``; the hooks go when the block ends."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = params
+        self.seen: set[int] = set()
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "Accumulated":
+        for i, p in enumerate(self.params):
+            if p.is_leaf and p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    lambda _p, i=i: self.seen.add(i)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def read_only_grads(reads: Sequence[bool], accumulated: set[int]) -> list[int]:
+    """The parameters whose ``.grad`` the step reads (the same tensor before and after it) and no
+    backward inside it writes: an optimizer step alone. Eagerly an optimizer skips a parameter
+    whose ``.grad`` is None; a replay cannot skip it (it would step it on a zero gradient, and
+    Adam's momentum would move it), so such a call runs eagerly (:func:`missing_grad`)."""
+    return [i for i, r in enumerate(reads) if r and i not in accumulated]
+
+
+def missing_grad(
+    params: Sequence[torch.Tensor], read_only: Sequence[int], names: Sequence[str]
+) -> str | None:
+    """The name of the first read-only parameter (:func:`read_only_grads`) whose ``.grad`` is
+    None now, or None."""
+    for i in read_only:
+        if params[i].grad is None:
+            return names[i]
+    return None
