@@ -357,3 +357,34 @@ def test_inputs_from_expandable_segments() -> None:
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0 and "EQUAL" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
     print(proc.stdout.strip())  # (-s: whether the driver took those sources)
+
+
+@needs_nodes
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("sizes", [None, [4, 8]])
+def test_a_graph_on_the_second_gpu_called_with_the_first_current(sizes) -> None:
+    """A graph of ``cuda:1`` called while ``cuda:0`` is the current device (graphs on several
+    devices of one process): its node is bound to the second GPU's context, takes the call's
+    tensors there (on, then off for the graph's own buffer, then on again), and every call
+    equals eager."""
+    dev = torch.device("cuda", 1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).to(dev).eval()
+    with torch.cuda.device(0):
+        g = tr.graph(model, torch.randn(8, 64, device=dev), sizes=sizes)
+        assert g.stats.graph_copies == 1
+        node = None
+        for k in range(CALLS):
+            n = 8 if sizes is None else 3 + k % 6
+            x = torch.randn(n, 64, device=dev)
+            if sizes is None and k % 5 == 4:
+                x = g.static_args[0]
+                x.copy_(torch.randn(8, 64, device=dev))
+            with torch.no_grad():
+                ref = model(x)
+            same(g(x), ref)
+            if sizes is None:
+                node = g._inputs._one[-1]
+                assert node is not None and node.source == (0 if k % 5 == 4 else x.data_ptr()), k
+        assert torch.cuda.current_device() == 0
+    assert g.stats.replays == CALLS and g.stats.fallbacks == 0

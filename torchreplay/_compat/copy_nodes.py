@@ -191,9 +191,10 @@ def bind(
             found[key] = (node, params)
             if len(found) == len(wanted):
                 break
-    ctx = _vp()
-    if cu.cuCtxGetCurrent(ctypes.byref(ctx)) or not ctx.value:
-        return None
+    ctx = _vp()  # the graph's device's context, whichever device is current (several GPUs)
+    with torch.cuda.device(statics[0].device):
+        if cu.cuCtxGetCurrent(ctypes.byref(ctx)) or not ctx.value:
+            return None
     exe = g.raw_cuda_graph_exec()
     hits = [found.get((t.data_ptr(), s.data_ptr(), t.nbytes)) for t, s in zip(statics, spares, strict=True)]
     if any(hit is None for hit in hits):
