@@ -1632,3 +1632,21 @@ def test_emulated_optimizer_step_alone_with_a_gradient_set_to_none_runs_eagerly(
     assert step.stats.fallbacks == 0 and step.stats.replays == 1
     for (n, a), b in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(a, b, msg=n)
+
+
+def test_an_optimizer_step_graphed_before_any_gradient_is_explained() -> None:
+    """The capture of an optimizer step alone whose parameters have no ``.grad`` yet records
+    nothing; the error says why and what to do (a backward first), not that the work ran on the
+    CPU. With one gradient present, or another failure, the error is left as it is."""
+    from torchreplay.core.failures import empty_message
+
+    params = [nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(2))]
+    opt = torch.optim.SGD(params, lr=0.1)
+    empty = tr.CaptureError(empty_message(opt.step, (), {}, None, torch.device("cuda")))
+    better = step_parts_mod.explained(empty, "opt.step", [], [opt])
+    assert better is not None and "run one backward first" in str(better)
+    assert "no parameter of its optimizer has a .grad" in str(better)
+    assert step_parts_mod.explained(tr.CaptureError("another failure"), "opt.step", [], [opt]) is None
+    params[1].grad = torch.zeros(2)
+    assert step_parts_mod.explained(empty, "opt.step", [], [opt]) is None
+    assert step_parts_mod.explained(empty, "opt.step", [], []) is None

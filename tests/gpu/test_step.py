@@ -283,6 +283,30 @@ def test_non_capturable_adamw_found_during_warmup_is_refused_and_nothing_changed
     assert not opt.state
 
 
+def test_an_optimizer_step_graphed_before_any_backward_says_to_run_one_first() -> None:
+    """The partial-network recipe with its first backward forgotten: no parameter has a .grad,
+    the step updates nothing and the capture records nothing. The error says so and names the
+    fix; after one backward the same call graphs the step, and its replays equal eager steps."""
+    model = build_mlp(MLPConfig(depth=2, width=64), DEV)
+    ref = build_mlp(MLPConfig(depth=2, width=64), DEV)
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True, fused=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with pytest.raises(tr.CaptureError, match="run one backward first"):
+        tr.graph_step(opt.step, optimizers=opt)
+    data = batches(6, (4, 64), (4, 64))
+    F.mse_loss(model(data[0][0]), data[0][1]).backward()
+    step = tr.graph_step(opt.step, optimizers=opt)
+    for x, y in data:
+        for m, o, s in ((model, opt, step), (ref, ref_opt, ref_opt.step)):
+            o.zero_grad()
+            F.mse_loss(m(x), y).backward()
+            s()
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, msg=n)
+    assert step.stats.replays == len(data) and step.stats.fallbacks == 0
+
+
 def test_inputs_are_guarded_and_outputs_checked() -> None:
     model = build_mlp(MLPConfig(depth=2, width=64), DEV)
     opt = adamw(model, 1e-3)

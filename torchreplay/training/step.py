@@ -60,8 +60,8 @@ from torchreplay.training.optimizers import (
 )
 from torchreplay.training.state import StateKeeper, referenced_objects
 from torchreplay.training.step_parts import (
-    Accumulated, as_optimizers, as_scalers, ddp_warmup, missing_grad, param_names, read_only_grads,
-    roots_of, step_device,
+    Accumulated, as_optimizers, as_scalers, ddp_warmup, explained, missing_grad, param_names,
+    read_only_grads, roots_of, step_device,
 )
 from torchreplay.training.verify import (
     Tolerance,
@@ -197,14 +197,9 @@ class GraphedStep(EagerForm):
             self._uninstall()
             if isinstance(exc.__cause__, (UnsupportedError, ReplayInputError)):
                 raise exc.__cause__ from None
-            if ddp_warmup(modules, 0) and "legacy" in str(exc):
-                raise CaptureError(
-                    f"capture of '{self.name}' failed: its DistributedDataParallel module was "
-                    "built on the default stream, where DDP keeps each parameter's gradient "
-                    "accumulator, and a captured backward cannot accumulate there. Build it on "
-                    "the capture stream: `with tr.capture_stream(): model = "
-                    f"DistributedDataParallel(model, ...)`. ({exc})"
-                ) from exc
+            better = explained(exc, self.name, modules, [*optimizers, *opts])
+            if better is not None:
+                raise better from exc
             raise
         except BaseException:
             self._uninstall()

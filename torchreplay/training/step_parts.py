@@ -13,7 +13,7 @@ from torchreplay.training.state import find_instances
 
 __all__ = [
     "roots_of", "param_names", "step_device", "as_optimizers", "as_scalers", "ddp_warmup",
-    "Accumulated", "read_only_grads", "missing_grad",
+    "Accumulated", "read_only_grads", "missing_grad", "explained",
 ]
 
 #: DDP collects runtime statistics (timed with CUDA events, read on the host) in its first 10
@@ -136,4 +136,29 @@ def missing_grad(
     for i in read_only:
         if params[i].grad is None:
             return names[i]
+    return None
+
+
+def explained(
+    exc: CaptureError, name: str, modules: Sequence[Any], optimizers: Sequence[torch.optim.Optimizer]
+) -> CaptureError | None:
+    """A clearer error for a step's failed capture where its cause is known, else None: a DDP
+    module built on the default stream, or an optimizer step alone graphed before any gradient
+    existed (nothing to step: the capture recorded no work)."""
+    if ddp_warmup(modules, 0) and "legacy" in str(exc):
+        return CaptureError(
+            f"capture of '{name}' failed: its DistributedDataParallel module was "
+            "built on the default stream, where DDP keeps each parameter's gradient "
+            "accumulator, and a captured backward cannot accumulate there. Build it on "
+            "the capture stream: `with tr.capture_stream(): model = "
+            f"DistributedDataParallel(model, ...)`. ({exc})"
+        )
+    params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    if params and "recorded no CUDA work" in str(exc) and all(p.grad is None for p in params):
+        return CaptureError(
+            f"capturing '{name}' recorded no CUDA work: no parameter of its optimizer has a "
+            ".grad, so its step updates nothing (eagerly too). To graph an optimizer step alone, "
+            "run one backward first, so that every parameter it updates has its gradient, then "
+            "graph the step: each call reads the .grad tensors the caller's backward leaves."
+        )
     return None
