@@ -148,3 +148,50 @@ def test_no_import_circle() -> None:
 def test_module_size(module: str) -> None:
     lines = len(MODULES[module].read_text().splitlines())
     assert lines <= MAX_LINES, f"{module} has {lines} lines; split it (about 600 at most)"
+
+
+def _private_torch_names(tree: ast.AST) -> list[tuple[int, str]]:
+    """``torch._x`` (an attribute chain from ``torch`` through a ``_private`` name, dunders and
+    ``torch.ops`` op names aside) and ``import torch._x`` / ``from torch._x import``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            if any(part.startswith("_") for part in node.module.split(".")):  # type: ignore[union-attr]
+                found.append((node.lineno, f"from {node.module} import"))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, f"import {a.name}") for a in node.names
+                      if a.name.split(".")[0] == "torch" and any(p.startswith("_") for p in a.name.split("."))]
+        elif isinstance(node, ast.Attribute):
+            chain, value = [node.attr], node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            chain.reverse()
+            if isinstance(value, ast.Name) and value.id == "torch" and chain[0] != "ops":
+                private = [c for c in chain if c.startswith("_") and not c.startswith("__")]
+                if private and private[0] == node.attr:  # (reported once, at the first private name)
+                    found.append((node.lineno, "torch." + ".".join(chain)))
+    return found
+
+
+def test_private_torch_names_only_in_compat() -> None:
+    """DESIGN: private torch APIs are reached only through ``_compat`` (one place to follow them
+    across versions)."""
+    bad = []
+    for name, path in sorted(_modules().items()):
+        if name.startswith("torchreplay._compat"):
+            continue
+        bad += [f"{path.relative_to(PKG.parent)}:{line}: {what}" for line, what in _private_torch_names(ast.parse(path.read_text()))]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_private_name_check_finds_what_it_should() -> None:
+    found = _private_torch_names(ast.parse(
+        "import torch._dynamo\nfrom torch._ops import OpOverload\nx = torch._foreach_zero_\n"
+        "y = torch._ops.OpOverload\nz = torch.cuda._sleep\nok = torch.ops.aten._local_scalar_dense\n"
+        "v = torch.__version__\nw = torch.nn.functional.relu\n"
+    ))
+    assert sorted(found) == [
+        (1, "import torch._dynamo"), (2, "from torch._ops import"), (3, "torch._foreach_zero_"),
+        (4, "torch._ops"), (5, "torch.cuda._sleep"),
+    ]

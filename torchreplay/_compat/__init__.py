@@ -27,6 +27,7 @@ __all__ = [
     "is_leaf_treespec",
     "unflattener",
     "foreach_copy_",
+    "foreach_zero_",
     "HAS_CHECKED_OUTPUTS",
     "alias_storage",
     "tensor_from_storage",
@@ -144,6 +145,19 @@ def _copy_each(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> No
 #: as it runs on every replay; for one tensor it is also a microsecond cheaper than ``copy_``).
 foreach_copy_: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None] = (
     _foreach_copy if _foreach_copy is not None else _copy_each
+)
+
+_foreach_zero = getattr(torch, "_foreach_zero_", None)
+
+
+def _zero_each(tensors: Sequence[torch.Tensor]) -> None:  # pragma: no cover - old torch
+    for t in tensors:
+        t.zero_()
+
+
+#: ``foreach_zero_(tensors)``: zero every tensor, in as few launches as torch allows.
+foreach_zero_: Callable[[Sequence[torch.Tensor]], None] = (
+    _foreach_zero if _foreach_zero is not None else _zero_each
 )
 
 
@@ -519,19 +533,19 @@ from torchreplay._compat.distributed import (  # noqa: E402  (the torch.distribu
 
 __all__ += ["default_store", "dist_ready", "group_named", "group_of_arg", "group_ranks"]
 from torchreplay._compat.ops import (  # noqa: E402  (a custom op's kernel and schema, what compile made)
-    argument_kinds, call_untraced, compiled_module, compiled_target, custom_op_kernel, dynamo_tracing, eval_frame_callback,
+    OP_TYPES, OpOverload, OpOverloadPacket, argument_kinds, call_untraced, compiled_module, compiled_target, custom_op_kernel, dynamo_tracing, eval_frame_callback,
     higher_order, modes_active, plain_value, static_address, without_dynamo_guard,
 )
 
-__all__ += ["argument_kinds", "call_untraced", "dynamo_tracing", "compiled_module", "compiled_target", "custom_op_kernel", "eval_frame_callback",
+__all__ += ["OP_TYPES", "OpOverload", "OpOverloadPacket", "argument_kinds", "call_untraced", "dynamo_tracing", "compiled_module", "compiled_target", "custom_op_kernel", "eval_frame_callback",
             "higher_order", "modes_active", "plain_value", "static_address", "without_dynamo_guard"]
 from torchreplay._compat.shapes import (  # noqa: E402  (Dynamo's symbolic shapes and graph inputs)
     adopt_scalar_fakes, backed_size_oblivious, dynamo_restart, dynamo_source_name, fake_mode_of, fresh_unbacked_ignored,
-    is_static_input, maybe_mark_dynamic, new_unbacked_symbols, symbol_of,
+    is_static_input, mark_dynamic, mark_unbacked, maybe_mark_dynamic, new_unbacked_symbols, symbol_of,
 )
 
 __all__ += ["adopt_scalar_fakes", "backed_size_oblivious", "dynamo_restart", "dynamo_source_name", "fake_mode_of", "fresh_unbacked_ignored",
-            "is_static_input", "maybe_mark_dynamic", "new_unbacked_symbols", "symbol_of"]
+            "is_static_input", "mark_dynamic", "mark_unbacked", "maybe_mark_dynamic", "new_unbacked_symbols", "symbol_of"]
 from torchreplay._compat.schema import (  # noqa: E402  (what an aten op writes, per its schema)
     returns_fresh,
     returns_view,

@@ -8,10 +8,16 @@ from typing import Any, Callable
 import torch
 
 __all__ = [
-    "custom_op_kernel", "argument_kinds", "plain_value", "modes_active", "without_dynamo_guard",
+    "OpOverload", "OpOverloadPacket", "OP_TYPES", "custom_op_kernel", "argument_kinds", "plain_value", "modes_active", "without_dynamo_guard",
     "eval_frame_callback", "compiled_target", "compiled_module", "static_address", "higher_order",
     "dynamo_tracing", "call_untraced",
 ]
+
+#: The types of ``torch.ops.ns.name.overload`` and ``torch.ops.ns.name`` (``torch._ops``: private
+#: module, public objects; what FX nodes of aten and custom ops have as targets).
+OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
+OP_TYPES = (OpOverload, OpOverloadPacket)
 
 # Python types the dispatcher hands a custom op's kernel unchanged, per schema type: an argument
 # of another type (an int where the schema says float) would reach the kernel converted through
@@ -42,7 +48,7 @@ def custom_op_kernel(op: Any, device_type: str) -> Callable[..., Any] | None:
     except ImportError:  # pragma: no cover - old torch
         return None
     name = getattr(op, "_name", None)
-    if not isinstance(op, torch._ops.OpOverload) or name not in OPDEFS:
+    if not isinstance(op, OpOverload) or name not in OPDEFS:
         return None
     opdef = OPDEFS[name]
     fns = getattr(opdef, "_backend_fns", None)

@@ -12,7 +12,7 @@ import torch
 __all__ = [
     "adopt_scalar_fakes",
     "new_unbacked_symbols", "fresh_unbacked_ignored", "backed_size_oblivious", "symbol_of",
-    "fake_mode_of", "is_static_input", "dynamo_source_name", "maybe_mark_dynamic", "dynamo_restart",
+    "fake_mode_of", "is_static_input", "dynamo_source_name", "maybe_mark_dynamic", "mark_dynamic", "mark_unbacked", "dynamo_restart",
 ]
 
 
@@ -114,6 +114,18 @@ def maybe_mark_dynamic(t: torch.Tensor, dim: int) -> None:
     mark = getattr(torch._dynamo, "maybe_mark_dynamic", None)
     if mark is not None:
         mark(t, dim)
+
+
+def mark_dynamic(t: torch.Tensor, dim: int) -> None:
+    """Make dimension ``dim`` of ``t`` symbolic for the Dynamo trace that takes ``t`` (a size of
+    2 or more; ``torch._dynamo.mark_dynamic``, documented though under ``_dynamo``)."""
+    torch._dynamo.mark_dynamic(t, dim)
+
+
+def mark_unbacked(t: torch.Tensor, dim: int) -> None:
+    """Make dimension ``dim`` of ``t`` an unbacked symbol (a size of 0 or 1 Dynamo would
+    otherwise specialise; ``torch._dynamo.decorators.mark_unbacked``)."""
+    torch._dynamo.decorators.mark_unbacked(t, dim)
 
 
 def symbol_of(value: Any) -> Any:

@@ -124,7 +124,7 @@ def resolve_breaks(breaks: Any) -> tuple[Break, ...]:
             out.append(Break("module", b, type(b).__name__))
         elif isinstance(b, type) and issubclass(b, nn.Module):
             out.append(Break("class", b, b.__name__))
-        elif isinstance(b, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        elif isinstance(b, _compat.OP_TYPES):
             out.append(Break("op", _packet(b), str(_packet(b))))
         elif isinstance(b, str):
             op = _op_by_name(b)

@@ -54,9 +54,9 @@ class Compiled:
         for t in tensors:
             if t.dim() > dim and t.shape[dim] == n:
                 if n >= 2:
-                    torch._dynamo.mark_dynamic(t, dim)
+                    _compat.mark_dynamic(t, dim)
                 else:
-                    torch._dynamo.decorators.mark_unbacked(t, dim)
+                    _compat.mark_unbacked(t, dim)
         return n >= 2 and 1 in (self.backend.config.sizes or ())
 
     def __getattr__(self, name: str) -> Any:

@@ -70,7 +70,7 @@ def op_name(node: fx.Node) -> str:
         return f"Tensor.{t}"
     if node.op == "call_module":
         return f"module {t}"
-    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if isinstance(t, _compat.OP_TYPES):
         return str(t)
     module = getattr(t, "__module__", None) or ""
     name = getattr(t, "__name__", None) or str(t)
@@ -97,7 +97,7 @@ def _matches(node: fx.Node, name: str, splitting_ops: Sequence[Any]) -> bool:
         if isinstance(op, str):
             op = op.replace("::", ".")
             text = str(target) if not callable(target) or isinstance(
-                target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+                target, _compat.OP_TYPES
             ) else name
             for candidate in (name, text):
                 # One names the other or an overload of it: "a.b" vs "a.b.default".
@@ -113,7 +113,7 @@ def _unsafe_tag(node: fx.Node) -> bool:
     if tag is None:
         return False
     target = node.target
-    if isinstance(target, torch._ops.OpOverloadPacket):
+    if isinstance(target, _compat.OpOverloadPacket):
         target = getattr(target, "default", None)
     return tag in getattr(target, "tags", ())
 
@@ -334,7 +334,7 @@ def seed_inputs(module: fx.GraphModule) -> tuple[int, ...]:
         if n.op != "call_function":
             continue
         op = n.target
-        if not isinstance(op, torch._ops.OpOverload) or not op.__name__.split(".")[0].endswith(_HOST_SEEDED):
+        if not isinstance(op, _compat.OpOverload) or not op.__name__.split(".")[0].endswith(_HOST_SEEDED):
             continue
         kinds = _compat.argument_kinds(op)
         for k, (name, *_) in enumerate(kinds or ()):
@@ -373,9 +373,9 @@ def direct_forward(module: fx.GraphModule) -> Callable[..., Any] | None:
         op = n.target
         if n.op != "call_function":
             continue
-        if isinstance(op, torch._ops.OpOverloadPacket):  # torch.ops.ns.name(...) in user code
+        if isinstance(op, _compat.OpOverloadPacket):  # torch.ops.ns.name(...) in user code
             op = op.default if op.overloads() == ["default"] else None
-        if not isinstance(op, torch._ops.OpOverload):
+        if not isinstance(op, _compat.OpOverload):
             continue
         args = [_traced(a) for a in n.args]
         kwargs = {k: _traced(v) for k, v in n.kwargs.items()}

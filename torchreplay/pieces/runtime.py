@@ -215,7 +215,7 @@ class PiecewiseRuntime:
             self._count_fallback(f"input {self._inputs[why].name} {NOT_EXPANDED}")
             return self._run_ungraphed(args)
         if route.pads:  # buffers of one size
-            torch._foreach_zero_(route.pads)
+            _compat.foreach_zero_(route.pads)
             for view, value in route.fills:
                 view.fill_(value)
         if route.bases:

@@ -426,6 +426,7 @@ class GraphedStep(EagerForm):
             return
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
+        zeros: list[torch.Tensor] = []
         with torch.no_grad():
             for p, end, reads in zip(params, ends, self._reads_grad):
                 g = p.grad
@@ -433,13 +434,15 @@ class GraphedStep(EagerForm):
                     continue
                 if reads and end is not None:
                     if g is None:
-                        end.zero_()
+                        zeros.append(end)
                     else:
                         dsts.append(end)
                         srcs.append(g)
                 p.grad = end
             if dsts:  # one launch for all, not one per parameter (161 of them in ResNet-50)
                 _compat.foreach_copy_(dsts, srcs)
+            if zeros:
+                _compat.foreach_zero_(zeros)
 
     def invalidate_outputs(self) -> None:
         """Mark the outputs handed out so far as stale (another graph may overwrite them)."""
