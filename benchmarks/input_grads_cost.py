@@ -13,15 +13,14 @@ first. Usage:
 times ``"checked"`` made new output tensors in 100 steps, by graph).
 """
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.nn as nn
 
 import torchreplay as tr
+from _paired import interleaved, paired_quantiles
 from torchreplay.training.pair import InputGrads
 
 DEPTH, WIDTH, BATCH = 8, 256, 8
@@ -79,37 +78,16 @@ want = chains.pop("eager")[0][0][0].weight.grad  # first layer: every gradient f
 for k, (layers, _) in chains.items():
     torch.testing.assert_close(layers[0][0].weight.grad, want, rtol=1e-4, atol=1e-4, msg=k)
 del methods["eager"]
-names = list(methods)
 if "--no-gc" in sys.argv:  # Python's cyclic collector off while timing
     import gc
 
     gc.collect()
     gc.disable()
-s = {k: [] for k in names}
-rounds, calls = 200, 20
-for r in range(rounds):
-    for k in names[r % len(names):] + names[:r % len(names)]:
-        f = methods[k]
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            f()
-        s[k].append((time.perf_counter() - t) / calls * 1e6)
-torch.cuda.synchronize()
 print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: {DEPTH} layers, us per step")
-
-
-def paired(k: str, ref: str) -> str:
-    d = sorted(a - b for a, b in zip(s[k], s[ref]))
-    q = lambda p: d[int(p * (len(d) - 1))]  # noqa: E731
-    return f"med {q(.5):+7.2f} p25 {q(.25):+7.2f} p75 {q(.75):+7.2f}"
-
-
-for k in names:
-    print(f"  {k:26s} min {min(s[k]):8.1f}  med {statistics.median(s[k]):8.1f}  "
-          f"paired vs static: {paired(k, 'static')}")
-print(f"  checked - checked with buffers, per step: "
-      f"{paired('checked', 'checked, grads as buffers')} ({DEPTH - 1} gradients handed per step)")
+s = interleaved(methods, rounds=200, calls=20, width=26, floor="static")
+med, p25, p75 = paired_quantiles(s["checked"], s["checked, grads as buffers"])
+print(f"  checked - checked with buffers, per step: med {med:+7.2f} p25 {p25:+7.2f} p75 {p75:+7.2f} "
+      f"({DEPTH - 1} gradients handed per step)")
 
 if "--counts" in sys.argv:  # how often "checked" made new tensors, per graph's outputs
     from _counts import new_tensor_counts

@@ -31,6 +31,7 @@ import torch
 import torchvision
 
 import torchreplay as tr
+from _paired import paired_quantiles
 
 PARTS = ("zero", "forward", "backward", "opt.step")
 WHOLE = "whole (no sync inside)"
@@ -107,11 +108,10 @@ def run(batch: int, steps: int) -> None:
     print(f"   {'method':32s} " + " ".join(f"{p:>9s}" for p in PARTS)
           + f" {'whole':>9s}  paired d vs {names[0]!r}: med [p25, p75]")
     for k in names:
-        d = sorted(a - b for a, b in zip(times[k][WHOLE], ref))
-        q = lambda p: d[int(p * (len(d) - 1))]  # noqa: E731
+        med, p25, p75 = paired_quantiles(times[k][WHOLE], ref)
         w = statistics.median(times[k][WHOLE])
         print(f"   {k:32s} " + " ".join(f"{statistics.median(times[k][p]):9.1f}" for p in PARTS)
-              + f" {w:9.1f}  {q(.5):+8.1f} [{q(.25):+.1f}, {q(.75):+.1f}]"
+              + f" {w:9.1f}  {med:+8.1f} [{p25:+.1f}, {p75:+.1f}]"
               f"  ({w / statistics.median(ref):.3f}x)")
     print("   grad strides equal to the parameter's:",
           {k: all(p.grad.stride() == p.stride() for p in m[1]) for k, m in methods.items()})

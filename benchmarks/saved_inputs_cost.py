@@ -16,15 +16,14 @@ Usage: ``PYTHONPATH=. python benchmarks/saved_inputs_cost.py``
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.nn as nn
 
 import torchreplay as tr
+from _paired import interleaved as _interleaved
 from torchreplay.training import graphed_callable as gc_mod
 
 DEPTH, WIDTH, BATCH = 8, 256, 8
@@ -62,25 +61,8 @@ def _forward_without_save(ctx, runner, outs, *tensors):  # the node before sessi
 
 
 def interleaved(methods, rounds=200, calls=20):
-    names = list(methods)
-    s = {k: [] for k in names}
-    for r in range(rounds):
-        for k in names[r % len(names):] + names[:r % len(names)]:
-            f = methods[k]
-            t = 0.0
-            for _ in range(calls):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                f()
-                t += time.perf_counter() - t0
-            s[k].append(t / calls * 1e6)
-    torch.cuda.synchronize()
-    base = names[0]
-    for k in names:
-        d = sorted(a - b for a, b in zip(s[k], s[base]))
-        q = lambda p: d[int(p * (len(d) - 1))]
-        print(f"  {k:34s} min {min(s[k]):8.1f}  med {statistics.median(s[k]):8.1f}  "
-              f"paired d vs {base}: med {q(.5):+6.2f} p25 {q(.25):+6.2f} p75 {q(.75):+6.2f}")
+    """Each call timed alone, after a synchronize (_paired.py)."""
+    return _interleaved(methods, rounds, calls, width=34, sync_each=True)
 
 
 ours_layers, x = chain(tr.make_graphed_callables)
