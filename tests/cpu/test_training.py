@@ -1624,7 +1624,7 @@ def test_emulated_optimizer_step_alone_with_a_gradient_set_to_none_runs_eagerly(
     x, y = torch.randn(5, 6), torch.randn(5, 3)
     ref = accumulating(ref_model, ref_opt)
     step = tr.graph_step(accumulating(model, opt), x, y)
-    assert step._read_only == []  # every .grad is written by the step's own backward
+    assert step._grads.read_only == []  # every .grad is written by the step's own backward
     for p in model.parameters():
         p.grad = None  # the step's backward gives it again: a replay, not an eager call
     step(x, y)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -60,8 +59,8 @@ from torchreplay.training.optimizers import (
 )
 from torchreplay.training.state import StateKeeper, referenced_objects
 from torchreplay.training.step_parts import (
-    Accumulated, as_optimizers, as_scalers, ddp_warmup, explained, missing_grad, param_names,
-    read_only_grads, roots_of, step_device,
+    Accumulated, StepGrads, as_optimizers, as_scalers, ddp_warmup, explained, param_names, roots_of,
+    step_device,
 )
 from torchreplay.training.verify import (
     Tolerance,
@@ -210,13 +209,6 @@ class GraphedStep(EagerForm):
         self._keeper = None  # type: ignore[assignment]
         self._capture_call = None  # only capture needs it (it refers back to self: a cycle)
 
-        # .grad after each call must be what the captured step left there (see _sync_grads).
-        self._end_grads = self._grads_after
-        self._reads_grad = [
-            a is not None and a is b for a, b in zip(self._grads_after, self._grads_before)
-        ]
-        self._read_only = read_only_grads(self._reads_grad, self._accumulated)
-        self._get_grad = operator.attrgetter("grad")
         self._identity = [
             (opt, opt.state, opt.param_groups, len(opt.param_groups)) for opt in self.optimizers
         ]
@@ -230,6 +222,10 @@ class GraphedStep(EagerForm):
         self._hooks = Hooks(roots, backward=True, tensors=self._params, optimizers=self.optimizers)
         self._eager_calls.hooks = self._hooks  # named in its warning
         self._param_names = param_names(self._params, roots, self.optimizers)
+        # .grad after each call must be what the captured step left there (step_parts.StepGrads)
+        self._grads = StepGrads(
+            self._params, self._grads_before, self._grads_after, self._accumulated, self._param_names
+        )
         # a layer frozen or unfrozen since capture: calls run eagerly
         self._grad_flags = GradFlags([p for m in roots for p in m.parameters()] + self._params, roots)
         self._reads = python.reads()  # tensors in Python state it reads: replaced since, it raises
@@ -355,7 +351,7 @@ class GraphedStep(EagerForm):
         hooked = hooks.at != _Handles.next_id and not hooks.look()
         no_grad = not _grad_enabled()  # no_grad or inference_mode: eagerly the backward fails
         frozen = self._grad_flags.changed()
-        unset = self._read_only and missing_grad(self._params, self._read_only, self._param_names)
+        unset = self._grads.missing()
         placed = self._placed  # a step takes milliseconds: the check's method, not inlined
         reads = self._reads  # or a tensor in Python state it reads replaced (core/effects.py)
         stale = placed.error(self.name) if placed is not None and placed.changed() else (
@@ -390,7 +386,7 @@ class GraphedStep(EagerForm):
         if self._writes:
             self._inputs.check_aliasing(leaves)
         self._sync_optimizers()
-        self._sync_grads()
+        self._grads.sync()
         if self.pool.shared:
             self.pool.before_replay(self._position)
         self._replay()
@@ -415,35 +411,6 @@ class GraphedStep(EagerForm):
         for slot in self._lr_slots:
             slot.sync()
 
-    def _sync_grads(self) -> None:
-        """Make every ``p.grad`` the tensor the captured step uses, as after an eager step.
-
-        Where the captured step accumulates into the existing ``.grad`` (no ``zero_grad``, or
-        ``zero_grad(set_to_none=False)``), a ``.grad`` the caller replaced is copied in first.
-        """
-        params, ends = self._params, self._end_grads
-        if all(map(operator.is_, map(self._get_grad, params), ends)):
-            return
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        zeros: list[torch.Tensor] = []
-        with torch.no_grad():
-            for p, end, reads in zip(params, ends, self._reads_grad):
-                g = p.grad
-                if g is end:
-                    continue
-                if reads and end is not None:
-                    if g is None:
-                        zeros.append(end)
-                    else:
-                        dsts.append(end)
-                        srcs.append(g)
-                p.grad = end
-            if dsts:  # one launch for all, not one per parameter (161 of them in ResNet-50)
-                _compat.foreach_copy_(dsts, srcs)
-            if zeros:
-                _compat.foreach_zero_(zeros)
-
     def invalidate_outputs(self) -> None:
         """Mark the outputs handed out so far as stale (another graph may overwrite them)."""
         self._outputs.invalidate()
@@ -455,7 +422,7 @@ class GraphedStep(EagerForm):
         self._verify_left -= 1
         call = self._verify_total - self._verify_left
         self._sync_optimizers()
-        self._sync_grads()
+        self._grads.sync()
         keeper = StateKeeper(
             self.device, modules=self._roots, optimizers=self.optimizers, scalers=self._scalers
         )

@@ -1,19 +1,23 @@
 """Helpers of :mod:`torchreplay.training.step`: what a step's arguments name (its device, its
-optimizers and scalers, its modules' names), and what a DistributedDataParallel module needs."""
+optimizers and scalers, its modules' names), what a DistributedDataParallel module needs, the
+``.grad`` tensors a captured step leaves and reads (:class:`StepGrads`), and the errors of a
+failed capture whose cause is known."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from torchreplay import _compat
 from torchreplay.core.args import CallArgs, infer_device, roots_of
 from torchreplay.errors import CaptureError
 from torchreplay.training.state import find_instances
 
 __all__ = [
     "roots_of", "param_names", "step_device", "as_optimizers", "as_scalers", "ddp_warmup",
-    "Accumulated", "read_only_grads", "missing_grad", "explained",
+    "Accumulated", "StepGrads", "read_only_grads", "missing_grad", "explained",
 ]
 
 #: DDP collects runtime statistics (timed with CUDA events, read on the host) in its first 10
@@ -137,6 +141,65 @@ def missing_grad(
         if params[i].grad is None:
             return names[i]
     return None
+
+
+class StepGrads:
+    """The ``.grad`` of each parameter a captured step touches, kept as after an eager step.
+
+    ``ends``: the tensor the step left as ``.grad`` at capture (None: it ends with
+    ``zero_grad()``), which every call leaves there too. ``reads``: where the step accumulates
+    into the ``.grad`` it found (no ``zero_grad``, or ``set_to_none=False``), so a ``.grad`` the
+    caller replaced is copied in first. ``read_only``: those of them no backward inside the step
+    writes (:func:`read_only_grads`)."""
+
+    __slots__ = ("params", "ends", "reads", "read_only", "names", "_get")
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        before: Sequence[torch.Tensor | None],
+        after: Sequence[torch.Tensor | None],
+        accumulated: set[int],
+        names: Sequence[str],
+    ) -> None:
+        self.params = params
+        self.ends = after
+        self.reads = [a is not None and a is b for a, b in zip(after, before)]
+        self.read_only = read_only_grads(self.reads, accumulated)
+        self.names = names
+        self._get = operator.attrgetter("grad")
+
+    def missing(self) -> str | None:
+        """The name of a read-only parameter whose ``.grad`` is None now (the call runs
+        eagerly: :func:`read_only_grads`), or None."""
+        return missing_grad(self.params, self.read_only, self.names) if self.read_only else None
+
+    def sync(self) -> None:
+        """Make every ``p.grad`` the tensor the captured step uses, copying in (one launch for
+        all: 161 ``copy_`` launches for ResNet-50 otherwise) a ``.grad`` the caller replaced
+        where the step reads it, and zeroing it where the caller set it to None."""
+        params, ends = self.params, self.ends
+        if all(map(operator.is_, map(self._get, params), ends)):
+            return
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        zeros: list[torch.Tensor] = []
+        with torch.no_grad():
+            for p, end, reads in zip(params, ends, self.reads):
+                g = p.grad
+                if g is end:
+                    continue
+                if reads and end is not None:
+                    if g is None:
+                        zeros.append(end)
+                    else:
+                        dsts.append(end)
+                        srcs.append(g)
+                p.grad = end
+            if dsts:
+                _compat.foreach_copy_(dsts, srcs)
+            if zeros:
+                _compat.foreach_zero_(zeros)
 
 
 def explained(
