@@ -307,6 +307,22 @@ def test_an_optimizer_step_graphed_before_any_backward_says_to_run_one_first() -
     assert step.stats.replays == len(data) and step.stats.fallbacks == 0
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_capturable_foreach_optimizer_gets_one_hint_naming_the_fused_form(fused: bool, caplog) -> None:
+    """issue 9: ``graph_step`` with ``AdamW(capturable=True)`` (foreach) warns once, at the build,
+    naming ``fused=True``; with the fused form, no hint. Calls after the build add none."""
+    model = build_mlp(MLPConfig(depth=2, width=64), DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True, fused=fused)
+    data = batches(3, (4, 64), (4, 64))
+    with caplog.at_level("WARNING", logger="torchreplay"):
+        step = tr.graph_step(make_step(model, opt), *data[0])
+        for x, y in data:
+            step(x, y)
+    hints = [r.getMessage() for r in caplog.records if "capturable=True, fused=True" in r.getMessage()]
+    assert len(hints) == (0 if fused else 1), hints
+    assert step.stats.replays == len(data)
+
+
 def test_inputs_are_guarded_and_outputs_checked() -> None:
     model = build_mlp(MLPConfig(depth=2, width=64), DEV)
     opt = adamw(model, 1e-3)
