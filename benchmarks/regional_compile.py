@@ -10,8 +10,10 @@ synchronized), host us (min), first call s, Dynamo compiles and graphed blocks.
 
 ``--train``: a training step instead (the blocks in training mode, forward, ``square().mean()``,
 backward, gradients set to None; the input requires grad), checked against eager's gradients;
-methods: eager, ``tr.compile`` of the whole model, of each block, and reduce-overhead of each
-block with a step marked per call.
+methods: eager, ``tr.compile`` of the whole model, of each block (also with the CUDA driver's
+copy nodes hidden at its capture: its graphs copy each call's input and incoming gradient in
+with launches, as before session 63), and reduce-overhead of each block with a step marked per
+call.
 
 ``--fsdp``: the training step with each block sharded by FSDP2 (``fully_shard``, one process,
 world size 1, ``reshard_after_forward`` both ways); methods: eager, ``tr.compile`` of each block
@@ -38,6 +40,7 @@ import torch.nn as nn
 
 sys.path.insert(0, ".")
 import torchreplay as tr  # noqa: E402
+from torchreplay._compat import copy_nodes  # noqa: E402
 from torchreplay.bench.timing import BenchOptions, time_interleaved  # noqa: E402
 from torchreplay.compile.backend import Backend  # noqa: E402
 from torchreplay.config import CompileConfig  # noqa: E402
@@ -79,6 +82,19 @@ def chain(blocks):
     return run
 
 
+copy_nodes.available()  # (loads the driver: kept here, put back after a method that hid it)
+DRIVER = list(copy_nodes._driver)
+
+
+def launches(build):
+    """``build`` with the CUDA driver's copy nodes hidden until its first calls captured (undone
+    by the check): its graphs copy the call's tensors in with launches, as before session 63."""
+    def b(m):
+        copy_nodes._driver[:] = [None]
+        return build(m)
+    return b
+
+
 def train_main() -> None:
     """A training step per call, block by block: see the module's docstring."""
     torch.manual_seed(0)
@@ -88,6 +104,8 @@ def train_main() -> None:
         "eager": lambda m: m,
         "tr.compile, whole model": lambda m: tr.compile(m, cache_dir=None),
         "tr.compile, each block": lambda m: chain([tr.compile(b, cache_dir=None) for b in m]),
+        "tr.compile, each block, copy launches": launches(
+            lambda m: chain([tr.compile(b, cache_dir=None) for b in m])),
         "reduce-overhead, each block, step marked": lambda m: marked(chain(
             [torch.compile(b, mode="reduce-overhead") for b in m])),
     }
@@ -106,11 +124,14 @@ def train_main() -> None:
     ref.zero_grad(set_to_none=True)
     x.grad = None
     def check(fn, model):
-        for _ in range(3):
-            x.grad = None
-            for p in model.parameters():
-                p.grad = None
-            fn(x).square().mean().backward()
+        try:
+            for _ in range(3):
+                x.grad = None
+                for p in model.parameters():
+                    p.grad = None
+                fn(x).square().mean().backward()
+        finally:
+            copy_nodes._driver[:] = DRIVER  # (hidden by launches() for one method's captures)
         torch.cuda.synchronize()
         for got, w in zip([p.grad for p in model.parameters()] + [x.grad], want):
             torch.testing.assert_close(got, w, rtol=2e-3, atol=2e-3)

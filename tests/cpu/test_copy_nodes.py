@@ -241,3 +241,72 @@ def test_tensors_of_torch_func_transforms_are_never_copied_by_address(count: int
     plain = torch.randn(4, 8)
     inp.copy_in((plain, *rest), {})  # and pointed again after
     assert nodes[0].log[-1] == ("point", plain.data_ptr())
+
+
+def _piece_route(bufs: list[torch.Tensor], views: list[torch.Tensor]) -> tuple[object, list[FakeNode]]:
+    """A compiled program's route (pieces/entries.py) whose entry's first graph copies the
+    inputs ``bufs`` in itself, the call copying into ``views`` of them."""
+    from torchreplay.pieces.entries import Entry, PieceGraph, Route, give_nodes
+
+    nodes = [FakeNode(b.data_ptr()) for b in bufs]
+    entry = Entry(bufs[0].shape[0])
+    entry.graphs = [PieceGraph(None, (), [], inputs=dict(enumerate(nodes)))]  # type: ignore[arg-type]
+    route = Route(views[0].shape[0], entry, tuple(v.shape for v in views))
+    route.dsts, route.src_idx = list(views), list(range(len(views)))
+    give_nodes(route)
+    return route, nodes
+
+
+def test_a_compiled_programs_first_graph_copies_the_call_rows_itself() -> None:
+    """The piecewise runtime (compile backend): a call of 3 rows into a size of 4 points the
+    first graph's node at its 3 rows' bytes, and launches no copy of its own; a tensor of
+    another dtype, or one a byte copy would not keep (transposed), turns the node off and is
+    copied by the call."""
+    from torchreplay.pieces.entries import copy_inputs
+
+    buf, other = torch.randn(4, 8), torch.randn(2, 2)
+    route, nodes = _piece_route([buf, other], [buf.narrow(0, 0, 3), other])
+    assert route.dsts == [] and [v is not None for _, _, v in route.nodes] == [True, True]
+    x, y = torch.randn(3, 8), torch.randn(2, 2)
+    before = buf.clone()
+    copy_inputs(route, (x, y))
+    assert nodes[0].log == [("point", x.data_ptr(), 3 * 8 * 4)]
+    assert nodes[1].log == [("point", y.data_ptr(), 2 * 2 * 4)]
+    assert torch.equal(buf, before)  # the graph copies them, not the call
+    copy_inputs(route, (x, y.t()))
+    assert nodes[1].log[-1] == "off" and torch.equal(other, y.t())
+    copy_inputs(route, (x.double(), y))
+    assert nodes[0].log[-1] == "off" and torch.equal(buf[:3], x)
+
+
+def test_a_route_whose_rows_are_not_leading_bytes_keeps_the_nodes_off() -> None:
+    """Rows along a later dimension are not a prefix of the buffer's bytes: that route turns
+    every node of its entry off at each call (another route may have pointed them) and copies
+    everything with its own launch."""
+    from torchreplay.pieces.entries import copy_inputs
+
+    buf = torch.randn(8, 4)
+    route, nodes = _piece_route([buf], [buf.narrow(1, 0, 3)])
+    assert [v for _, _, v in route.nodes] == [None] and len(route.dsts) == 1
+    x = torch.randn(8, 3)
+    copy_inputs(route, (x,))
+    assert nodes[0].log == ["off"] and torch.equal(buf[:, :3], x)
+
+
+def test_an_eager_steps_value_is_copied_by_the_next_graphs_node() -> None:
+    """The value an eager step made (a splitting op's output) goes into the next graph's
+    buffer by that graph's own node where it is a plain dense tensor of the captured layout;
+    otherwise by a copy launch, the node off; another shape runs the call ungraphed."""
+    from torchreplay.pieces.entries import RESHAPED, PieceGraph
+
+    buf = torch.randn(4, 8)
+    node = FakeNode(buf.data_ptr())
+    graph = PieceGraph(None, (), [(0, buf)], nodes={0: node})  # type: ignore[dict-item]
+    value = torch.randn(4, 8)
+    before = buf.clone()
+    assert graph.copy_in((5,), [None] * 5 + [value]) is None
+    assert node.log == [("point", value.data_ptr())] and torch.equal(buf, before)
+    odd = torch.randn(8, 4).t()
+    assert graph.copy_in((0,), [odd]) is None
+    assert node.log[-1] == "off" and torch.equal(buf, odd)
+    assert graph.copy_in((0,), [torch.randn(2, 8)]) == RESHAPED

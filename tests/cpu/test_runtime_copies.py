@@ -46,7 +46,7 @@ def _capture(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], **_: Any) -
     with torch.no_grad():
         out = tuple(t.clone() for t in fn(*args))  # (memory of the capture's own)
     _MADE.extend(out)
-    return SimpleNamespace(graph=_Graph(fn, args, out), out=out, seconds=0.0)
+    return SimpleNamespace(graph=_Graph(fn, args, out), out=out, seconds=0.0, copies=(), spares=())
 
 
 class _Pool(Pool):

@@ -388,3 +388,104 @@ def test_a_graph_on_the_second_gpu_called_with_the_first_current(sizes) -> None:
                 assert node is not None and node.source == (0 if k % 5 == 4 else x.data_ptr()), k
         assert torch.cuda.current_device() == 0
     assert g.stats.replays == CALLS and g.stats.fallbacks == 0
+
+
+# --- the compile backend's piecewise runtime (pieces/entries.py copy_inputs, PieceGraph.copy_in)
+
+
+class _CloneSplit(nn.Module):
+    """Two blocks with ``torch.clone`` between them, named as the splitting op: an eager step
+    whose new tensor the second graph copies in (by its own node)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Sequential(nn.Linear(64, 128), nn.ReLU())
+        self.b = nn.Linear(128, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.clone(self.a(x) * 2)) + 1
+
+
+def _runtime(c):
+    (rt,) = c.backend.runtimes
+    return rt
+
+
+@needs_nodes
+@pytest.mark.parametrize("sizes", [None, [2, 4, 8]])
+def test_a_compiled_model_copies_its_inputs_by_its_first_graph(sizes) -> None:
+    """``tr.compile``: the call's tensor goes into the first graph's buffer by that graph's node
+    (a call of fewer rows than its size: those rows' bytes), equal to eager on fresh inputs; a
+    transposed input (a byte copy would not keep it) is copied by a launch, still equal."""
+    model = mlp()
+    c = tr.compile(model, sizes=sizes)
+    rows = [8] * CALLS if sizes is None else [1 + 5 * k % 8 for k in range(CALLS)]
+    with torch.no_grad():
+        for n in rows:
+            x = torch.randn(n, 64, device=DEV)
+            same(c(x), eager(model, x))
+        rt = _runtime(c)
+        assert rt.stats.graph_copies == 1, rt.stats.explain()
+        assert rt.stats.fallbacks == 0, rt.fallback_reasons
+        t = torch.randn(64, 8, device=DEV).t()
+        same(c(t), eager(model, t))
+
+
+@needs_nodes
+def test_compiled_calls_queued_behind_a_busy_gpu_keep_their_own_sources() -> None:
+    """Many calls queued while the GPU is held back, each pointing the first graph's node at a
+    new tensor of other rows: each launch reads the tensor it was launched with."""
+    model = mlp()
+    c = tr.compile(model, sizes=[4, 8, 16])
+    rows = [3 + 11 * k % 14 for k in range(CALLS)]
+    xs = [torch.randn(n, 64, device=DEV) for n in rows]
+    with torch.no_grad():
+        for n in sorted(set(rows)):
+            c(torch.randn(n, 64, device=DEV))
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)
+        outs = [c(x).clone() for x in xs]
+        torch.cuda.synchronize()
+        for x, y in zip(xs, outs):
+            same(y, eager(model, x))
+    assert _runtime(c).stats.graph_copies == 1
+
+
+@needs_nodes
+def test_a_compiled_model_writing_its_input_and_one_passed_back() -> None:
+    """The graph copies the argument in by its node, writes its buffer, and the write reaches
+    the caller's tensor; the output passed back in as the next input (a tensor of the pool)."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return torch.tanh(x @ x.t())
+
+    c = tr.compile(f)
+    for _ in range(CALLS):
+        x = torch.randn(8, 8, device=DEV)
+        ref = x.clone()
+        want = f(ref)
+        got = c(x)
+        same(got, want)
+        same(x, ref)
+        y = c(got.clone())
+        same(y, f(want.clone()))
+
+
+@needs_nodes
+def test_an_eager_steps_value_goes_into_the_next_graph_by_its_node() -> None:
+    """``torch.clone`` as the splitting op: its new tensor reaches the next graph by that
+    graph's own node (no copy launch), equal to eager at every call, the same and new inputs."""
+    model = _CloneSplit().to(DEV).eval()
+    c = tr.compile(model, splitting_ops=["torch.clone"])
+    x = torch.randn(8, 64, device=DEV)
+    with torch.no_grad():
+        for k in range(CALLS):
+            if k % 3:
+                x = torch.randn(8, 64, device=DEV)
+            same(c(x), eager(model, x))
+    rt = _runtime(c)
+    assert rt.stats.fallbacks == 0, rt.fallback_reasons
+    (entry,) = rt._entries.values()
+    assert [bool(g.nodes) for g in entry.graphs if g is not None] == [False, True], rt

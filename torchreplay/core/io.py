@@ -32,11 +32,13 @@ from torchreplay.errors import CaptureError, ReplayInputError
 
 __all__ = [
     "Inputs",
+    "MAX_COPY_NODES",
     "TransformedInput",
     "byte_span",
     "describe_tensor",
     "same_constant",
     "conversion_fix",
+    "graph_copyable",
     "point_or_off",
     "warn_widening",
     "widens",
@@ -54,7 +56,7 @@ _grad_enabled = torch.is_grad_enabled
 _dual_level = _compat.dual_level
 #: At most this many tensor arguments are copied by the graph's own nodes: each one whose tensor
 #: changes costs a driver call (1.5 us on the H200), four cost what one copy launch does.
-_MAX_COPY_NODES = 3
+MAX_COPY_NODES = 3
 
 
 def write_back(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
@@ -92,6 +94,16 @@ def _matches(leaf: Any, shape: torch.Size, dtype: torch.dtype, device: int) -> b
         return leaf.shape == shape and leaf.dtype is dtype and leaf.get_device() == device
     except AttributeError:  # not a tensor
         return False
+
+
+def graph_copyable(statics: Sequence[torch.Tensor]) -> bool:
+    """Can a graph copy these static buffers in itself, by nodes a call points at its tensors
+    (_compat/copy_nodes.py)? Each dense, real and under 64 MiB, at most three (one copy launch
+    left for the rest costs what the nodes save), and the driver has the calls."""
+    return (
+        0 < len(statics) <= MAX_COPY_NODES and copy_nodes.available()
+        and all(t.is_contiguous() and 0 < t.nbytes < _LARGE_BYTES and not t.is_complex() for t in statics)
+    )
 
 
 def point_or_off(node: copy_nodes.CopyNode, leaf: torch.Tensor, nbytes: int = 0) -> bool:
@@ -241,11 +253,7 @@ class Inputs:
         (core/capture.py ``copy_in``; _compat/copy_nodes.py): none unless all can be (one
         left to copy costs the launch they save): dense, real, under 64 MiB, at most three."""
         statics = [static for _, static, *_ in self._tensor_checks]
-        if not statics or len(statics) > _MAX_COPY_NODES or not copy_nodes.available():
-            return []
-        if all(t.is_contiguous() and 0 < t.nbytes < _LARGE_BYTES and not t.is_complex() for t in statics):
-            return statics
-        return []
+        return statics if graph_copyable(statics) else []
 
     def attach(self, copies: Sequence[copy_nodes.CopyNode]) -> None:
         """Copy the tensor arguments with the graph's own nodes (:meth:`copied_by_graph`'s order)."""

@@ -18,6 +18,7 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.core.capture import capture
+from torchreplay.core.io import MAX_COPY_NODES, graph_copyable
 from torchreplay.errors import CaptureError
 from torchreplay.pieces.entries import PieceGraph
 from torchreplay.pieces.handoff import graph_reads
@@ -30,14 +31,24 @@ log = logging.getLogger("torchreplay.pieces.runtime")  # (its warnings are the r
 _Tensor = torch.Tensor
 
 
-def capture_piece(rt: Any, k: int, vals: list[Any]) -> tuple[PieceGraph | None, Any]:
+def capture_piece(
+    rt: Any, k: int, vals: list[Any], inputs: dict[int, _Tensor] | None = None
+) -> tuple[PieceGraph | None, Any]:
     """Capture piece ``k`` of ``rt`` (a :class:`~torchreplay.pieces.runtime.PiecewiseRuntime`)
     on the slot values ``vals``; return its graph and outputs, or ``(None, None)`` when it
-    failed to capture (it runs ungraphed from then on; ``strict``: raise)."""
+    failed to capture (it runs ungraphed from then on; ``strict``: raise). ``inputs``: the
+    first piece's, the static buffers of the call's tensors (by input index), which its graph
+    copies in itself where it can (_compat/copy_nodes.py), as it does the values of eager
+    steps a later piece reads."""
     piece = rt._pieces[k]
     made = list(vals)  # the values as eager steps made them (before the copies below)
     handed = {w for ws in rt._handoffs.values() for w in ws}
     copies, written = graph_reads(piece, vals, rt._inputs, rt._from_eager, handed, rt._alloc)
+    # What the graph copies in by its own first nodes: the call's inputs (all or none: one
+    # launch left costs what the nodes save), or the plain buffers of eager steps' values.
+    targets = dict(inputs) if inputs and graph_copyable(list(inputs.values())) else {}
+    by_node = [(pos, buf) for pos, buf in copies if type(buf) is _Tensor and graph_copyable([buf])]
+    by_node = by_node[: 0 if targets else MAX_COPY_NODES]
     initial = reset_copies(rt, [(piece.reads[pos], vals[pos]) for pos in sorted(written)])
     backs = [(pos, buf) for pos, buf in copies if pos in written and isinstance(buf, _Tensor)]
 
@@ -58,6 +69,7 @@ def capture_piece(rt: Any, k: int, vals: list[Any]) -> tuple[PieceGraph | None, 
             sync=k not in rt._warmed,  # _capture_batch syncs once after the sizes
             grad=torch.is_grad_enabled(), reset=reset if initial else None, collectives=False,
             find_generators=False,  # (core/capture.py: no watch; such a piece runs eagerly)
+            copy_in=list(targets.values()) + [buf for _, buf in by_node],
         )
     except CaptureError as exc:
         reset()  # the piece runs ungraphed next, from the call's state
@@ -85,4 +97,8 @@ def capture_piece(rt: Any, k: int, vals: list[Any]) -> tuple[PieceGraph | None, 
                 made[pos].copy_(buf)
     rt.stats.captures += 1
     rt.stats.capture_seconds += captured.seconds
-    return PieceGraph(captured.graph, captured.out, copies, backs), captured.out
+    found = list(captured.copies)  # (none when the driver did not show them: copied by launches)
+    ins, nodes = dict(zip(targets, found[: len(targets)])), dict(zip((p for p, _ in by_node), found[len(targets):]))
+    rt.stats.graph_copies = max(rt.stats.graph_copies, len(ins))
+    graph = PieceGraph(captured.graph, captured.out, copies, backs, nodes, ins, captured.spares)
+    return graph, captured.out

@@ -7,6 +7,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from torchreplay import _compat
+from torchreplay._compat.copy_nodes import CopyNode
+from torchreplay.core.io import point_or_off
 from torchreplay.core.outputs import Outputs
 from torchreplay.pieces.handoff import MOVED, Expanded, Handoff, fill_expanded
 from torchreplay.pieces.program import Constant, Program
@@ -14,7 +16,7 @@ from torchreplay.pieces.program import Constant, Program
 __all__ = [
     "PieceGraph", "Entry", "Route", "hand_out", "entry_key", "pad_shared", "shared_key", "static_buffer",
     "stage_entry", "hold_weakly", "set_sources", "buffer_like", "shares_rows", "copy_expanded", "NOT_EXPANDED",
-    "retire_outputs",
+    "retire_outputs", "give_nodes", "copy_inputs",
 ]
 
 _Tensor = torch.Tensor
@@ -28,7 +30,7 @@ class PieceGraph:
     step made (an ``.item()``), the value the graph holds (another value cannot replay); and
     ``backs``: those of its buffers the graph writes in place, copied back after each replay."""
 
-    __slots__ = ("graph", "replay", "out", "copies", "backs")
+    __slots__ = ("graph", "replay", "out", "copies", "backs", "nodes", "inputs", "spares")
 
     def __init__(
         self,
@@ -36,12 +38,22 @@ class PieceGraph:
         out: Sequence[Any],
         copies: list[tuple[int, Any]],
         backs: Sequence[tuple[int, torch.Tensor]] = (),
+        nodes: dict[int, CopyNode] | None = None,
+        inputs: dict[int, CopyNode] | None = None,
+        spares: Sequence[torch.Tensor] = (),
     ):
         self.graph = graph
         self.replay = _compat.direct_replay(graph) if graph is not None else _nothing  # None: recorded no work
         self.out = tuple(out)
         self.copies = copies
         self.backs = tuple(backs)
+        #: per position in ``copies``: the graph's own copy into that buffer (_compat/copy_nodes.py),
+        #: pointed at each call's value instead of a copy launch
+        self.nodes = nodes or {}
+        #: the first piece's: per program input, the graph's own copy into its static buffer
+        #: (pointed by the call's :class:`Route`: :func:`copy_inputs`)
+        self.inputs = inputs or {}
+        self.spares = tuple(spares)  # (copies recorded but not found: written at every replay)
 
     def copy_in(self, reads: tuple[int, ...], env: list[Any]) -> str | None:
         """Copy the values eager steps made into the graph's own buffers, or check that a
@@ -66,8 +78,10 @@ class PieceGraph:
             elif value.shape != buf.shape or value.dtype != buf.dtype:
                 return RESHAPED
             else:
-                # a microsecond less than buf.copy_(value); not recorded by autograd
-                (_copy_untracked if value.requires_grad else _foreach_copy)([buf], [value])
+                node = self.nodes.get(pos) if self.nodes else None
+                if node is None or not point_or_off(node, value):  # (else the graph copies it)
+                    # a microsecond less than buf.copy_(value); not recorded by autograd
+                    (_copy_untracked if value.requires_grad else _foreach_copy)([buf], [value])
         return None
 
 
@@ -116,7 +130,7 @@ class Route:
 
     __slots__ = (
         "n", "entry", "shapes", "dsts", "src_idx", "expanded", "pads", "fills", "bases", "backs", "back_idx",
-        "consts",
+        "consts", "nodes",
     )
 
     def __init__(self, n: int | None, entry: Entry, shapes: tuple[Any, ...]) -> None:
@@ -138,6 +152,47 @@ class Route:
         self.back_idx: list[int] = []
         #: the values of the keyed non-tensor inputs (ints other than the size, constants)
         self.consts: list[Any] = []
+        #: the entry's first graph's copies of the inputs (:func:`give_nodes`): (node, input
+        #: index, the view it fills, or None: this route copies with a launch, the node off)
+        self.nodes: list[tuple[CopyNode, int, _Tensor | None]] = []
+
+
+def give_nodes(route: Route) -> None:
+    """Let ``route`` copy its inputs by its entry's first graph's own nodes (``PieceGraph.inputs``)
+    where each view it copies into is the leading bytes of the node's buffer (its rows of a
+    size's buffer along the first dimension, or the whole); where one is not, every node stays
+    off for this route and its launch copies them all."""
+    first = route.entry.graphs[0] if route.entry.graphs else None
+    if first is None or not first.inputs:
+        return
+    views = dict(zip(route.src_idx, route.dsts))
+    nodes = [(node, i, views.get(i)) for i, node in first.inputs.items()]
+    if len(nodes) == len(views) and all(
+        v is not None and v.is_contiguous() and v.data_ptr() == node.dst for node, _, v in nodes
+    ):
+        route.nodes, route.dsts, route.src_idx = nodes, [], []
+    else:
+        route.nodes = [(node, i, None) for node, i, _ in nodes]
+
+
+def copy_inputs(route: Route, args: Sequence[Any]) -> None:
+    """Copy the call's tensors into the entry's static buffers: by the first graph's own nodes,
+    each pointed at its tensor (or off: copied here), the rest with one launch. Every node is
+    pointed or off before the graph's launch (a node left on reads an older call's tensor)."""
+    dsts, srcs = route.dsts, [args[i] for i in route.src_idx]
+    for node, i, view in route.nodes:
+        a = args[i]
+        if view is None:
+            node.off()
+        elif (
+            type(a) is not _Tensor or a.dtype is not view.dtype or a.get_device() != view.get_device()
+            or not point_or_off(node, a, view.nbytes)  # (a byte copy: same dtype and device)
+        ):
+            node.off()
+            dsts = [*dsts, view]
+            srcs.append(a)
+    if dsts:
+        _copy_untracked(dsts, srcs)
 
 
 #: Why a call runs ungraphed whose input is not expanded where it was at capture

@@ -37,8 +37,8 @@ from torchreplay.core.pool import Pool
 from torchreplay.core.threads import Callers, follow_stream, get_ident, outputs_to_clones
 from torchreplay.pieces.capturing import capture_piece
 from torchreplay.pieces.entries import (
-    NOT_EXPANDED, Entry, PieceGraph, Route, copy_expanded, entry_key, hand_out, hold_weakly, pad_shared,
-    retire_outputs, set_sources, shared_key, stage_entry,
+    NOT_EXPANDED, Entry, PieceGraph, Route, copy_expanded, copy_inputs, entry_key, give_nodes, hand_out,
+    hold_weakly, pad_shared, retire_outputs, set_sources, shared_key, stage_entry,
 )
 from torchreplay.pieces.handoff import DEMOTED, MISSES, MOVED, handed_slots
 from torchreplay.pieces.instances import MOVING, Instances, drop_entries, outputs_held, ptrs_of
@@ -209,8 +209,8 @@ class PiecewiseRuntime:
         if follow_stream(self.pool):  # ordered after a call on another stream; True: inside
             self.stats.fallbacks += 1  # another graph's capture, recorded there
             return self._run_ungraphed(args)
-        if route.dsts:
-            _compat.foreach_copy_untracked(route.dsts, [args[i] for i in route.src_idx])
+        if route.dsts or route.nodes:
+            copy_inputs(route, args)
         if route.expanded and (why := copy_expanded(route, args)) is not None:
             self._count_fallback(f"input {self._inputs[why].name} {NOT_EXPANDED}")
             return self._run_ungraphed(args)
@@ -354,6 +354,7 @@ class PiecewiseRuntime:
             if self._inputs[i].written:
                 route.backs.append(view)
                 route.back_idx.append(i)
+        give_nodes(route)
         if self.sizes is None or len(self._routes) < 4 * len(self.sizes) + 64:
             self._routes[n if rkey is None else rkey] = route
         return route
@@ -442,8 +443,8 @@ class PiecewiseRuntime:
         for k, piece in enumerate(self._pieces):
             vals = [env[r] for r in piece.reads]
             graph = None
-            if self._graphable[k]:
-                graph, outs = capture_piece(self, k, vals)
+            if self._graphable[k]:  # (the first copies the call's tensors in itself)
+                graph, outs = capture_piece(self, k, vals, {i: env[i] for i in self._tensors} if k == 0 else None)
             if graph is None:
                 outs = (self._alloc.wrap(piece.fn) if k in self._handoffs else piece.fn)(*vals)  # type: ignore[union-attr]
             graphs.append(graph)
