@@ -489,3 +489,24 @@ def test_an_eager_steps_value_goes_into_the_next_graph_by_its_node() -> None:
     assert rt.stats.fallbacks == 0, rt.fallback_reasons
     (entry,) = rt._entries.values()
     assert [bool(g.nodes) for g in entry.graphs if g is not None] == [False, True], rt
+
+
+@needs_nodes
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_compiled_model_on_the_second_gpu_called_with_the_first_current() -> None:
+    """``tr.compile`` of a model on ``cuda:1``, built and called while ``cuda:0`` is current,
+    ``torch.clone`` as a splitting op: the first graph's node (the call's rows) and the second's
+    (the clone) are bound to the second GPU's context and point at each call's tensors there;
+    every call equals eager."""
+    dev = torch.device("cuda", 1)
+    model = _CloneSplit().to(dev).eval()
+    with torch.cuda.device(0), torch.no_grad():
+        c = tr.compile(model, splitting_ops=["torch.clone"], sizes=[4, 8])
+        for k in range(CALLS):
+            x = torch.randn(3 + k % 6, 64, device=dev)
+            same(c(x), model(x))
+        assert torch.cuda.current_device() == 0
+    rt = _runtime(c)
+    assert rt.device == dev and rt.stats.graph_copies == 1, rt
+    assert rt.stats.fallbacks == 0, rt.fallback_reasons
+    assert all(bool(e.graphs[-1].nodes) for e in rt._entries.values()), rt
