@@ -275,6 +275,34 @@ def test_weights_swapped_in_now_and_then_keep_being_captured() -> None:
     assert outcomes == ["new"] * (MAX_MOVES - 1) + ["moving"] * 2
 
 
+def test_a_set_replayed_by_another_blocks_parameters_does_not_keep_its_own_captured() -> None:
+    """FSDP2 with ``reshard_after_forward=True`` on two H200s: block 1's unsharded parameters
+    are allocated where block 0's were just freed, so block 1's call finds block 0's set (same
+    addresses) and replays its graphs, correctly. That replay is not block 0's tensors paying
+    off: before, it marked the set as replayed, each move of block 0's parameters then started
+    their count again, and block 0 was captured anew at every step, for good (the GPU test
+    ``test_fsdp2_blocks_compiled_one_by_one_equal_eager[True]``: +2 captures a step). Now block
+    0 runs "moving" after MAX_MOVES steps, and the captures stop."""
+    block0 = [torch.nn.Parameter(torch.randn(3, 3))]
+    block1 = [torch.nn.Parameter(torch.randn(3, 3))]
+    inst = _instances_of([torch.nn.Parameter(torch.randn(3, 3))])  # a first set, elsewhere
+    slabs = [torch.randn(3, 3) for _ in range(4 * MAX_MOVES + 8)]  # each step's memory
+    outcomes: list[tuple[str, str]] = []
+    # replayed=: did the current set's graphs replay in a call after the one that captured
+    # them (the runtime's test)? Only after a "found" call.
+    second = "new"
+    for step in range(2 * MAX_MOVES + 6):
+        block0[0].data = slabs[step]  # unsharded for its forward
+        first = inst.switch(*_params_call(block0), drop, replayed=second == "found")
+        block0[0].data = torch.empty(0)  # resharded: freed
+        block1[0].data = slabs[step]  # unsharded where block 0's were
+        second = inst.switch(*_params_call(block1), drop, replayed=first == "found")
+        block1[0].data = torch.empty(0)
+        outcomes.append((first, second))
+    assert outcomes[0] == ("new", "found"), outcomes
+    assert all(o == ("moving", "moving") for o in outcomes[-4:]), outcomes
+
+
 def test_a_parameter_a_graph_returns_is_the_calls_own_not_the_captures() -> None:
     """entries.set_sources, given what the runtime maps (copied-in buffers and, since FSDP,
     inputs read in place): a forward graph that returns a parameter it read in place (AOT saves

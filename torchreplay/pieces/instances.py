@@ -16,7 +16,10 @@ after its forward, while that forward's output is the next block's input. Parame
 moving (FSDP's resharding reallocates them around every call, so their graphs would never
 replay) stop being captured after :data:`MAX_MOVES` moves in a row whose graphs never replayed:
 those calls run without graphs. A move after graphs that did replay (weights swapped in now and
-then by ``p.data = ...``) starts the count again: such a model keeps its graphs.
+then by ``p.data = ...``) starts the count again: such a model keeps its graphs. Only replays for
+the set's own tensors count: where another module's parameters sit at a set's addresses (FSDP2
+allocates one block's where the last one's were just freed), the set is found and its graphs
+replay for them, which says nothing of the set's own tensors.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class ParamSet:
     """The graphs of one set of parameters and buffers: its id (the last item of its entries'
     keys), the addresses, weak references to the tensors, its routes and how many entries."""
 
-    __slots__ = ("id", "ptrs", "refs", "routes", "entries", "replayed")
+    __slots__ = ("id", "ptrs", "refs", "routes", "entries", "replayed", "own")
 
     def __init__(self, id: int, ptrs: list[int | None], refs: list[tuple[int, Any]]) -> None:
         self.id = id
@@ -60,8 +63,13 @@ class ParamSet:
         self.refs = refs
         self.routes: dict[Any, Any] = {}
         self.entries = 0
-        #: its graphs replayed in a call after the one that captured them (they paid off)
+        #: its graphs replayed, for its own tensors, in a call after the one that captured
+        #: them (they paid off)
         self.replayed = False
+        #: it is current for its own tensors, not for others found at its addresses (FSDP2
+        #: allocates one block's parameters where another's were just freed): their replays
+        #: say nothing of whether its own tensors' graphs pay off
+        self.own = True
 
 
 class Instances:
@@ -125,13 +133,14 @@ class Instances:
         why)`` drops their graphs once ``held(set)`` says nothing holds their outputs.
         ``replayed``: the current set's graphs replayed since it became current, in a call
         other than the one that captured them."""
-        if replayed and self.current is not None:
+        if replayed and self.current is not None and self.current.own:
             self.current.replayed = True
         key = tuple(ptrs)
         found = self.sets.pop(key, None)
         if found is not None:
             self.sets[key] = found  # the most recently used, last
             self.current = found
+            found.own = all(ref() is args[i] for i, ref in found.refs)
             return "found"
         moved: dict[int, Any] = {}  # a tensor that several sets read moved once
         settled: set[int] = set()  # ... and one whose graphs replayed starts counting again
