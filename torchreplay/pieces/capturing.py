@@ -98,7 +98,8 @@ def capture_piece(
     rt.stats.captures += 1
     rt.stats.capture_seconds += captured.seconds
     found = list(captured.copies)  # (none when the driver did not show them: copied by launches)
-    ins, nodes = dict(zip(targets, found[: len(targets)])), dict(zip((p for p, _ in by_node), found[len(targets):]))
+    ins = dict(zip(targets, found[: len(targets)]))
+    nodes = dict(zip((pos for pos, _ in by_node), found[len(targets):]))
     rt.stats.graph_copies = max(rt.stats.graph_copies, len(ins))
     graph = PieceGraph(captured.graph, captured.out, copies, backs, nodes, ins, captured.spares)
     return graph, captured.out
