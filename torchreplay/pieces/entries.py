@@ -185,8 +185,8 @@ def copy_inputs(route: Route, args: Sequence[Any]) -> None:
         if view is None:
             node.off()
         elif (
-            type(a) is not _Tensor or a.dtype is not view.dtype or a.get_device() != view.get_device()
-            or not point_or_off(node, a, view.nbytes)  # (a byte copy: same dtype and device)
+            a.dtype is not view.dtype or a.get_device() != view.get_device()  # (a byte copy)
+            or not point_or_off(node, a, view.nbytes)  # (checks the type, layout and flags)
         ):
             node.off()
             dsts = [*dsts, view]
