@@ -405,3 +405,35 @@ def test_micro_batches_each_with_its_backward_replay_one_graph(stand_ins) -> Non
         w.grad = None
     assert fw.stats.captures == 1 and fw.copies == 0 and bw.stats.captures == 1
     assert fw.stats.fallbacks == 0 and bw.stats.fallbacks == 0
+
+
+def test_blocks_gathered_at_each_others_addresses_stop_being_captured(stand_ins) -> None:
+    """FSDP2 with ``reshard_after_forward=True`` (two H200s): each step gathers block 0's
+    parameters at new memory and, after block 0 frees them, block 1's at the same addresses. The
+    runtime's fast path saw block 1 at the current set's addresses and replayed block 0's graphs
+    without a switch, correctly, but the set never learnt those were not its own tensors'
+    replays: block 0's next move counted as a weight swapped in after graphs that paid off, and
+    block 0 was captured anew at every step for good (``test_fsdp2_blocks_compiled_one_by_one
+    _equal_eager[True]``: +2 captures a step). Now another tensor at the same addresses switches
+    (the set learns it is not its own), block 0 runs "moving" and the captures stop. The
+    stand-in graphs read block 0's parameter object, which here shares the gathered memory with
+    block 1's, so every output is checked against eager too."""
+    from torchreplay.pieces.instances import MAX_MOVES, MOVING
+
+    rt = _forward_runtime(max_graphs=64)
+    full = [torch.randn(6, 6) for _ in range(2)]
+    blocks = [torch.nn.Parameter(torch.empty(6, 6)) for _ in range(2)]
+    captures = []
+    for step in range(4 * MAX_MOVES + 4):
+        gathered = torch.empty(6, 6)  # this step's memory, block 0's, then block 1's
+        for w, f in zip(blocks, full):
+            w.data = gathered
+            gathered.copy_(f)
+            x = torch.randn(4, 6)
+            if not rt._ready:
+                rt._setup((x, w), torch.device("cpu"))
+            y, _ = rt(x, w)
+            torch.testing.assert_close(y, torch.tanh(x @ f) * 2, msg=lambda m: f"step {step}: {m}")
+        captures.append(rt.stats.captures)
+    assert captures[-1] == captures[-5], captures
+    assert rt.fallback_reasons.get(MOVING, 0) >= 4, rt.fallback_reasons

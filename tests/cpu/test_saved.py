@@ -282,7 +282,10 @@ def test_a_set_replayed_by_another_blocks_parameters_does_not_keep_its_own_captu
     off: before, it marked the set as replayed, each move of block 0's parameters then started
     their count again, and block 0 was captured anew at every step, for good (the GPU test
     ``test_fsdp2_blocks_compiled_one_by_one_equal_eager[True]``: +2 captures a step). Now block
-    0 runs "moving" after MAX_MOVES steps, and the captures stop."""
+    0 runs "moving" after MAX_MOVES steps, and the captures stop. (This is the sets' half;
+    the runtime's fast path must switch to tell the set, which it did not do while the
+    addresses stayed: ``test_runtime_copies.py``'s test of blocks gathered at each other's
+    addresses runs the whole path.)"""
     block0 = [torch.nn.Parameter(torch.randn(3, 3))]
     block1 = [torch.nn.Parameter(torch.randn(3, 3))]
     inst = _instances_of([torch.nn.Parameter(torch.randn(3, 3))])  # a first set, elsewhere
