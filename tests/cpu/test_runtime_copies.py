@@ -437,3 +437,21 @@ def test_blocks_gathered_at_each_others_addresses_stop_being_captured(stand_ins)
         captures.append(rt.stats.captures)
     assert captures[-1] == captures[-5], captures
     assert rt.fallback_reasons.get(MOVING, 0) >= 4, rt.fallback_reasons
+
+
+def test_a_new_tensor_object_each_call_over_the_same_memory_replays_one_capture(stand_ins) -> None:
+    """The fast path's identity check (another tensor at the current set's addresses switches)
+    with a caller that passes a new tensor object over the same weights at every call (a
+    ``detach()``): each call switches to the one set it finds there and replays it; nothing is
+    captured again and no call runs ungraphed."""
+    rt = _forward_runtime(max_graphs=16)
+    w = torch.randn(6, 6)
+    for call in range(6):
+        x = torch.randn(4, 6)
+        view = w.detach()
+        if not rt._ready:
+            rt._setup((x, view), torch.device("cpu"))
+        y, _ = rt(x, view)
+        torch.testing.assert_close(y, torch.tanh(x @ w) * 2, msg=lambda m: f"call {call}: {m}")
+    assert rt.stats.captures == 1 and rt.stats.replays == 6, rt.stats
+    assert rt.stats.fallbacks == 0 and rt.instances == 1, rt.fallback_reasons
