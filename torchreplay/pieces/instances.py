@@ -19,7 +19,9 @@ those calls run without graphs. A move after graphs that did replay (weights swa
 then by ``p.data = ...``) starts the count again: such a model keeps its graphs. Only replays for
 the set's own tensors count: where another module's parameters sit at a set's addresses (FSDP2
 allocates one block's where the last one's were just freed), the set is found and its graphs
-replay for them, which says nothing of the set's own tensors.
+replay for them, which says nothing of the set's own tensors. (The runtime calls
+:meth:`Instances.switch` for that too, though the addresses are the same: it compares one
+watched tensor's identity as well as the addresses.)
 """
 
 from __future__ import annotations
