@@ -30,6 +30,8 @@ import logging
 import weakref
 from typing import Any, Callable, Literal
 
+from torchreplay import _compat
+
 __all__ = [
     "MAX_PARAM_SETS", "MAX_MOVES", "MOVING", "ParamSet", "Instances", "drop_entries",
     "outputs_held", "ptrs_of",
@@ -93,6 +95,7 @@ class Instances:
         self.watched = watched
         self.sets: dict[tuple[int | None, ...], ParamSet] = {}
         self.current: ParamSet | None = None  # None after a "moving" call
+        self._owner: tuple[int, int] | None = None  # (position, id) of a tensor of the call's set
         #: sets no longer used whose graphs wait until nothing holds their outputs
         self.pending: list[ParamSet] = []
         self._ids = 0
@@ -108,8 +111,21 @@ class Instances:
         made = ParamSet(self._ids, ptrs, [(i, weakref.ref(args[i])) for i in self._watched(args)])
         self._ids += 1
         self.sets[tuple(ptrs)] = made
-        self.current = made
+        self._make_current(made, args)
         return made
+
+    def unchanged(self, args: tuple[Any, ...]) -> bool:
+        """Is the current set the call's: its addresses (one C++ comparison), and its first
+        watched tensor the one the call that made it current passed? FSDP2 gathers one block's
+        parameters where another's were just freed: the same addresses, another tensor, so a
+        switch tells the set those replays are not its own (:attr:`ParamSet.own`)."""
+        current, owner = self.current, self._owner
+        return current is not None and (owner is None or id(args[owner[0]]) == owner[1]) and (
+            _compat.data_ptrs_equal(list(args), current.ptrs, self.statics))
+
+    def _make_current(self, s: ParamSet, args: tuple[Any, ...]) -> None:
+        self.current = s
+        self._owner = (s.refs[0][0], id(args[s.refs[0][0]])) if s.refs else None
 
     def forget_entries(self) -> None:
         """Every set's entries were dropped: none has routes or entries now."""
@@ -141,7 +157,7 @@ class Instances:
         found = self.sets.pop(key, None)
         if found is not None:
             self.sets[key] = found  # the most recently used, last
-            self.current = found
+            self._make_current(found, args)
             found.own = all(ref() is args[i] for i, ref in found.refs)
             return "found"
         moved: dict[int, Any] = {}  # a tensor that several sets read moved once

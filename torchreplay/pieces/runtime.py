@@ -141,8 +141,6 @@ class PiecewiseRuntime:
         # Per buffer shared by every size: the row from which on it holds the padding (pad_shared)
         self._clean: dict[int, int] = {}
         self._writes_varying = any(x.written and x.dim is not None for x in program.inputs)
-        self._static_ptrs: list[int | None] = []
-        self._owner: tuple[int, int] | None = None  # (position, id) of a tensor of the call's set
         self._replays_mark = 0  # stats.replays when the current set became current (+1: new)
         # Per set of addresses of the parameters and buffers read in place: its graphs.
         self._instances = Instances(
@@ -179,7 +177,7 @@ class PiecewiseRuntime:
                 return outs
             if self._eager:
                 return self._run_ungraphed(args)
-            if self._in_place and not self._statics_unchanged(args):
+            if self._in_place and not self._instances.unchanged(args):
                 if not self._switch(args):
                     return self._run_ungraphed(args)
             route = self._route(args, size)
@@ -384,7 +382,7 @@ class PiecewiseRuntime:
         if self._in_place:
             self._instances.add(args, ptrs_of(args, self._in_place))
             self._replays_mark = self.stats.replays + 1  # this call captures and replays once
-            self._use_current(args)
+            self._routes = self._instances.current.routes  # type: ignore[union-attr]
         self.pool.track(self, self._graphs, functools.partial(retire_outputs, self._entries))
         n = self.rows(args)
         if self.sizes is not None and n is not None:
@@ -507,14 +505,6 @@ class PiecewiseRuntime:
             self.saved.sealed(entry, saved_all, [pool_outs[r] for r in entry.guard])
 
     # ------------------------------------------------------------------ upkeep
-    def _statics_unchanged(self, args: tuple[Any, ...]) -> bool:
-        """The same addresses, and a tensor of the current set's own (FSDP2 gathers one block's
-        parameters where another's were just freed: a switch there tells the set it is not its
-        own tensors' replay, :class:`.instances.ParamSet` ``own``)."""
-        owner = self._owner
-        return (owner is None or id(args[owner[0]]) == owner[1]) and _compat.data_ptrs_equal(
-            list(args), self._static_ptrs, self._in_place)
-
     def _switch(self, args: tuple[Any, ...]) -> bool:
         """The inputs read in place moved (another instance of the module's class, replaced
         tensors, or for a backward another forward graph's activations: :mod:`.instances`):
@@ -532,10 +522,9 @@ class PiecewiseRuntime:
             args, ptrs, self._drop_set, held, self.stats.replays > self._replays_mark)
         self._replays_mark = self.stats.replays + (outcome == "new")  # its capture replays once
         if outcome == "moving":
-            self._static_ptrs = [-1] * len(args)  # no set is current: the next call switches too
             self._count_fallback(MOVING)
             return False
-        self._use_current(args)
+        self._routes = self._instances.current.routes  # type: ignore[union-attr]
         if outcome == "new" and self.sizes is not None and (self._sized or self._size_ints):
             self._capture_batch([(s, self._key(s, args)) for s in reversed(self.sizes)], args)
         return True
@@ -551,11 +540,6 @@ class PiecewiseRuntime:
         drop_entries(self._entries, self._graphs, None, DEMOTED, self.pool and self.pool.keep)
         self._instances.forget_entries()
         self._routes.clear()
-
-    def _use_current(self, args: tuple[Any, ...]) -> None:
-        current = self._instances.current
-        self._static_ptrs, self._routes = current.ptrs, current.routes  # type: ignore[union-attr]
-        self._owner = (current.refs[0][0], id(args[current.refs[0][0]])) if current.refs else None
 
     def _make_clones(self) -> None:
         outputs_to_clones(self, [e.outputs for e in self._entries.values()])
