@@ -306,6 +306,39 @@ def test_a_set_replayed_by_another_blocks_parameters_does_not_keep_its_own_captu
     assert all(o == ("moving", "moving") for o in outcomes[-4:]), outcomes
 
 
+def test_find_is_a_switch_to_the_calls_own_tensors_at_their_addresses_only() -> None:
+    """``Instances.find``, the runtime's quick look-up when the current set is not the call's
+    (keyed by the first address read in place; the common case: the blocks of a model compiled
+    block by block share one runtime). It finds the set of the call's own tensors at their
+    addresses, makes it current and most recently used; it finds nothing where ``switch`` must
+    look further: other tensors at a set's addresses (FSDP2, where the set must learn those
+    replays are not its own), a moved parameter, a set dropped as gone."""
+    blocks = [[torch.nn.Parameter(torch.randn(3, 3)), torch.nn.Parameter(torch.randn(3))] for _ in range(3)]
+    inst = Instances([0, 1], "fwd")
+    sets = [inst.add(*_params_call(b)) for b in blocks]
+    for k in (1, 0, 2, 2, 1):
+        args, _ = _params_call(blocks[k])
+        assert inst.find(args) is sets[k] and inst.current is sets[k] and sets[k].own
+        assert list(inst.sets.values())[-1] is sets[k] and inst.unchanged(args)
+    other = [blocks[0][0].detach(), blocks[0][1].detach()]  # other tensors, block 0's memory
+    args, ptrs = _params_call(other)
+    assert inst.find(args) is None and inst.current is sets[1]
+    assert inst.switch(args, ptrs, drop) == "found" and not sets[0].own
+    keep: list[torch.Tensor] = []
+    args, ptrs = _moved_call(blocks[1], keep)
+    assert inst.find(args) is None
+    assert inst.switch(args, ptrs, drop) == "new" and sets[1] not in inst.sets.values()
+    blocks[1][0].data = keep[-1]  # back where the dropped set had it: still not found
+    args, _ = _params_call(blocks[1])
+    assert inst.find(args) is None
+    args, _ = _params_call(blocks[2])
+    assert inst.find(args) is sets[2]
+    keep.append(blocks[2][1].data)
+    blocks[2][1].data = torch.randn(3)  # a parameter but the first moved: the same key
+    args, _ = _params_call(blocks[2])
+    assert inst.find(args) is None
+
+
 def test_a_parameter_a_graph_returns_is_the_calls_own_not_the_captures() -> None:
     """entries.set_sources, given what the runtime maps (copied-in buffers and, since FSDP,
     inputs read in place): a forward graph that returns a parameter it read in place (AOT saves

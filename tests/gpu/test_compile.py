@@ -902,6 +902,49 @@ def test_blocks_compiled_one_by_one_in_training_replay_a_graph_per_block(how: st
         assert "graphs for 10 module instances" in report and "graphs for 10 forward graphs" in report
 
 
+def test_blocks_compiled_one_by_one_accumulate_gradients_over_micro_batches_as_eager() -> None:
+    """Regional training with gradient accumulation: four blocks share one forward and one
+    backward runtime (each call switches to its block's set of graphs), three micro-batches a
+    step, each with its backward. AccumulateGrad adds each micro-batch's gradients into the
+    ``.grad`` the first one left, so those must be fresh memory, not the backward graph's that
+    the next micro-batch's replay overwrites (reduce-overhead hands them out from its pool:
+    accumulated gradients come out wrong or raise, pytorch#169545). Gradients equal eager's at
+    every step with fresh inputs and AdamW steps between; every call replays; nothing is
+    captured after the first step; each runtime keeps one set per block."""
+    import copy
+
+    torch.manual_seed(0)
+    block = _block_class("accumulate")
+    ref = nn.Sequential(*[block() for _ in range(4)]).to(DEV).train()
+    model = copy.deepcopy(ref)
+    blocks, run = _compile_blocks(model, "tr.compile")
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    captured = None
+    for step in range(5):
+        for micro in range(3):
+            x = torch.randn(8, 64, device=DEV, requires_grad=True)
+            x_ref = x.detach().clone().requires_grad_()
+            (run(x).square().mean() / 3).backward()
+            (ref(x_ref).square().mean() / 3).backward()
+            _close(x.grad, x_ref.grad, f"step {step} micro-batch {micro} input grad")
+        for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+            _close(q.grad, p.grad, f"step {step} {name}.grad (3 micro-batches)")
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad(set_to_none=True)
+        opt_ref.zero_grad(set_to_none=True)
+        if step == 0:
+            captured = sum(r.stats.captures for r in blocks[0].backend.runtimes)
+    runtimes = blocks[0].backend.runtimes
+    assert len(runtimes) == 2, runtimes  # one forward, one backward
+    for r in runtimes:
+        assert r.instances == 4, (r, r.instances)
+        assert r.stats.fallbacks == 0, (r, r.fallback_reasons)
+        assert r.stats.replays >= 4 * 3 * 4, r  # steps 1..4: every block, every micro-batch
+    assert sum(r.stats.captures for r in runtimes) == captured  # nothing captured again
+
+
 @pytest.mark.parametrize("regional", [False, True], ids=["whole model", "each block"])
 def test_a_training_forward_dropped_before_its_backward_does_not_stop_later_replays(regional: bool) -> None:
     """Training forwards whose outputs are dropped without a backward (a metric computed in

@@ -22,6 +22,11 @@ allocates one block's where the last one's were just freed), the set is found an
 replay for them, which says nothing of the set's own tensors. (The runtime calls
 :meth:`Instances.switch` for that too, though the addresses are the same: it compares one
 watched tensor's identity as well as the addresses.)
+
+A call whose set is not the current one is looked up first by the address of its first tensor
+read in place (:meth:`Instances.find`: the blocks of a model compiled block by block switch at
+every call, 24 times a training step of 12 blocks); only what that does not find (other
+tensors at a set's addresses, moved tensors, a new set) builds the key of every address.
 """
 
 from __future__ import annotations
@@ -59,11 +64,12 @@ class ParamSet:
     """The graphs of one set of parameters and buffers: its id (the last item of its entries'
     keys), the addresses, weak references to the tensors, its routes and how many entries."""
 
-    __slots__ = ("id", "ptrs", "refs", "routes", "entries", "replayed", "own")
+    __slots__ = ("id", "ptrs", "key", "refs", "routes", "entries", "replayed", "own")
 
     def __init__(self, id: int, ptrs: list[int | None], refs: list[tuple[int, Any]]) -> None:
         self.id = id
         self.ptrs = ptrs
+        self.key = tuple(ptrs)
         self.refs = refs
         self.routes: dict[Any, Any] = {}
         self.entries = 0
@@ -96,6 +102,8 @@ class Instances:
         self.sets: dict[tuple[int | None, ...], ParamSet] = {}
         self.current: ParamSet | None = None  # None after a "moving" call
         self._owner: tuple[int, int] | None = None  # (position, id) of a tensor of the call's set
+        # the sets by the address of their first tensor read in place (:meth:`find`)
+        self._by_first: dict[int | None, list[ParamSet]] = {}
         #: sets no longer used whose graphs wait until nothing holds their outputs
         self.pending: list[ParamSet] = []
         self._ids = 0
@@ -110,9 +118,39 @@ class Instances:
         """A new set for the tensors of ``args`` at ``ptrs``, made current."""
         made = ParamSet(self._ids, ptrs, [(i, weakref.ref(args[i])) for i in self._watched(args)])
         self._ids += 1
-        self.sets[tuple(ptrs)] = made
+        self.sets[made.key] = made
+        self._by_first.setdefault(ptrs[self.statics[0]], []).append(made)
         self._make_current(made, args)
         return made
+
+    def find(self, args: tuple[Any, ...], replayed: bool = False) -> ParamSet | None:
+        """Make current, and return, the set of the call's own tensors at these addresses, found
+        by the address of the first tensor read in place: one dict look-up, the identity of the
+        watched tensors, one C++ comparison of the addresses, no key built. This is the common
+        switch, between the blocks of a model compiled block by block (one runtime for them all:
+        24 switches a training step of 12 blocks). None: no set holds exactly these tensors at
+        these addresses; :meth:`switch` looks further (other tensors at a set's addresses,
+        tensors that moved or were replaced, a new set). ``replayed``: as for :meth:`switch`."""
+        for s in self._by_first.get(args[self.statics[0]].data_ptr(), ()):
+            if all(ref() is args[i] for i, ref in s.refs) and _compat.data_ptrs_equal(
+                list(args), s.ptrs, self.statics
+            ):
+                if replayed and self.current is not None and self.current.own:
+                    self.current.replayed = True
+                self.sets[s.key] = self.sets.pop(s.key)  # the most recently used, last
+                self._make_current(s, args)
+                s.own = True
+                return s
+        return None
+
+    def _remove(self, s: ParamSet) -> None:
+        del self.sets[s.key]
+        first = s.ptrs[self.statics[0]]
+        same = self._by_first.get(first, [])
+        if s in same:
+            same.remove(s)
+            if not same:
+                del self._by_first[first]
 
     def unchanged(self, args: tuple[Any, ...]) -> bool:
         """Is the current set the call's: its addresses (one C++ comparison), and its first
@@ -179,7 +217,7 @@ class Instances:
             )
             gone = [next(iter(self.sets.values()))]
         for s in gone:
-            del self.sets[tuple(s.ptrs)]
+            self._remove(s)
         self.pending += gone
         self.release(drop, held)
         if self._moving(args):

@@ -510,6 +510,12 @@ class PiecewiseRuntime:
         tensors, or for a backward another forward graph's activations: :mod:`.instances`):
         use that set's graphs, captured at its first call. False: this call runs ungraphed (a
         backward whose forward ran ungraphed, or parameters that keep moving)."""
+        replayed = self.stats.replays > self._replays_mark
+        found = self._instances.find(args, replayed)
+        if found is not None:  # (the common case: another block of a regional model)
+            self._replays_mark = self.stats.replays
+            self._routes = found.routes
+            return True
         ptrs = ptrs_of(args, self._in_place)
         if self.admit is not None and ptrs not in self._instances and not self.admit(args):
             self._count_fallback(
@@ -519,7 +525,7 @@ class PiecewiseRuntime:
             return False
         held = lambda s: outputs_held(self._entries, s.id)  # noqa: E731
         outcome = self._instances.switch(
-            args, ptrs, self._drop_set, held, self.stats.replays > self._replays_mark)
+            args, ptrs, self._drop_set, held, replayed)
         self._replays_mark = self.stats.replays + (outcome == "new")  # its capture replays once
         if outcome == "moving":
             self._count_fallback(MOVING)
