@@ -147,6 +147,40 @@ def test_backward_sets_are_keyed_by_activations_but_watch_only_parameters() -> N
     assert len(dropped) == 3 and len(inst) == 1
 
 
+def test_a_backward_set_goes_once_a_forward_graph_it_reads_was_dropped() -> None:
+    """Where AOT autograd passes a backward its parameters as new tensors at every call
+    (detached: torch 2.13's ``aot_autograd`` does, on CPU), a backward watches no tensor of its
+    sets, and a replaced parameter (``p.data = new``) would leave the old backward set and its
+    graphs in place, one more at every weight swap, up to MAX_PARAM_SETS. (On the H200's torch
+    2.11, through our backend, the sets went anyway: see the GPU test of weights swapped in
+    during training.) A backward's set records the forward entries whose saved tensors it
+    reads and goes once one of them was dropped with its graphs; while they are kept it stays,
+    whatever tensors its arguments are."""
+    saved = SavedActivations()
+    e1, act1 = _entry(0, saved)
+    e2, act2 = _entry(1, saved)
+    inst = Instances([0, 1], "backward", watched=lambda t: isinstance(t, torch.nn.Parameter))
+    inst.feeds = saved
+    weight = torch.nn.Parameter(torch.randn(3, 3))
+    dropped: list[int] = []
+
+    def call(act: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], list[int | None]]:
+        args = (weight.detach(), act, torch.randn(3))  # AOT's: a new tensor over the weight
+        return args, [args[0].data_ptr(), args[1].data_ptr(), None]
+
+    drop_set = lambda s, why: dropped.append(s.id)  # noqa: E731
+    first = inst.add(*call(act1))
+    assert first.refs == [] and [r() for r in first.feeds] == [e1]
+    assert inst.switch(*call(act2), drop_set) == "new"
+    assert inst.switch(*call(act1), drop_set) == "found" and dropped == []
+    saved.keep_only([e2])  # e1 dropped with its graphs (its parameters were replaced)
+    _, act3 = _entry(2, saved)
+    assert inst.switch(*call(act3), drop_set) == "new"
+    assert dropped == [first.id] and len(inst) == 2
+    args, ptrs = call(act1)
+    assert inst.find(args) is None and ptrs not in inst
+
+
 def test_only_saved_activations_a_replay_writes_are_guarded() -> None:
     """A forward saves an activation in the pool, a view of its static input buffer and two
     parameters (one of them transposed): only the first two are guarded. The parameters are

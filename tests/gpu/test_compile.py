@@ -1133,6 +1133,40 @@ def test_weights_swapped_in_between_runs_of_calls_keep_being_graphed() -> None:
     assert rt.stats.captures >= 5 and rt.stats.replays >= 5 * 3, rt
 
 
+def test_weights_swapped_in_during_training_leave_no_old_backward_graphs() -> None:
+    """Training with weights replaced by ``p.data = new`` every three steps (a checkpoint
+    reload, an RL weight sync): gradients equal eager's at every step, the calls after each
+    swap replay, and the old weights' graphs go, the backward's too (one set per direction
+    at the end). Measured on the H200's torch 2.11 before the backward's sets went with the
+    forward graphs they read: they went then too (the backward sees the parameters it
+    watches move); the bound is for a torch whose AOT autograd passes a backward its
+    parameters as new tensors (torch 2.13's does, on CPU), where nothing else drops them."""
+    import copy
+
+    torch.manual_seed(0)
+    block = _block_class("swapped_train")().to(DEV).train()
+    ref = copy.deepcopy(block)
+    c = tr.compile(block)
+    for swap in range(6):
+        for p, q in zip(block.parameters(), ref.parameters()):
+            new = torch.randn_like(p) * 0.1
+            p.data = new.clone()
+            q.data = new
+        for step in range(3):
+            x = torch.randn(8, 64, device=DEV, requires_grad=True)
+            x_ref = x.detach().clone().requires_grad_()
+            _step_equals_eager(c(x), ref(x_ref), x, x_ref, block, ref, 3 * swap + step)
+            block.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+    forward = [r for r in c.backend.runtimes if r.saved is not None]
+    backward = [r for r in c.backend.runtimes if r.admit is not None]
+    assert len(forward) == 1 and len(backward) == 1, c.backend.runtimes
+    for r in forward + backward:
+        assert r.stats.fallbacks == 0, (r, r.fallback_reasons)
+        assert r.stats.replays >= 6 * 2, r
+        assert r.instances <= 2, (r, r.instances)  # the last weights' set, and one going
+
+
 class _Counting(nn.Module):
     """Row-independent; each call adds 1 to a buffer its output reads."""
 

@@ -164,6 +164,7 @@ class GraphingCompiler:
             # another forward graph's activations (another instance or shape): graphed if that
             # forward replayed, so that they are what it saved in its pool
             runtime.admit = lambda call: all(_stays_put(call[i], saved) for i in pinned)
+            runtime.reads(saved)
         self.register(runtime)
         return runtime
 

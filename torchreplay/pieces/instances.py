@@ -64,13 +64,15 @@ class ParamSet:
     """The graphs of one set of parameters and buffers: its id (the last item of its entries'
     keys), the addresses, weak references to the tensors, its routes and how many entries."""
 
-    __slots__ = ("id", "ptrs", "key", "refs", "routes", "entries", "replayed", "own")
+    __slots__ = ("id", "ptrs", "key", "refs", "feeds", "routes", "entries", "replayed", "own")
 
     def __init__(self, id: int, ptrs: list[int | None], refs: list[tuple[int, Any]]) -> None:
         self.id = id
         self.ptrs = ptrs
         self.key = tuple(ptrs)
         self.refs = refs
+        #: a backward's: what :attr:`Instances.feeds` says of the forward graphs it reads
+        self.feeds: Any = None
         self.routes: dict[Any, Any] = {}
         self.entries = 0
         #: its graphs replayed, for its own tensors, in a call after the one that captured
@@ -104,6 +106,11 @@ class Instances:
         self._owner: tuple[int, int] | None = None  # (position, id) of a tensor of the call's set
         # the sets by the address of their first tensor read in place (:meth:`find`)
         self._by_first: dict[int | None, list[ParamSet]] = {}
+        #: a backward's: the forward's saved activations (:class:`~.saved.SavedActivations`).
+        #: A backward's set also goes once a forward graph it reads was dropped (its
+        #: parameters replaced): where AOT autograd passes a backward its parameters as new
+        #: tensors (torch 2.13's ``aot_autograd`` does, on CPU), none of them is watched.
+        self.feeds: Any = None
         #: sets no longer used whose graphs wait until nothing holds their outputs
         self.pending: list[ParamSet] = []
         self._ids = 0
@@ -117,6 +124,8 @@ class Instances:
     def add(self, args: tuple[Any, ...], ptrs: list[int | None]) -> ParamSet:
         """A new set for the tensors of ``args`` at ``ptrs``, made current."""
         made = ParamSet(self._ids, ptrs, [(i, weakref.ref(args[i])) for i in self._watched(args)])
+        if self.feeds is not None:
+            made.feeds = self.feeds.entries_of(args, self.statics)
         self._ids += 1
         self.sets[made.key] = made
         self._by_first.setdefault(ptrs[self.statics[0]], []).append(made)
@@ -252,8 +261,9 @@ class Instances:
 
     def _intact(self, s: ParamSet, moved: dict[int, Any], settled: set[int]) -> bool:
         """Are the set's tensors alive and where they were at capture? A live one found
-        elsewhere is put in ``moved``, and in ``settled`` too where the set's graphs replayed."""
-        intact = True
+        elsewhere is put in ``moved``, and in ``settled`` too where the set's graphs replayed.
+        A backward's set is not, once a forward graph it reads was dropped."""
+        intact = s.feeds is None or self.feeds.keeps(s.feeds)
         for i, ref in s.refs:
             t = ref()
             if t is None:

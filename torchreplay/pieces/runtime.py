@@ -524,8 +524,7 @@ class PiecewiseRuntime:
             )
             return False
         held = lambda s: outputs_held(self._entries, s.id)  # noqa: E731
-        outcome = self._instances.switch(
-            args, ptrs, self._drop_set, held, replayed)
+        outcome = self._instances.switch(args, ptrs, self._drop_set, held, replayed)
         self._replays_mark = self.stats.replays + (outcome == "new")  # its capture replays once
         if outcome == "moving":
             self._count_fallback(MOVING)
@@ -534,6 +533,10 @@ class PiecewiseRuntime:
         if outcome == "new" and self.sizes is not None and (self._sized or self._size_ints):
             self._capture_batch([(s, self._key(s, args)) for s in reversed(self.sizes)], args)
         return True
+
+    def reads(self, saved: SavedActivations) -> None:
+        """A backward's: its sets read ``saved``'s activations (:attr:`.Instances.feeds`)."""
+        self._instances.feeds = saved
 
     def _drop_set(self, dropped: Any, why: str) -> None:
         keep = self.pool.keep if self.pool is not None else None

@@ -26,6 +26,7 @@ not block: it is marked stale as usual.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -77,6 +78,21 @@ class SavedActivations:
         self._put = {p: e for p, e in self._put.items() if id(e) in live}
         self.pending = [e for e in self.pending if id(e) in live]
         self.generation += 1
+
+    def entries_of(self, args: Sequence[Any], idxs: Sequence[int]) -> list[weakref.ref[Entry]]:
+        """The forward entries that saved, or passed through, the tensors ``args[i]`` for ``i``
+        in ``idxs`` (weakly: a backward's set reads them, and must not keep a dropped one)."""
+        found: list[weakref.ref[Entry]] = []
+        for i in idxs:
+            e = self._put.get(args[i].untyped_storage().data_ptr())
+            if e is not None and all(r() is not e for r in found):
+                found.append(weakref.ref(e))
+        return found
+
+    def keeps(self, entries: Sequence[weakref.ref[Entry]]) -> bool:
+        """Are all of these forward entries still kept (none dropped with its graphs)?"""
+        kept = {id(e) for e in self._put.values()}
+        return all((e := r()) is not None and id(e) in kept for r in entries)
 
     def holds(self, t: _Tensor) -> bool:
         """Is ``t`` (over) what a forward graph saved: an activation in its pool, or a
