@@ -181,6 +181,25 @@ def test_a_backward_set_goes_once_a_forward_graph_it_reads_was_dropped() -> None
     assert inst.find(args) is None and ptrs not in inst
 
 
+def test_a_forward_entry_is_kept_until_dropped_though_a_later_one_saves_its_parameter() -> None:
+    """Two forward graphs of one block (two shapes) that save only its parameter: the later
+    one's record of that address replaces the first's, but the first entry is kept (a
+    backward set reading it stays) until the forward drops it with its graphs."""
+    import weakref
+
+    saved = SavedActivations()
+    weight = torch.randn(3, 3)
+    first, second = Entry(None), Entry(None)
+    saved.sealed(first, [weight], [])
+    saved.sealed(second, [weight], [])
+    reads_first = [weakref.ref(first)]
+    assert saved.keeps(reads_first)
+    saved.keep_only([first, second])
+    assert saved.keeps(reads_first)
+    saved.keep_only([second])
+    assert not saved.keeps(reads_first) and saved.keeps([weakref.ref(second)])
+
+
 def test_only_saved_activations_a_replay_writes_are_guarded() -> None:
     """A forward saves an activation in the pool, a view of its static input buffer and two
     parameters (one of them transposed): only the first two are guarded. The parameters are

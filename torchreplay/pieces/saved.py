@@ -58,6 +58,7 @@ class SavedActivations:
         # Every saved tensor's storage address and its entry: activations and the parameters
         # and buffers a forward passes through (they stay put; not every buffer is marked so)
         self._put: dict[int, Entry] = {}
+        self._kept: set[int] = set()  # ids of the entries sealed and not dropped since
         #: bumped whenever entries come or go (a backward's cached forward entries are redone)
         self.generation = 0
 
@@ -69,6 +70,7 @@ class SavedActivations:
             self._put[t.untyped_storage().data_ptr()] = entry
         for t in guarded:
             self._at[t.untyped_storage().data_ptr()] = entry
+        self._kept.add(id(entry))
         self.generation += 1
 
     def keep_only(self, entries: Sequence[Entry]) -> None:
@@ -77,6 +79,7 @@ class SavedActivations:
         self._at = {p: e for p, e in self._at.items() if id(e) in live}
         self._put = {p: e for p, e in self._put.items() if id(e) in live}
         self.pending = [e for e in self.pending if id(e) in live]
+        self._kept = live
         self.generation += 1
 
     def entries_of(self, args: Sequence[Any], idxs: Sequence[int]) -> list[weakref.ref[Entry]]:
@@ -90,8 +93,9 @@ class SavedActivations:
         return found
 
     def keeps(self, entries: Sequence[weakref.ref[Entry]]) -> bool:
-        """Are all of these forward entries still kept (none dropped with its graphs)?"""
-        kept = {id(e) for e in self._put.values()}
+        """Are all of these forward entries still kept (none dropped with its graphs)? Not
+        read from the addresses: a later entry of the same parameters takes theirs."""
+        kept = self._kept
         return all((e := r()) is not None and id(e) in kept for r in entries)
 
     def holds(self, t: _Tensor) -> bool:
