@@ -146,11 +146,15 @@ class Instances:
             ):
                 if replayed and self.current is not None and self.current.own:
                     self.current.replayed = True
-                self.sets[s.key] = self.sets.pop(s.key)  # the most recently used, last
-                self._make_current(s, args)
+                self._to_front(s, args)
                 s.own = True
                 return s
         return None
+
+    def _to_front(self, s: ParamSet, args: tuple[Any, ...]) -> None:
+        """Make ``s`` current and the most recently used (last)."""
+        self.sets[s.key] = self.sets.pop(s.key)
+        self._make_current(s, args)
 
     def _remove(self, s: ParamSet) -> None:
         del self.sets[s.key]
@@ -200,11 +204,9 @@ class Instances:
         other than the one that captured them."""
         if replayed and self.current is not None and self.current.own:
             self.current.replayed = True
-        key = tuple(ptrs)
-        found = self.sets.pop(key, None)
+        found = self.sets.get(tuple(ptrs))
         if found is not None:
-            self.sets[key] = found  # the most recently used, last
-            self._make_current(found, args)
+            self._to_front(found, args)
             found.own = all(ref() is args[i] for i, ref in found.refs)
             return "found"
         moved: dict[int, Any] = {}  # a tensor that several sets read moved once
