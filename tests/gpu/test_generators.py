@@ -273,3 +273,130 @@ def test_a_breakable_graph_whose_segments_and_break_draw_from_one_generator() ->
     gen.set_state(at)
     for i, xi in enumerate(inputs):
         assert torch.equal(got[i], model(xi)), f"call {i}"
+
+
+def host_noise_from(h: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A break that reads a host value and draws from the generator it is passed."""
+    scale = float(h.abs().max().item()) + 1.0
+    return h / scale + torch.randn(h.shape, device=h.device, generator=generator)
+
+
+def noisy_around_a_break(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Draws from the generator argument before the break, in it and after it."""
+    h = x * 2 + torch.rand(x.shape, device=x.device, generator=generator)
+    h = host_noise_from(h, generator)
+    return h.sin() + torch.randn(h.shape, device=h.device, generator=generator)
+
+
+def test_a_breakable_graphs_generator_argument_is_taken_from_every_call() -> None:
+    """A per-request generator passed to a breakable graph (a sampler after the attention
+    breaks): the segments draw from a stand-in put where the call's generator stands, the break
+    from the same, and the call's generator moves on as the eager call moves it. Before, the
+    generator was a constant of the graph: another one at a call was a new capture."""
+    sample_gen = cuda_generator(7)
+    x = torch.randn(4, 32, device=DEV)
+    g = tr.graph(noisy_around_a_break, x, generator=sample_gen, breaks=[host_noise_from])
+    assert sample_gen.get_offset() == 0  # the build drew from the graph's own generator
+    captures = g.stats.captures
+    for call in range(CALLS):
+        xi = torch.randn(4, 32, device=DEV)
+        request, twin = cuda_generator(300 + call), cuda_generator(300 + call)
+        for step in range(2):  # two steps of one request: the second goes on from the first
+            assert torch.equal(g(xi, generator=request), noisy_around_a_break(xi, generator=twin)), (
+                f"call {call}, step {step}")
+            assert request.get_offset() == twin.get_offset() > 0
+    assert g.stats.captures == captures and g.stats.fallbacks == 0
+    assert torch.equal(g(x, generator=sample_gen), noisy_around_a_break(x, generator=cuda_generator(7)))
+    with pytest.raises(tr.ReplayInputError, match=r"kwargs\['generator'\].*pass a generator on that device"):
+        g(x, generator=torch.Generator())  # a CPU generator: the segments cannot draw from it
+
+
+def two_noises(x: torch.Tensor, a: torch.Generator, b: torch.Generator) -> torch.Tensor:
+    h = host_scale(x + torch.rand(x.shape, device=x.device, generator=a))
+    return h + torch.randn(h.shape, device=h.device, generator=b)
+
+
+def test_a_breakable_graph_under_sizes_with_one_generator_passed_twice() -> None:
+    """sizes= with generator arguments (each call at a captured size: a padded draw would draw
+    more numbers than eager); one generator passed in two places draws one sequence, as eagerly,
+    and a call that passes them otherwise than the sample did is refused."""
+    gen = cuda_generator(3)
+    g = tr.graph(two_noises, torch.randn(8, 16, device=DEV), gen, gen, sizes=[2, 4, 8], breaks=[host_scale])
+    for call, rows in enumerate([2, 8, 4, 2, 8, 4]):
+        xi = torch.randn(rows, 16, device=DEV)
+        request, twin = cuda_generator(call), cuda_generator(call)
+        assert torch.equal(g(xi, request, request), two_noises(xi, twin, twin)), f"call {call} at {rows} rows"
+        assert request.get_offset() == twin.get_offset() > 0
+    with pytest.raises(tr.ReplayInputError, match=r"pass generators as the sample did"):
+        g(torch.randn(2, 16, device=DEV), cuda_generator(0), cuda_generator(0))
+    apart = tr.graph(two_noises, torch.randn(4, 16, device=DEV), cuda_generator(1), cuda_generator(2),
+                     breaks=[host_scale])
+    with pytest.raises(tr.ReplayInputError, match=r"pass generators as the sample did"):
+        apart(torch.randn(4, 16, device=DEV), gen, gen)
+    a, b, a2, b2 = cuda_generator(11), cuda_generator(12), cuda_generator(11), cuda_generator(12)
+    xi = torch.randn(4, 16, device=DEV)
+    assert torch.equal(apart(xi, a, b), two_noises(xi, a2, b2))
+    assert (a.get_offset(), b.get_offset()) == (a2.get_offset(), b2.get_offset())
+    assert g.stats.fallbacks == 0 and apart.stats.fallbacks == 0
+
+
+def drawn_twice(x: torch.Tensor, a: torch.Generator, b: torch.Generator) -> torch.Tensor:
+    return x + torch.rand(x.shape, device=x.device, generator=a) + torch.randn(x.shape, device=x.device, generator=b)
+
+
+@pytest.mark.parametrize("sizes", [None, [4, 8]])
+def test_one_generator_passed_in_two_places_draws_one_sequence(sizes: list[int] | None) -> None:
+    """Eagerly the second draw goes on from the first. Each place used to get a stand-in of
+    its own: both drew the same numbers, and the generator moved on by one draw, silently."""
+    gen = cuda_generator(4)
+    g = tr.graph(drawn_twice, torch.randn(8, 16, device=DEV), gen, gen, sizes=sizes)
+    for call, rows in enumerate([8, 4, 8] * 4 if sizes else [8] * CALLS):
+        xi = torch.randn(rows, 16, device=DEV)
+        request, twin = cuda_generator(40 + call), cuda_generator(40 + call)
+        assert torch.equal(g(xi, request, request), drawn_twice(xi, twin, twin)), f"call {call}"
+        assert request.get_offset() == twin.get_offset() > 0
+    with pytest.raises(tr.ReplayInputError, match=r"pass generators as the sample did"):
+        g(torch.randn(8, 16, device=DEV), cuda_generator(0), cuda_generator(0))
+    apart = tr.graph(drawn_twice, torch.randn(8, 16, device=DEV), cuda_generator(1), cuda_generator(2), sizes=sizes)
+    with pytest.raises(tr.ReplayInputError, match=r"pass generators as the sample did"):
+        apart(torch.randn(8, 16, device=DEV), gen, gen)
+    assert g.stats.fallbacks == 0
+
+
+class NoisyAroundABreak(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        h = self.a(x) + torch.rand(x.shape, device=x.device, generator=generator)
+        h = host_scale(h)
+        return self.b(h) + torch.randn(h.shape, device=h.device, generator=generator)
+
+
+def test_training_around_breaks_draws_from_its_generator_argument_and_refuses_another() -> None:
+    """make_graphed_callables(..., breaks=): the segments' graphs draw from the generator they
+    were graphed with, from where it stands at each call (forward and gradients equal eager's);
+    another generator at a call is refused, saying what to do."""
+    torch.manual_seed(0)
+    model = NoisyAroundABreak().to(DEV)
+    ref = NoisyAroundABreak().to(DEV)
+    ref.load_state_dict(model.state_dict())
+    gen, twin = cuda_generator(21), cuda_generator(21)
+    x0 = torch.randn(4, 16, device=DEV, requires_grad=True)
+    graphed = tr.make_graphed_callables(model, (x0, gen), breaks=[host_scale])
+    assert gen.get_offset() == 0  # (the build put it back)
+    for call in range(CALLS):
+        x = torch.randn(4, 16, device=DEV, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        y, yr = graphed(x, gen), ref(xr, twin)
+        torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-6)
+        y.square().sum().backward()
+        yr.square().sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
+        assert gen.get_offset() == twin.get_offset() > 0, f"call {call}"
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    with pytest.raises(tr.ReplayInputError, match=r"another generator.*Pass that generator at every call"):
+        graphed(torch.randn(4, 16, device=DEV), cuda_generator(0))

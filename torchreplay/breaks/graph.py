@@ -37,6 +37,7 @@ from torchreplay.config import RANKS, BucketConfig, GraphConfig, RankConfig
 from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
 from torchreplay.core.capture import on_side_stream, side_stream
 from torchreplay.core.eager_form import EagerForm
+from torchreplay.core.generators import bind, check_pairs, hand_back, not_fitting, pairs, stand_ins
 from torchreplay.core.snapshot import BUILD_FIRST, SAMPLE_COPIES, StateSnapshot, copies
 from torchreplay.core.effects import PyState
 from torchreplay.core.modes import GRAD, EagerCalls, tracked_leaf
@@ -123,6 +124,14 @@ class BreakableGraph(EagerForm):
                 '(or "auto"), or graph without breaks='
             )
         call = CallArgs(fn, sample_args, sample_kwargs)
+        # A CUDA generator argument is taken from every call, as tr.graph takes it: the segments
+        # draw from a stand-in of the graph's own (the build draws from it: the sample's is not
+        # moved), put where the call's generator stands, which then moves on as the replay drew.
+        self._gens = stand_ins(call.leaves)
+        self._generator_pairs = pairs(self._gens)
+        if self._gens:
+            call = call.with_leaves([self._gens.get(i, leaf) for i, leaf in enumerate(call.leaves)])
+            sample_args, sample_kwargs = call.args, call.kwargs
         self.fn = fn
         self.name = fn_name(fn)
         self.device = infer_device(fn, call, device)
@@ -336,6 +345,11 @@ class BreakableGraph(EagerForm):
             k = tracked_leaf(leaves) if why == GRAD else None
             what = self._paths[k] if k is not None else ""
             return calls.run(self._eager_fn(), args, kwargs, why, self.stats, what)
+        if self._gens:
+            return self._taking_generators(leaves, size, grad)
+        return self._replay(leaves, size, grad)
+
+    def _replay(self, leaves: Sequence[Any], size: int | None, grad: bool) -> Any:
         if grad:
             with torch.no_grad():
                 out = self.runtime(*leaves, size=size)
@@ -346,6 +360,27 @@ class BreakableGraph(EagerForm):
         if self._out_single:
             return out[0]
         return self._rebuild(list(out))
+
+    def _taking_generators(self, leaves: Sequence[Any], size: int | None, grad: bool) -> Any:
+        """A call of a graph that draws from generator arguments: each stand-in is put where the
+        call's generator stands; after the replay (or its failure), the call's generators stand
+        where the replay left the stand-ins, as eager leaves them (core/generators.py)."""
+        leaves = list(leaves)
+        called = []
+        for i, own in self._gens.items():
+            gen = leaves[i]
+            if not bind(own, gen):
+                raise not_fitting(self._paths[i], gen, own)
+            called.append((own, gen))
+        if self._generator_pairs:
+            check_pairs(self._generator_pairs, leaves, self._paths)
+        for i, own in self._gens.items():
+            leaves[i] = own
+        try:
+            return self._replay(leaves, size, grad)
+        finally:
+            for own, gen in called:
+                hand_back(own, gen)
 
     def _flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         leaves, spec = _compat.tree_flatten((args, kwargs))

@@ -24,6 +24,7 @@ from torchreplay.breaks.plan import resolve_breaks
 from torchreplay.breaks.program import Call, Program, Rebound, Ref, Segment, observe, record
 from torchreplay.core.args import CallArgs, infer_device
 from torchreplay.core.eager_form import EagerForm
+from torchreplay.core.generators import per_call
 from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import resolve_config, resolve_pool
 from torchreplay.core.modes import AUTOCAST, DISPATCH_MODE, HOOKS, REQUIRES_GRAD, TRAIN_MODE
@@ -140,11 +141,7 @@ class BreakTraining(EagerForm):
         for k, value in prog.guarded.items():
             now = leaves[k]
             if now is not value and not (type(now) is type(value) and now == value):
-                raise ReplayInputError(
-                    f"{prog.paths[k]} is {now!r}, but the model was graphed around its breaks with "
-                    f"{value!r}: the code between breaks ran once with it. Pass it to a break only "
-                    "(it is then taken from each call), or as a tensor, or graph again"
-                )
+                raise _guard_error(prog.paths[k], now, value)
         env: list[Any] = [None] * prog.n_values
         for k, v in prog.inputs.items():
             env[v] = leaves[k]
@@ -219,6 +216,22 @@ class BreakTraining(EagerForm):
 
     def __repr__(self) -> str:
         return f"BreakTraining({type(self._model).__name__}, {len(self.segments)} segments)"
+
+
+def _guard_error(path: str, now: Any, value: Any) -> ReplayInputError:
+    """A call whose non-tensor argument ``now`` is not the ``value`` the segments ran with."""
+    if isinstance(value, torch.Generator):  # (tr.graph(..., breaks=) takes one from every call)
+        return ReplayInputError(
+            f"{path} is another generator than the one the model was graphed around its breaks "
+            "with: its segments' graphs draw from that one (from where it stands at each call). "
+            "Pass that generator at every call (seed it, or set its state, as you need), or give "
+            "each call's generator to a break only (it is then taken from each call)"
+        )
+    return ReplayInputError(
+        f"{path} is {now!r}, but the model was graphed around its breaks with {value!r}: the "
+        "code between breaks ran once with it. Pass it to a break only (it is then taken from "
+        "each call), or as a tensor, or graph again"
+    )
 
 
 def break_modules(model: nn.Module, breaks: Any) -> list[nn.Module]:
@@ -390,6 +403,8 @@ def graph_around_breaks(
     # The recorded run and the captures run the model for real: its buffers (BatchNorm
     # statistics), copied whole, and the RNG are put back after.
     snapshot = StateSnapshot(model, device, large="copy")
+    # (and the generators passed as arguments: the build leaves them where they stood)
+    snapshot.draws.keep([g for g in call.leaves if per_call(g)])
     try:
         program, reads, runners = record_checked(model, call, breaks, device, build=graph)
     finally:

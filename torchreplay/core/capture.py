@@ -328,6 +328,8 @@ def capture(
     watching = find_generators and warmup and config.num_warmup_iters > 0 and (draws is not None or known is None)
     if watching and draws is None:
         draws = generators.Draws(device)
+    elif draws is not None and known and not watching:
+        draws.keep(known)  # (put back with the snapshot: a breakable capture runs for real)
     with on_side_stream(stream, device), grad_ctx(), running:
         if warmup:
             python.start()

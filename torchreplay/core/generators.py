@@ -25,15 +25,18 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from torchreplay import _compat
 from torchreplay._compat.rng import Position, can_register_generators, default_generator, position, same_generator
-from torchreplay.errors import CaptureError
+from torchreplay.errors import CaptureError, ReplayInputError
 
-__all__ = ["Draws", "bind", "fits", "hand_back", "remember", "remembered", "stand_in"]
+__all__ = [
+    "Draws", "bind", "check_pairs", "fits", "hand_back", "not_fitting", "pairs", "per_call", "remember",
+    "remembered", "stand_in", "stand_ins",
+]
 
 #: The fix that every message here gives.
 SEED_OUTSIDE = (
@@ -165,6 +168,14 @@ class Draws:
             seed, offset = position(gen)
             gen.set_offset(offset + SHIFT)
 
+    def keep(self, gens: Sequence[torch.Generator]) -> None:
+        """Put ``gens`` back too, where they stand now: a capture without warm-ups draws from
+        the generators an earlier build found, and a breakable one replays its segments for
+        real (a size captured at its first call: the call then draws from where it began)."""
+        for gen in gens:
+            if not any(same_generator(gen, g) for g, _ in self._first):
+                self._first.append((gen, position(gen)))
+
     def put_back(self) -> None:
         """Put each explicit generator back where the build first drew from it."""
         for gen, (seed, offset) in self._first:
@@ -273,12 +284,46 @@ def remembered(fn: Any) -> tuple[torch.Generator, ...] | None:
 # where the stand-in got: what the eager call would have drawn and left.
 
 
+def per_call(leaf: Any) -> bool:
+    """Is the argument ``leaf`` a generator taken from every call (a CUDA one), not a constant?"""
+    return isinstance(leaf, torch.Generator) and leaf.device.type == "cuda"
+
+
 def stand_in(gen: torch.Generator) -> torch.Generator:
     """The graph's own generator for the argument ``gen``, where ``gen`` stands (the build's
     warm-ups draw from it: ``gen`` is left as it is)."""
     own = torch.Generator(device=gen.device)
     own.set_state(gen.get_state())
     return own
+
+
+def stand_ins(leaves: Sequence[Any]) -> dict[int, torch.Generator]:
+    """The graph's own generator for each generator argument among ``leaves`` (:func:`per_call`),
+    by leaf: one generator passed in two places gets one stand-in (its draws follow each other)."""
+    own: dict[int, torch.Generator] = {}
+    return {i: own[id(g)] if id(g) in own else own.setdefault(id(g), stand_in(g))
+            for i, g in enumerate(leaves) if per_call(g)}
+
+
+def pairs(owns: dict[int, torch.Generator]) -> tuple[tuple[int, int, bool], ...]:
+    """With two or more generator arguments: each pair of their places, and whether the sample
+    passed one generator in both (:func:`check_pairs` holds each call to that)."""
+    places = sorted(owns)
+    return tuple((a, b, owns[a] is owns[b]) for k, a in enumerate(places) for b in places[:k])
+
+
+def check_pairs(found: tuple[tuple[int, int, bool], ...], leaves: Sequence[Any], paths: Sequence[str]) -> None:
+    """Refuse a call that passes generators otherwise than the sample did: one where it passed
+    two (the graph's draws from them were captured apart: they would draw the same numbers), or
+    two where it passed one (captured as one sequence)."""
+    for a, b, one in found:
+        if (leaves[a] is leaves[b]) is not one:
+            raise ReplayInputError(
+                f"{paths[b]} and {paths[a]}: the graph was captured with "
+                f"{'one generator' if one else 'two different generators'} there, called with "
+                f"{'two' if one else 'one in both'}; pass generators as the sample did (draws from "
+                "one generator follow each other, from two they do not), or graph again"
+            )
 
 
 def fits(own: torch.Generator, gen: Any) -> bool:
@@ -296,6 +341,16 @@ def bind(own: torch.Generator, gen: Any) -> bool:
     own.manual_seed(seed)
     own.set_offset(offset)
     return True
+
+
+def not_fitting(path: str, gen: Any, own: torch.Generator) -> ReplayInputError:
+    """The error for a call that passes ``gen`` at ``path`` where the graph draws from ``own``
+    (a CPU generator, one on another device, or no generator at all)."""
+    return ReplayInputError(
+        f"{path}: {gen!r} but the graph was captured with a torch.Generator on {own.device}; "
+        "pass a generator on that device (any one: the graph draws from where it stands, and "
+        "moves it on)"
+    )
 
 
 def hand_back(own: torch.Generator, gen: torch.Generator) -> None:

@@ -25,7 +25,7 @@ import torch
 from torchreplay import _compat
 from torchreplay._compat import copy_nodes
 from torchreplay.core.args import CallArgs
-from torchreplay.core.generators import bind, hand_back, stand_in
+from torchreplay.core.generators import bind, check_pairs, hand_back, not_fitting, pairs, per_call, stand_ins
 from torchreplay.core.rewind import Rewind
 from torchreplay.core.values import copy_widening, conversion_fix, describe_tensor, same_constant, warn_widening, widens
 from torchreplay.errors import CaptureError, ReplayInputError
@@ -129,10 +129,12 @@ class _Slot:
 
     __slots__ = ("path", "static", "value", "shape", "dtype", "device", "adopted", "rebound")
 
-    def __init__(self, path: str, leaf: Any, device: torch.device, adopt: bool = False) -> None:
+    def __init__(
+        self, path: str, leaf: Any, device: torch.device, adopt: bool = False, own: Any = None
+    ) -> None:
         self.path = path
         #: a CUDA generator: the graph draws from a stand-in, put where the call's one stands
-        self.rebound = isinstance(leaf, torch.Generator) and leaf.device.type == "cuda"
+        self.rebound = per_call(leaf)
         #: the caller's tensor itself is the buffer (marked with mark_static_address; adopt)
         self.adopted = adopt and _compat.static_address(leaf)
         if isinstance(leaf, _Tensor):
@@ -160,7 +162,7 @@ class _Slot:
             self.device = leaf.device
         else:
             self.static = None
-            self.value = stand_in(leaf) if self.rebound else leaf
+            self.value = own if self.rebound else leaf  # (own: the generator's stand-in)
             self.shape = self.dtype = self.device = None
 
     def _copy(self, leaf: torch.Tensor, path: str) -> None:
@@ -199,7 +201,13 @@ class Inputs:
         # Not the CallArgs itself: it holds the caller's sample tensors, which must not be kept
         # (but those it adopts: marked with mark_static_address, they are the buffers).
         self.spec = call.spec
-        self.slots = [_Slot(path, leaf, device, adopt) for path, leaf in zip(call.paths, call.leaves)]
+        owns = stand_ins(call.leaves)
+        self.slots = [
+            _Slot(path, leaf, device, adopt, owns.get(i)) for i, (path, leaf) in enumerate(zip(call.paths, call.leaves))
+        ]
+        #: with two or more generator arguments: which the sample passed as one (check_pairs)
+        self.generator_pairs = pairs(owns)
+        self.paths = call.paths
         self.device = device
         self.nargs = call.nargs
         self.kw_keys = call.kw_keys
@@ -331,6 +339,8 @@ class Inputs:
         for i, own, slot in self.rebound:
             if not bind(own, leaves[i]):
                 raise self.constant_error(slot, leaves[i])
+        if self.generator_pairs:
+            check_pairs(self.generator_pairs, leaves, self.paths)
         tracked = False
         for i, static, slot in self.adopted:
             if leaves[i] is not static:
@@ -534,11 +544,7 @@ class Inputs:
     def constant_error(self, slot: _Slot, leaf: Any) -> ReplayInputError:
         """Build the error for a non-tensor argument that differs from the captured constant."""
         if slot.rebound:
-            return ReplayInputError(
-                f"{slot.path}: {leaf!r} but the graph was captured with a torch.Generator on "
-                f"{slot.value.device}; pass a generator on that device (any one: the graph draws "
-                "from where it stands, and moves it on)"
-            )
+            return not_fitting(slot.path, leaf, slot.value)
         return ReplayInputError(
             f"{slot.path}: {leaf!r} but the graph was captured with the constant "
             f"{slot.value!r}; non-tensor arguments are baked into the graph: pass "

@@ -28,7 +28,7 @@ from torchreplay.config import RANKS, SAFE, BucketConfig, GraphConfig, RankConfi
 from torchreplay.core.args import CallArgs, called_module, fn_name, infer_device, owning_module
 from torchreplay.core.capture import capture, progress, side_stream
 from torchreplay.core.eager_form import EagerForm
-from torchreplay.core.generators import bind, hand_back
+from torchreplay.core.generators import bind, check_pairs, hand_back
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.effects import PyState
 from torchreplay.core.io import (
@@ -149,6 +149,7 @@ class BucketedGraph(EagerForm):
         self.static_args = self._inputs.static_args
         self.static_kwargs = self._inputs.static_kwargs
         self._slots = self._inputs.slots
+        self._generator_pairs = self._inputs.generator_pairs  # (two generator arguments or more)
         self._inputs.large = [i for i in self._inputs.large if self._plan.dims[i] is None]  # (fixed)
         plan = self._plan
         self._varying = [(self._slots[i].static, plan.dims[i], plan.fills[i]) for i in plan.varying]
@@ -385,6 +386,8 @@ class BucketedGraph(EagerForm):
                 if copy is None or not point_or_off(copy[0], leaf, copy[1]):  # the graph's node, or a launch
                     dsts.append(dst)
                     srcs.append(leaf)
+        if self._generator_pairs:
+            check_pairs(self._generator_pairs, leaves, self._inputs.paths)
         grad = _grad_enabled()
         if grad and tracked_leaf(leaves) is not None:
             return _TRACKED  # before anything is written
