@@ -209,3 +209,32 @@ def test_a_first_call_that_draws_more_to_set_itself_up_is_not_refused() -> None:
     run(d, [(g, RANDN), (g, RANDN)], seed_first={id(g): 0})
     run(d, [(g, RANDN)], seed_first={id(g): 0})
     assert isinstance(d.verdict("f"), CaptureError)
+
+
+def test_keep_puts_back_a_generator_a_capture_without_warm_ups_drew_from() -> None:
+    """A breakable size captured at its first call replays its segments for real: the
+    generators it draws from (remembered from the build) are put back with the snapshot, to
+    where they stood when the capture began, not where the build first drew from them."""
+    g, h = Gen(3, 12), Gen(4, 0)
+    d = Draws(CUDA)
+    run(d, [(h, RANDN)])  # the build drew from h at offset 0
+    d.keep([g, h])
+    g.offset, h.offset = 20, 8  # the capture's real replays
+    d.put_back()
+    assert (g.seed, g.offset) == (3, 12) and (h.seed, h.offset) == (4, 0)
+
+
+def test_generator_pairs_hold_each_call_to_the_samples_pattern() -> None:
+    a, b = Gen(1), Gen(2)
+    owns = {0: a, 2: a, 3: b}  # the sample passed one generator at 0 and 2, another at 3
+    found = generators.pairs(owns)
+    assert sorted(found) == [(2, 0, True), (3, 0, False), (3, 2, False)]
+    assert generators.pairs({1: a}) == ()  # one generator argument: nothing to hold
+    paths = ["args[0]", "args[1]", "args[2]", "args[3]"]
+    x, y = Gen(7), Gen(8)
+    generators.check_pairs(found, [x, None, x, y], paths)  # as the sample: no error
+    one = r"args\[0\] and args\[2\]: the graph was captured with one generator there, called with two"
+    with pytest.raises(generators.ReplayInputError, match=one):
+        generators.check_pairs(found, [x, None, y, y], paths)
+    with pytest.raises(generators.ReplayInputError, match=r"two different generators there, called with one in both"):
+        generators.check_pairs(found, [x, None, x, x], paths)
