@@ -400,3 +400,67 @@ def test_training_around_breaks_draws_from_its_generator_argument_and_refuses_an
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
     with pytest.raises(tr.ReplayInputError, match=r"another generator.*Pass that generator at every call"):
         graphed(torch.randn(4, 16, device=DEV), cuda_generator(0))
+
+
+class NoisyBreakable(nn.Module):
+    """Noisy's draws (its own generator, and dropout from the default one) on both sides of a
+    break that reads a host value."""
+
+    def __init__(self, gen: torch.Generator, width: int = 64) -> None:
+        super().__init__()
+        self.first = Noisy(gen, width)
+        self.second = Noisy(gen, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(host_scale(self.first(x)))
+
+
+def test_a_breakable_module_with_its_generator_at_sizes_captured_at_their_first_call() -> None:
+    """Sizes below the sample's rows are captured at their first call, whose capture replays
+    the segments for real: the generators are put back before the call's own replay (the
+    module's drew on from where the capture left it, silently, before)."""
+    torch.manual_seed(0)
+    gen = cuda_generator(9)
+    model = NoisyBreakable(gen).to(DEV).train()
+    sample = torch.randn(8, 64, device=DEV)
+    gen_at, cuda_at = gen.get_state(), torch.cuda.get_rng_state()
+    g = tr.graph(model, sample, sizes=[2, 4, 8], breaks=[host_scale])
+    assert torch.equal(gen.get_state(), gen_at) and torch.equal(torch.cuda.get_rng_state(), cuda_at)
+    rows = [2, 8, 4, 4, 2, 8, 8, 2, 4, 2, 8, 4]
+    inputs = [torch.randn(n, 64, device=DEV) for n in rows]
+    gen_at, cuda_at = gen.get_state(), torch.cuda.get_rng_state()  # (the inputs drew)
+    got = [g(x).clone() for x in inputs]
+    gen_after, cuda_after = gen.get_state(), torch.cuda.get_rng_state()
+    gen.set_state(gen_at)
+    torch.cuda.set_rng_state(cuda_at)
+    for i, x in enumerate(inputs):
+        assert torch.equal(got[i], model(x)), f"call {i} at {rows[i]} rows"
+    assert torch.equal(gen_after, gen.get_state()) and torch.equal(cuda_after, torch.cuda.get_rng_state())
+    assert g.stats.fallbacks == 0
+
+
+def test_training_around_breaks_with_the_modules_own_generator_draws_as_eager() -> None:
+    """make_graphed_callables(model, ..., breaks=) of a module that holds its generator: the
+    build leaves it (and the default generator) where they stood; calls draw what eager draws."""
+    torch.manual_seed(0)
+    gen, twin = cuda_generator(17), cuda_generator(17)
+    model = NoisyBreakable(gen).to(DEV).train()
+    ref = NoisyBreakable(twin).to(DEV).train()
+    ref.load_state_dict(model.state_dict())
+    sample = torch.randn(4, 64, device=DEV, requires_grad=True)
+    gen_at, cuda_at = gen.get_state(), torch.cuda.get_rng_state()
+    graphed = tr.make_graphed_callables(model, (sample,), breaks=[host_scale])
+    assert torch.equal(gen.get_state(), gen_at), "the build moved the module's generator"
+    assert torch.equal(torch.cuda.get_rng_state(), cuda_at), "the build moved the default generator"
+    for call in range(CALLS):
+        x = torch.randn(4, 64, device=DEV, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        cuda_before = torch.cuda.get_rng_state()
+        y = graphed(x)
+        torch.cuda.set_rng_state(cuda_before)  # (dropout: both from one default-generator state)
+        yr = ref(xr)
+        torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-6)
+        y.square().sum().backward()
+        yr.square().sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
+        assert gen.get_offset() == twin.get_offset() > 0, f"call {call}"

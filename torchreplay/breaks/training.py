@@ -11,6 +11,7 @@ own Python runs at a call, only the breaks'.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable
 
@@ -24,7 +25,7 @@ from torchreplay.breaks.plan import resolve_breaks
 from torchreplay.breaks.program import Call, Program, Rebound, Ref, Segment, observe, record
 from torchreplay.core.args import CallArgs, infer_device
 from torchreplay.core.eager_form import EagerForm
-from torchreplay.core.generators import per_call
+from torchreplay.core.generators import Draws, per_call
 from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import resolve_config, resolve_pool
 from torchreplay.core.modes import AUTOCAST, DISPATCH_MODE, HOOKS, REQUIRES_GRAD, TRAIN_MODE
@@ -45,6 +46,7 @@ _Tensor = torch.Tensor
 _Handles = _compat.hook_handles_made  # its next_id counts every hook handle torch made
 _dispatch_modes = _compat.dispatch_modes
 _dynamo_tracing = _compat.dynamo_tracing
+_no_watch = contextlib.nullcontext
 _any_autocast = _compat.any_autocast
 _cuda_autocast = _compat.cuda_autocast
 
@@ -287,7 +289,7 @@ def _warn_program(name: str, program: Program) -> None:
 
 def record_checked(
     model: nn.Module, call: CallArgs, breaks: Any, device: torch.device,
-    build: Callable[[Program], Any] = lambda program: None,
+    build: Callable[[Program], Any] = lambda program: None, draws: Draws | None = None,
 ) -> tuple[Program, Any, Any]:
     """:func:`~torchreplay.breaks.program.record`, with the Python state the model reaches
     compared around the recorded run (core/effects.py), as for any graph: the model's code
@@ -297,13 +299,14 @@ def record_checked(
     no change). ``build(program)`` then graphs it. What these runs and the build write in place
     into tensors of Python state (a position counter) is put back. Returns the program, the
     tensors in Python state it reads (:class:`~torchreplay.core.effects.StateReads`, checked
-    at each call; None: none) and what ``build`` returned."""
+    at each call; None: none) and what ``build`` returned. ``draws``: watches the first run,
+    which finds the generators the model draws from where they stand (put back after)."""
     _check_hooks(model, breaks)
     python = PyState(type(model).__name__, model, call.args, call.kwargs, modules=lambda: [model], reads=True)
     # (autocast's cache would keep the run's casts of the weights, with their autograd graph
     # made on this stream, alive into the backward captures)
     with python.building(), _compat.autocast_cache_disabled():
-        with python.warmup(last=True), torch.no_grad():
+        with python.warmup(last=True), torch.no_grad(), draws.watch(compare=False) if draws else _no_watch():
             seen = observe(model, call.args, call.kwargs, breaks)
         python.put_back_tensors()
         with python.captured():
@@ -406,7 +409,7 @@ def graph_around_breaks(
     # (and the generators passed as arguments: the build leaves them where they stood)
     snapshot.draws.keep([g for g in call.leaves if per_call(g)])
     try:
-        program, reads, runners = record_checked(model, call, breaks, device, build=graph)
+        program, reads, runners = record_checked(model, call, breaks, device, build=graph, draws=snapshot.draws)
     finally:
         snapshot.restore()
     program.samples.clear()
