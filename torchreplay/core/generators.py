@@ -169,9 +169,10 @@ class Draws:
             gen.set_offset(offset + SHIFT)
 
     def keep(self, gens: Sequence[torch.Generator]) -> None:
-        """Put ``gens`` back too, where they stand now: a capture without warm-ups draws from
-        the generators an earlier build found, and a breakable one replays its segments for
-        real (a size captured at its first call: the call then draws from where it began)."""
+        """Put ``gens`` back too, where they stand now, though no watched call finds them: the
+        generators an earlier build found, for a capture without warm-ups (a breakable one
+        replays its segments for real: a size captured at its first call, which then draws
+        from where it began), and generator arguments, for runs that are not watched."""
         for gen in gens:
             if not any(same_generator(gen, g) for g, _ in self._first):
                 self._first.append((gen, position(gen)))
