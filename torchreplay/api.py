@@ -112,7 +112,10 @@ def graph(
     ``fn`` is a function or an ``nn.Module``; arguments are any pytree of tensors and other
     values, positional and keyword. The capture runs ``num_warmup_iters`` eager calls on a side
     stream first, under ``torch.no_grad()``; building the graph leaves the module's buffers and
-    the RNG state as it found them.
+    the RNG state as it found them. A CUDA ``torch.Generator`` argument is taken from every
+    call (any generator on that device: the graph draws from where it stands and moves it on,
+    as eagerly); any other non-tensor argument is a constant of the graph (but for those a break
+    reads: see ``breaks``).
 
     With ``sizes=[...]``, one graph is captured per size of a varying dimension (``dim``) and a
     call is padded to the smallest captured size that holds it (see
