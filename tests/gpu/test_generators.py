@@ -9,6 +9,8 @@ philox offsets), and checks where the generator stands after each call.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 import torch.nn as nn
@@ -81,6 +83,22 @@ def test_a_function_drawing_from_its_own_generator_replays_as_eager() -> None:
     assert not [f for f in tr.check(sample, x) if f.kind == "rng"]  # (no longer a finding)
 
 
+def replays_draw_as_eager(g: Callable[[torch.Tensor], torch.Tensor], model: nn.Module, gen: torch.Generator) -> None:
+    """Calls at the captured sizes 2, 4 and 8 in mixed order, on fresh inputs: the graph's
+    outputs equal eager's from the same generator states (``gen`` and the default one, which
+    dropout draws from), and both generators end where eager leaves them."""
+    rows = [2, 8, 4, 4, 2, 8, 8, 2, 4, 2, 8, 4]
+    inputs = [torch.randn(n, 64, device=DEV) for n in rows]
+    gen_at, cuda_at = gen.get_state(), torch.cuda.get_rng_state()  # (after the inputs drew)
+    got = [g(x).clone() for x in inputs]
+    gen_after, cuda_after = gen.get_state(), torch.cuda.get_rng_state()
+    gen.set_state(gen_at)
+    torch.cuda.set_rng_state(cuda_at)
+    for i, x in enumerate(inputs):
+        assert torch.equal(got[i], model(x)), f"call {i} at {rows[i]} rows"
+    assert torch.equal(gen_after, gen.get_state()) and torch.equal(cuda_after, torch.cuda.get_rng_state())
+
+
 def test_a_module_with_its_generator_and_dropout_under_sizes() -> None:
     """Its own generator and the default one (dropout, train mode) in one module, with
     ``sizes=``: each size's graph registers the generator; calls at the captured sizes, in
@@ -89,16 +107,7 @@ def test_a_module_with_its_generator_and_dropout_under_sizes() -> None:
     gen = cuda_generator(3)
     model = Noisy(gen).to(DEV).train()
     g = tr.graph(model, torch.randn(8, 64, device=DEV), sizes=[2, 4, 8])
-    rows = [2, 8, 4, 4, 2, 8, 8, 2, 4, 2, 8, 4]
-    inputs = [torch.randn(n, 64, device=DEV) for n in rows]
-    gen_at, cuda_at = gen.get_state(), torch.cuda.get_rng_state()
-    got = [g(x).clone() for x in inputs]
-    gen_after, cuda_after = gen.get_state(), torch.cuda.get_rng_state()
-    gen.set_state(gen_at)
-    torch.cuda.set_rng_state(cuda_at)
-    for i, x in enumerate(inputs):
-        assert torch.equal(got[i], model(x)), f"call {i} at {rows[i]} rows"
-    assert torch.equal(gen_after, gen.get_state()) and torch.equal(cuda_after, torch.cuda.get_rng_state())
+    replays_draw_as_eager(g, model, gen)
 
 
 def noisy(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -426,16 +435,7 @@ def test_a_breakable_module_with_its_generator_at_sizes_captured_at_their_first_
     gen_at, cuda_at = gen.get_state(), torch.cuda.get_rng_state()
     g = tr.graph(model, sample, sizes=[2, 4, 8], breaks=[host_scale])
     assert torch.equal(gen.get_state(), gen_at) and torch.equal(torch.cuda.get_rng_state(), cuda_at)
-    rows = [2, 8, 4, 4, 2, 8, 8, 2, 4, 2, 8, 4]
-    inputs = [torch.randn(n, 64, device=DEV) for n in rows]
-    gen_at, cuda_at = gen.get_state(), torch.cuda.get_rng_state()  # (the inputs drew)
-    got = [g(x).clone() for x in inputs]
-    gen_after, cuda_after = gen.get_state(), torch.cuda.get_rng_state()
-    gen.set_state(gen_at)
-    torch.cuda.set_rng_state(cuda_at)
-    for i, x in enumerate(inputs):
-        assert torch.equal(got[i], model(x)), f"call {i} at {rows[i]} rows"
-    assert torch.equal(gen_after, gen.get_state()) and torch.equal(cuda_after, torch.cuda.get_rng_state())
+    replays_draw_as_eager(g, model, gen)
     assert g.stats.fallbacks == 0
 
 
