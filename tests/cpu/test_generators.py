@@ -211,14 +211,15 @@ def test_a_first_call_that_draws_more_to_set_itself_up_is_not_refused() -> None:
     assert isinstance(d.verdict("f"), CaptureError)
 
 
-def test_keep_puts_back_a_generator_a_capture_without_warm_ups_drew_from() -> None:
+def test_keep_puts_back_a_generator_a_capture_without_warm_ups_drew_from(monkeypatch: pytest.MonkeyPatch) -> None:
     """A breakable size captured at its first call replays its segments for real: the
     generators it draws from (remembered from the build) are put back with the snapshot, to
     where they stood when the capture began, not where the build first drew from them."""
     g, h = Gen(3, 12), Gen(4, 0)
     d = Draws(CUDA)
     run(d, [(h, RANDN)])  # the build drew from h at offset 0
-    d.keep([g, h])
+    monkeypatch.setattr(generators, "per_call", lambda leaf: isinstance(leaf, Gen))  # (a CUDA one)
+    d.keep([g, torch.zeros(2), 3, h])  # (a call's leaves: only its generators are kept)
     g.offset, h.offset = 20, 8  # the capture's real replays
     d.put_back()
     assert (g.seed, g.offset) == (3, 12) and (h.seed, h.offset) == (4, 0)

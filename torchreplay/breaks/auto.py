@@ -26,7 +26,6 @@ from torchreplay.config import GraphConfig
 from torchreplay.core.capture import capture, on_side_stream, side_stream
 from torchreplay.core.constants import DeviceConstants
 from torchreplay.core.failures import failed_lines
-from torchreplay.core.generators import per_call
 from torchreplay.core.pool import Pool
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.errors import CaptureError
@@ -259,7 +258,7 @@ def find_on_copies(fn: Callable[..., Any], call: CallArgs, device: torch.device)
     a, k = call.unflatten(leaves)
     module = owning_module(fn)
     snapshot = StateSnapshot(module, device, find=module is None)  # a function's: as they run
-    snapshot.draws.keep([g for g in call.leaves if per_call(g)])  # (generator arguments too)
+    snapshot.draws.keep(call.leaves)  # (the generator arguments too)
     try:
         with on_side_stream(side_stream(device), device), torch.no_grad(), snapshot.running():
             return find_breaks(fn, a, k, trial=lambda constants: _trial(fn, a, k, device, constants))

@@ -25,7 +25,7 @@ from torchreplay.breaks.plan import resolve_breaks
 from torchreplay.breaks.program import Call, Program, Rebound, Ref, Segment, observe, record
 from torchreplay.core.args import CallArgs, infer_device
 from torchreplay.core.eager_form import EagerForm
-from torchreplay.core.generators import Draws, per_call
+from torchreplay.core.generators import Draws
 from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import resolve_config, resolve_pool
 from torchreplay.core.modes import AUTOCAST, DISPATCH_MODE, HOOKS, REQUIRES_GRAD, TRAIN_MODE
@@ -407,7 +407,7 @@ def graph_around_breaks(
     # statistics), copied whole, and the RNG are put back after.
     snapshot = StateSnapshot(model, device, large="copy")
     # (and the generators passed as arguments: the build leaves them where they stood)
-    snapshot.draws.keep([g for g in call.leaves if per_call(g)])
+    snapshot.draws.keep(call.leaves)
     try:
         program, reads, runners = record_checked(model, call, breaks, device, build=graph, draws=snapshot.draws)
     finally:

@@ -168,13 +168,13 @@ class Draws:
             seed, offset = position(gen)
             gen.set_offset(offset + SHIFT)
 
-    def keep(self, gens: Sequence[torch.Generator]) -> None:
+    def keep(self, gens: Sequence[Any]) -> None:
         """Put ``gens`` back too, where they stand now, though no watched call finds them: the
         generators an earlier build found, for a capture without warm-ups (a breakable one
         replays its segments for real: a size captured at its first call, which then draws
         from where it began), and generator arguments, for runs that are not watched."""
-        for gen in gens:
-            if not any(same_generator(gen, g) for g, _ in self._first):
+        for gen in gens:  # (any leaves: the CUDA generators among them)
+            if per_call(gen) and not any(same_generator(gen, g) for g, _ in self._first):
                 self._first.append((gen, position(gen)))
 
     def put_back(self) -> None:
