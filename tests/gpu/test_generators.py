@@ -9,6 +9,7 @@ philox offsets), and checks where the generator stands after each call.
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import pytest
@@ -81,6 +82,31 @@ def test_a_function_drawing_from_its_own_generator_replays_as_eager() -> None:
     assert torch.equal(after_graph, gen.get_state())
     assert g.stats.replays == CALLS
     assert not [f for f in tr.check(sample, x) if f.kind == "rng"]  # (no longer a finding)
+
+
+def test_a_failed_capture_leaves_the_generator_where_it_stood_and_usable() -> None:
+    """The capture fails at an ``.item()`` after a draw from a registered generator. Torch 2.11
+    clears the generator's "capturing" mark only when a capture ends well: every later draw
+    from it in the process failed ("Offset increment outside graph capture encountered
+    unexpectedly"), as the default generator's did before ``_compat.end_rng_capture``."""
+    gen = cuda_generator(4)
+
+    def scaled_noise(x: torch.Tensor) -> torch.Tensor:
+        h = x + torch.rand(x.shape, device=x.device, generator=gen)
+        return h / float(h.abs().max().item())
+
+    x = torch.randn(8, device=DEV)
+    at = gen.get_state()
+    with pytest.raises(tr.CaptureError, match="item"):
+        tr.graph(scaled_noise, x)
+    assert torch.equal(gen.get_state(), at), "the failed build moved the generator"
+    twin = cuda_generator(0)
+    twin.set_state(at)
+    for _ in range(3):
+        xi = torch.randn(8, device=DEV)
+        want = xi + torch.rand(xi.shape, device=DEV, generator=twin)
+        assert torch.equal(scaled_noise(xi), want / float(want.abs().max().item()))
+    torch.rand(4, device=DEV)  # (the default generator too)
 
 
 def replays_draw_as_eager(g: Callable[[torch.Tensor], torch.Tensor], model: nn.Module, gen: torch.Generator) -> None:
@@ -164,6 +190,32 @@ def test_generator_arguments_under_sizes_and_make_graphed_callables() -> None:
 
 def host_scale(x: torch.Tensor) -> torch.Tensor:  # a break: it reads a value on the host
     return x / (float(x.abs().max().item()) + 1.0)
+
+
+class HostScale(nn.Module):
+    """``host_scale`` in a module of its own, which ``breaks="auto"`` can break at."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return host_scale(x)
+
+
+#: ``breaks=``: the function by name, or found by ``"auto"`` (its module: ``scale``)
+BREAKS = pytest.mark.parametrize("breaks", ["host_scale", "auto"])
+
+
+def breaks_of(name: str) -> list | str:
+    return [host_scale] if name == "host_scale" else name
+
+
+def segments(graphed: object) -> int:
+    """How many graph segments ``tr.explain`` reports: one more than the breaks. With
+    ``"auto"`` the models here break at ``scale`` alone. They draw from a generator before it,
+    and the search's trial capture, which did not register the generator, failed at that draw:
+    the search broke there too (before)."""
+    text = tr.explain(graphed)
+    found = re.search(r"segments: (\d+) per size|(\d+) segment\(s\)", text)
+    assert found is not None, text
+    return int(found.group(1) or found.group(2))
 
 
 @pytest.mark.parametrize("api", ["graph", "breaks"])
@@ -376,15 +428,17 @@ class NoisyAroundABreak(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a = nn.Linear(16, 16)
+        self.scale = HostScale()
         self.b = nn.Linear(16, 16)
 
     def forward(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         h = self.a(x) + torch.rand(x.shape, device=x.device, generator=generator)
-        h = host_scale(h)
+        h = self.scale(h)
         return self.b(h) + torch.randn(h.shape, device=h.device, generator=generator)
 
 
-def test_training_around_breaks_draws_from_its_generator_argument_and_refuses_another() -> None:
+@BREAKS
+def test_training_around_breaks_draws_from_its_generator_argument_and_refuses_another(breaks: str) -> None:
     """make_graphed_callables(..., breaks=): the segments' graphs draw from the generator they
     were graphed with, from where it stands at each call (forward and gradients equal eager's);
     another generator at a call is refused, saying what to do."""
@@ -394,8 +448,9 @@ def test_training_around_breaks_draws_from_its_generator_argument_and_refuses_an
     ref.load_state_dict(model.state_dict())
     gen, twin = cuda_generator(21), cuda_generator(21)
     x0 = torch.randn(4, 16, device=DEV, requires_grad=True)
-    graphed = tr.make_graphed_callables(model, (x0, gen), breaks=[host_scale])
+    graphed = tr.make_graphed_callables(model, (x0, gen), breaks=breaks_of(breaks))
     assert gen.get_offset() == 0  # (the build put it back)
+    assert segments(model) == 2
     for call in range(CALLS):
         x = torch.randn(4, 16, device=DEV, requires_grad=True)
         xr = x.detach().clone().requires_grad_(True)
@@ -418,28 +473,33 @@ class NoisyBreakable(nn.Module):
     def __init__(self, gen: torch.Generator, width: int = 64) -> None:
         super().__init__()
         self.first = Noisy(gen, width)
+        self.scale = HostScale()
         self.second = Noisy(gen, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.second(host_scale(self.first(x)))
+        return self.second(self.scale(self.first(x)))
 
 
-def test_a_breakable_module_with_its_generator_at_sizes_captured_at_their_first_call() -> None:
+@BREAKS
+def test_a_breakable_module_with_its_generator_at_sizes_captured_at_their_first_call(breaks: str) -> None:
     """Sizes below the sample's rows are captured at their first call, whose capture replays
     the segments for real: the generators are put back before the call's own replay (the
-    module's drew on from where the capture left it, silently, before)."""
+    module's drew on from where the capture left it, silently, before). ``"auto"``'s search
+    leaves them where they stood too (it moved the module's on by its own draws, before)."""
     torch.manual_seed(0)
     gen = cuda_generator(9)
     model = NoisyBreakable(gen).to(DEV).train()
     sample = torch.randn(8, 64, device=DEV)
     gen_at, cuda_at = gen.get_state(), torch.cuda.get_rng_state()
-    g = tr.graph(model, sample, sizes=[2, 4, 8], breaks=[host_scale])
+    g = tr.graph(model, sample, sizes=[2, 4, 8], breaks=breaks_of(breaks))
+    assert segments(g) == 2
     assert torch.equal(gen.get_state(), gen_at) and torch.equal(torch.cuda.get_rng_state(), cuda_at)
     replays_draw_as_eager(g, model, gen)
     assert g.stats.fallbacks == 0
 
 
-def test_training_around_breaks_with_the_modules_own_generator_draws_as_eager() -> None:
+@BREAKS
+def test_training_around_breaks_with_the_modules_own_generator_draws_as_eager(breaks: str) -> None:
     """make_graphed_callables(model, ..., breaks=) of a module that holds its generator: the
     build leaves it (and the default generator) where they stood; calls draw what eager draws."""
     torch.manual_seed(0)
@@ -449,7 +509,8 @@ def test_training_around_breaks_with_the_modules_own_generator_draws_as_eager() 
     ref.load_state_dict(model.state_dict())
     sample = torch.randn(4, 64, device=DEV, requires_grad=True)
     gen_at, cuda_at = gen.get_state(), torch.cuda.get_rng_state()
-    graphed = tr.make_graphed_callables(model, (sample,), breaks=[host_scale])
+    graphed = tr.make_graphed_callables(model, (sample,), breaks=breaks_of(breaks))
+    assert segments(model) == 2
     assert torch.equal(gen.get_state(), gen_at), "the build moved the module's generator"
     assert torch.equal(torch.cuda.get_rng_state(), cuda_at), "the build moved the default generator"
     for call in range(CALLS):

@@ -349,8 +349,9 @@ def abandon_pool(device: int, pool: tuple[int, int]) -> None:
         release(device, pool)
 
 
-def end_rng_capture() -> None:
-    """Clear the "capturing" mark a failed capture leaves on the device's default generator.
+def end_rng_capture(generators: Sequence[torch.Generator] = ()) -> None:
+    """Clear the "capturing" mark a failed capture leaves on the device's default generator and
+    on the explicit ``generators`` registered with its graph.
 
     torch <= 2.12 marks the default CUDA generator of the capturing device as capturing in
     ``capture_begin`` and clears the mark in ``capture_end`` only after ``cudaStreamEndCapture``
@@ -361,10 +362,18 @@ def end_rng_capture() -> None:
     earlier keep sharing that state, so their RNG stays in step with eager). Newer torch keeps
     per-capture state and needs nothing; the empty capture is harmless there. Public API only;
     it is here because it works around a torch version's behaviour.
+
+    A generator registered with the failed graph (``register_generator_state``) carries the
+    same mark, set by the same prologue; registered with the empty graph too, its mark is
+    cleared alike (seen on torch 2.11: a trial capture that failed at an ``.item()`` left the
+    module's own generator unusable).
     """
     import warnings
 
     graph = torch.cuda.CUDAGraph()
+    for gen in generators:
+        with contextlib.suppress(Exception):
+            graph.register_generator_state(gen)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "the CUDA graph is empty"
         with contextlib.suppress(Exception):

@@ -23,9 +23,11 @@ from torchreplay import _compat
 from torchreplay.check import NO_CUDA_OP, check_call
 from torchreplay.core.args import CallArgs, owning_module
 from torchreplay.config import GraphConfig
+from torchreplay.core import generators
 from torchreplay.core.capture import capture, on_side_stream, side_stream
 from torchreplay.core.constants import DeviceConstants
 from torchreplay.core.failures import failed_lines
+from torchreplay.core.generators import Draws
 from torchreplay.core.pool import Pool
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.errors import CaptureError
@@ -127,7 +129,7 @@ class _Modules:
 
 def find_breaks(
     fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
-    trial: Callable[[bool], Failed | None] | None = None,
+    trial: Callable[[bool], Failed | None] | None = None, draws: Draws | None = None,
 ) -> list[AutoBreak]:
     """Run ``fn(*args, **kwargs)`` once, eagerly, under the check, and return the modules to break
     at, in the order their first finding happened (none when nothing would break capture).
@@ -149,7 +151,7 @@ def find_breaks(
         if op != NO_CUDA_OP:
             hits.append(_Hit(op, kind, f"{filename}:{lineno}", tuple(modules.stack), modules.entered))
 
-    with modules.watching():
+    with modules.watching(), draws.watch(compare=False) if draws is not None else contextlib.nullcontext():
         check_call(fn, tuple(args), dict(kwargs), on_finding=on_finding)
     if trial is not None and any(h.kind in _FAILS for h in hits):
         with modules.watching():
@@ -213,14 +215,18 @@ def _met_by_capture(
 
 def _trial(
     fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], device: torch.device,
-    constants: bool,
+    constants: bool, gens: Sequence[torch.Generator] = (),
 ) -> Failed | None:
     """Capture the call once (no warm-up: the check just ran it), into a pool of its own that
     goes with the graph, with host constants made by kernels where ``constants``
-    (core/constants.py); None when it captured."""
+    (core/constants.py), registering the CUDA generators ``gens`` the check's run drew from
+    (unregistered, the first draw from one fails the capture: a break where none is needed);
+    None when it captured."""
     def call(*a: Any, **k: Any) -> Any:
         with DeviceConstants() if constants else contextlib.nullcontext():
             return fn(*a, **k)
+
+    generators.remember(call, list(gens))  # (what a capture without warm-ups registers)
 
     try:
         captured = capture(call, tuple(args), dict(kwargs), device=device, stream=side_stream(device),
@@ -258,10 +264,12 @@ def find_on_copies(fn: Callable[..., Any], call: CallArgs, device: torch.device)
     a, k = call.unflatten(leaves)
     module = owning_module(fn)
     snapshot = StateSnapshot(module, device, find=module is None)  # a function's: as they run
-    snapshot.draws.keep(call.leaves)  # (the generator arguments too)
+    draws = snapshot.draws  # (the generators the run draws from: the module's own, the arguments)
+    draws.keep(call.leaves)  # (a generator argument, put back though no op draws from it)
     try:
         with on_side_stream(side_stream(device), device), torch.no_grad(), snapshot.running():
-            return find_breaks(fn, a, k, trial=lambda constants: _trial(fn, a, k, device, constants))
+            return find_breaks(fn, a, k, draws=draws,
+                               trial=lambda constants: _trial(fn, a, k, device, constants, draws.generators))
     finally:
         snapshot.restore()
 

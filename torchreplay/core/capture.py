@@ -155,7 +155,8 @@ class Segments:
     ) -> None:
         self._pool = pool
         self._mode = mode
-        self._generators = generators  # registered with each graph before its capture begins
+        #: the explicit generators registered with each graph before its capture begins
+        self.generators = generators
         self._copies = copies  # copy nodes the (one) graph begins with: its template is kept
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.empty: list[bool] = []
@@ -165,7 +166,7 @@ class Segments:
     def resume(self) -> None:
         """Begin capturing the next segment."""
         graph = copy_nodes.graph(keep=self._copies > 0)
-        for gen in self._generators:  # (each replay draws from where it stands, and moves it on)
+        for gen in self.generators:  # (each replay draws from where it stands, and moves it on)
             _compat.register_generator(graph, gen)
         expect_capture()  # a graph called inside this capture runs eagerly (core/pool.py)
         # The capture's cuBLAS workspace must live in the graph's pool (see _compat).
@@ -466,7 +467,7 @@ def _undo(
             # CUDA invalidated the capture and capture_end raised before it stopped routing
             # allocations into the pool or could give the pool back; do both here.
             _compat.abandon_pool(device.index, pool.handle)
-            _compat.end_rng_capture()
+            _compat.end_rng_capture(segments.generators)
             segments.open = None
         _compat.clear_cublas_workspaces()  # a workspace made in the pool would keep it alive
     with contextlib.suppress(Exception):
