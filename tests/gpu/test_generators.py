@@ -438,32 +438,68 @@ class NoisyAroundABreak(nn.Module):
 
 
 @BREAKS
-def test_training_around_breaks_draws_from_its_generator_argument_and_refuses_another(breaks: str) -> None:
-    """make_graphed_callables(..., breaks=): the segments' graphs draw from the generator they
-    were graphed with, from where it stands at each call (forward and gradients equal eager's);
-    another generator at a call is refused, saying what to do."""
+def test_training_around_breaks_takes_a_generator_argument_from_every_call(breaks: str) -> None:
+    """make_graphed_callables(..., breaks=) with a per-request generator: the segments' graphs
+    draw from their stand-ins, put where the call's generator stands, which then moves on as the
+    eager call moves it; forward and gradients equal eager's. Before, any other generator than
+    the sample's was refused."""
     torch.manual_seed(0)
     model = NoisyAroundABreak().to(DEV)
     ref = NoisyAroundABreak().to(DEV)
     ref.load_state_dict(model.state_dict())
-    gen, twin = cuda_generator(21), cuda_generator(21)
+    gen = cuda_generator(21)
     x0 = torch.randn(4, 16, device=DEV, requires_grad=True)
     graphed = tr.make_graphed_callables(model, (x0, gen), breaks=breaks_of(breaks))
-    assert gen.get_offset() == 0  # (the build put it back)
+    assert gen.get_offset() == 0  # (the build drew from the stand-ins)
     assert segments(model) == 2
     for call in range(CALLS):
-        x = torch.randn(4, 16, device=DEV, requires_grad=True)
-        xr = x.detach().clone().requires_grad_(True)
-        y, yr = graphed(x, gen), ref(xr, twin)
-        torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-6)
-        y.square().sum().backward()
-        yr.square().sum().backward()
-        torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
-        assert gen.get_offset() == twin.get_offset() > 0, f"call {call}"
+        request, twin = (gen, cuda_generator(21)) if call == 0 else (cuda_generator(400 + call), cuda_generator(400 + call))
+        for step in range(2):  # two steps of one request: the second goes on from the first
+            x = torch.randn(4, 16, device=DEV, requires_grad=True)
+            xr = x.detach().clone().requires_grad_(True)
+            y, yr = graphed(x, request), ref(xr, twin)
+            torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-6)
+            y.square().sum().backward()
+            yr.square().sum().backward()
+            torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
+            assert request.get_offset() == twin.get_offset() > 0, f"call {call}, step {step}"
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
-    with pytest.raises(tr.ReplayInputError, match=r"another generator.*Pass that generator at every call"):
-        graphed(torch.randn(4, 16, device=DEV), cuda_generator(0))
+    assert model.forward.stats.fallbacks == 0
+    with pytest.raises(tr.ReplayInputError, match=r"pass a generator on that device"):
+        graphed(torch.randn(4, 16, device=DEV), torch.Generator())  # a CPU one
+
+
+class TwoGenerators(nn.Module):
+    """Draws from two generator arguments around a break."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.scale = HostScale()
+
+    def forward(self, x: torch.Tensor, a: torch.Generator, b: torch.Generator) -> torch.Tensor:
+        h = self.scale(self.lin(x) + torch.rand(x.shape, device=x.device, generator=a))
+        return h + torch.randn(h.shape, device=h.device, generator=b)
+
+
+def test_training_around_breaks_with_one_generator_in_two_places() -> None:
+    """Graphed with one generator passed as both: the draws follow each other, at every call
+    with one generator in both; two different ones at a call are refused (the segments were
+    graphed drawing one sequence), and the other way round."""
+    torch.manual_seed(0)
+    model, ref = TwoGenerators().to(DEV), TwoGenerators().to(DEV)
+    ref.load_state_dict(model.state_dict())
+    gen = cuda_generator(31)
+    graphed = tr.make_graphed_callables(model, (torch.randn(4, 16, device=DEV, requires_grad=True), gen, gen),
+                                        breaks=[host_scale])
+    for call in range(CALLS):
+        request, twin = cuda_generator(500 + call), cuda_generator(500 + call)
+        x = torch.randn(4, 16, device=DEV, requires_grad=True)
+        torch.testing.assert_close(graphed(x, request, request), ref(x, twin, twin), rtol=1e-5, atol=1e-6)
+        assert request.get_offset() == twin.get_offset() > 0
+    with pytest.raises(tr.ReplayInputError, match=r"one generator.*called with two"):
+        graphed(torch.randn(4, 16, device=DEV), cuda_generator(1), cuda_generator(2))
 
 
 class NoisyBreakable(nn.Module):

@@ -797,3 +797,34 @@ def test_a_training_build_takes_little_more_memory_than_eager_training(breaks) -
     graphed = peak(model, True)
     limit = 2.0 if breaks else 1.6  # (with breaks: the segments' boundary buffers, see above)
     assert graphed <= limit * eager, (graphed / 2**20, eager / 2**20)
+
+
+def test_a_callable_whose_backward_launches_nothing_trains_as_eager() -> None:
+    """``x + w`` hands the incoming gradient on to both, unchanged: its backward launches no
+    kernel, eagerly too. Its capture was refused as "an empty graph" (torch's tool takes it);
+    now the backward replays nothing and the gradients equal eager's, over fresh inputs, with
+    the gradients of a real graph before it flowing through it."""
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 32).to(DEV)
+    w = torch.randn(8, 32, device=DEV, requires_grad=True)
+
+    def shift(h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return h + bias
+
+    x0 = torch.randn(8, 32, device=DEV, requires_grad=True)
+    g_lin, g_shift = tr.make_graphed_callables(
+        (lin, shift), ((x0,), (torch.randn(8, 32, device=DEV, requires_grad=True), w)))
+    ref = copy.deepcopy(lin)
+    wr = w.detach().clone().requires_grad_(True)
+    for step in range(STEPS):
+        x = torch.randn(8, 32, device=DEV, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        y, yr = g_shift(g_lin(x), w), shift(ref(xr), wr)
+        torch.testing.assert_close(y, yr, **TOL)
+        t = torch.randn_like(y)
+        (y * t).sum().backward()
+        (yr * t).sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad, **TOL)
+        torch.testing.assert_close(w.grad, wr.grad, **TOL)  # (accumulated over the steps)
+        for p, q in zip(lin.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **TOL)

@@ -42,7 +42,9 @@ from torchreplay import _compat
 from torchreplay.breaks.functions import FunctionWatch, check_differentiable
 from torchreplay.breaks.plan import Break, check_reached, intercept, made_anew, objects, resolve_breaks
 from torchreplay.breaks.recorded import Call, Op, Program, Rebound, Ref, Segment
+from torchreplay._compat.rng import same_generator
 from torchreplay.check import user_line
+from torchreplay.core.generators import per_call
 from torchreplay.core.args import CallArgs
 from torchreplay.errors import CaptureError
 
@@ -73,6 +75,8 @@ class _Recorder(_compat.LightDispatchMode):
         self.handles = _Handles.next_id  # hook handles made so far, those of breaks included
         self.saved_hooks: tuple[str, str] | None = None  # the first saved-tensor hooks seen
         self.saved: list[tuple[int, Any, int | None]] = []  # (break's step, tensor, version) it saved
+        #: the caller's CUDA generators, each with its value: an op drawing from one reads it
+        self.generators: list[tuple[torch.Generator, int]] = []
 
     def value(self, t: _Tensor, producer: int) -> int:
         i = len(self.keep)
@@ -154,6 +158,10 @@ class _Recorder(_compat.LightDispatchMode):
                         "pass it to a break only (it is then taken from each call), or on the GPU"
                     )
                 refs.append(Ref(i) if i is not None else x)
+            elif isinstance(x, torch.Generator) and self.generators:
+                # (an op is handed another Python object for the caller's generator)
+                i = next((v for g, v in self.generators if same_generator(x, g)), None)
+                refs.append(Ref(i) if i is not None else x)
             else:
                 refs.append(x)
         return refs
@@ -207,7 +215,8 @@ def _check_copies_alias_nothing(program: Program, rec: _Recorder) -> None:
         return
     by_storage: dict[int, list[int]] = {}
     for i, t in enumerate(rec.keep):
-        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(i)
+        if isinstance(t, _Tensor):  # (not a generator argument)
+            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(i)
     position = {id(step): n for n, step in enumerate(program.steps)}
     for seg, v in copied:
         t = rec.keep[v]
@@ -312,8 +321,9 @@ def record(
     rec = _Recorder(device)
     inputs: dict[int, int] = {}
     for k, leaf in enumerate(call.leaves):
-        if isinstance(leaf, _Tensor):
+        if isinstance(leaf, _Tensor) or per_call(leaf):  # (a CUDA generator: taken from each call)
             inputs[k] = rec.ids[id(leaf)] if id(leaf) in rec.ids else rec.value(leaf, -1)
+    rec.generators = [(leaf, inputs[k]) for k, leaf in enumerate(call.leaves) if per_call(leaf)]
     caller = _caller_leaves(call.leaves)
     rebound: set[int] = set()
 
@@ -395,7 +405,7 @@ def record(
     program = Program(
         steps=[s for s in rec.steps if not (isinstance(s, Segment) and not s.ops)],
         inputs=inputs,
-        guarded={k: v for k, v in enumerate(call.leaves) if not isinstance(v, _Tensor) and k not in rebound},
+        guarded={k: v for k, v in enumerate(call.leaves) if k not in inputs and k not in rebound},
         paths=list(call.paths),
         spec=call.spec,
         out_flat=out_flat,
@@ -404,6 +414,7 @@ def record(
         samples={},
         branches=sorted(set(rec.branches)),
         saved_hooks=rec.saved_hooks,
+        generators={k: g for k, g in enumerate(call.leaves) if per_call(g)},
     )
     _link(program, rec.producer, rec.keep)
     for s in program.segments:  # (a copy is needed where autograd tracks the value)
@@ -417,10 +428,13 @@ def record(
     return program
 
 
-def sample(x: _Tensor) -> _Tensor:
+def sample(x: Any) -> Any:
     """A segment's sample argument: the recorded tensor detached (the run's autograd graph, and
     the gradient accumulators of the parameters in it, must not outlive the run: a capture of a
-    backward would accumulate into them across streams), wanting a gradient as it did."""
+    backward would accumulate into them across streams), wanting a gradient as it did; a
+    generator argument as it is."""
+    if not isinstance(x, _Tensor):
+        return x
     d = x.detach()
     if x.requires_grad and (x.dtype.is_floating_point or x.dtype.is_complex):
         d.requires_grad_(True)
@@ -482,7 +496,8 @@ def _link(program: Program, producer: list[int], keep: list[Any]) -> None:
                     made.append(v)
                     if keep[v]._is_view():
                         at = keep[v].untyped_storage().data_ptr()
-                        view_of.update((v, i) for i in refs[:1] if i < v and keep[i].untyped_storage().data_ptr() == at)
+                        view_of.update((v, i) for i in refs[:1] if i < v and isinstance(keep[i], _Tensor)
+                                       and keep[i].untyped_storage().data_ptr() == at)
             for v in op.writes:
                 while v in view_of:  # (written through a view: the copy is of what it views)
                     v = view_of[v]

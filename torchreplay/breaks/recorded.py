@@ -119,6 +119,8 @@ class Program:
     branches: list[str] = dataclasses.field(default_factory=list)  # host bools read between breaks
     #: saved-tensor hooks active between breaks (checkpointing, offloading): (pack hook, line)
     saved_hooks: tuple[str, str] | None = None
+    #: caller leaf -> the sample's CUDA generator there (an input, taken from each call)
+    generators: dict[int, torch.Generator] = dataclasses.field(default_factory=dict)
 
     @property
     def segments(self) -> list[Segment]:

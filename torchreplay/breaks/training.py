@@ -25,7 +25,7 @@ from torchreplay.breaks.plan import resolve_breaks
 from torchreplay.breaks.program import Call, Program, Rebound, Ref, Segment, observe, record
 from torchreplay.core.args import CallArgs, infer_device
 from torchreplay.core.eager_form import EagerForm
-from torchreplay.core.generators import Draws
+from torchreplay.core.generators import Draws, check_pairs, fits, not_fitting, pairs
 from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import resolve_config, resolve_pool
 from torchreplay.core.modes import AUTOCAST, DISPATCH_MODE, HOOKS, REQUIRES_GRAD, TRAIN_MODE
@@ -86,6 +86,7 @@ class BreakTraining(EagerForm):
             [p for p in model.parameters() if id(p) not in in_breaks], [model], only_unfrozen=True
         )
         self._program = program
+        self._generator_pairs = pairs(program.generators)
         self._original = original
         self._training = model.training
         self.segments = runners
@@ -144,6 +145,8 @@ class BreakTraining(EagerForm):
             now = leaves[k]
             if now is not value and not (type(now) is type(value) and now == value):
                 raise _guard_error(prog.paths[k], now, value)
+        if prog.generators:  # (each segment's graph binds its stand-in to the call's)
+            self._check_generators(leaves)
         env: list[Any] = [None] * prog.n_values
         for k, v in prog.inputs.items():
             env[v] = leaves[k]
@@ -157,6 +160,15 @@ class BreakTraining(EagerForm):
         self.stats.replays += 1
         out = [env[x.i] if type(x) is Ref else x for x in prog.out_flat]
         return _compat.tree_unflatten(out, prog.out_spec)
+
+    def _check_generators(self, leaves: Any) -> None:
+        """A generator argument may be any CUDA generator on the sample's device, passed in
+        one place where the sample passed one generator in two, and in two where it passed two."""
+        prog = self._program
+        for k, sample in prog.generators.items():
+            if not fits(sample, leaves[k]):
+                raise not_fitting(prog.paths[k], leaves[k], sample)
+        check_pairs(self._generator_pairs, leaves, prog.paths)
 
     def _call_break(
         self, step: Call, unflatten: Callable[[list[Any]], Any], tuple_out: bool, env: list[Any], leaves: Any,
@@ -221,14 +233,8 @@ class BreakTraining(EagerForm):
 
 
 def _guard_error(path: str, now: Any, value: Any) -> ReplayInputError:
-    """A call whose non-tensor argument ``now`` is not the ``value`` the segments ran with."""
-    if isinstance(value, torch.Generator):  # (tr.graph(..., breaks=) takes one from every call)
-        return ReplayInputError(
-            f"{path} is another generator than the one the model was graphed around its breaks "
-            "with: its segments' graphs draw from that one (from where it stands at each call). "
-            "Pass that generator at every call (seed it, or set its state, as you need), or give "
-            "each call's generator to a break only (it is then taken from each call)"
-        )
+    """A call whose non-tensor argument ``now`` is not the ``value`` the segments ran with (a
+    CUDA generator is not one: it is taken from each call)."""
     return ReplayInputError(
         f"{path} is {now!r}, but the model was graphed around its breaks with {value!r}: the "
         "code between breaks ran once with it. Pass it to a break only (it is then taken from "

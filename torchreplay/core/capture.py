@@ -120,7 +120,7 @@ def warn_mode_changed(name: str, captured_training: bool | tuple[bool, ...]) -> 
 class Captured:
     """The result of one successful capture."""
 
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None  # (None: nothing recorded, with ``allow_empty``)
     out: Any
     seconds: float
     #: Positions in ``watch`` of the tensors the captured call wrote (empty when nothing was watched).
@@ -255,6 +255,7 @@ def capture(
     owner: Any = None,
     find_generators: bool = True,
     copy_in: Sequence[torch.Tensor] = (),
+    allow_empty: bool = False,
 ) -> Captured:
     """Warm ``fn`` up on ``stream`` and capture one call of it into a new graph in ``pool``.
 
@@ -308,6 +309,10 @@ def capture(
         collectives: record the ``torch.distributed`` collectives of the captured call
             (``Captured.collectives``; only when a process group exists: a dispatch mode sees
             every op of the capture, so callers that do not use them pass False).
+        allow_empty: a capture that recorded no CUDA work is a graph that replays nothing
+            (``Captured.graph`` None), not a :class:`CaptureError`: a backward that hands the
+            incoming gradients on as they are (``y = x + noise``) launches no kernel, eagerly
+            too.
 
     Returns:
         the graph, the output of the captured call (living in the pool), and the seconds taken.
@@ -405,7 +410,7 @@ def capture(
                 python.undo()  # the diagnosis ran the call once more
         # Only the graph can tell an empty capture: an optimizer step alone has no tensor
         # argument and returns None, yet records real work on the device.
-        if all(segments.empty):
+        if all(segments.empty) and not allow_empty:
             err = CaptureError(empty_message(fn, args, kwargs, out, device))
             out = None
             _undo(segments, device, pool, snapshot, err, python)
@@ -433,7 +438,7 @@ def capture(
     for g, e in zip(segments.graphs, segments.empty):
         if e:
             g.reset()
-    first = next(g for g in graphs if g is not None)
+    first = next((g for g in graphs if g is not None), None)  # (None: allow_empty)
     if recorder is not None and recorder.collectives:
         log.debug("captured %s holds %d collective(s)", fn_name(fn), len(recorder.collectives))
     return Captured(

@@ -108,6 +108,7 @@ def _capture_pairs(
                 grad=True,
                 warmup=False,
                 snapshot=r._keeper,  # type: ignore[arg-type]
+                allow_empty=True,  # (gradients handed on as they are: no kernel, eagerly too)
             )
             grads = list(bwd.out)
             seconds += bwd.seconds
@@ -116,7 +117,8 @@ def _capture_pairs(
         kept = [o.detach() if isinstance(o, _Tensor) and owned(o) else o for o in leaves]
         pairs[i] = Pair(
             fwd_replay=_compat.direct_replay(fwd.graph),
-            bwd_replay=_compat.direct_replay(bwd.graph) if bwd is not None else None,
+            bwd_replay=(_compat.direct_replay(bwd.graph) if bwd.graph is not None else _replays_nothing)
+            if bwd is not None else None,
             leaves=kept,
             spec=spec,
             diff_idx=diff_idx,
@@ -134,6 +136,10 @@ def _capture_pairs(
         forwards[i] = None  # type: ignore[call-overload]
         del leaves, fwd, bwd
     return [p for p in pairs if p is not None]
+
+
+def _replays_nothing() -> None:
+    """The replay of a backward that launches no kernel (its gradients are the incoming ones)."""
 
 
 def forward_effects(r: GraphedCallable) -> PyState:
