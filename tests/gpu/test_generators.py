@@ -161,7 +161,11 @@ def test_a_generator_argument_is_taken_from_every_call() -> None:
     assert g.stats.fallbacks == 0
 
 
-def test_generator_arguments_under_sizes_and_make_graphed_callables() -> None:
+@pytest.mark.parametrize("verify", [0, 3])
+def test_generator_arguments_under_sizes_and_make_graphed_callables(verify: int) -> None:
+    """With ``verify=``, the first calls run eagerly too, from the same state: the generator
+    argument is put back before the replay (the replay drew on from where the reference run
+    left it, a false VerifyError, and the caller's generator moved twice as far, before)."""
     gen = cuda_generator(1)
     g = tr.graph(noisy, torch.randn(8, 4, device=DEV), gen, sizes=[2, 4, 8])
     for call, rows in enumerate([2, 8, 4, 2, 8]):
@@ -175,7 +179,7 @@ def test_generator_arguments_under_sizes_and_make_graphed_callables() -> None:
         return lin(noisy(x, generator))
 
     x0 = torch.randn(8, 4, device=DEV, requires_grad=True)
-    graphed = tr.make_graphed_callables(layer, (x0, gen))
+    graphed = tr.make_graphed_callables(layer, (x0, gen), verify=verify)
     for call in range(CALLS):
         x = torch.randn(8, 4, device=DEV, requires_grad=True)
         xr = x.detach().clone().requires_grad_(True)
@@ -186,6 +190,7 @@ def test_generator_arguments_under_sizes_and_make_graphed_callables() -> None:
         yr.square().sum().backward()
         torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
         assert request.get_offset() == twin.get_offset()
+    assert graphed.stats.verified == verify
 
 
 def host_scale(x: torch.Tensor) -> torch.Tensor:  # a break: it reads a value on the host
@@ -280,7 +285,10 @@ def test_make_graphed_callables_and_a_recomputed_penalty_draw_what_eager_draws()
     assert graphed.forward.stats.recomputed >= CALLS // 3
 
 
-def test_graph_step_with_a_generator_trains_as_eager() -> None:
+@pytest.mark.parametrize("verify", [0, 3])
+def test_graph_step_with_a_generator_trains_as_eager(verify: int) -> None:
+    """A module holding its generator, in a whole training step; ``verify=``'s eager reference
+    runs put it back (the replay after one drew other noise, before)."""
     torch.manual_seed(0)
     gen, ref_gen = cuda_generator(11), cuda_generator(11)
     model = nn.Sequential(Noisy(gen), nn.Linear(64, 1)).to(DEV)
@@ -300,7 +308,7 @@ def test_graph_step_with_a_generator_trains_as_eager() -> None:
 
     data = [(torch.randn(8, 64, device=DEV), torch.randn(8, 1, device=DEV)) for _ in range(CALLS)]
     cuda_at = torch.cuda.get_rng_state()
-    step = tr.graph_step(make(model, opt), *data[0])
+    step = tr.graph_step(make(model, opt), *data[0], verify=verify)
     torch.cuda.set_rng_state(cuda_at)  # (dropout: both from one default-generator state)
     ref_step = make(ref, ref_opt)
     losses = [step(x, y).clone() for x, y in data]
@@ -310,6 +318,7 @@ def test_graph_step_with_a_generator_trains_as_eager() -> None:
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert torch.equal(gen.get_state(), ref_gen.get_state())
+    assert step.stats.verified == verify
 
 
 def test_a_breakable_graph_whose_segments_and_break_draw_from_one_generator() -> None:
@@ -468,6 +477,51 @@ def test_training_around_breaks_takes_a_generator_argument_from_every_call(break
     assert model.forward.stats.fallbacks == 0
     with pytest.raises(tr.ReplayInputError, match=r"pass a generator on that device"):
         graphed(torch.randn(4, 16, device=DEV), torch.Generator())  # a CPU one
+
+
+class HostNoise(nn.Module):
+    """A break that reads a host value and draws from the generator it is passed."""
+
+    def forward(self, h: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return host_noise_from(h, generator)
+
+
+class NoisyAroundANoisyBreak(nn.Module):
+    """Draws from the generator argument before the break, in it and after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.noise = HostNoise()
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        h = self.a(x) + torch.rand(x.shape, device=x.device, generator=generator)
+        h = self.noise(h, generator)
+        return self.b(h) + torch.randn(h.shape, device=h.device, generator=generator)
+
+
+def test_training_around_a_break_that_draws_from_the_generator_argument_too() -> None:
+    """The segments draw from their stand-ins, the break (eager) from the call's generator
+    itself, in order: one sequence, as eager draws it, at every call of every request."""
+    torch.manual_seed(0)
+    model, ref = NoisyAroundANoisyBreak().to(DEV), NoisyAroundANoisyBreak().to(DEV)
+    ref.load_state_dict(model.state_dict())
+    x0 = torch.randn(4, 16, device=DEV, requires_grad=True)
+    tr.make_graphed_callables(model, (x0, cuda_generator(41)), breaks=[HostNoise])
+    assert segments(model) == 2
+    for call in range(CALLS):
+        request, twin = cuda_generator(600 + call), cuda_generator(600 + call)
+        x = torch.randn(4, 16, device=DEV, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        y, yr = model(x, request), ref(xr, twin)
+        torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-6)
+        y.square().sum().backward()
+        yr.square().sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
+        assert request.get_offset() == twin.get_offset() > 0, f"call {call}"
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
 
 
 class TwoGenerators(nn.Module):

@@ -490,7 +490,7 @@ class GraphedCallable(EagerForm):
         # The eager reference runs on clones of the module's buffers: autograd may save a buffer
         # for backward (cuDNN's BatchNorm saves its running statistics), and restoring the
         # originals in place afterwards would bump the version of what eager's backward reads.
-        with keeper.discovering(), buffers_swapped(module) as swapped:
+        with keeper.discovering(), keeper.drawing(leaves), buffers_swapped(module) as swapped:
             ref_out = self._run_fn(*ref_args, **ref_kwargs)
         eager_buffers = [(label, orig, clone) for label, orig, clone in swapped]
         seen = {id(orig) for _, orig, _ in swapped}

@@ -253,6 +253,15 @@ class StateKeeper:
             for h in handles:
                 h.remove()
 
+    @contextlib.contextmanager
+    def drawing(self, leaves: Iterable[Any]) -> Iterator[None]:
+        """Around an eager run that :meth:`restore` undoes (``verify=``'s reference): the CUDA
+        generators it draws from, the arguments among the call's ``leaves`` and those a module
+        holds, are put back too, so that the replay after it draws the same numbers."""
+        self.draws.keep(list(leaves))
+        with self.draws.watch(compare=False):
+            yield
+
     def _module_hook(self, module: torch.nn.Module, args: Any) -> None:
         # Not recursive: each submodule reports itself before its own forward, and a
         # submodule that is never called keeps its state anyway.

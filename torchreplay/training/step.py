@@ -434,7 +434,7 @@ class GraphedStep(EagerForm):
         for slot in self._lr_slots:
             slot.install()
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), keeper.drawing(leaves):
                 ref_out = self.fn(*ref_args, **ref_kwargs)
         finally:
             self._uninstall()
