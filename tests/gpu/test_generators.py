@@ -646,3 +646,49 @@ def test_the_compile_backend_draws_from_a_users_generator_as_eager(where: str) -
             got, want = run(x), run_ref(x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"call {call}")
         assert gen.get_offset() == twin.get_offset() > 0, f"call {call}"
+
+
+def from_both(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Draws from the generator it is passed and from the default one (as dropout does)."""
+    return x + torch.rand(x.shape, device=x.device, generator=generator) + torch.rand(x.shape, device=x.device)
+
+
+@pytest.mark.parametrize("api", ["graph", "sizes", "breaks"])
+def test_the_default_generator_passed_as_an_argument_draws_one_sequence(api: str) -> None:
+    """``generator=torch.cuda.default_generators[0]``: eagerly both draws come from that one
+    generator, one after the other. Before, the graph drew the argument's from a stand-in bound
+    where the default one stood at the call, and its own default draws from the same place:
+    the two were the same numbers. The default generator is now a constant of the graph (torch
+    registers it with every graph). A call that passes it where the sample passed a generator
+    of its own is refused, saying why."""
+    default = torch.cuda.default_generators[0]
+    x = torch.randn(8, 16, device=DEV)
+
+    def f(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return from_both(host_scale(x) if api == "breaks" else x, generator)
+
+    kw = {"sizes": [4, 8]} if api == "sizes" else {"breaks": [host_scale]} if api == "breaks" else {}
+    g = tr.graph(f, x, default, **kw)
+    inputs = [torch.randn(8, 16, device=DEV) for _ in range(CALLS)]
+    at = torch.cuda.get_rng_state()
+    got = [g(xi, default).clone() for xi in inputs]
+    after = torch.cuda.get_rng_state()
+    torch.cuda.set_rng_state(at)
+    for i, xi in enumerate(inputs):
+        assert torch.equal(got[i], f(xi, default)), f"call {i}"
+    assert torch.equal(after, torch.cuda.get_rng_state())
+    own = tr.graph(f, x, cuda_generator(3), **kw)
+    with pytest.raises(tr.ReplayInputError, match="default CUDA generator of cuda:0.*of your own"):
+        own(x, default)
+
+
+def test_a_generator_made_for_cuda_0_is_taken_where_one_made_for_cuda_was_captured() -> None:
+    """``torch.Generator(device="cuda")`` reports device ``cuda``, one made for ``"cuda:0"``
+    reports ``cuda:0``: the same device. A call passing the second where the sample passed the
+    first was refused ("pass a generator on that device")."""
+    g = tr.graph(noisy, torch.randn(16, device=DEV), torch.Generator(device="cuda").manual_seed(1))
+    for seed in range(3):
+        request, twin = torch.Generator(device="cuda:0").manual_seed(seed), cuda_generator(seed)
+        xi = torch.randn(16, device=DEV)
+        assert torch.equal(g(xi, request), noisy(xi, twin))
+        assert request.get_offset() == twin.get_offset() > 0

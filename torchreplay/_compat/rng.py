@@ -7,7 +7,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["can_register_generators", "default_generator", "position", "register_generator", "same_generator"]
+__all__ = [
+    "can_register_generators", "default_generator", "is_default", "position", "register_generator", "same_device",
+    "same_generator",
+]
 
 #: ``(seed, offset)``: where a philox generator stands (``initial_seed``, ``get_offset``)
 Position = tuple[int, int]
@@ -43,6 +46,27 @@ def default_generator(device: torch.device) -> torch.Generator | None:
     return gen
 
 
+def same_device(a: torch.Generator, b: torch.Generator) -> bool:
+    """Are the generators ``a`` and ``b`` on one device? ``torch.Generator(device="cuda")``
+    reports ``cuda`` without an index (it is on the device current when it was made), a
+    default generator ``cuda:0``: an index left out is taken as the current device's."""
+    da, db = a.device, b.device
+    if da.type != db.type:
+        return False
+    if da.index == db.index or da.type != "cuda":
+        return True
+    here = torch.cuda.current_device()
+    return (here if da.index is None else da.index) == (here if db.index is None else db.index)
+
+
+def is_default(gen: torch.Generator) -> bool:
+    """Is ``gen`` its CUDA device's default generator (``torch.cuda.default_generators[i]``, the
+    object torch keeps for it)? Torch registers that one with every graph by itself."""
+    gens = torch.cuda.default_generators if gen.device.type == "cuda" else ()
+    index = gen.device.index or 0
+    return index < len(gens) and gens[index] is gen
+
+
 def same_generator(a: Any, b: Any) -> bool:
     """Are ``a`` and ``b`` the same CUDA generator? A dispatch mode is handed a new Python object
     for the generator an op draws from at every op (the user's own object, or a default
@@ -51,7 +75,7 @@ def same_generator(a: Any, b: Any) -> bool:
     back)."""
     if a is b:
         return True
-    if a.device != b.device or position(a) != position(b):
+    if not same_device(a, b) or position(a) != position(b):
         return False
     seed, offset = position(a)
     a.set_offset(offset + 4)

@@ -30,7 +30,9 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from torchreplay import _compat
-from torchreplay._compat.rng import Position, can_register_generators, default_generator, position, same_generator
+from torchreplay._compat.rng import (
+    Position, can_register_generators, default_generator, is_default, position, same_device, same_generator,
+)
 from torchreplay.errors import CaptureError, ReplayInputError
 
 __all__ = [
@@ -286,8 +288,11 @@ def remembered(fn: Any) -> tuple[torch.Generator, ...] | None:
 
 
 def per_call(leaf: Any) -> bool:
-    """Is the argument ``leaf`` a generator taken from every call (a CUDA one), not a constant?"""
-    return isinstance(leaf, torch.Generator) and leaf.device.type == "cuda"
+    """Is the argument ``leaf`` a generator taken from every call (a CUDA one), not a constant?
+    A device's default generator is a constant: torch registers it with every graph, so the
+    graph's draws from it as an argument follow its draws from it by default (dropout), as
+    eagerly; a stand-in's would start where those start, and draw the same numbers."""
+    return isinstance(leaf, torch.Generator) and leaf.device.type == "cuda" and not is_default(leaf)
 
 
 def stand_in(gen: torch.Generator) -> torch.Generator:
@@ -328,8 +333,9 @@ def check_pairs(found: tuple[tuple[int, int, bool], ...], leaves: Sequence[Any],
 
 
 def fits(own: torch.Generator, gen: Any) -> bool:
-    """May the call pass ``gen`` where the graph draws from ``own``: a generator on its device?"""
-    return isinstance(gen, torch.Generator) and gen.device == own.device
+    """May the call pass ``gen`` where the graph draws from ``own``: a generator on its device,
+    not its default one (see :func:`per_call`)?"""
+    return isinstance(gen, torch.Generator) and same_device(gen, own) and not is_default(gen)
 
 
 def bind(own: torch.Generator, gen: Any) -> bool:
@@ -347,6 +353,14 @@ def bind(own: torch.Generator, gen: Any) -> bool:
 def not_fitting(path: str, gen: Any, own: torch.Generator) -> ReplayInputError:
     """The error for a call that passes ``gen`` at ``path`` where the graph draws from ``own``
     (a CPU generator, one on another device, or no generator at all)."""
+    if isinstance(gen, torch.Generator) and same_device(gen, own):  # (its default one)
+        return ReplayInputError(
+            f"{path}: the default CUDA generator of {gen.device}, but the graph was captured with "
+            "a generator of your own there, which it draws from apart from the default one (torch "
+            "registers that with every graph, for dropout and the like): from the default one its "
+            "draws there would start where those start, and repeat their numbers. Pass a "
+            "torch.Generator(device=...) of your own, or graph with the default one passed"
+        )
     return ReplayInputError(
         f"{path}: {gen!r} but the graph was captured with a torch.Generator on {own.device}; "
         "pass a generator on that device (any one: the graph draws from where it stands, and "
