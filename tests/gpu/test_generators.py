@@ -9,6 +9,8 @@ philox offsets), and checks where the generator stands after each call.
 
 from __future__ import annotations
 
+import logging
+import random
 import re
 from typing import Callable
 
@@ -692,3 +694,46 @@ def test_a_generator_made_for_cuda_0_is_taken_where_one_made_for_cuda_was_captur
         xi = torch.randn(16, device=DEV)
         assert torch.equal(g(xi, request), noisy(xi, twin))
         assert request.get_offset() == twin.get_offset() > 0
+
+
+class LayerDrop(nn.Module):
+    """Hugging Face's LayerDrop: in training mode, each layer is skipped when a number drawn on
+    the host is below ``layerdrop`` (torch's CPU generator, or Python's ``random``)."""
+
+    def __init__(self, layerdrop: float, source: str) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.layerdrop, self.source = layerdrop, source
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training and (torch.rand([]) if self.source == "torch" else random.random()) < self.layerdrop:
+                continue
+            x = layer(x).tanh()
+        return x
+
+
+def host_jitter(h: torch.Tensor) -> torch.Tensor:  # a break: it draws on the host, at every call
+    return h * (1.0 + random.random()) / float(h.abs().max().item() + 1.0)
+
+
+@pytest.mark.parametrize("source", ["torch", "python"])
+def test_a_draw_on_the_host_inside_a_capture_is_said_once(source: str, caplog) -> None:
+    """A graph replays no host work: the capture's draw decides which layers run at every
+    replay (eagerly each call draws anew). Said once per graph, naming the generator; not for a
+    model that draws nothing in eval mode, nor for a break, which draws at every call."""
+    torch.manual_seed(0)
+    model = LayerDrop(0.5, source).to(DEV)
+    x = torch.randn(8, 16, device=DEV)
+    which = "torch's CPU generator" if source == "torch" else "Python's random module"
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        g = tr.graph(model.train(), x, sizes=[4, 8])
+        g(x[:4])  # (a size captured at its first call: the same graph, said once)
+    said = [r.getMessage() for r in caplog.records if "drew random numbers on the host" in r.getMessage()]
+    assert len(said) == 1 and which in said[0] and "LayerDrop" in said[0], said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        tr.graph(LayerDrop(0.5, source).to(DEV).eval(), x)  # (no draw in eval mode)
+        tr.graph(lambda h: host_jitter(h * 2) + 1, x, breaks=[host_jitter])
+    said = [r.getMessage() for r in caplog.records if "drew random numbers on the host" in r.getMessage()]
+    assert not said, said

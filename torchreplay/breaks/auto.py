@@ -231,7 +231,7 @@ def _trial(
     try:
         captured = capture(call, tuple(args), dict(kwargs), device=device, stream=side_stream(device),
                            pool=Pool(device), config=GraphConfig(diagnose=False), warmup=False,
-                           collectives=False)
+                           collectives=False, host_draws=False)
     except CaptureError as exc:
         lines, message = failed_lines(exc)
         return Failed(tuple(lines), message)

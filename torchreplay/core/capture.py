@@ -19,6 +19,7 @@ import sys
 import time
 import traceback
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -31,6 +32,7 @@ from torchreplay.core import constants, generators
 from torchreplay.core.args import fn_name
 from torchreplay.core.effects import NO_EFFECTS, NoEffects, PyState
 from torchreplay.core.failures import capture_error, empty_message, warmup_error
+from torchreplay.core.generators import HostDraws
 from torchreplay.core.pool import Pool, expect_capture
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.writes import WriteWatch
@@ -162,6 +164,8 @@ class Segments:
         self.empty: list[bool] = []
         #: the graph whose capture began and has not ended (``None`` between segments)
         self.open: torch.cuda.CUDAGraph | None = None
+        #: the host's generators the segments drew from (not what runs between them)
+        self.host = HostDraws()
 
     def resume(self) -> None:
         """Begin capturing the next segment."""
@@ -171,6 +175,7 @@ class Segments:
         expect_capture()  # a graph called inside this capture runs eagerly (core/pool.py)
         # The capture's cuBLAS workspace must live in the graph's pool (see _compat).
         _compat.clear_cublas_workspaces()
+        self.host.start()
         graph.capture_begin(pool=self._pool.handle, capture_error_mode=self._mode)
         self.open = graph
 
@@ -185,6 +190,7 @@ class Segments:
             warnings.simplefilter("always")
             graph.capture_end()
         self.open = None
+        self.host.stop()
         _compat.clear_cublas_workspaces()
         empty = any("graph is empty" in str(w.message).lower() for w in caught)
         if self._copies:  # (the copies into the static inputs alone are none of the call's work)
@@ -256,6 +262,7 @@ def capture(
     find_generators: bool = True,
     copy_in: Sequence[torch.Tensor] = (),
     allow_empty: bool = False,
+    host_draws: bool = True,
 ) -> Captured:
     """Warm ``fn`` up on ``stream`` and capture one call of it into a new graph in ``pool``.
 
@@ -313,6 +320,8 @@ def capture(
             (``Captured.graph`` None), not a :class:`CaptureError`: a backward that hands the
             incoming gradients on as they are (``y = x + noise``) launches no kernel, eagerly
             too.
+        host_draws: warn (once per ``owner``) when the captured call drew random numbers on the
+            host (core/generators.py: ``HostDraws``); False for a trial capture that is dropped.
 
     Returns:
         the graph, the output of the captured call (living in the pool), and the seconds taken.
@@ -433,6 +442,8 @@ def capture(
         python.put_back_tensors()
     seconds = time.perf_counter() - start
     log.debug("captured %s on %s in %.4f s", fn_name(fn), device, seconds)
+    if host_draws and segments.host.moved:
+        _warn_host_draws(key, segments.host.moved)
     written = tuple(watcher.written) if isinstance(watcher, WriteWatch) else ()
     graphs = tuple(None if e else g for g, e in zip(segments.graphs, segments.empty))
     for g, e in zip(segments.graphs, segments.empty):
@@ -449,6 +460,21 @@ def capture(
         tuple(copies),
         tuple(spares),
     )
+
+
+_WARNED_HOST_DRAWS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _warn_host_draws(key: Any, moved: Sequence[str]) -> None:
+    """Once per callable (``key``: what stays the same across its captures): its captures drew
+    from the host's generators (core/generators.py)."""
+    try:
+        if key in _WARNED_HOST_DRAWS:
+            return
+        _WARNED_HOST_DRAWS.add(key)
+    except TypeError:  # (not weakly referable: warned at each capture)
+        pass
+    log.warning(generators.host_draws_warning(fn_name(key), moved))
 
 
 def _undo(

@@ -24,6 +24,8 @@ remembered by callable (:func:`remembered`), for its captures without a warm-up 
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 import weakref
 from typing import Any, Iterator, Sequence
 
@@ -36,7 +38,8 @@ from torchreplay._compat.rng import (
 from torchreplay.errors import CaptureError, ReplayInputError
 
 __all__ = [
-    "Draws", "bind", "check_pairs", "fits", "hand_back", "not_fitting", "pairs", "per_call", "remember",
+    "Draws", "HOST_GENERATORS", "HostDraws", "bind", "check_pairs", "fits", "hand_back", "host_draws_warning",
+    "not_fitting", "pairs", "per_call", "remember",
     "remembered", "stand_in", "stand_ins",
 ]
 
@@ -276,6 +279,66 @@ def remembered(fn: Any) -> tuple[torch.Generator, ...] | None:
         return _REMEMBERED.get(_key(fn))
     except TypeError:
         return None
+
+
+# -- the host's generators, drawn from inside a capture ----------------------------------------
+#
+# A graph replays device work only. A number drawn on the host while the call is captured (HF's
+# LayerDrop: ``if torch.rand([]) < self.layerdrop: skip``; ``random.random()``) is drawn once,
+# and what the call made of it, a branch or a value copied to the device, is replayed at every
+# call; eagerly each call draws anew, and the host's generator moves on.
+
+#: the host's generators :class:`HostDraws` watches, by the name its warning gives
+HOST_GENERATORS = ("torch's CPU generator", "Python's random module", "NumPy's global generator")
+
+
+def _host_states() -> tuple[Any, ...]:
+    numpy = sys.modules.get("numpy")  # (only when imported: never imported for this)
+    state = numpy.random.get_state() if numpy is not None else None
+    return (
+        torch.get_rng_state(),
+        random.getstate(),
+        None if state is None else (state[1].tobytes(), state[2:]),
+    )
+
+
+class HostDraws:
+    """Which host generators the captured stretches drew from (:attr:`moved`, names from
+    :data:`HOST_GENERATORS`): :meth:`start` before a stretch, :meth:`stop` after it (a
+    breakable graph's breaks run between stretches, eagerly at every call: theirs do not count).
+    About 10 us a stretch."""
+
+    __slots__ = ("_at", "moved")
+
+    def __init__(self) -> None:
+        self._at: tuple[Any, ...] | None = None
+        self.moved: list[str] = []
+
+    def start(self) -> None:
+        self._at = _host_states()
+
+    def stop(self) -> None:
+        if self._at is None:
+            return
+        for name, before, now in zip(HOST_GENERATORS, self._at, _host_states()):
+            same = torch.equal(before, now) if isinstance(before, torch.Tensor) else before == now
+            if not same and name not in self.moved:
+                self.moved.append(name)
+        self._at = None
+
+
+def host_draws_warning(name: str, moved: Sequence[str]) -> str:
+    """What a graph of ``name`` does with the host's numbers its capture drew."""
+    return (
+        f"torchreplay: '{name}' drew random numbers on the host while it was captured (from "
+        f"{' and '.join(moved)}): a graph replays only the device's work, so every replay reuses "
+        "the numbers the capture drew, and whatever the call made of them (a branch, as Hugging "
+        "Face's LayerDrop `if self.training and torch.rand([]) < self.layerdrop: skip the layer`; "
+        "a value moved to the device) is the same at every call, where eagerly each call draws "
+        "anew. Harmless if nothing depends on them (layerdrop=0.0, or a draw only training mode "
+        "uses, in eval mode). Otherwise draw on the device (torch.rand(..., device='cuda')), or "
+        "make that code a break (breaks=[...]: it runs eagerly at every call)"
+    )
 
 
 # -- a generator passed as an argument ---------------------------------------------------------
