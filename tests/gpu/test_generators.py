@@ -714,7 +714,7 @@ class LayerDrop(nn.Module):
 
 
 def host_jitter(h: torch.Tensor) -> torch.Tensor:  # a break: it draws on the host, at every call
-    return h * (1.0 + random.random()) / float(h.abs().max().item() + 1.0)
+    return h * (1.0 + float(torch.rand([]))) / float(h.abs().max().item() + 1.0)
 
 
 @pytest.mark.parametrize("source", ["torch", "python"])

@@ -153,7 +153,8 @@ class Segments:
     """
 
     def __init__(
-        self, pool: Pool, mode: str, generators: Sequence[torch.Generator] = (), copies: int = 0
+        self, pool: Pool, mode: str, generators: Sequence[torch.Generator] = (), copies: int = 0,
+        python_rng: bool = True,
     ) -> None:
         self._pool = pool
         self._mode = mode
@@ -164,8 +165,9 @@ class Segments:
         self.empty: list[bool] = []
         #: the graph whose capture began and has not ended (``None`` between segments)
         self.open: torch.cuda.CUDAGraph | None = None
-        #: the host's generators the segments drew from (not what runs between them)
-        self.host = HostDraws()
+        #: the host's generators the segments drew from (not what runs between them; with
+        #: ``python_rng`` False, torch's CPU generator alone: core/generators.py)
+        self.host = HostDraws(python_rng)
 
     def resume(self) -> None:
         """Begin capturing the next segment."""
@@ -379,7 +381,7 @@ def capture(
                 torch.cuda.empty_cache()
 
         assert not (copy_in and segmented), "copy nodes begin a graph of one segment"
-        segments = Segments(pool, config.capture_error_mode, known or (), len(copy_in))
+        segments = Segments(pool, config.capture_error_mode, known or (), len(copy_in), python_rng=segmented is None)
         spares = [torch.empty_like(t) for t in copy_in]  # (outside the pool: allocated before)
         watcher = WriteWatch(watch) if watch else contextlib.nullcontext()
         recorder = CollectiveLog() if collectives and _compat.dist_ready() else None
