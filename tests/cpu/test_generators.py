@@ -239,3 +239,63 @@ def test_generator_pairs_hold_each_call_to_the_samples_pattern() -> None:
         generators.check_pairs(found, [x, None, y, y], paths)
     with pytest.raises(generators.ReplayInputError, match=r"two different generators there, called with one in both"):
         generators.check_pairs(found, [x, None, x, x], paths)
+
+
+# -- the host's generators, drawn from inside a capture (HostDraws) ----------------------------
+
+
+def test_host_draws_names_each_host_generator_a_stretch_drew_from() -> None:
+    """Each of torch's CPU generator, Python's random and NumPy's (imported) is named once when
+    a stretch drew from it; what runs between stretches (a break) does not count."""
+    import random
+
+    np = pytest.importorskip("numpy")
+    h = generators.HostDraws()
+    h.start()
+    h.stop()
+    assert h.moved == []
+    torch.rand([])  # between stretches: a break's draw, at every call
+    random.random()
+    h.start()
+    torch.rand([])
+    h.stop()
+    assert h.moved == ["torch's CPU generator"]
+    h.start()
+    random.random()
+    np.random.rand()
+    torch.rand([])
+    h.stop()
+    assert h.moved == ["torch's CPU generator", "Python's random module", "NumPy's global generator"]
+
+
+def test_host_draws_without_python_watches_torchs_cpu_generator_alone() -> None:
+    import random
+
+    h = generators.HostDraws(python=False)
+    h.start()
+    random.random()
+    h.stop()
+    assert h.moved == []
+    h.start()
+    torch.randn(3)
+    h.stop()
+    assert h.moved == ["torch's CPU generator"]
+    h.stop()  # (a stop without a start: nothing)
+    assert h.moved == ["torch's CPU generator"]
+
+
+def test_host_draws_warning_names_the_graph_the_generators_and_the_fixes() -> None:
+    text = generators.host_draws_warning("Encoder", ["torch's CPU generator"])
+    assert "'Encoder' drew random numbers on the host" in text and "torch's CPU generator" in text
+    assert "layerdrop=0.0" in text and "device='cuda'" in text and "breaks=" in text
+
+
+def test_a_cpu_generator_is_not_taken_from_each_call_nor_a_default_one() -> None:
+    """``per_call``: a CUDA generator only (a CPU one stays a constant), never a device's
+    default one; ``is_default`` and ``same_device`` on what a CPU build has."""
+    from torchreplay._compat.rng import is_default, same_device
+
+    cpu = torch.Generator()
+    assert not generators.per_call(cpu) and not is_default(cpu)
+    assert not generators.per_call(torch.default_generator)
+    assert same_device(cpu, torch.default_generator)
