@@ -441,32 +441,44 @@ def test_one_generator_passed_in_two_places_draws_one_sequence(sizes: list[int] 
     assert g.stats.fallbacks == 0
 
 
+class HostNoise(nn.Module):
+    """A break that reads a host value and draws from the generator it is passed."""
+
+    def forward(self, h: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return host_noise_from(h, generator)
+
+
 class NoisyAroundABreak(nn.Module):
-    def __init__(self) -> None:
+    """Draws from the generator argument before a break and after it; with ``noisy``, the
+    break (:class:`HostNoise`) draws from it too."""
+
+    def __init__(self, noisy: bool = False) -> None:
         super().__init__()
         self.a = nn.Linear(16, 16)
-        self.scale = HostScale()
+        self.middle = HostNoise() if noisy else HostScale()
         self.b = nn.Linear(16, 16)
 
     def forward(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         h = self.a(x) + torch.rand(x.shape, device=x.device, generator=generator)
-        h = self.scale(h)
+        h = self.middle(h, generator) if isinstance(self.middle, HostNoise) else self.middle(h)
         return self.b(h) + torch.randn(h.shape, device=h.device, generator=generator)
 
 
-@BREAKS
+@pytest.mark.parametrize("breaks", ["host_scale", "auto", "HostNoise"])
 def test_training_around_breaks_takes_a_generator_argument_from_every_call(breaks: str) -> None:
     """make_graphed_callables(..., breaks=) with a per-request generator: the segments' graphs
     draw from their stand-ins, put where the call's generator stands, which then moves on as the
     eager call moves it; forward and gradients equal eager's. Before, any other generator than
-    the sample's was refused."""
+    the sample's was refused. ``HostNoise``: the break (eager) draws from the call's generator
+    itself between the segments' draws: one sequence, as eagerly."""
     torch.manual_seed(0)
-    model = NoisyAroundABreak().to(DEV)
-    ref = NoisyAroundABreak().to(DEV)
+    noisy = breaks == "HostNoise"
+    model = NoisyAroundABreak(noisy).to(DEV)
+    ref = NoisyAroundABreak(noisy).to(DEV)
     ref.load_state_dict(model.state_dict())
     gen = cuda_generator(21)
     x0 = torch.randn(4, 16, device=DEV, requires_grad=True)
-    graphed = tr.make_graphed_callables(model, (x0, gen), breaks=breaks_of(breaks))
+    graphed = tr.make_graphed_callables(model, (x0, gen), breaks=[HostNoise] if noisy else breaks_of(breaks))
     assert gen.get_offset() == 0  # (the build drew from the stand-ins)
     assert segments(model) == 2
     for call in range(CALLS):
@@ -485,51 +497,6 @@ def test_training_around_breaks_takes_a_generator_argument_from_every_call(break
     assert model.forward.stats.fallbacks == 0
     with pytest.raises(tr.ReplayInputError, match=r"pass a generator on that device"):
         graphed(torch.randn(4, 16, device=DEV), torch.Generator())  # a CPU one
-
-
-class HostNoise(nn.Module):
-    """A break that reads a host value and draws from the generator it is passed."""
-
-    def forward(self, h: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        return host_noise_from(h, generator)
-
-
-class NoisyAroundANoisyBreak(nn.Module):
-    """Draws from the generator argument before the break, in it and after it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(16, 16)
-        self.noise = HostNoise()
-        self.b = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        h = self.a(x) + torch.rand(x.shape, device=x.device, generator=generator)
-        h = self.noise(h, generator)
-        return self.b(h) + torch.randn(h.shape, device=h.device, generator=generator)
-
-
-def test_training_around_a_break_that_draws_from_the_generator_argument_too() -> None:
-    """The segments draw from their stand-ins, the break (eager) from the call's generator
-    itself, in order: one sequence, as eager draws it, at every call of every request."""
-    torch.manual_seed(0)
-    model, ref = NoisyAroundANoisyBreak().to(DEV), NoisyAroundANoisyBreak().to(DEV)
-    ref.load_state_dict(model.state_dict())
-    x0 = torch.randn(4, 16, device=DEV, requires_grad=True)
-    tr.make_graphed_callables(model, (x0, cuda_generator(41)), breaks=[HostNoise])
-    assert segments(model) == 2
-    for call in range(CALLS):
-        request, twin = cuda_generator(600 + call), cuda_generator(600 + call)
-        x = torch.randn(4, 16, device=DEV, requires_grad=True)
-        xr = x.detach().clone().requires_grad_(True)
-        y, yr = model(x, request), ref(xr, twin)
-        torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-6)
-        y.square().sum().backward()
-        yr.square().sum().backward()
-        torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
-        assert request.get_offset() == twin.get_offset() > 0, f"call {call}"
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
 
 
 class TwoGenerators(nn.Module):
