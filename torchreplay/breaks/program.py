@@ -39,13 +39,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from torchreplay import _compat
+from torchreplay._compat.rng import same_generator
 from torchreplay.breaks.functions import FunctionWatch, check_differentiable
 from torchreplay.breaks.plan import Break, check_reached, intercept, made_anew, objects, resolve_breaks
 from torchreplay.breaks.recorded import Call, Op, Program, Rebound, Ref, Segment
-from torchreplay._compat.rng import same_generator
 from torchreplay.check import user_line
-from torchreplay.core.generators import per_call
 from torchreplay.core.args import CallArgs
+from torchreplay.core.generators import per_call
 from torchreplay.errors import CaptureError
 
 __all__ = ["Ref", "Rebound", "Op", "Segment", "Call", "Program", "Seen", "observe", "record", "sample"]
