@@ -23,11 +23,10 @@ from torchreplay import _compat
 from torchreplay.check import NO_CUDA_OP, check_call
 from torchreplay.core.args import CallArgs, owning_module
 from torchreplay.config import GraphConfig
-from torchreplay.core import generators
 from torchreplay.core.capture import capture, on_side_stream, side_stream
 from torchreplay.core.constants import DeviceConstants
 from torchreplay.core.failures import failed_lines
-from torchreplay.core.generators import Draws
+from torchreplay.core.generators import Draws, remember
 from torchreplay.core.pool import Pool
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.errors import CaptureError
@@ -226,7 +225,7 @@ def _trial(
         with DeviceConstants() if constants else contextlib.nullcontext():
             return fn(*a, **k)
 
-    generators.remember(call, list(gens))  # (what a capture without warm-ups registers)
+    remember(call, list(gens))  # (what a capture without warm-ups registers)
 
     try:
         captured = capture(call, tuple(args), dict(kwargs), device=device, stream=side_stream(device),
