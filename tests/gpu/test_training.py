@@ -828,3 +828,50 @@ def test_a_callable_whose_backward_launches_nothing_trains_as_eager() -> None:
         torch.testing.assert_close(w.grad, wr.grad, **TOL)  # (accumulated over the steps)
         for p, q in zip(lin.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, **TOL)
+
+
+@pytest.mark.parametrize("middle", ["flatten", "identity", "dropout0", "transpose"])
+def test_a_layer_that_launches_nothing_runs_as_eager_among_graphed_ones(middle: str) -> None:
+    """A tuple of layers with ``nn.Flatten`` (or ``nn.Identity``, ``nn.Dropout(p=0)``, a
+    transpose) between two real ones: that layer returns a view of its argument and launches
+    no kernel, eagerly too. It was refused ("call it as it is"), though torch's tool takes it
+    (an empty graph handing out views of its static input). Now it runs eagerly: its output is
+    a view of the caller's tensor, as eagerly, and the graphed layers around it train as eager
+    does over fresh inputs."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3, padding=1).to(DEV)
+    mid, head_in = {
+        "flatten": (nn.Flatten(), 4 * 6 * 6),
+        "identity": (nn.Identity(), 6),
+        "dropout0": (nn.Dropout(p=0.0), 6),
+        "transpose": ((lambda h: h.transpose(-1, -2)), 6),
+    }[middle]
+    head = nn.Linear(head_in, 5).to(DEV)
+    ref_conv, ref_head = copy.deepcopy(conv), copy.deepcopy(head)
+    x0 = torch.randn(2, 3, 6, 6, device=DEV, requires_grad=True)
+    h0 = conv(x0).detach().requires_grad_(True)
+    g_conv, g_mid, g_head = tr.make_graphed_callables(
+        (conv, mid, head), ((x0,), (h0,), (mid(h0).detach().requires_grad_(True),)))
+    launchless = g_mid.forward if isinstance(g_mid, nn.Module) else g_mid
+    assert "launches no kernel" in repr(launchless)
+    assert launchless.stats.captures == 0 and conv.forward.stats.captures == 2
+    for step in range(STEPS):
+        x = torch.randn(2, 3, 6, 6, device=DEV, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        h = g_conv(x)
+        m = g_mid(h)
+        assert m.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()  # a view, as eager's
+        y, yr = g_head(m), ref_head(mid(ref_conv(xr)))
+        torch.testing.assert_close(y, yr, **TOL)
+        t = torch.randn_like(y)
+        (y * t).sum().backward()
+        (yr * t).sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad, **TOL)
+        for p, q in itertools.chain(
+            zip(conv.parameters(), ref_conv.parameters()), zip(head.parameters(), ref_head.parameters())
+        ):
+            torch.testing.assert_close(p.grad, q.grad, **TOL)
+    assert conv.forward.stats.replays == STEPS and head.forward.stats.backward_replays == STEPS
+    # Launching nothing because the work ran on the CPU is still refused, saying so.
+    with pytest.raises(tr.CaptureError, match="empty graph.*ran on the CPU"):
+        tr.make_graphed_callables(lambda t: torch.ones(3) + 1, (torch.randn(3, device=DEV),))

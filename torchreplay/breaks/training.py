@@ -35,7 +35,7 @@ from torchreplay.core.pool import Pool
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.errors import CaptureError, ReplayInputError
 from torchreplay.stats import TrainingStats
-from torchreplay.training.callables import GraphedCallable, graph_callables, make_graphed_callables
+from torchreplay.training.callables import GraphedCallable, Launchless, graph_callables, make_graphed_callables
 from torchreplay.training.verify import check_verify, resolve_tolerance
 
 __all__ = ["BreakTraining", "auto_breaks", "break_modules", "graph_around_breaks", "inside"]
@@ -64,7 +64,7 @@ class BreakTraining(EagerForm):
     _eager_attr = "_original"  # (core/eager_form.py: what copies, pickles and inspect see)
 
     def __init__(
-        self, model: nn.Module, program: Program, runners: list[GraphedCallable], original: Any,
+        self, model: nn.Module, program: Program, runners: list[GraphedCallable | Launchless], original: Any,
         device: torch.device | None = None, reads: Any = None,
     ) -> None:
         self._model = model
@@ -386,7 +386,7 @@ def graph_around_breaks(
             )
     original = model.forward
 
-    def graph(program: Program) -> list[GraphedCallable]:
+    def graph(program: Program) -> list[GraphedCallable | Launchless]:
         segments = program.segments
         if not segments:
             raise CaptureError(

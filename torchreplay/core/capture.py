@@ -31,7 +31,7 @@ from torchreplay.config import GraphConfig
 from torchreplay.core import constants, generators
 from torchreplay.core.args import fn_name
 from torchreplay.core.effects import NO_EFFECTS, NoEffects, PyState
-from torchreplay.core.failures import capture_error, empty_message, warmup_error
+from torchreplay.core.failures import capture_error, empty_message, returns_arguments, warmup_error
 from torchreplay.core.generators import HostDraws
 from torchreplay.core.pool import Pool, expect_capture
 from torchreplay.core.snapshot import StateSnapshot
@@ -264,6 +264,7 @@ def capture(
     find_generators: bool = True,
     copy_in: Sequence[torch.Tensor] = (),
     allow_empty: bool = False,
+    allow_launchless: bool = False,
     host_draws: bool = True,
 ) -> Captured:
     """Warm ``fn`` up on ``stream`` and capture one call of it into a new graph in ``pool``.
@@ -322,6 +323,10 @@ def capture(
             (``Captured.graph`` None), not a :class:`CaptureError`: a backward that hands the
             incoming gradients on as they are (``y = x + noise``) launches no kernel, eagerly
             too.
+        allow_launchless: the same, only where the call returns its arguments or views of them
+            (``nn.Flatten``, ``nn.Identity``; core/failures.py: ``returns_arguments``): eagerly
+            too it launches nothing. An empty capture for another reason (the work ran on the
+            CPU) still raises.
         host_draws: warn (once per ``owner``) when the captured call drew random numbers on the
             host (core/generators.py: ``HostDraws``); False for a trial capture that is dropped.
 
@@ -425,7 +430,9 @@ def capture(
                 python.undo()  # the diagnosis ran the call once more
         # Only the graph can tell an empty capture: an optimizer step alone has no tensor
         # argument and returns None, yet records real work on the device.
-        if all(segments.empty) and not allow_empty:
+        if all(segments.empty) and not (
+            allow_empty or allow_launchless and returns_arguments(args, kwargs, out, device)
+        ):
             err = CaptureError(empty_message(fn, args, kwargs, out, device))
             out = None
             _undo(segments, device, pool, snapshot, err, python)

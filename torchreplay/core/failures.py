@@ -18,7 +18,9 @@ from torchreplay.core.args import fn_name
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.errors import CaptureError
 
-__all__ = ["capture_error", "empty_message", "failed_lines", "user_frame", "warmup_error"]
+__all__ = [
+    "capture_error", "empty_message", "failed_lines", "returns_arguments", "user_frame", "warmup_error",
+]
 
 # (with the separator: torchvision's and torchaudio's files are the user's, not torch's)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -46,15 +48,22 @@ def warmup_error(fn: Callable[..., Any], i: int, exc: Exception) -> CaptureError
     )
 
 
-def empty_message(fn: Callable[..., Any], args: Any, kwargs: Any, out: Any, device: torch.device) -> str:
-    """Why a capture recorded nothing: the work ran elsewhere, or there was none (the callable
-    returns its arguments or views of them: eagerly too it launches nothing)."""
+def returns_arguments(args: Any, kwargs: Any, out: Any, device: torch.device) -> bool:
+    """Whether every tensor ``out`` holds is one of the call's tensor arguments on ``device`` or
+    a view of one (``nn.Flatten``, ``nn.Identity``, ``Dropout(p=0)``): a call that launches no
+    kernel, eagerly too."""
     given = {
         t.untyped_storage().data_ptr() for t in _compat.tree_flatten((args, kwargs))[0]
         if isinstance(t, torch.Tensor) and t.device == device
     }
     outs = [t for t in _compat.tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-    if given and outs and all(t.untyped_storage().data_ptr() in given for t in outs):
+    return bool(given and outs) and all(t.untyped_storage().data_ptr() in given for t in outs)
+
+
+def empty_message(fn: Callable[..., Any], args: Any, kwargs: Any, out: Any, device: torch.device) -> str:
+    """Why a capture recorded nothing: the work ran elsewhere, or there was none (the callable
+    returns its arguments or views of them: eagerly too it launches nothing)."""
+    if returns_arguments(args, kwargs, out, device):
         return (
             f"capturing '{fn_name(fn)}' recorded no CUDA work (an empty graph): it returns its "
             f"arguments or views of them, which launches no kernel on {device}, eagerly too. "

@@ -25,6 +25,7 @@ from torchreplay import _compat
 from torchreplay.config import GraphConfig
 from torchreplay.core.args import CallArgs, infer_device
 from torchreplay.core.capture import capture, side_stream
+from torchreplay.core.eager_form import EagerForm
 from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
 from torchreplay.core.modes import refuse_inference_capture
@@ -35,7 +36,7 @@ from torchreplay.training.pair import Order, Pair, retire_pair
 from torchreplay.training.state import StateKeeper
 from torchreplay.training.verify import check_verify, resolve_tolerance
 
-__all__ = ["make_graphed_callables", "graph_callables", "GraphedCallable", "TrainingStats"]
+__all__ = ["make_graphed_callables", "graph_callables", "GraphedCallable", "Launchless", "TrainingStats"]
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,9 @@ _Tensor = torch.Tensor
 
 def _capture_pairs(
     runners: Sequence[GraphedCallable], *, device: torch.device, pool: Pool, config: GraphConfig
-) -> list[Pair]:
-    """Warm up and capture forward 1..N, then backward N..1, into ``pool``."""
+) -> list[Pair | None]:
+    """Warm up and capture forward 1..N, then backward N..1, into ``pool``; None for a
+    callable whose forward launches no kernel (it returns its arguments or views of them)."""
     stream = side_stream(device)
     forwards = []
     python: list[PyState] = []
@@ -69,11 +71,16 @@ def _capture_pairs(
                 watch=[s.static for s in r._inputs.tensor_slots],
                 effects=python[-1],  # the Python state its forward changes: core/effects.py
                 free_warmup=True,  # (the record's and warm-up's memory, for the pool)
+                allow_launchless=True,  # (nn.Flatten, nn.Identity: run eagerly, see _build)
             )
         )
     pairs: list[Pair | None] = [None] * len(runners)
     for i in reversed(range(len(runners))):
         r, fwd = runners[i], forwards[i]
+        if fwd.graph is None:  # it returns its arguments or views of them: nothing to replay
+            forwards[i] = None  # type: ignore[call-overload]
+            del fwd
+            continue
         leaves, spec = _compat.tree_flatten(fwd.out)
         owned = owned_by(pool, r._inputs)
         diff_idx = [
@@ -135,7 +142,7 @@ def _capture_pairs(
         )
         forwards[i] = None  # type: ignore[call-overload]
         del leaves, fwd, bwd
-    return [p for p in pairs if p is not None]
+    return pairs
 
 
 def _replays_nothing() -> None:
@@ -153,9 +160,44 @@ def forward_effects(r: GraphedCallable) -> PyState:
     )
 
 
-def _build(runners: list[GraphedCallable], device: torch.device, pool: Pool, config: GraphConfig) -> None:
+class Launchless(EagerForm):
+    """A callable of :func:`make_graphed_callables` whose forward launches no kernel: it returns
+    its arguments or views of them (``nn.Flatten``, ``nn.Identity``, ``nn.Dropout(p=0)`` in a
+    tuple of layers). A graph would replay nothing, so every call runs it as it is: its outputs
+    are views of the caller's tensors, with eager's autograd, as eagerly. (Torch's tool captures
+    an empty graph and hands out views of its own static inputs, which the next call overwrites.)
+
+    Attributes:
+        name: the callable's name.
+        stats: all zero: nothing was captured, nothing replays, no call falls back.
+        pool: the memory pool of the callables graphed with it.
+    """
+
+    _eager_attr = "_run_fn"
+
+    def __init__(self, runner: GraphedCallable, pool: Pool) -> None:
+        self.fn = runner.fn
+        self.name = runner.name
+        self.device = runner.device
+        self.config = runner.config
+        self.pool = pool
+        self.stats = TrainingStats(pool.reserved_bytes)
+        self._run_fn = runner._run_fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return (
+            f"Launchless({self.name}, device={self.device}: it returns its arguments or views of "
+            "them, which launches no kernel, so every call runs it eagerly)"
+        )
+
+
+def _build(runners: list[Any], device: torch.device, pool: Pool, config: GraphConfig) -> None:
     """Capture every runner's graphs into ``pool``, leave module state and RNG as they were,
-    and register the graphs in capture order."""
+    and register the graphs in capture order; a runner whose forward launches no kernel is
+    replaced in ``runners`` by its :class:`Launchless`."""
     start = time.perf_counter()
     keeper = (
         StateKeeper(device, modules=[r._module for r in runners if r._module is not None])
@@ -180,14 +222,20 @@ def _build(runners: list[GraphedCallable], device: torch.device, pool: Pool, con
             r._keeper = None
     if keeper is not None:
         keeper.restore()
-    for r, pair in zip(runners, pairs):
+    graphed = []
+    for k, (r, pair) in enumerate(zip(runners, pairs)):
+        if pair is None:
+            runners[k] = Launchless(r, pool)  # type: ignore[call-overload]
+            log.info("torchreplay: %r", runners[k])
+            continue
         r._adopt(pair, pool)
         pool.track(r, [g for g in pair.graphs if g is not None], retire_pair(r._outputs, pair))
         release_with(r, r.collectives, r._ranks)
-    for r in runners:  # each reports its outputs to the pool (core/pool.py)
+        graphed.append(r)
+    for r in graphed:  # each reports its outputs to the pool (core/pool.py)
         r._fwd_pos = pool.register(r.fwd_member, reports=True)
         r._outputs.on_live = pool.on_live(r._fwd_pos)
-    for r in reversed(runners):
+    for r in reversed(graphed):
         r._bwd_pos = -1
         if r._has_backward:
             r._bwd_pos = pool.register(r.bwd_member, reports=True)
@@ -283,7 +331,9 @@ def make_graphed_callables(
     dropout (a fresh mask each call, the same masks as eager from the same seed); gradient
     accumulation (``.grad`` accumulates g1 + g2, never aliases the graph); parameters used
     through closures get gradients; a module's own hooks run eagerly around every call; checked
-    replay order for callables that share a pool; ``verify=K``.
+    replay order for callables that share a pool; ``verify=K``; a callable that launches no
+    kernel (``nn.Flatten`` between two layers: it returns a view of its argument) runs eagerly,
+    its output a view of the caller's tensor as eagerly (a :class:`Launchless`).
 
     Args:
         callables: a module or function, or a tuple of them; a tuple shares one memory pool and
@@ -401,11 +451,12 @@ def graph_callables(
     verify: int,
     tol: Any,
     names: Sequence[str] | None = None,
-) -> list[GraphedCallable]:
+) -> list[GraphedCallable | Launchless]:
     """Capture forward and backward graphs of each callable (checked arguments, in the order
-    they run) into ``pool``; ``names`` name them in messages (default: the class or function)."""
+    they run) into ``pool``; ``names`` name them in messages (default: the class or function).
+    A callable whose forward launches no kernel comes back as a :class:`Launchless`."""
     order = Order()
-    runners = [
+    runners: list[Any] = [
         GraphedCallable(
             fn,
             a,
