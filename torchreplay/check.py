@@ -6,7 +6,8 @@ a dict) runs the callable eagerly once and watches it from two sides:
 - a ``TorchDispatchMode`` sees every aten op with its arguments: values read on the host
   (``aten._local_scalar_dense``), data-dependent output sizes, copies between host and device,
   tensors on the CPU or on several devices, CPU generators (a CUDA one is registered with the
-  graph: core/generators.py), pinned allocations;
+  graph: core/generators.py), numbers drawn on the host that the call then uses (LayerDrop's
+  ``torch.rand([]) < p``: a graph keeps the capture's), pinned allocations;
 - a ``sys.setprofile`` hook sees Python-level calls that never reach aten on CPU tensors
   (``.tolist()``, ``.cpu()`` on a CPU tensor, printing, ``torch.cuda.synchronize``, RNG state).
 
@@ -28,6 +29,7 @@ import linecache
 import logging
 import os
 import sys
+import weakref
 from collections.abc import Sequence
 from types import CodeType, FrameType
 from typing import Any, Callable, Iterator, overload
@@ -193,6 +195,12 @@ _RNG_GENERATOR = _Rule(_RNG, "draws from an explicit torch.Generator, which this
 _RNG_HOST_GENERATOR = _Rule(_RNG, "draws from a CPU torch.Generator on the host, which a graph does "
                             "not replay: the numbers drawn at capture are used at every replay",
                             "draw on the device from a CUDA generator (torch.Generator(device='cuda'))")
+_RNG_HOST_DRAW = _Rule(_RNG, "uses a random number drawn on the host (torch's CPU generator) in a "
+                      "call that runs on CUDA: a graph does not draw it again, so every replay uses "
+                      "the number drawn at capture (Hugging Face's LayerDrop would skip the same "
+                      "layers at every call)", "draw on the device (torch.rand((), device=x.device)) "
+                      "and keep the choice there (torch.where), or make the choice outside the "
+                      "graphed call; for LayerDrop, set config.layerdrop = 0 or graph in eval mode")
 _PINNED = _Rule("pinned-memory", "allocates pinned host memory, which calls into the CUDA driver "
                 "while capturing", "allocate pinned buffers once outside the graphed function")
 
@@ -205,6 +213,13 @@ _ATEN_RULES: dict[str, _Rule] = {
                      "aten.unique_consecutive", "aten.unique_dim_consecutive"), _DYN_DATA),
     "aten._pin_memory": _PINNED,
 }
+# aten ops that draw random numbers: on the CPU in a call that runs on CUDA, drawn on the host.
+_RANDOM_OPS = frozenset(f"aten.{name}" for name in (
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "normal",
+    "normal_", "uniform_", "random_", "bernoulli", "bernoulli_", "exponential_", "cauchy_",
+    "log_normal_", "geometric_", "multinomial", "poisson", "native_dropout"))
+# What reads a tensor's value on the host: where a number drawn there decides.
+_HOST_READS = frozenset({"aten._local_scalar_dense", "aten.is_nonzero", "aten.equal"})
 _INDEX_PUT_OPS = frozenset({"aten.index_put", "aten.index_put_", "aten._index_put_impl_"})
 _LIFT_OPS = frozenset({"aten.lift_fresh", "aten.lift_fresh_copy"})
 # Copies are judged by direction, not by the generic device-mixing rule.
@@ -365,6 +380,33 @@ def _touches_cuda(tensors: list[torch.Tensor], kwargs: dict[str, Any], out: Any)
     return any(t.device.type == "cuda" for t in (*tensors, *_tensors(tuple(outs), {})))
 
 
+class _HostDraws:
+    """The CPU tensors that hold numbers drawn on the host, or values computed from them, in a
+    call that runs on CUDA (``torch.rand([]) < p``: LayerDrop). Drawn and never used (Wav2Vec2
+    draws in eval mode too, and skips only in training) is no finding; read on the host (an
+    ``if``) or used by a CUDA op is: the graph keeps the capture's number. By identity: a
+    tensor's ``==`` compares values."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        ref = self._refs.get(id(t))
+        return ref is not None and ref() is t
+
+    def any_of(self, tensors: list[torch.Tensor]) -> bool:
+        return bool(self._refs) and any(t in self for t in tensors)
+
+    def after(self, name: str, tensors: list[torch.Tensor], out: Any) -> None:
+        """Follow one op that ran: a draw on the CPU, or an op of a drawn value, makes its CPU
+        outputs drawn."""
+        if name in _RANDOM_OPS or self.any_of(tensors):
+            outs = out if isinstance(out, (list, tuple)) else (out,)
+            for t in outs:
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                    self._refs[id(t)] = weakref.ref(t)
+
+
 class _Recorder:
     """Collect findings from both hooks, deduplicated, in the order they happen."""
 
@@ -376,6 +418,7 @@ class _Recorder:
         self.previous = previous  # the profiler that was set before check, chained to
         self.saw_cuda = False
         self.on_finding = on_finding
+        self.drawn = _HostDraws()  # (followed once the call has touched CUDA)
 
     def add(self, op: str, rule: _Rule, at: tuple[str, int] | None, code: str | None = None) -> None:
         filename, lineno = at or self.fallback
@@ -394,6 +437,8 @@ class _Recorder:
               tensors: list[torch.Tensor]) -> None:
         name = _op_name(func)
         rules = _classify(name, args, kwargs, tensors)
+        if self.drawn.any_of(tensors) and (name in _HOST_READS or _touches_cuda(tensors, kwargs, None)):
+            rules = [r for r in rules if r is not _SYNC_VALUE] + [_RNG_HOST_DRAW]  # (a CPU value)
         if rules:
             at = _user_location(sys._getframe())
             for rule in rules:
@@ -419,6 +464,8 @@ class _Recorder:
             if isinstance(owner, torch.Tensor):
                 method = arg.__name__
                 rule = _TENSOR_METHODS.get(method)
+                if rule is _SYNC_VALUE and owner in self.drawn:
+                    rule = None  # (its aten op says what it is: a number drawn on the host)
                 if rule is None and method == "cuda" and owner.device.type == "cpu":
                     rule = _H2D_COPY
                 if rule is not None:
@@ -451,6 +498,8 @@ class _CheckMode(LightDispatchMode):
         recorder.saw_cuda = recorder.saw_cuda or _touches_cuda(tensors, kwargs, None)
         out = func(*args, **kwargs)
         recorder.saw_cuda = recorder.saw_cuda or _touches_cuda((), {}, out)
+        if recorder.saw_cuda:
+            recorder.drawn.after(_op_name(func), tensors, out)
         return out
 
 

@@ -309,6 +309,39 @@ def test_rng(fn, extra, name, op):
     assert_at(only(report, "rng"), name, kind="rng", op=op)
 
 
+def f_layerdrop(x, training):
+    for _ in range(3):
+        p = torch.rand([])  # (Wav2Vec2's form: drawn in eval mode too)
+        if training and p < 0.5:  # at:layerdrop
+            continue
+        x = x * 2
+    return x
+
+
+def host_draws(fn, *args):
+    """The findings of ``fn(*args)`` watched as after a call's first CUDA op: CI has no CUDA."""
+    from torchreplay.check import _CheckMode, _Recorder
+
+    recorder = _Recorder(("?", 0), None)
+    recorder.saw_cuda = True
+    with _CheckMode(recorder):
+        fn(*args)
+    return Report(recorder.findings)
+
+
+def test_a_number_drawn_on_the_host_is_a_finding_where_a_call_on_cuda_reads_it():
+    """LayerDrop's ``torch.rand([]) < p`` in a model on the GPU is a CPU tensor, so no sync: the
+    graph keeps the capture's draw at every replay. The finding is where the ``if`` reads it,
+    in place of the host-sync one; drawn and not read (eval mode) is none. In a call that never
+    touched CUDA (CI's CPU check) it stays what it was: the value read on the host."""
+    finding = only(host_draws(f_layerdrop, x4(), True), "rng")
+    assert_at(finding, "layerdrop", kind="rng", op="aten._local_scalar_dense")
+    assert "drawn on the host" in finding.reason and "LayerDrop" in finding.reason
+    assert not host_draws(f_layerdrop, x4(), False)
+    assert only(check(f_layerdrop, x4(), True), "host-sync").lineno == line_of("layerdrop")
+    assert not [f for f in check(f_layerdrop, x4(), True) if f.kind == "rng"]
+
+
 def f_pin(x):
     return x.pin_memory()  # at:pin
 

@@ -667,14 +667,18 @@ class LayerDrop(nn.Module):
     """Hugging Face's LayerDrop: in training mode, each layer is skipped when a number drawn on
     the host is below ``layerdrop`` (torch's CPU generator, or Python's ``random``)."""
 
-    def __init__(self, layerdrop: float, source: str) -> None:
+    def __init__(self, layerdrop: float, source: str, always: bool = False) -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
-        self.layerdrop, self.source = layerdrop, source
+        self.layerdrop, self.source, self.always = layerdrop, source, always
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
-            if self.training and (torch.rand([]) if self.source == "torch" else random.random()) < self.layerdrop:
+            if self.always:  # Wav2Vec2's form: drawn in eval mode too, used only in training
+                p = torch.rand([])
+                if self.training and p < self.layerdrop:  # at:layerdrop-use
+                    continue
+            elif self.training and (torch.rand([]) if self.source == "torch" else random.random()) < self.layerdrop:
                 continue
             x = layer(x).tanh()
         return x
@@ -704,3 +708,45 @@ def test_a_draw_on_the_host_inside_a_capture_is_said_once(source: str, caplog) -
         tr.graph(lambda h: host_jitter(h * 2) + 1, x, breaks=[host_jitter])
     said = [r.getMessage() for r in caplog.records if "drew random numbers on the host" in r.getMessage()]
     assert not said, said
+
+
+class Encoded(nn.Module):
+    """LayerDrop inside a submodule, as in Hugging Face's encoders: a layer, the encoder, a layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.encoder, self.head = nn.Linear(16, 16), LayerDrop(0.5, "torch", always=True), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x)))
+
+
+def test_a_number_drawn_on_the_host_that_decides_is_a_check_finding_and_an_auto_break(caplog) -> None:
+    """LayerDrop's ``torch.rand([]) < p`` on a model on the GPU: ``tr.check`` said nothing (a CPU
+    tensor, no sync), and ``breaks="auto"`` graphed it whole, so every replay skipped the layers
+    the capture's draw chose. Now the check finds the number drawn on the host where the ``if``
+    reads it, and "auto" breaks at the module around it, whose calls skip layers as eager's do.
+    Drawn and not used (Wav2Vec2 in eval mode) is no finding and no break."""
+    torch.manual_seed(0)
+    model = Encoded().to(DEV)
+    x = torch.randn(8, 16, device=DEV)
+    found = [f for f in tr.check(model.train(), x) if f.kind == "rng"]
+    assert len(found) == 1 and "drawn on the host" in found[0].reason, found
+    assert found[0].code.startswith("if self.training and p < self.layerdrop:"), found
+    assert not tr.check(model.eval(), x)  # (drawn, never read: nothing)
+    g = tr.graph(model.eval(), x, breaks="auto")
+    assert not g.auto and torch.allclose(g(x), model(x))  # (eval: graphed whole, no break)
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        g = tr.graph(model.train(), x, breaks="auto")
+    assert [b.path for b in g.auto] == ["encoder"]
+    assert not [r for r in caplog.records if "drew random numbers on the host" in r.getMessage()]
+    kept = set()
+    for seed in range(12):
+        xi = torch.randn(8, 16, device=DEV)
+        torch.manual_seed(seed)
+        y = g(xi)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(y, model(xi))
+        torch.manual_seed(seed)
+        kept.add(round(float(g(x).sum()), 4))
+    assert len(kept) > 1  # (one input, other layers kept per call: as eagerly, not the capture's)
