@@ -218,6 +218,7 @@ _RANDOM_OPS = frozenset(f"aten.{name}" for name in (
     "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "normal",
     "normal_", "uniform_", "random_", "bernoulli", "bernoulli_", "exponential_", "cauchy_",
     "log_normal_", "geometric_", "multinomial", "poisson", "native_dropout"))
+_COMPARES = frozenset({"aten.lt", "aten.le", "aten.gt", "aten.ge"})
 # What reads a tensor's value on the host: where a number drawn there decides.
 _HOST_READS = frozenset({"aten._local_scalar_dense", "aten.is_nonzero", "aten.equal"})
 _INDEX_PUT_OPS = frozenset({"aten.index_put", "aten.index_put_", "aten._index_put_impl_"})
@@ -384,11 +385,14 @@ class _HostDraws:
     """The CPU tensors that hold numbers drawn on the host, or values computed from them, in a
     call that runs on CUDA (``torch.rand([]) < p``: LayerDrop). Drawn and never used (Wav2Vec2
     draws in eval mode too, and skips only in training) is no finding; read on the host (an
-    ``if``) or used by a CUDA op is: the graph keeps the capture's number. By identity: a
+    ``if``) or used by a CUDA op is: the graph keeps the capture's number. So is no finding a
+    comparison whose answer no draw changes: ``torch.rand([]) < 0.0``, LayerDrop off (Hugging
+    Face's default), compares a number of [0, 1) with a bound outside it. By identity: a
     tensor's ``==`` compares values."""
 
     def __init__(self) -> None:
         self._refs: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._unit: set[int] = set()  # the ids of those drawn by torch.rand: in [0, 1)
 
     def __contains__(self, t: torch.Tensor) -> bool:
         ref = self._refs.get(id(t))
@@ -397,14 +401,27 @@ class _HostDraws:
     def any_of(self, tensors: list[torch.Tensor]) -> bool:
         return bool(self._refs) and any(t in self for t in tensors)
 
-    def after(self, name: str, tensors: list[torch.Tensor], out: Any) -> None:
+    def after(self, name: str, args: tuple[Any, ...], tensors: list[torch.Tensor], out: Any) -> None:
         """Follow one op that ran: a draw on the CPU, or an op of a drawn value, makes its CPU
         outputs drawn."""
-        if name in _RANDOM_OPS or self.any_of(tensors):
+        if name in _RANDOM_OPS or self.any_of(tensors) and not self._decided(name, args):
             outs = out if isinstance(out, (list, tuple)) else (out,)
             for t in outs:
                 if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                     self._refs[id(t)] = weakref.ref(t)
+                    if name == "aten.rand":
+                        self._unit.add(id(t))
+                    else:
+                        self._unit.discard(id(t))
+
+    def _decided(self, name: str, args: tuple[Any, ...]) -> bool:
+        """Whether this op compares a number of [0, 1) with a bound its answer does not depend on."""
+        if name not in _COMPARES or len(args) < 2 or id(args[0]) not in self._unit or args[0] not in self:
+            return False
+        bound = args[1]
+        if not isinstance(bound, (int, float)) or isinstance(bound, bool):
+            return False
+        return bound < 0 or bound >= 1 or (bound == 0 and name in ("aten.lt", "aten.ge"))
 
 
 class _Recorder:
@@ -499,7 +516,7 @@ class _CheckMode(LightDispatchMode):
         out = func(*args, **kwargs)
         recorder.saw_cuda = recorder.saw_cuda or _touches_cuda((), {}, out)
         if recorder.saw_cuda:
-            recorder.drawn.after(_op_name(func), tensors, out)
+            recorder.drawn.after(_op_name(func), args, tensors, out)
         return out
 
 

@@ -309,10 +309,10 @@ def test_rng(fn, extra, name, op):
     assert_at(only(report, "rng"), name, kind="rng", op=op)
 
 
-def f_layerdrop(x, training):
+def f_layerdrop(x, training, layerdrop=0.5):
     for _ in range(3):
         p = torch.rand([])  # (Wav2Vec2's form: drawn in eval mode too)
-        if training and p < 0.5:  # at:layerdrop
+        if training and p < layerdrop:  # at:layerdrop
             continue
         x = x * 2
     return x
@@ -338,6 +338,12 @@ def test_a_number_drawn_on_the_host_is_a_finding_where_a_call_on_cuda_reads_it()
     assert_at(finding, "layerdrop", kind="rng", op="aten._local_scalar_dense")
     assert "drawn on the host" in finding.reason and "LayerDrop" in finding.reason
     assert not host_draws(f_layerdrop, x4(), False)
+    # LayerDrop off (Hugging Face's default 0.0): no draw changes the answer, so no rng finding
+    # (the host-sync one stays: a value read on the host, as for any CPU tensor in CI's check).
+    for off in (0.0, -1, 1.0, 2):
+        assert [f.kind for f in host_draws(f_layerdrop, x4(), True, off)] == ["host-sync"], off
+    assert only(host_draws(f_layerdrop, x4(), True, 1e-3), "rng").lineno == line_of("layerdrop")
+    assert only(host_draws(lambda x: x * 2 if torch.rand([]) * 2 < 1.5 else x, x4()), "rng")
     assert only(check(f_layerdrop, x4(), True), "host-sync").lineno == line_of("layerdrop")
     assert not [f for f in check(f_layerdrop, x4(), True) if f.kind == "rng"]
 

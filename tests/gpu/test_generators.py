@@ -713,9 +713,10 @@ def test_a_draw_on_the_host_inside_a_capture_is_said_once(source: str, caplog) -
 class Encoded(nn.Module):
     """LayerDrop inside a submodule, as in Hugging Face's encoders: a layer, the encoder, a layer."""
 
-    def __init__(self) -> None:
+    def __init__(self, layerdrop: float = 0.5) -> None:
         super().__init__()
-        self.embed, self.encoder, self.head = nn.Linear(16, 16), LayerDrop(0.5, "torch", always=True), nn.Linear(16, 16)
+        self.embed, self.head = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.encoder = LayerDrop(layerdrop, "torch", always=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.encoder(self.embed(x)))
@@ -726,7 +727,8 @@ def test_a_number_drawn_on_the_host_that_decides_is_a_check_finding_and_an_auto_
     tensor, no sync), and ``breaks="auto"`` graphed it whole, so every replay skipped the layers
     the capture's draw chose. Now the check finds the number drawn on the host where the ``if``
     reads it, and "auto" breaks at the module around it, whose calls skip layers as eager's do.
-    Drawn and not used (Wav2Vec2 in eval mode) is no finding and no break."""
+    Drawn and not used (Wav2Vec2 in eval mode), or compared with 0.0 (LayerDrop off), is no
+    finding and no break."""
     torch.manual_seed(0)
     model = Encoded().to(DEV)
     x = torch.randn(8, 16, device=DEV)
@@ -741,6 +743,10 @@ def test_a_number_drawn_on_the_host_that_decides_is_a_check_finding_and_an_auto_
         g = tr.graph(model.train(), x, breaks="auto")
     assert [b.path for b in g.auto] == ["encoder"]
     assert not [r for r in caplog.records if "drew random numbers on the host" in r.getMessage()]
+    # LayerDrop off (Hugging Face's default): the draw decides nothing, so no break.
+    off = Encoded(0.0).to(DEV).train()
+    assert not [f for f in tr.check(off, x) if f.kind == "rng"]
+    assert not tr.graph(off, x, breaks="auto").auto
     kept = set()
     for seed in range(12):
         xi = torch.randn(8, 16, device=DEV)
