@@ -625,3 +625,40 @@ def test_a_layer_frozen_at_the_build_and_unfrozen_later_trains_like_eager(caplog
             _twin_step(model, ref, opts, g, step)
     assert model.blocks[0].mlp[0].weight.grad is not None
     assert model.forward.stats.fallbacks == 3 and "changed since capture" in caplog.text
+
+
+class ViewsBetweenBreaks(nn.Module):
+    """Between its two breaks only a view (``unflatten``): that segment launches no kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.clip1, self.clip2 = nn.Linear(H, H), nn.Linear(H, H), Clip(), Clip()  # (above)
+
+    def forward(self, x):
+        h = self.clip1(self.a(x)).unflatten(0, (2, B // 2))
+        return self.b(self.clip2(h).flatten(0, 1)).tanh()
+
+
+def test_a_segment_that_launches_nothing_trains_like_eager():
+    """The code between two breaks is a view: its segment's capture recorded nothing, and the
+    build was refused ("an empty graph"). That segment now runs as it is, eagerly (a view of
+    the break's output, as eagerly), and the model trains as its eager twin."""
+    torch.manual_seed(0)
+    model = ViewsBetweenBreaks().to(DEV)
+    ref = copy.deepcopy(model)
+    tr.make_graphed_callables(model, (torch.randn(B, H, device=DEV, requires_grad=True),), breaks=[Clip])
+    runtime = model.forward
+    assert any("launches no kernel" in repr(seg) for seg in runtime.segments), runtime.segments
+    for step in range(STEPS):
+        x = torch.randn(B, H, device=DEV, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        y, yr = model(x), ref(xr)
+        torch.testing.assert_close(y, yr, **TOL)
+        t = torch.randn_like(y)
+        (y * t).sum().backward()
+        (yr * t).sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad, **TOL)
+        _assert_same(model, ref, f"step {step}")
+    assert model.forward.stats.fallbacks == 0
+    graphed = [seg for seg in runtime.segments if "launches no kernel" not in repr(seg)]
+    assert graphed and all(seg.stats.backward_replays == STEPS for seg in graphed)

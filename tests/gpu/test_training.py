@@ -875,3 +875,33 @@ def test_a_layer_that_launches_nothing_runs_as_eager_among_graphed_ones(middle: 
     # Launching nothing because the work ran on the CPU is still refused, saying so.
     with pytest.raises(tr.CaptureError, match="empty graph.*ran on the CPU"):
         tr.make_graphed_callables(lambda t: torch.ones(3) + 1, (torch.randn(3, device=DEV),))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_around_graphed_blocks_trains_as_eager(reentrant: bool) -> None:
+    """``torch.utils.checkpoint.checkpoint(block, h)`` around graphed blocks, as a model with
+    gradient checkpointing on calls its layers: the reentrant form replays the forward under
+    no_grad and again at the backward, the other keeps the node's saved inputs behind its
+    hooks. Both train as eager over fresh inputs, and nothing runs eagerly."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Dropout(0.0)).to(DEV) for _ in range(3)]
+    refs = copy.deepcopy(blocks)
+    h0 = torch.randn(8, 32, device=DEV, requires_grad=True)
+    graphed = tr.make_graphed_callables(tuple(blocks), tuple((h0,) for _ in blocks))
+    for step in range(STEPS):
+        x = torch.randn(8, 32, device=DEV, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        h, hr = x, xr
+        for g, r in zip(graphed, refs):
+            h = torch.utils.checkpoint.checkpoint(g, h, use_reentrant=reentrant)
+            hr = torch.utils.checkpoint.checkpoint(r, hr, use_reentrant=reentrant)
+        torch.testing.assert_close(h, hr, **TOL)
+        t = torch.randn_like(h)
+        (h * t).sum().backward()
+        (hr * t).sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad, **TOL)
+        for b, r in zip(blocks, refs):
+            for p, q in zip(b.parameters(), r.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, **TOL)
+    for b in blocks:
+        assert b.forward.stats.fallbacks == 0 and b.forward.stats.backward_replays == STEPS
