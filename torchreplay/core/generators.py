@@ -344,7 +344,8 @@ def host_draws_warning(name: str, moved: Sequence[str]) -> str:
         "a value moved to the device) is the same at every call, where eagerly each call draws "
         "anew. Harmless if nothing depends on them (layerdrop=0.0, or a draw only training mode "
         "uses, in eval mode). Otherwise draw on the device (torch.rand(..., device='cuda')), or "
-        "make that code a break (breaks=[...]: it runs eagerly at every call)"
+        "make that code a break (breaks=[...]: it runs eagerly at every call; breaks=\"auto\" "
+        "finds a torch draw that decides something)"
     )
 
 
