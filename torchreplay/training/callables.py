@@ -72,6 +72,9 @@ def _capture_pairs(
                 effects=python[-1],  # the Python state its forward changes: core/effects.py
                 free_warmup=True,  # (the record's and warm-up's memory, for the pool)
                 allow_launchless=True,  # (nn.Flatten, nn.Identity: run eagerly, see _build)
+                # The graph copies its tensor arguments in itself, as its first nodes: a call
+                # points them at its tensors, and launches no copy (_compat/copy_nodes.py).
+                copy_in=r._inputs.copied_by_graph(),
             )
         )
     pairs: list[Pair | None] = [None] * len(runners)
@@ -139,6 +142,8 @@ def _capture_pairs(
             collective_log=fwd.collective_log or (bwd.collective_log if bwd is not None else None),
             reads=python[i].reads(),
             generators=fwd.generators,
+            copies=fwd.copies,
+            spares=fwd.spares,
         )
         forwards[i] = None  # type: ignore[call-overload]
         del leaves, fwd, bwd

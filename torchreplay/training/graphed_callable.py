@@ -293,6 +293,8 @@ class GraphedCallable(EagerForm):
         if pair.generators:  # (registered with it: a recompute draws from where the call did)
             self._rng = rng_reader(self.device, self._rng is not None, pair.generators)
         self._inputs.set_written(pair.written)
+        self._inputs.attach(pair.copies)  # (pair.spares: kept by self._pair)
+        self.stats.graph_copies = len(pair.copies)
         self._writes = bool(self._inputs.written or self._inputs.rebound)  # (generators: moved on)
         self.stats.written_inputs = self._inputs.written_paths()
         self.collectives = pair.collectives

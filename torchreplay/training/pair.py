@@ -151,6 +151,8 @@ class Pair:
         input_grads: the gradients the backward hands to autograd (retired with the pair).
         reads: the tensors in Python state the forward reads (core/effects.py), checked by
             identity at every call; None: none.
+        copies, spares: the forward graph's own copies of the tensor arguments (its first
+            nodes, pointed at a call's tensors: _compat/copy_nodes.py), and what they need kept.
     """
 
     fwd_replay: Callable[[], Any]
@@ -169,6 +171,10 @@ class Pair:
     input_grads: InputGrads | None = None  # set when the callable adopts the pair
     reads: StateReads | None = None
     generators: tuple[torch.Generator, ...] = ()  # explicit ones the forward draws from
+    # The forward's own copies into its static inputs (core/capture.py ``copy_in``), and the
+    # buffers a copy not found writes at every replay (kept as long as the graph).
+    copies: tuple[Any, ...] = ()
+    spares: tuple[torch.Tensor, ...] = ()
 
 
 def capturing() -> bool:
