@@ -445,7 +445,8 @@ def capture(
                 raise err
             finally:
                 del err  # as above: no frame-error cycle
-        copies = copy_nodes.bind(segments.graphs[0], copy_in, spares) if copy_in else []
+        # (an empty capture, allowed, was not instantiated: nothing replays, nothing to bind)
+        copies = copy_nodes.bind(segments.graphs[0], copy_in, spares) if copy_in and not segments.empty[0] else []
         if copies is None:  # (each replay copies a buffer into its spare: harmless, kept alive)
             log.warning("torchreplay: '%s': the graph's own copies into its inputs were not found "
                         "after its capture; each call copies with a launch", fn_name(fn))
