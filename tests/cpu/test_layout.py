@@ -17,7 +17,8 @@ PKG = Path(__file__).resolve().parents[2] / "torchreplay"
 # The layers, lowest first. A module may import its own layer (inside one package) or lower ones.
 # sizes/, training/ and pieces/ are side by side: none imports another. compile/ builds on pieces/.
 LAYERS: list[tuple[str, ...]] = [
-    ("torchreplay._version", "torchreplay._compat", "torchreplay.errors", "torchreplay.config", "torchreplay.stats"),
+    ("torchreplay._version", "torchreplay._compat", "torchreplay.errors", "torchreplay.config", "torchreplay.stats",
+     "torchreplay.findings"),
     ("torchreplay.check",),
     ("torchreplay.distributed",),  # collectives and rank agreement: no graphs in here
     ("torchreplay.core",),
