@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import logging
 import math
+import pickle
 import weakref
 
 import pytest
@@ -21,6 +22,7 @@ import higher_order
 from memory import collector_off
 from twin_steps import history_step
 from torchreplay import _compat
+from torchreplay.core.failures import returns_arguments
 from torchreplay.core.modes import GradFlags
 from torchreplay.training import callables as training
 from torchreplay.training.pair import Pair
@@ -525,7 +527,10 @@ def _emulated_capture_pairs(runners, *, device, pool, config):
         n = config.num_warmup_iters
         for i in range(n):
             with python.warmup(last=i == n - 1):
-                r._warm_fn(*sa, **sk)
+                out = r._warm_fn(*sa, **sk)
+        if n and returns_arguments(sa, sk, out, CPU):  # (capture's allow_launchless: no graph)
+            pairs.append(None)
+            continue
         external = {id(t) for t in r._surface}
         if r._module is not None:
             external |= {id(b) for b in r._module.buffers()}
@@ -624,6 +629,36 @@ def test_emulated_gradient_accumulation_is_g1_plus_g2(emulated) -> None:
     static = {t.data_ptr() for t in model.forward._static_grad_inputs}
     assert not any(p.grad.data_ptr() in static for p in model.parameters())
     assert model.forward.stats.replays == 2 and model.forward.stats.backward_replays == 2
+
+
+def test_emulated_a_layer_that_launches_nothing_runs_eagerly_between_graphed_ones(emulated) -> None:
+    """``nn.Flatten`` in a tuple of layers returns a view of its argument (no kernel): it comes
+    back as a :class:`~torchreplay.training.callables.Launchless`, which calls it as it is, so
+    its output is a view of the caller's tensor with eager's autograd; the layers around it
+    replay and train as eager. Its deep copy and pickle are the eager module's."""
+    torch.manual_seed(0)
+    first, flat, head = nn.Linear(4, 4), nn.Flatten(), nn.Linear(12, 2)
+    ref = copy.deepcopy((first, flat, head))
+    h = torch.randn(2, 3, 4, requires_grad=True)
+    g_first, g_flat, g_head = tr.make_graphed_callables(
+        (first, flat, head), ((h,), (h.detach().requires_grad_(True),), (torch.randn(2, 12, requires_grad=True),)))
+    assert isinstance(flat.forward, training.Launchless) and "launches no kernel" in repr(flat.forward)
+    assert flat.forward.stats.captures == 0 and isinstance(first.forward, tr.GraphedCallable)
+    for step in range(3):
+        x = torch.randn(2, 3, 4, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        mid = g_flat(g_first(x))
+        assert mid._base is not None  # a view of the first layer's output, as eagerly
+        y, yr = g_head(mid), ref[2](ref[1](ref[0](xr)))
+        torch.testing.assert_close(y, yr)
+        y.sum().backward()
+        yr.sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad)
+        for a, b in zip([*first.parameters(), *head.parameters()], [*ref[0].parameters(), *ref[2].parameters()]):
+            torch.testing.assert_close(a.grad, b.grad)
+    assert first.forward.stats.replays == 3 and head.forward.stats.backward_replays == 3
+    assert type(copy.deepcopy(flat).forward) is not training.Launchless
+    assert isinstance(pickle.loads(pickle.dumps(flat)), nn.Flatten)
 
 
 class OpCount(torch.utils._python_dispatch.TorchDispatchMode):
