@@ -57,9 +57,7 @@ from torchreplay.stats import TrainingStats
 from torchreplay.training.pair import InputGrads, Member, Order, Pair, capturing, next_sequence_nr
 from torchreplay.training.recompute import CLOBBERED, CREATE_GRAPH, SECOND, Recomputes, recompute_backward, rng_reader
 from torchreplay.training.state import StateKeeper
-from torchreplay.training.verify import (
-    Tolerance, buffers_swapped, check_close, check_tree, detached, named_buffers,
-)
+from torchreplay.training.verify import Tolerance, verified_call, verify_backward
 
 __all__ = ["GraphedCallable", "TrainingStats"]
 
@@ -356,7 +354,7 @@ class GraphedCallable(EagerForm):
 
     def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._verify_left:
-            return self._verified_call(args, kwargs)
+            return verified_call(self, args, kwargs)
         return self._run(args, kwargs, None)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], verify: Any) -> Any:
@@ -463,87 +461,12 @@ class GraphedCallable(EagerForm):
         verify = getattr(ctx, "tr_verify", None)
         if verify is not None:
             ctx.tr_verify = None
-            self._verify_backward(verify, grads)
+            verify_backward(self, verify, grads)
 
         return self._input_grads.hand(
             ctx, self._static_grad_inputs, self._grad_pos, len(self._tensor_idx),
             self._surface_t, self._outputs.policy,
         )
-
-    # -- verify ----------------------------------------------------------------------------
-
-    def _verified_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        # The first K calls are compared, whatever their outcome: count this one now.
-        self._verify_left -= 1
-        call = self._verify_total - self._verify_left
-        grad_on = torch.is_grad_enabled()
-        module = self._module
-        keeper = StateKeeper(self.device, modules=[module] if module is not None else [], params=False)
-        leaves, spec = _compat.tree_flatten((tuple(args), dict(kwargs)))
-        ref_leaves = list(leaves)
-        for k, i in enumerate(self._tensor_idx):
-            t = leaves[i]
-            if isinstance(t, _Tensor):
-                c = t.detach().clone()
-                if grad_on and self._sample_req[k]:
-                    c.requires_grad_(True)
-                ref_leaves[i] = c
-        ref_args, ref_kwargs = _compat.tree_unflatten(ref_leaves, spec)
-        # The eager reference runs on clones of the module's buffers: autograd may save a buffer
-        # for backward (cuDNN's BatchNorm saves its running statistics), and restoring the
-        # originals in place afterwards would bump the version of what eager's backward reads.
-        with keeper.discovering(), keeper.drawing(leaves), buffers_swapped(module) as swapped:
-            ref_out = self._run_fn(*ref_args, **ref_kwargs)
-        eager_buffers = [(label, orig, clone) for label, orig, clone in swapped]
-        seen = {id(orig) for _, orig, _ in swapped}
-        eager_buffers += [
-            (label, b, b.detach().clone())
-            for label, b in named_buffers(keeper, None)
-            if id(b) not in seen
-        ]
-        keeper.restore()  # the graph replays from the state eager started from (buffers, RNG)
-
-        verify = None
-        if grad_on and self._has_backward:
-            ref_flat = _compat.tree_flatten(ref_out)[0]
-            if len(ref_flat) == len(self._pair.leaves):
-                ref_diff = [ref_flat[i] for i in self._diff_idx]
-                n_leaves = len(self._tensor_idx)
-                ref_ins: list[Any] = []
-                for pos in self._grad_pos:
-                    if pos < n_leaves:
-                        ref_ins.append(ref_leaves[self._tensor_idx[pos]])
-                    else:
-                        ref_ins.append(self._surface_t[pos - n_leaves])
-                verify = (ref_diff, ref_ins, call)
-        out = self._run(args, kwargs, verify)
-        check_tree("output", out, detached(ref_out), call=call, name=self.name, tol=self._tol)
-        for label, b, want in eager_buffers:
-            check_close(f"buffer {label}", b, want, call=call, name=self.name, tol=self._tol)
-        self.stats.verified += 1
-        return out
-
-    def _verify_backward(self, verify: Any, grads: tuple[torch.Tensor | None, ...]) -> None:
-        ref_diff, ref_ins, call = verify
-        usable = [
-            (o, g) for o, g in zip(ref_diff, grads) if isinstance(o, _Tensor) and o.requires_grad
-        ]
-        if not usable:
-            return
-        wanted = [i for i, t in enumerate(ref_ins) if isinstance(t, _Tensor) and t.requires_grad]
-        ref_grads = torch.autograd.grad(
-            [o for o, _ in usable],
-            [ref_ins[i] for i in wanted],
-            grad_outputs=[g if g is not None else torch.zeros_like(o) for o, g in usable],
-            allow_unused=True,
-        )
-        for i, want in zip(wanted, ref_grads):
-            got = self._static_grad_inputs[i]
-            if want is None and got is not None:
-                want = torch.zeros_like(got)
-            if got is None and want is not None:
-                got = torch.zeros_like(want)
-            check_close(self._grad_names[i], got, want, call=call, name=self.name, tol=self._tol)
 
     # -- eager paths -------------------------------------------------------------------------
 

@@ -31,6 +31,8 @@ __all__ = [
     "detached",
     "buffers_swapped",
     "named_buffers",
+    "verified_call",
+    "verify_backward",
 ]
 
 _Tensor = torch.Tensor
@@ -272,3 +274,87 @@ def named_buffers(keeper: StateKeeper, module: torch.nn.Module | None) -> list[t
                 seen.add(id(b))
                 out.append((f"'{name}' of {type(m).__name__}", b))
     return out
+
+
+# -- a verified call of make_graphed_callables ----------------------------------------------
+
+
+def verified_call(runner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """One call of a ``GraphedCallable`` (training/graphed_callable.py) built with
+    ``verify=K``, among its first K: the callable runs eagerly on clones of the arguments and
+    the module's buffers, from the state the graph then replays from; outputs and buffers are
+    compared here, and the gradients at the backward (:func:`verify_backward`)."""
+    # The first K calls are compared, whatever their outcome: count this one now.
+    runner._verify_left -= 1
+    call = runner._verify_total - runner._verify_left
+    grad_on = torch.is_grad_enabled()
+    module = runner._module
+    keeper = StateKeeper(runner.device, modules=[module] if module is not None else [], params=False)
+    leaves, spec = _compat.tree_flatten((tuple(args), dict(kwargs)))
+    ref_leaves = list(leaves)
+    for k, i in enumerate(runner._tensor_idx):
+        t = leaves[i]
+        if isinstance(t, _Tensor):
+            c = t.detach().clone()
+            if grad_on and runner._sample_req[k]:
+                c.requires_grad_(True)
+            ref_leaves[i] = c
+    ref_args, ref_kwargs = _compat.tree_unflatten(ref_leaves, spec)
+    # The eager reference runs on clones of the module's buffers: autograd may save a buffer
+    # for backward (cuDNN's BatchNorm saves its running statistics), and restoring the
+    # originals in place afterwards would bump the version of what eager's backward reads.
+    with keeper.discovering(), keeper.drawing(leaves), buffers_swapped(module) as swapped:
+        ref_out = runner._run_fn(*ref_args, **ref_kwargs)
+    eager_buffers = [(label, orig, clone) for label, orig, clone in swapped]
+    seen = {id(orig) for _, orig, _ in swapped}
+    eager_buffers += [
+        (label, b, b.detach().clone())
+        for label, b in named_buffers(keeper, None)
+        if id(b) not in seen
+    ]
+    keeper.restore()  # the graph replays from the state eager started from (buffers, RNG)
+
+    verify = None
+    if grad_on and runner._has_backward:
+        ref_flat = _compat.tree_flatten(ref_out)[0]
+        if len(ref_flat) == len(runner._pair.leaves):
+            ref_diff = [ref_flat[i] for i in runner._diff_idx]
+            n_leaves = len(runner._tensor_idx)
+            ref_ins: list[Any] = []
+            for pos in runner._grad_pos:
+                if pos < n_leaves:
+                    ref_ins.append(ref_leaves[runner._tensor_idx[pos]])
+                else:
+                    ref_ins.append(runner._surface_t[pos - n_leaves])
+            verify = (ref_diff, ref_ins, call)
+    out = runner._run(args, kwargs, verify)
+    check_tree("output", out, detached(ref_out), call=call, name=runner.name, tol=runner._tol)
+    for label, b, want in eager_buffers:
+        check_close(f"buffer {label}", b, want, call=call, name=runner.name, tol=runner._tol)
+    runner.stats.verified += 1
+    return out
+
+
+def verify_backward(runner: Any, verify: Any, grads: tuple[torch.Tensor | None, ...]) -> None:
+    """At the backward of a verified call: the eager reference's gradients, compared with the
+    backward graph's (``verify``: what :func:`verified_call` left on the autograd node)."""
+    ref_diff, ref_ins, call = verify
+    usable = [
+        (o, g) for o, g in zip(ref_diff, grads) if isinstance(o, _Tensor) and o.requires_grad
+    ]
+    if not usable:
+        return
+    wanted = [i for i, t in enumerate(ref_ins) if isinstance(t, _Tensor) and t.requires_grad]
+    ref_grads = torch.autograd.grad(
+        [o for o, _ in usable],
+        [ref_ins[i] for i in wanted],
+        grad_outputs=[g if g is not None else torch.zeros_like(o) for o, g in usable],
+        allow_unused=True,
+    )
+    for i, want in zip(wanted, ref_grads):
+        got = runner._static_grad_inputs[i]
+        if want is None and got is not None:
+            want = torch.zeros_like(got)
+        if got is None and want is not None:
+            got = torch.zeros_like(want)
+        check_close(runner._grad_names[i], got, want, call=call, name=runner.name, tol=runner._tol)
