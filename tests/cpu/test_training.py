@@ -658,6 +658,10 @@ def test_emulated_a_layer_that_launches_nothing_runs_eagerly_between_graphed_one
             torch.testing.assert_close(a.grad, b.grad)
     assert first.forward.stats.replays == 3 and head.forward.stats.backward_replays == 3
     assert type(copy.deepcopy(flat).forward) is not training.Launchless
+    assert "launches no kernel" in tr.explain(flat)
+    stack = nn.Sequential(first, flat, head)
+    report = tr.explain(stack)
+    assert "3 submodule(s)" in report and "1 (Flatten): launches no kernel, so it runs eagerly" in report, report
     assert isinstance(pickle.loads(pickle.dumps(flat)), nn.Flatten)
 
 

@@ -17,6 +17,7 @@ from torchreplay.compile.api import Compiled
 from torchreplay.compile.backend import Backend, runtimes_by_name
 from torchreplay.distributed import describe
 from torchreplay.pieces.runtime import PiecewiseRuntime
+from torchreplay.training.callables import Launchless
 from torchreplay.training.graphed_callable import GraphedCallable
 
 __all__ = ["explain", "piece_line"]
@@ -55,7 +56,7 @@ def explain(obj: Any) -> str:
             return str(forward.explain())
         graphed = [
             (path, m.__dict__["forward"]) for path, m in obj.named_modules()
-            if isinstance(m.__dict__.get("forward"), GraphedCallable)
+            if isinstance(m.__dict__.get("forward"), (GraphedCallable, Launchless))
         ]
         if graphed:
             return _graphed_modules(obj, graphed)
@@ -89,7 +90,7 @@ def _by_name(target: Any) -> str:
     return "\n".join([head, *(_runtime(r) for r in runtimes)])
 
 
-def _graphed_modules(model: torch.nn.Module, graphed: list[tuple[str, GraphedCallable]]) -> str:
+def _graphed_modules(model: torch.nn.Module, graphed: list[tuple[str, GraphedCallable | Launchless]]) -> str:
     """A module whose forward, or whose submodules' forwards, ``tr.make_graphed_callables``
     replaced: each graphed one with its counters; the rest runs eagerly."""
     if graphed[0][0] == "":
@@ -98,7 +99,11 @@ def _graphed_modules(model: torch.nn.Module, graphed: list[tuple[str, GraphedCal
         f"{type(model).__name__}: {len(graphed)} submodule(s) graphed for training (forward and "
         "backward, one pool); its own code and the rest run eagerly"
     )
-    lines = [f"  {path} ({type(r.fn).__name__}): {r.stats.explain()}" for path, r in graphed]
+    lines = [
+        f"  {path} ({type(r.fn).__name__}): "
+        + ("launches no kernel, so it runs eagerly at every call" if isinstance(r, Launchless) else r.stats.explain())
+        for path, r in graphed
+    ]
     return "\n".join([head, *lines])
 
 
