@@ -222,7 +222,8 @@ class BreakTraining(EagerForm):
                 seg, r = by_index[step.index]
                 lines.append(
                     f"  {seg.name}: {len(seg.ops)} ops{function_calls(seg.ops)}, {len(seg.inputs)} in, "
-                    f"{len(seg.outputs)} out; {r.stats.explain()}"
+                    f"{len(seg.outputs)} out; "
+                    + ("launches no kernel: runs eagerly" if isinstance(r, Launchless) else r.stats.explain())
                 )
             else:
                 lines.append(f"  break {step.brk.name} at {step.where}: eager")
