@@ -564,6 +564,11 @@ def test_an_empty_capture_says_whether_the_work_ran_elsewhere_or_there_was_none(
     elsewhere = empty_message(lambda x: x, (x,), {}, torch.ones(3), CPU)
     assert "ran on the CPU or on another device" in elsewhere
     assert "ran on the CPU" in empty_message(lambda: 0, (), {}, None, CPU)
+    # A breakable graph whose every op ran inside its breaks: not "move the model to the GPU".
+    inside = empty_message(lambda x: x, (x,), {}, torch.ones(3), CPU, breaks=True)
+    assert "outside its breaks" in inside and "every op ran inside a break" in inside
+    assert "move the module" not in inside and "breaks=\"auto\"" in inside
+    assert "returns its arguments" in empty_message(lambda x: x, (x,), {}, x.view(-1), CPU, breaks=True)
 
 
 def test_an_output_object_holding_graph_tensors_is_refused_with_the_fix() -> None:

@@ -537,6 +537,16 @@ def test_auto_breaks_at_the_item_and_explain_lists_it() -> None:
     assert "test_breaks.py:" in text
 
 
+def test_a_model_whose_every_op_runs_inside_its_breaks_is_refused_saying_so() -> None:
+    """Every op inside a break leaves nothing to graph: the capture's error said "it ran on the
+    CPU or on another device; move the module ... to cuda", advice that does not apply. It
+    says what happened now, and what to do."""
+    model = nn.Sequential(Clip()).to(DEV).eval()
+    with pytest.raises(tr.CaptureError, match="recorded no CUDA work outside its breaks.*every op ran inside a break") as e:
+        tr.graph(model, torch.randn(16, H, device=DEV), breaks=[Clip])
+    assert "move the module" not in str(e.value)
+
+
 class SkipsUnderCapture(WithItem):
     """transformers' mask functions test their input on the host unless a capture is running
     (``is_tracing``); eagerly that test is a sync in the model's own code, outside every

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from torchreplay import _compat
-from torchreplay.breaks.auto import find_on_copies
+from torchreplay.breaks.auto import AutoBreak, find_on_copies
 from torchreplay.breaks.functions import function_calls
 from torchreplay.breaks.plan import resolve_breaks
 from torchreplay.breaks.program import Call, Program, Rebound, Ref, Segment, observe, record
@@ -328,13 +328,14 @@ def record_checked(
     return program, python.reads(), built
 
 
-def auto_breaks(model: nn.Module, call: CallArgs, device: torch.device) -> list[nn.Module]:
+def auto_breaks(model: nn.Module, call: CallArgs, device: torch.device) -> list[AutoBreak]:
     """``breaks="auto"``: the modules :func:`torchreplay.breaks.auto.find_breaks` chooses
-    around each op that cannot be captured (none: the whole model can be graphed)."""
+    around each op that cannot be captured (none: the whole model can be graphed), each with
+    that op."""
     found = find_on_copies(model, call, device)
     for b in found:
         log.info("torchreplay: breaks='auto' breaks at %s", b)
-    return [b.module for b in found]
+    return found
 
 
 def graph_around_breaks(
@@ -377,8 +378,10 @@ def graph_around_breaks(
     cfg = resolve_config(
         config, outputs=outputs, num_warmup_iters=num_warmup_iters, capture_error_mode=capture_error_mode
     )
+    chosen: list[AutoBreak] = []  # (with breaks="auto": each module and the op that made it one)
     if isinstance(breaks, str) and breaks == "auto":
-        breaks = auto_breaks(model, call, device)
+        chosen = auto_breaks(model, call, device)
+        breaks = [b.module for b in chosen]
         if not breaks:  # nothing that cannot be captured: the whole model is one graph
             log.info("torchreplay: breaks='auto' found nothing to break at: %s is graphed whole", type(model).__name__)
             return make_graphed_callables(
@@ -390,10 +393,12 @@ def graph_around_breaks(
     def graph(program: Program) -> list[GraphedCallable | Launchless]:
         segments = program.segments
         if not segments:
+            why = "".join(f"; breaks='auto' broke at {b}" for b in chosen)
             raise CaptureError(
                 f"make_graphed_callables(breaks=...): every op of {type(model).__name__} ran "
                 "inside a break, so nothing is left to graph; break at smaller modules (the "
-                "attention, not the decoder layer)"
+                f"attention, not the decoder layer){why}. Where an op made a module a break, "
+                "changing that op graphs the module (tr.check(model, *args) says how for each)"
             )
         return graph_callables(
             [s.function() for s in segments],

@@ -433,7 +433,7 @@ def capture(
         if all(segments.empty) and not (
             allow_empty or allow_launchless and returns_arguments(args, kwargs, out, device)
         ):
-            err = CaptureError(empty_message(fn, args, kwargs, out, device))
+            err = CaptureError(empty_message(fn, args, kwargs, out, device, breaks=segmented is not None))
             out = None
             _undo(segments, device, pool, snapshot, err, python)
             raise err

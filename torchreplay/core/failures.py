@@ -60,9 +60,21 @@ def returns_arguments(args: Any, kwargs: Any, out: Any, device: torch.device) ->
     return bool(given and outs) and all(t.untyped_storage().data_ptr() in given for t in outs)
 
 
-def empty_message(fn: Callable[..., Any], args: Any, kwargs: Any, out: Any, device: torch.device) -> str:
+def empty_message(
+    fn: Callable[..., Any], args: Any, kwargs: Any, out: Any, device: torch.device, breaks: bool = False
+) -> str:
     """Why a capture recorded nothing: the work ran elsewhere, or there was none (the callable
-    returns its arguments or views of them: eagerly too it launches nothing)."""
+    returns its arguments or views of them: eagerly too it launches nothing); with ``breaks``
+    (a breakable graph's segments), or everything ran inside its breaks."""
+    if breaks and not returns_arguments(args, kwargs, out, device):
+        return (
+            f"capturing '{fn_name(fn)}' recorded no CUDA work outside its breaks (an empty "
+            "graph): every op ran inside a break (breaks run eagerly at every call) or on the "
+            "CPU, so there is nothing for a graph to replay. Break at smaller modules (the "
+            "attention, not the decoder layer), or call the model as it is; with "
+            "breaks=\"auto\", the log (INFO) names each module it chose and the op that made it "
+            "a break, and tr.check(model, *args) says how to change that op"
+        )
     if returns_arguments(args, kwargs, out, device):
         return (
             f"capturing '{fn_name(fn)}' recorded no CUDA work (an empty graph): it returns its "
