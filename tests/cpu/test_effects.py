@@ -323,13 +323,13 @@ class Parts:
         return self.segment(self, x + 1)
 
 
-def capture_parts(model: Parts, warmups: int = 3):
+def capture_parts(model: Parts, warmups: int = 3, device: torch.device | None = None):
     ps = model.ps = PyState("model", model, (torch.randn(4),), {})  # (parts outside the
     ps.start()  # captured call are not compared: warm-ups)
     for i in range(warmups):
         with ps.warmup(last=i == warmups - 1):
             model(torch.randn(4))
-    with ps.captured():
+    with ps.captured(device):
         model(torch.randn(4))
     err = ps.verdict()
     if err is not None:
@@ -515,3 +515,65 @@ def test_every_warm_up_starts_from_the_callers_state(front, monkeypatch) -> None
         x = torch.randn(4, 4)
         torch.testing.assert_close(g(x), ref(x))
         assert torch.equal(m.cache, ref.cache) and int(m.pos) == int(ref.pos)
+
+
+# A graph on another device than the tensors below (nothing runs there: PyState only compares).
+GRAPH_DEVICE = torch.device("cuda")
+
+
+def capture_on(device: torch.device, fn: Callable[..., Any], *args: Any, warmups: int = 3):
+    """capture_like, with the graph on ``device``: the tensors the state holds elsewhere (the
+    CPU here) are ones no replay writes."""
+    ps = PyState("fn", fn, args, {})
+    ps.start()
+    for i in range(warmups):
+        with ps.warmup(last=i == warmups - 1):
+            fn(*args)
+    ps.before_capture()
+    with ps.captured(device):
+        fn(*args)
+    err = ps.verdict()
+    if err is not None:
+        ps.undo()
+    else:
+        ps.put_back_tensors()
+    return err
+
+
+class HostCounter(nn.Module):
+    """Counts its calls in a CPU tensor kept as a plain attribute (``.to("cuda")`` leaves it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = torch.zeros((), dtype=torch.long)
+        self.scratch = torch.zeros(3)
+
+    def forward(self, x: torch.Tensor, count: bool = True) -> torch.Tensor:
+        if count:
+            self.calls += 1
+        torch.mul(torch.arange(3.0), 2, out=self.scratch)  # (the same values at every call)
+        return x * 2
+
+
+def test_a_tensor_off_the_graphs_device_written_at_every_call_is_refused_and_put_back() -> None:
+    """A replay runs only the graph's device work: a counter kept on the CPU would stop
+    counting, silently. The capture is refused, naming it, and the counter is put back; a
+    scratch buffer rewritten with the same values, and a graph on the CPU itself (the tensors'
+    own device: its writes replay), are fine."""
+    model = HostCounter()
+    err = capture_on(GRAPH_DEVICE, model, torch.randn(2))
+    assert err is not None and "calls (a torch.int64 tensor() on cpu)" in str(err), err
+    assert "not on the graph's device" in str(err) and "scratch" not in str(err)
+    assert int(model.calls) == 0  # (what the warm-ups and the capture counted, put back)
+    assert capture_on(GRAPH_DEVICE, lambda x: model(x, count=False), torch.randn(2)) is None
+    assert capture_on(torch.device("cpu"), model, torch.randn(2)) is None
+
+
+def test_a_write_off_the_graphs_device_inside_a_break_is_real_and_one_in_a_segment_is_refused() -> None:
+    def bump(s: Parts, x: torch.Tensor) -> torch.Tensor:
+        s.h.add_(1)
+        return x
+
+    assert capture_parts(Parts(bump), device=GRAPH_DEVICE) is None  # (the break runs at every call)
+    err = capture_parts(Parts(lambda s, x: x, segment=bump), device=GRAPH_DEVICE)
+    assert err is not None and "in a graph segment" in str(err) and "breaks=" in str(err), err

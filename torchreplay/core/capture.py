@@ -407,7 +407,7 @@ def capture(
                     with (
                         watcher,
                         recorder if recorder is not None else contextlib.nullcontext(),
-                        python.captured(),  # (before a breakable graph's breaks are put in)
+                        python.captured(device),  # (before a breakable graph's breaks are put in)
                         segmented(segments) if segmented else contextlib.nullcontext(),
                         # (host constants made by kernels, where the warm-up made one)
                         constants.DeviceConstants() if constants.remembered(key) else contextlib.nullcontext(),

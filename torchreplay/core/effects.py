@@ -71,8 +71,8 @@ import torch
 from torchreplay._compat import LightDispatchMode, copy_back, version_of
 from torchreplay.core.args import roots_of
 from torchreplay.core.pystate import (
-    MISSING, Change, Node, diff, large_tensors, live_value, path_of, plain_tensors, put_back,
-    roots_of_call, same_value, show, small_tensors, state_tensors, value_at, walk_state,
+    MISSING, Change, Node, diff, is_small, large_tensors, live_value, path_of, plain_tensors,
+    put_back, roots_of_call, same_value, show, small_tensors, state_tensors, value_at, walk_state,
 )
 from torchreplay.core.rewind import Rewind
 from torchreplay.errors import CaptureError, ReplayInputError
@@ -125,6 +125,10 @@ class PyState:
         self._saved: list[tuple[torch.Tensor, int | None, torch.Tensor]] = []
         self._rewind: Rewind | None = None  # what the build writes into the large ones
         self._versions: dict[int, int | None] = {}  # the held tensors' version counters at start
+        # Tensors the state holds off the graph's device (a CPU counter), around the captured
+        # call: (path, tensor, version, a copy if small); their writes inside eager parts.
+        self._host: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] = []
+        self._host_in_parts: dict[int, int] = {}
 
     def take(self) -> dict[str, Node]:
         """Walk the state; return its mutable nodes by path."""
@@ -217,9 +221,13 @@ class PyState:
         self._rewind = Rewind(large) if large else None
 
     @contextlib.contextmanager
-    def captured(self) -> Iterator[None]:
-        """Around the captured call: watch reads of the tensors a call replaces."""
+    def captured(self, device: torch.device | None = None) -> Iterator[None]:
+        """Around the captured call: watch reads of the tensors a call replaces, and the
+        writes into tensors the state holds off ``device`` (the graph's), which no replay
+        repeats."""
         self._before = before = self.take()
+        self._host = _off_device(before, device) if device is not None else []
+        self._host_in_parts = {}
         watched = [
             t for w in self._candidates if isinstance(t := value_at(before, w), torch.Tensor)
         ]
@@ -244,6 +252,7 @@ class PyState:
             yield
             return
         at_entry = self._live()
+        host = [version_of(t) or 0 for _, t, _, _ in self._host]
         watch = self._watch
         if watch is not None:
             watch.paused += 1
@@ -252,6 +261,8 @@ class PyState:
         finally:
             if watch is not None:
                 watch.paused -= 1
+            for (_, t, _, _), v in zip(self._host, host):  # (a break's writes are real)
+                self._host_in_parts[id(t)] = self._host_in_parts.get(id(t), 0) + (version_of(t) or 0) - v
             at_exit = self._live()
             self._parts.append((name, at_entry, at_exit))
             for (where, _), a, b in zip(self._places, at_entry, at_exit):
@@ -286,6 +297,9 @@ class PyState:
         unread = [c for c in unread if not _reparametrized(before, c)]
         if wrong:
             return _error(self.name, wrong, parts)
+        written = self._host_written(parts)
+        if written:
+            return _host_error(self.name, written, parts)
         if self._state and self._reads is None:  # what each replay reads where it was
             changed = {c.where for c in changes}
             places = [(n, k, t) for n, k, t in self._state if id(t) in read and (n.path, k) not in changed]
@@ -295,6 +309,21 @@ class PyState:
             self._warned = True
             log.warning("%s", _unread_warning(self.name, unread))
         return None
+
+    def _host_written(self, parts: bool) -> list[str]:
+        """The paths of tensors off the graph's device that the captured call wrote outside
+        its eager parts, to other values (a scratch buffer rewritten with the same values at
+        every call is eager-equal: not counted, where no eager part wrote it too)."""
+        host, self._host = self._host, []
+        found = []
+        for path, t, version, copy in host:
+            outside = (version_of(t) or 0) - version - self._host_in_parts.get(id(t), 0)
+            if outside <= 0:
+                continue
+            if copy is not None and not parts and torch.equal(t, copy):
+                continue
+            found.append(f"{path} (a {t.dtype} tensor{tuple(t.shape)} on {t.device})")
+        return found
 
     def _eager_parts(
         self, changes: list[Change], read: set[int]
@@ -411,7 +440,7 @@ class NoEffects:
     def before_capture(self) -> None:
         pass
 
-    def captured(self) -> contextlib.AbstractContextManager[None]:
+    def captured(self, device: torch.device | None = None) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     def verdict(self) -> None:
@@ -495,6 +524,37 @@ def _error(name: str, changes: list[Change], parts: bool = False) -> CaptureErro
         "`self.step.add_(1)`, `cache.index_copy_(...)`; for HF models a StaticCache instead of a "
         f"DynamicCache), or pass it in and return the new value, or move the change out of the "
         f"graphed call{breaks}"
+    )
+
+
+def _off_device(
+    nodes: dict[str, Node], device: torch.device
+) -> list[tuple[str, torch.Tensor, int, torch.Tensor | None]]:
+    """The tensors the state holds on another device than the graph's (a step counter kept
+    on the CPU), each once, with its version counter and, if small, a copy."""
+    found: dict[int, tuple[str, torch.Tensor, int, torch.Tensor | None]] = {}
+    plain = {id(t) for t in plain_tensors(nodes)}
+    for node, key, t in state_tensors(nodes):
+        version = version_of(t)
+        here = t.device.type == device.type and (device.index is None or t.device.index == device.index)
+        if id(t) in found or id(t) not in plain or here or version is None:
+            continue
+        with torch.no_grad():
+            found[id(t)] = (path_of(node, key), t, version, t.detach().clone() if is_small(t) else None)
+    return list(found.values())
+
+
+def _host_error(name: str, written: list[str], parts: bool) -> CaptureError:
+    shown = "; ".join(written[:4]) + (f" (and {len(written) - 4} more)" if len(written) > 4 else "")
+    where = " in a graph segment" if parts else ""
+    return CaptureError(
+        f"'{name}' writes a tensor that is not on the graph's device{where}, in place, at every "
+        f"call: {shown}. A replay runs only the graph's device work, so it would not write it "
+        "again, where eagerly each call does (a step counter kept on the CPU would stop). What "
+        "the warm-ups and the capture changed was put back. Fix: keep the tensor on the "
+        "graph's device (a buffer, `register_buffer`, moves with the module), or move the write "
+        "out of the graphed call" + (", or name the code that writes it in breaks= (a break runs "
+        "at every call)" if parts else "")
     )
 
 

@@ -329,6 +329,11 @@ def plain_tensors(nodes: dict[str, Node]) -> list[torch.Tensor]:
     return list(out.values())
 
 
+def is_small(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage is at most :data:`_SMALL_BYTES`: copied whole to be put back."""
+    return t.untyped_storage().nbytes() <= _SMALL_BYTES
+
+
 def small_tensors(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int | None, torch.Tensor]]:
     """Those of ``tensors`` of at most :data:`_SMALL_BYTES` (a position, a length, a step
     count), each with its version (None for an inference tensor, which has no counter) and a
@@ -336,14 +341,14 @@ def small_tensors(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int |
     with torch.no_grad():
         return [
             (t, None if t.is_inference() else t._version, t.detach().clone())
-            for t in tensors if t.untyped_storage().nbytes() <= _SMALL_BYTES
+            for t in tensors if is_small(t)
         ]
 
 
 def large_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Those of ``tensors`` over :data:`_SMALL_BYTES`: what a build writes into them is
     recorded and put back (core/rewind.py), not copied whole."""
-    return [t for t in tensors if t.untyped_storage().nbytes() > _SMALL_BYTES]
+    return [t for t in tensors if not is_small(t)]
 
 
 # -- comparing and putting back -----------------------------------------------------------------
