@@ -93,6 +93,42 @@ def test_a_counter_is_refused_by_every_front_and_put_back(front) -> None:
     assert m.calls == 0
 
 
+class HostCounter(nn.Module):
+    """Counts its calls in a CPU tensor kept as a plain attribute: ``.to(DEV)`` leaves it there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.calls = torch.zeros((), dtype=torch.long)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("front", ["graph", "sizes", "make_graphed_callables"])
+def test_a_counter_kept_on_the_cpu_is_refused_and_put_back(front) -> None:
+    """A replay runs only the GPU's work: the CPU counter would stop at the capture's count,
+    where eagerly each call adds one. Refused, naming it; the counter is as it was; the same
+    model with the counter on the GPU (written by the graph at every replay) counts as eager."""
+    m = HostCounter().to(DEV)
+    x = torch.randn(4, 16, device=DEV)
+    with pytest.raises(CaptureError, match=r"not on the graph's device.*calls \(a torch.int64 tensor\(\) on cpu\)"):
+        if front == "graph":
+            tr.graph(m, x)
+        elif front == "sizes":
+            tr.graph(m, x, sizes=[2, 4])
+        else:
+            tr.make_graphed_callables(m, (x.requires_grad_(),))
+    assert int(m.calls) == 0
+    m.calls = m.calls.to(DEV)
+    g = tr.graph(m, x)
+    for _ in range(CALLS):
+        xi = torch.randn(4, 16, device=DEV)
+        torch.testing.assert_close(g(xi), m.lin(xi))
+    assert int(m.calls) == CALLS
+
+
 def test_a_recurrent_state_object_is_refused_and_the_fix_replays_eager_equal() -> None:
     cell = nn.GRUCell(16, 16, device=DEV)
 
