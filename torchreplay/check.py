@@ -35,8 +35,9 @@ from typing import Any, Callable
 
 import torch
 
-from torchreplay._compat import LightDispatchMode
+from torchreplay._compat import LightDispatchMode, storage_key
 from torchreplay._compat.rng import can_register_generators
+from torchreplay._compat.schema import written_tensors
 from torchreplay.findings import Finding, Report
 
 __all__ = ["Finding", "Report", "check", "check_call", "diagnose", "user_line", "KINDS", "NO_CUDA_OP"]
@@ -89,6 +90,11 @@ _H2D_COPY = _Rule(_H2D, "copies a CPU tensor to the GPU on every call, which a g
 _CPU_MIX = _Rule("cpu-tensor", "mixes a CPU tensor with CUDA tensors, which copies it to the GPU "
                  "on every call", "move the tensor to the GPU once, outside the function (0-dim "
                  "CPU scalars are fine)")
+_HOST_WRITE = _Rule("cpu-tensor", "writes a CPU tensor the call did not make (a counter kept on the "
+                    "CPU) in a call that runs on CUDA: a graph replays only the device's work, so "
+                    "it would be written at capture only", "keep the tensor on the GPU (a buffer "
+                    "moves with the module: register_buffer), or move the write out of the "
+                    "graphed call")
 _NO_CUDA = _Rule("cpu-tensor", "the call touched no CUDA tensor, so a CUDA graph would capture "
                  "nothing", "pass CUDA tensors and move the module to the GPU before graphing")
 _MULTI = _Rule("multi-device", "uses tensors on several CUDA devices, but a graph is captured on "
@@ -332,6 +338,41 @@ class _HostDraws:
         return bound < 0 or bound >= 1 or (bound == 0 and name in ("aten.lt", "aten.ge"))
 
 
+class _HostWrites:
+    """The CPU storages the call made (its own temporaries), and its writes into CPU tensors
+    it did not make (a counter kept on the CPU), in a call that runs on CUDA. A write of the
+    values the tensor held already (a scratch buffer refilled alike) is eager-equal: none."""
+
+    _SMALL = 1 << 20  # bytes: compared with a copy; larger ones count at any write
+
+    def __init__(self) -> None:
+        self._made: set[int] = set()
+
+    def made(self, out: Any) -> None:
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self._made.add(storage_key(t))
+
+    def before(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """The CPU tensors ``func`` is about to write that the call did not make, each with a
+        copy where small."""
+        found = []
+        for t in written_tensors(func, args, kwargs):
+            if t.device.type != "cpu" or storage_key(t) in self._made:
+                continue
+            size = t.untyped_storage().nbytes()
+            if size:
+                found.append((t, t.detach().clone() if size <= self._SMALL else None))
+        return found
+
+    @staticmethod
+    def changed(pending: list[Any]) -> bool:
+        try:
+            return any(copy is None or not torch.equal(t, copy) for t, copy in pending)
+        except Exception:  # (a fake tensor has no values to compare: count it)
+            return True
+
+
 class _Recorder:
     """Collect findings from both hooks, deduplicated, in the order they happen."""
 
@@ -344,6 +385,7 @@ class _Recorder:
         self.saw_cuda = False
         self.on_finding = on_finding
         self.drawn = _HostDraws()  # (followed once the call has touched CUDA)
+        self.host = _HostWrites()
 
     def add(self, op: str, rule: _Rule, at: tuple[str, int] | None, code: str | None = None) -> None:
         filename, lineno = at or self.fallback
@@ -421,8 +463,12 @@ class _CheckMode(LightDispatchMode):
         recorder = self._recorder
         recorder.on_op(func, args, kwargs, tensors)
         recorder.saw_cuda = recorder.saw_cuda or _touches_cuda(tensors, kwargs, None)
+        pending = recorder.host.before(func, args, kwargs) if recorder.saw_cuda else []
         out = func(*args, **kwargs)
         recorder.saw_cuda = recorder.saw_cuda or _touches_cuda((), {}, out)
+        recorder.host.made(out)
+        if pending and recorder.host.changed(pending):
+            recorder.add(_op_name(func), _HOST_WRITE, _user_location(sys._getframe()))
         if recorder.saw_cuda:
             recorder.drawn.after(_op_name(func), args, tensors, out)
         return out

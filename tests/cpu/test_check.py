@@ -348,6 +348,52 @@ def test_a_number_drawn_on_the_host_is_a_finding_where_a_call_on_cuda_reads_it()
     assert not [f for f in check(f_layerdrop, x4(), True) if f.kind == "rng"]
 
 
+class HostCounter:
+    """Counts its calls in a CPU tensor (a plain attribute stays on the CPU at ``.to("cuda")``),
+    and refills a CPU scratch tensor with the same values at every call."""
+
+    def __init__(self) -> None:
+        self.calls = torch.zeros((), dtype=torch.long)
+        self.scratch = torch.zeros(3)
+
+    def __call__(self, x, count=True):
+        if count:
+            self.calls += 1  # at:host-counter
+        torch.mul(torch.arange(3.0), 2, out=self.scratch)
+        own = torch.zeros(2)
+        own.add_(1)  # (a tensor of the call's own: fine)
+        return x * 2
+
+
+def test_a_write_into_a_cpu_tensor_the_call_did_not_make_is_a_finding_in_a_call_on_cuda():
+    """A graph replays only the device's work: a counter kept on the CPU would be written at
+    capture only (the capture refuses it too: core/effects.py). A scratch tensor refilled with
+    the values it held, and a tensor the call made, are fine; a call that never touched CUDA
+    (CI's CPU check) says nothing of it."""
+    counter = HostCounter()
+    counter(x4())  # (the scratch holds its values from here on)
+    finding = only(host_draws(counter, x4()), "cpu-tensor")
+    assert_at(finding, "host-counter", kind="cpu-tensor", op="aten.add_")
+    assert "did not make" in finding.reason and "register_buffer" in finding.fix
+    assert not host_draws(counter, x4(), False)
+    assert not [f for f in check(counter, x4()) if f.op != NO_CUDA_OP]
+
+
+def f_layerdrop_on_cuda(x):
+    h = x * 2  # (the call runs on CUDA from here)
+    if torch.rand([]) < 0.5:  # at:layerdrop-cuda
+        h = h + 1
+    return h
+
+
+def test_a_number_drawn_on_the_host_in_a_call_on_fake_cuda_tensors(fake_cuda):
+    """The same finding through ``diagnose`` on fake CUDA tensors: the value cannot be read
+    there (no data), so the call stops at the ``if``, after the finding was made."""
+    report = diagnose(f_layerdrop_on_cuda, (fake_cuda(4),), {})
+    assert_at(only(report, "rng"), "layerdrop-cuda", kind="rng", op="aten._local_scalar_dense")
+    assert not [f for f in report if f.kind == "host-sync"]
+
+
 def f_pin(x):
     return x.pin_memory()  # at:pin
 
