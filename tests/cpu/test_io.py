@@ -561,7 +561,12 @@ def test_an_empty_capture_says_whether_the_work_ran_elsewhere_or_there_was_none(
     x = torch.randn(3, 4)
     none = empty_message(lambda x: x, (x,), {}, (x.view(-1), x[1:]), CPU)
     assert "returns its arguments or views of them" in none and "move" not in none
-    elsewhere = empty_message(lambda x: x, (x,), {}, torch.ones(3), CPU)
+    # A tensor it did not compute (a parameter's view: a learned positional embedding's
+    # ``self.weight[:n]``): launches nothing too. Off the graph's device: the work ran elsewhere.
+    weight = torch.randn(8, 4)
+    param = empty_message(lambda x: weight[:3], (x,), {}, weight[:3], CPU)
+    assert "tensors it did not compute" in param and "move" not in param
+    elsewhere = empty_message(lambda x: x, (x,), {}, torch.ones(3), torch.device("cuda"))
     assert "ran on the CPU or on another device" in elsewhere
     assert "ran on the CPU" in empty_message(lambda: 0, (), {}, None, CPU)
     # A breakable graph whose every op ran inside its breaks: not "move the model to the GPU".

@@ -909,3 +909,37 @@ def test_activation_checkpointing_around_graphed_blocks_trains_as_eager(reentran
                 torch.testing.assert_close(p.grad, q.grad, **TOL)
     for b in blocks:
         assert b.forward.stats.fallbacks == 0 and b.forward.stats.backward_replays == STEPS
+
+
+class Positions(nn.Module):
+    """A learned positional embedding: the first ``n`` rows of its weight, a view (no kernel)."""
+
+    def __init__(self, rows: int, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(rows, width))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[: ids.shape[-1]]
+
+
+def test_a_layer_returning_a_view_of_its_parameter_runs_as_eager_and_its_parameter_trains() -> None:
+    """``self.weight[:n]`` launches no kernel either; it was refused with "it ran on the CPU or on
+    another device: move the module to cuda", which was wrong advice. It runs eagerly, and its
+    weight gets eager's gradient through the graphed layer after it."""
+    torch.manual_seed(0)
+    pos, head = Positions(16, 8).to(DEV), nn.Linear(8, 8).to(DEV)
+    ref_pos, ref_head = copy.deepcopy(pos), copy.deepcopy(head)
+    ids = torch.randint(0, 100, (2, 10), device=DEV)
+    g_pos, g_head = tr.make_graphed_callables(
+        (pos, head), ((ids,), (torch.randn(10, 8, device=DEV, requires_grad=True),)))
+    assert "launches no kernel" in repr(pos.forward)
+    for step in range(STEPS):
+        ids = torch.randint(0, 100, (2, 10), device=DEV)
+        y, yr = g_head(g_pos(ids)), ref_head(ref_pos(ids))
+        torch.testing.assert_close(y, yr, **TOL)
+        t = torch.randn_like(y)
+        (y * t).sum().backward()
+        (yr * t).sum().backward()
+        torch.testing.assert_close(pos.weight.grad, ref_pos.weight.grad, **TOL)
+        torch.testing.assert_close(head.weight.grad, ref_head.weight.grad, **TOL)
+    assert head.forward.stats.backward_replays == STEPS

@@ -31,7 +31,7 @@ from torchreplay.config import GraphConfig
 from torchreplay.core import constants, generators
 from torchreplay.core.args import fn_name
 from torchreplay.core.effects import NO_EFFECTS, NoEffects, PyState
-from torchreplay.core.failures import capture_error, empty_message, returns_arguments, warmup_error
+from torchreplay.core.failures import capture_error, empty_message, launches_nothing, warmup_error
 from torchreplay.core.generators import HostDraws
 from torchreplay.core.pool import Pool, expect_capture
 from torchreplay.core.snapshot import StateSnapshot
@@ -323,10 +323,11 @@ def capture(
             (``Captured.graph`` None), not a :class:`CaptureError`: a backward that hands the
             incoming gradients on as they are (``y = x + noise``) launches no kernel, eagerly
             too.
-        allow_launchless: the same, only where the call returns its arguments or views of them
-            (``nn.Flatten``, ``nn.Identity``; core/failures.py: ``returns_arguments``): eagerly
-            too it launches nothing. An empty capture for another reason (the work ran on the
-            CPU) still raises.
+        allow_launchless: the same, only where the call returned tensors, all on ``device``:
+            ones it did not compute (its arguments, ``nn.Flatten``, ``nn.Identity``; its
+            parameters; views of them: core/failures.py ``launches_nothing``), eagerly too it
+            launches nothing. An empty capture for another reason (the work ran on the CPU)
+            still raises.
         host_draws: warn (once per ``owner``) when the captured call drew random numbers on the
             host (core/generators.py: ``HostDraws``); False for a trial capture that is dropped.
 
@@ -431,7 +432,7 @@ def capture(
         # Only the graph can tell an empty capture: an optimizer step alone has no tensor
         # argument and returns None, yet records real work on the device.
         if all(segments.empty) and not (
-            allow_empty or allow_launchless and returns_arguments(args, kwargs, out, device)
+            allow_empty or allow_launchless and launches_nothing(out, device)
         ):
             err = CaptureError(empty_message(fn, args, kwargs, out, device, breaks=segmented is not None))
             out = None

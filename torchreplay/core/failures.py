@@ -19,7 +19,8 @@ from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.errors import CaptureError
 
 __all__ = [
-    "capture_error", "empty_message", "failed_lines", "returns_arguments", "user_frame", "warmup_error",
+    "capture_error", "empty_message", "failed_lines", "launches_nothing", "returns_arguments", "user_frame",
+    "warmup_error",
 ]
 
 # (with the separator: torchvision's and torchaudio's files are the user's, not torch's)
@@ -60,6 +61,17 @@ def returns_arguments(args: Any, kwargs: Any, out: Any, device: torch.device) ->
     return bool(given and outs) and all(t.untyped_storage().data_ptr() in given for t in outs)
 
 
+def launches_nothing(out: Any, device: torch.device) -> bool:
+    """Whether a call that recorded no CUDA work returned tensors, all of them on ``device``:
+    tensors it did not compute (its arguments, its parameters or buffers, views of them, a new
+    uninitialised tensor), so eagerly too it launches nothing. (Work done on the CPU leaves its
+    results there: a copy to the device would have been recorded.)"""
+    outs = [t for t in _compat.tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    return bool(outs) and all(
+        t.device.type == device.type and (device.index is None or t.device.index == device.index) for t in outs
+    )
+
+
 def empty_message(
     fn: Callable[..., Any], args: Any, kwargs: Any, out: Any, device: torch.device, breaks: bool = False
 ) -> str:
@@ -80,6 +92,13 @@ def empty_message(
             f"capturing '{fn_name(fn)}' recorded no CUDA work (an empty graph): it returns its "
             f"arguments or views of them, which launches no kernel on {device}, eagerly too. "
             "Call it as it is: there is nothing for a graph to replay"
+        )
+    if not breaks and launches_nothing(out, device):
+        return (
+            f"capturing '{fn_name(fn)}' recorded no CUDA work (an empty graph): it returns tensors "
+            "it did not compute (its parameters or buffers, views of them, or new uninitialised "
+            f"tensors), which launches no kernel on {device}, eagerly too. Call it as it is: "
+            "there is nothing for a graph to replay"
         )
     return (
         f"capturing '{fn_name(fn)}' recorded no CUDA work (an empty graph): it ran on the CPU or "

@@ -168,9 +168,11 @@ def forward_effects(r: GraphedCallable) -> PyState:
 class Launchless(EagerForm):
     """A callable of :func:`make_graphed_callables` whose forward launches no kernel: it returns
     its arguments or views of them (``nn.Flatten``, ``nn.Identity``, ``nn.Dropout(p=0)`` in a
-    tuple of layers). A graph would replay nothing, so every call runs it as it is: its outputs
-    are views of the caller's tensors, with eager's autograd, as eagerly. (Torch's tool captures
-    an empty graph and hands out views of its own static inputs, which the next call overwrites.)
+    tuple of layers), or of its parameters (a learned positional embedding's
+    ``self.weight[:n]``). A graph would replay nothing, so every call runs it as it is: its
+    outputs are views of the caller's tensors (or of the parameters), with eager's autograd,
+    as eagerly. (Torch's tool captures an empty graph and hands out views of its own static
+    inputs, which the next call overwrites.)
 
     Attributes:
         name: the callable's name.
