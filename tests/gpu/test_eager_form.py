@@ -78,3 +78,26 @@ def test_hugging_face_trainer_trains_a_model_graphed_for_training(tmp_path) -> N
         torch.testing.assert_close(a, b, msg=n, rtol=1e-4, atol=1e-5)
     assert model.forward.stats.replays == 6 and model.forward.stats.backward_replays == 6
     assert model.forward.stats.fallbacks == 0
+
+
+def test_a_graph_made_the_forward_of_its_own_module_runs_eagerly_without_calling_itself() -> None:
+    """``layer.forward = tr.graph(layer, x)`` keeps the layer in its model. A call the graph
+    cannot serve (train mode: the graph was captured in eval) runs eagerly; that run called the
+    layer, whose forward is the graph, without end (RecursionError). It runs the layer's class
+    forward now, equal to eager; back in eval mode the graph replays; a deep copy is eager."""
+    model = mlp().eval()
+    ref = copy.deepcopy(model)
+    layer = model[0]
+    layer.forward = tr.graph(layer, torch.randn(16, 32, device=DEV))
+    for mode in ("eval", "train", "eval"):
+        model.train(mode == "train")
+        ref.train(mode == "train")
+        for _ in range(4):
+            x = torch.randn(16, 32, device=DEV)
+            with torch.no_grad():
+                torch.testing.assert_close(model(x), ref(x), **CLOSE)
+    assert layer.forward.stats.replays == 8 and layer.forward.stats.fallbacks == 4
+    twin = copy.deepcopy(model)
+    x = torch.randn(16, 32, device=DEV)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), ref(x), **CLOSE)
