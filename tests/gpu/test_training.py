@@ -943,3 +943,27 @@ def test_a_layer_returning_a_view_of_its_parameter_runs_as_eager_and_its_paramet
         torch.testing.assert_close(pos.weight.grad, ref_pos.weight.grad, **TOL)
         torch.testing.assert_close(head.weight.grad, ref_head.weight.grad, **TOL)
     assert head.forward.stats.backward_replays == STEPS
+
+
+def test_torch_func_transforms_over_a_model_graphed_for_training_run_it_eagerly() -> None:
+    """``torch.func.grad`` over ``functional_call`` (per-sample or meta-learning gradients) and
+    ``vmap``: a graph cannot carry the transform, so the call runs the model eagerly inside it
+    (counted, no warning), equal to the eager model's; outside a transform it replays."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).to(DEV)
+    ref = copy.deepcopy(model)
+    tr.make_graphed_callables(model, (torch.randn(4, 8, device=DEV, requires_grad=True),))
+
+    def loss(params, x, m):
+        return torch.func.functional_call(m, params, (x,)).square().sum()
+
+    for _ in range(3):
+        x = torch.randn(4, 8, device=DEV)
+        got = torch.func.grad(loss)(dict(model.named_parameters()), x, model)
+        want = torch.func.grad(loss)(dict(ref.named_parameters()), x, ref)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], **TOL)
+        rows = torch.randn(3, 4, 8, device=DEV)
+        torch.testing.assert_close(torch.func.vmap(model)(rows), torch.func.vmap(ref)(rows), **TOL)
+        torch.testing.assert_close(model(x), ref(x), **TOL)  # (outside a transform: the graph)
+    assert model.forward.stats.fallbacks == 6 and model.forward.stats.replays == 3
