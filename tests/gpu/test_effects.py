@@ -68,28 +68,33 @@ def test_a_cache_object_grown_at_every_call_is_refused_and_left_as_it_was(front)
     assert cache.keys is first  # neither the warm-ups nor the capture grew it
 
 
+def graph_by(front: str, m: nn.Module, x: torch.Tensor) -> None:
+    """Graph ``m`` at ``x`` through one front: tr.graph, its sizes=, make_graphed_callables, or
+    graph_step of a training step over it."""
+    if front == "graph":
+        tr.graph(m, x)
+    elif front == "sizes":
+        tr.graph(m, x, sizes=[2, 4])
+    elif front == "make_graphed_callables":
+        tr.make_graphed_callables(m, (x.requires_grad_(),))
+    else:
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, capturable=True, fused=True)
+
+        def train_step(x: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
+            loss = m(x).square().mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        tr.graph_step(train_step, x)
+
+
 @pytest.mark.parametrize("front", ["graph", "sizes", "make_graphed_callables", "graph_step"])
 def test_a_counter_is_refused_by_every_front_and_put_back(front) -> None:
     m = Counter().to(DEV)
-    x = torch.randn(4, 16, device=DEV)
     with pytest.raises(CaptureError, match=r"(Counter|m)\.calls: \d+ -> \d+"):
-        if front == "graph":
-            tr.graph(m, x)
-        elif front == "sizes":
-            tr.graph(m, x, sizes=[2, 4])
-        elif front == "make_graphed_callables":
-            tr.make_graphed_callables(m, (x.requires_grad_(),))
-        else:
-            opt = torch.optim.AdamW(m.parameters(), lr=1e-3, capturable=True, fused=True)
-
-            def train_step(x: torch.Tensor) -> torch.Tensor:
-                opt.zero_grad(set_to_none=True)
-                loss = m(x).square().mean()
-                loss.backward()
-                opt.step()
-                return loss
-
-            tr.graph_step(train_step, x)
+        graph_by(front, m, torch.randn(4, 16, device=DEV))
     assert m.calls == 0
 
 
@@ -106,7 +111,7 @@ class HostCounter(nn.Module):
         return self.lin(x)
 
 
-@pytest.mark.parametrize("front", ["graph", "sizes", "make_graphed_callables"])
+@pytest.mark.parametrize("front", ["graph", "sizes", "make_graphed_callables", "graph_step"])
 def test_a_counter_kept_on_the_cpu_is_refused_and_put_back(front) -> None:
     """A replay runs only the GPU's work: the CPU counter would stop at the capture's count,
     where eagerly each call adds one. Refused, naming it; the counter is as it was; the same
@@ -114,15 +119,10 @@ def test_a_counter_kept_on_the_cpu_is_refused_and_put_back(front) -> None:
     m = HostCounter().to(DEV)
     x = torch.randn(4, 16, device=DEV)
     with pytest.raises(CaptureError, match=r"not on the graph's device.*calls \(a torch.int64 tensor\(\) on cpu\)"):
-        if front == "graph":
-            tr.graph(m, x)
-        elif front == "sizes":
-            tr.graph(m, x, sizes=[2, 4])
-        else:
-            tr.make_graphed_callables(m, (x.requires_grad_(),))
+        graph_by(front, m, x)
     assert int(m.calls) == 0
     m.calls = m.calls.to(DEV)
-    g = tr.graph(m, x)
+    g = tr.graph(m, x.detach())
     for _ in range(CALLS):
         xi = torch.randn(4, 16, device=DEV)
         torch.testing.assert_close(g(xi), m.lin(xi))
