@@ -64,6 +64,11 @@ _HOST, _DYN, _H2D, _RNG = "host-sync", "dynamic-shape", "host-to-device", "rng"
 _SYNC_VALUE = _Rule(_HOST, "copies a tensor value to the host, which waits for the GPU and is not "
                     "allowed while capturing", "keep the value on the device (torch.where, masked "
                     "ops) or move this line out of the graphed function")
+_HOST_VALUE = _Rule(_HOST, "reads a CPU tensor's value on the host in a call that runs on CUDA: "
+                    "nothing waits, but a graph keeps the value it read at capture (and the branch "
+                    "it took) at every replay", "fine if the value never changes between calls; "
+                    "else pass it as a Python number (a graph guards those) or read it outside "
+                    "the graphed call")
 _SYNC_COPY = _Rule(_HOST, "copies a CUDA tensor to host memory, which waits for the GPU",
                    "return the tensor and copy it to the host after the graph has replayed")
 _SYNC_PRINT = _Rule(_HOST, "formats a tensor, which reads its values on the host and waits for "
@@ -406,6 +411,8 @@ class _Recorder:
         rules = _classify(name, args, kwargs, tensors)
         if self.drawn.any_of(tensors) and (name in _HOST_READS or _touches_cuda(tensors, kwargs, None)):
             rules = [r for r in rules if r is not _SYNC_VALUE] + [_RNG_HOST_DRAW]  # (a CPU value)
+        elif self.saw_cuda and _SYNC_VALUE in rules and all(t.device.type == "cpu" for t in tensors):
+            rules = [_HOST_VALUE if r is _SYNC_VALUE else r for r in rules]
         if rules:
             at = _user_location(sys._getframe())
             for rule in rules:
@@ -433,6 +440,8 @@ class _Recorder:
                 rule = _TENSOR_METHODS.get(method)
                 if rule is _SYNC_VALUE and owner in self.drawn:
                     rule = None  # (its aten op says what it is: a number drawn on the host)
+                elif rule is _SYNC_VALUE and self.saw_cuda and owner.device.type == "cpu":
+                    rule = _HOST_VALUE
                 if rule is None and method == "cuda" and owner.device.type == "cpu":
                     rule = _H2D_COPY
                 if rule is not None:

@@ -379,6 +379,35 @@ def test_a_write_into_a_cpu_tensor_the_call_did_not_make_is_a_finding_in_a_call_
     assert not [f for f in check(counter, x4()) if f.op != NO_CUDA_OP]
 
 
+def f_cpu_branch(x, limit):
+    if limit.item() > 0:  # at:cpu-branch
+        return x * 2
+    return x
+
+
+def test_a_cpu_value_read_in_a_call_on_cuda_is_said_to_be_kept_not_waited_for():
+    """``.item()`` of a CPU tensor in a call on CUDA waits for nothing; what a graph does is keep
+    the value (and the branch) of the capture. The finding says so, still of kind host-sync
+    (``breaks="auto"``'s trial capture drops it, as before); without CUDA, as before."""
+    finding = only(host_draws(f_cpu_branch, x4(), torch.tensor(1.0)), "host-sync")
+    assert finding.lineno == line_of("cpu-branch") and "keeps the value" in finding.reason
+    plain = only(check(f_cpu_branch, x4(), torch.tensor(1.0)), "host-sync")
+    assert "waits for the GPU" in plain.reason
+
+
+def f_cuda_then_cpu_branch(x, limit):
+    h = x * 2
+    if limit.item() > 0:  # at:cuda-cpu-branch
+        return h
+    return x
+
+
+def test_a_cpu_value_read_after_fake_cuda_work_through_check(fake_cuda):
+    report = diagnose(f_cuda_then_cpu_branch, (fake_cuda(4), torch.tensor(1.0)), {})
+    finding = only(report, "host-sync")
+    assert finding.lineno == line_of("cuda-cpu-branch") and "keeps the value" in finding.reason, report
+
+
 def f_layerdrop_on_cuda(x):
     h = x * 2  # (the call runs on CUDA from here)
     if torch.rand([]) < 0.5:  # at:layerdrop-cuda
