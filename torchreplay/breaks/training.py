@@ -223,7 +223,7 @@ class BreakTraining(EagerForm):
                 lines.append(
                     f"  {seg.name}: {len(seg.ops)} ops{function_calls(seg.ops)}, {len(seg.inputs)} in, "
                     f"{len(seg.outputs)} out; "
-                    + ("launches no kernel: runs eagerly" if isinstance(r, Launchless) else r.stats.explain())
+                    + (Launchless.WHY if isinstance(r, Launchless) else r.stats.explain())
                 )
             else:
                 lines.append(f"  break {step.brk.name} at {step.where}: eager")

@@ -101,7 +101,7 @@ def _graphed_modules(model: torch.nn.Module, graphed: list[tuple[str, GraphedCal
     )
     lines = [
         f"  {path} ({type(r.fn).__name__}): "
-        + ("launches no kernel, so it runs eagerly at every call" if isinstance(r, Launchless) else r.stats.explain())
+        + (Launchless.WHY if isinstance(r, Launchless) else r.stats.explain())
         for path, r in graphed
     ]
     return "\n".join([head, *lines])

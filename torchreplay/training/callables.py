@@ -50,7 +50,7 @@ def _capture_pairs(
     runners: Sequence[GraphedCallable], *, device: torch.device, pool: Pool, config: GraphConfig
 ) -> list[Pair | None]:
     """Warm up and capture forward 1..N, then backward N..1, into ``pool``; None for a
-    callable whose forward launches no kernel (it returns its arguments or views of them)."""
+    callable whose forward launches no kernel (a :class:`Launchless`)."""
     stream = side_stream(device)
     forwards = []
     python: list[PyState] = []
@@ -80,7 +80,7 @@ def _capture_pairs(
     pairs: list[Pair | None] = [None] * len(runners)
     for i in reversed(range(len(runners))):
         r, fwd = runners[i], forwards[i]
-        if fwd.graph is None:  # it returns its arguments or views of them: nothing to replay
+        if fwd.graph is None:  # it launches no kernel (core/failures.py): nothing to replay
             forwards[i] = None  # type: ignore[call-overload]
             del fwd
             continue
@@ -181,6 +181,8 @@ class Launchless(EagerForm):
     """
 
     _eager_attr = "_run_fn"
+    #: what it does at a call, as ``repr`` and ``tr.explain`` say it
+    WHY = "launches no kernel, so every call runs it eagerly"
 
     def __init__(self, runner: GraphedCallable, pool: Pool) -> None:
         self.fn = runner.fn
@@ -195,10 +197,7 @@ class Launchless(EagerForm):
         return self._run_fn(*args, **kwargs)
 
     def __repr__(self) -> str:
-        return (
-            f"Launchless({self.name}, device={self.device}: it returns its arguments or views of "
-            "them, which launches no kernel, so every call runs it eagerly)"
-        )
+        return f"Launchless({self.name}, device={self.device}: it {self.WHY})"
 
 
 def _build(runners: list[Any], device: torch.device, pool: Pool, config: GraphConfig) -> None:
