@@ -100,3 +100,33 @@ def test_a_forked_child_does_not_touch_its_parents_cuda(emptied, monkeypatch) ->
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     gc.collect()
     assert emptied == [] and not pool_module._empty_after_collection
+
+
+class _Member:
+    def invalidate_outputs(self) -> None:
+        pass
+
+
+def test_a_pool_left_without_graphs_by_a_failed_capture_takes_a_new_id(monkeypatch) -> None:
+    """torch never captures into a pool id again once its last graph is gone (its allocators
+    assert): a capture undone with no graph of the pool alive makes the pool take a new id;
+    a live member or a kept graph holds the id, so it stays."""
+    ids = iter([(0, 1), (0, 2), (0, 3)])
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(ids))
+    pool = Pool()
+    assert pool.handle == (0, 1)
+    member = _Member()
+    pool.register(member)
+    pool.forget_if_unheld()
+    assert pool.handle == (0, 1)  # a member's graph holds it
+    del member
+    gc.collect()
+    pool.keep(_Graph())
+    pool.forget_if_unheld()
+    assert pool.handle == (0, 1) and pool.kept is not None  # the kept graph holds it
+    pool.register(_member := _Member())
+    assert pool.kept is None
+    del _member
+    gc.collect()
+    pool.forget_if_unheld()
+    assert pool.handle == (0, 2) and not pool._members and not pool.shared

@@ -428,6 +428,39 @@ def test_failed_capture_names_the_line_and_leaves_the_process_usable() -> None:
     assert reserved() == base
 
 
+def test_a_pool_id_whose_graphs_are_all_gone_is_refused_and_the_process_stays_usable() -> None:
+    """torch cannot capture into a pool id again once its last graph was destroyed: its
+    allocator fails an internal assertion in ``capture_begin``, after marking the RNG as
+    capturing (every later random op raised "Offset increment outside graph capture"). The
+    capture is refused saying so; random ops, dropout graphs and the same Pool work after."""
+    handle = torch.cuda.graph_pool_handle()
+    x = torch.randn(64, 64, device=DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        other = torch.cuda.CUDAGraph()  # another tool's graph in that pool, then dropped
+        with torch.cuda.graph(other, pool=handle, stream=side):
+            y = x * 2
+    torch.cuda.current_stream().wait_stream(side)
+    del other, y
+    gc.collect()
+    torch.cuda.empty_cache()
+    pool = tr.Pool.from_handle(handle)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5)).to(DEV).train()
+    with pytest.raises(tr.CaptureError, match="every graph captured into it was destroyed"):
+        tr.graph(model, x, pool=pool)
+    assert not torch.cuda.is_current_stream_capturing()
+    torch.randn(8, device=DEV).sum().item()  # torch's RNG is not left mid-capture
+    torch.manual_seed(1)
+    want = [model(xi) for xi in (x, x + 1)]
+    g = tr.graph(model, x, pool=pool)  # the same Pool: a new id
+    torch.manual_seed(1)
+    got = [g(xi).clone() for xi in (x, x + 1)]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    assert not torch.equal(got[0] == 0, got[1] == 0)  # (each replay drew its own mask)
+
+
 def test_exception_raised_during_capture_is_undone() -> None:
     def fn(x):
         y = x * 2

@@ -31,7 +31,9 @@ from torchreplay.config import GraphConfig
 from torchreplay.core import constants, generators
 from torchreplay.core.args import fn_name
 from torchreplay.core.effects import NO_EFFECTS, NoEffects, PyState
-from torchreplay.core.failures import capture_error, empty_message, launches_nothing, warmup_error
+from torchreplay.core.failures import (
+    capture_error, dead_pool_message, empty_message, launches_nothing, warmup_error,
+)
 from torchreplay.core.generators import HostDraws
 from torchreplay.core.pool import Pool, expect_capture
 from torchreplay.core.snapshot import StateSnapshot
@@ -178,7 +180,17 @@ class Segments:
         # The capture's cuBLAS workspace must live in the graph's pool (see _compat).
         _compat.clear_cublas_workspaces()
         self.host.start()
-        graph.capture_begin(pool=self._pool.handle, capture_error_mode=self._mode)
+        try:
+            graph.capture_begin(pool=self._pool.handle, capture_error_mode=self._mode)
+        except BaseException as exc:
+            # torch marked its RNG as capturing and its device allocator as routing into the
+            # pool before it failed: every later random op in the process would raise.
+            self.host.stop()
+            _compat.abandon_pool(torch.cuda.current_device(), self._pool.handle)
+            _compat.end_rng_capture(self.generators)
+            if "use_count > 0" in str(exc):
+                raise CaptureError(dead_pool_message(self._pool.handle)) from exc
+            raise
         self.open = graph
 
     def cut(self) -> torch.cuda.CUDAGraph | None:
@@ -461,8 +473,11 @@ def capture(
         _warn_host_draws(key, segments.host.moved)
     written = tuple(watcher.written) if isinstance(watcher, WriteWatch) else ()
     graphs = tuple(None if e else g for g, e in zip(segments.graphs, segments.empty))
+    if all(segments.empty):  # (allowed) no graph joins the pool, and the pool may have no
+        # other: held, the empty graph keeps the pool's id usable for the next capture
+        pool.keep(segments.graphs[-1])
     for g, e in zip(segments.graphs, segments.empty):
-        if e:
+        if e and g is not pool.kept:
             g.reset()
     first = next((g for g in graphs if g is not None), None)  # (None: allow_empty)
     if recorder is not None and recorder.collectives:
@@ -515,6 +530,7 @@ def _undo(
             _compat.abandon_pool(device.index, pool.handle)
             _compat.end_rng_capture(segments.generators)
             segments.open = None
+        pool.forget_if_unheld()
         _compat.clear_cublas_workspaces()  # a workspace made in the pool would keep it alive
     with contextlib.suppress(Exception):
         torch.cuda.synchronize(device)

@@ -215,3 +215,14 @@ def _is_cuda_error(exc: BaseException) -> bool:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def dead_pool_message(handle: tuple[int, int]) -> str:
+    """A capture into a pool id whose every graph is gone (a raw handle of another tool's, or
+    of torch's own ``graph_pool_handle()``): torch's allocator asserts rather than take it back."""
+    return (
+        f"cannot capture into the memory pool {tuple(handle)}: every graph captured into it was "
+        "destroyed, and torch cannot capture into a pool id again after that (its allocator "
+        "fails an internal assertion). Capture again: this Pool takes a new id from now on "
+        "(or pass the .pool of a graph that is still alive). Nothing was captured"
+    )

@@ -147,6 +147,30 @@ class Pool:
         graphs and capturing it again (its parameters reallocated) must not get there."""
         self._keeper = graph
 
+    @property
+    def kept(self) -> Any:
+        """The graph :meth:`keep` holds, if any."""
+        return self._keeper
+
+    def forget_if_unheld(self) -> None:
+        """After graphs captured into this pool were destroyed before they joined it (a capture
+        undone, or one that recorded nothing): when no graph of the pool is left, the next
+        capture takes a new pool id. torch never takes an id back once its last graph is gone:
+        its pinned-memory allocator keeps the id at use count zero, and the next capture into
+        it fails an internal assertion (seen on torch 2.11)."""
+        if self._keeper is None and not any(m() is not None for m in self._members):
+            self._forget()
+
+    def _forget(self) -> None:
+        """Start over with a new pool id (taken at the next capture) and no members."""
+        self._handle = None
+        self._members = []
+        self._walked = []
+        self._live = set()
+        self._live_max = -1
+        self.shared = False
+        self._windows.clear()
+
     def register(self, member: _Member, *, reports: bool = False) -> int:
         """Add a graph in capture order; return its position. ``reports``: the member's outputs
         call :meth:`on_live` whenever they hand out tensors over the pool's memory, so a replay
@@ -368,13 +392,7 @@ def _release(pool_ref: weakref.ReferenceType[Pool], graphs: Sequence[Any], retir
         with contextlib.suppress(Exception):
             if keeper is not None:
                 keeper.reset()  # a dropped graph kept for a next capture there: none will come
-        pool._handle = None
-        pool._members = []
-        pool._walked = []
-        pool._live = set()
-        pool._live_max = -1
-        pool.shared = False
-        pool._windows.clear()
+        pool._forget()
     log.debug("torchreplay: the last graph of a pool was dropped; giving its memory back")
     _empty_after_collection = True
     with contextlib.suppress(Exception):
