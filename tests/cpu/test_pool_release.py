@@ -102,31 +102,26 @@ def test_a_forked_child_does_not_touch_its_parents_cuda(emptied, monkeypatch) ->
     assert emptied == [] and not pool_module._empty_after_collection
 
 
-class _Member:
-    def invalidate_outputs(self) -> None:
-        pass
-
-
-def test_a_pool_left_without_graphs_by_a_failed_capture_takes_a_new_id(monkeypatch) -> None:
+def test_a_pool_torch_refused_takes_a_new_id_and_a_kept_graph_waits_for_a_member(monkeypatch) -> None:
     """torch never captures into a pool id again once its last graph is gone (its allocators
-    assert): a capture undone with no graph of the pool alive makes the pool take a new id;
-    a live member or a kept graph holds the id, so it stays."""
-    ids = iter([(0, 1), (0, 2), (0, 3)])
+    assert): the pool takes a new id, and starts its capture order again. A graph kept for the
+    pool (a capture that recorded nothing) is dropped when the next member registers."""
+    ids = iter([(0, 1), (0, 2)])
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(ids))
     pool = Pool()
     assert pool.handle == (0, 1)
-    member = _Member()
-    pool.register(member)
-    pool.forget_if_unheld()
-    assert pool.handle == (0, 1)  # a member's graph holds it
+    pool.keep(kept := _Graph())
+    assert pool.kept is kept
+    pool.register(member := _Member())
+    assert pool.kept is None and pool._members
+    pool.renew()  # (its members' graphs of the old id go on: the capture order goes on)
+    assert pool.handle == (0, 2) and pool._members and pool._retired == [(0, 1)]
     del member
     gc.collect()
-    pool.keep(_Graph())
-    pool.forget_if_unheld()
-    assert pool.handle == (0, 1) and pool.kept is not None  # the kept graph holds it
-    pool.register(_member := _Member())
-    assert pool.kept is None
-    del _member
-    gc.collect()
-    pool.forget_if_unheld()
-    assert pool.handle == (0, 2) and not pool._members and not pool.shared
+    pool._forget()  # (the last owner gone)
+    assert pool._retired == [] and not pool._members
+
+
+class _Member:
+    def invalidate_outputs(self) -> None:
+        pass

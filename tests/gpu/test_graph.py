@@ -428,11 +428,11 @@ def test_failed_capture_names_the_line_and_leaves_the_process_usable() -> None:
     assert reserved() == base
 
 
-def test_a_pool_id_whose_graphs_are_all_gone_is_refused_and_the_process_stays_usable() -> None:
+def test_a_pool_id_whose_graphs_are_all_gone_takes_a_new_id_and_the_process_stays_usable() -> None:
     """torch cannot capture into a pool id again once its last graph was destroyed: its
     allocator fails an internal assertion in ``capture_begin``, after marking the RNG as
-    capturing (every later random op raised "Offset increment outside graph capture"). The
-    capture is refused saying so; random ops, dropout graphs and the same Pool work after."""
+    capturing (every later random op then raised "Offset increment outside graph capture").
+    The Pool takes a new id and the capture goes on; random ops and dropout equal eager."""
     handle = torch.cuda.graph_pool_handle()
     x = torch.randn(64, 64, device=DEV)
     side = torch.cuda.Stream()
@@ -447,18 +447,41 @@ def test_a_pool_id_whose_graphs_are_all_gone_is_refused_and_the_process_stays_us
     torch.cuda.empty_cache()
     pool = tr.Pool.from_handle(handle)
     model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5)).to(DEV).train()
-    with pytest.raises(tr.CaptureError, match="every graph captured into it was destroyed"):
-        tr.graph(model, x, pool=pool)
+    g = tr.graph(model, x, pool=pool)
+    assert g.pool is pool and pool.handle != tuple(handle)
     assert not torch.cuda.is_current_stream_capturing()
     torch.randn(8, device=DEV).sum().item()  # torch's RNG is not left mid-capture
+    _equal_with_dropout(g, model, x)
+
+
+def _equal_with_dropout(g, model: nn.Module, x: torch.Tensor) -> None:
+    inputs = [torch.randn_like(x) for _ in range(4)]
     torch.manual_seed(1)
-    want = [model(xi) for xi in (x, x + 1)]
-    g = tr.graph(model, x, pool=pool)  # the same Pool: a new id
+    want = [model(xi) for xi in inputs]
     torch.manual_seed(1)
-    got = [g(xi).clone() for xi in (x, x + 1)]
+    got = [g(xi).clone() for xi in inputs]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
     assert not torch.equal(got[0] == 0, got[1] == 0)  # (each replay drew its own mask)
+
+
+def test_a_pool_goes_on_serving_graphs_after_a_capture_into_it_failed() -> None:
+    """A capture that CUDA invalidated (an ``.item()``) into a pool that holds a live graph:
+    the next capture into the same Pool works, and both graphs equal eager."""
+    x = torch.randn(64, 64, device=DEV)
+    pool = tr.Pool()
+    first = mlp(depth=2, width=64)
+    g0 = tr.graph(first, x, pool=pool)
+    with pytest.raises(tr.CaptureError):
+        tr.graph(_item_inside, x, pool=pool)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5)).to(DEV).train()
+    g1 = tr.graph(model, x, pool=pool)
+    torch.randn(8, device=DEV).sum().item()
+    _equal_with_dropout(g1, model, x)
+    for _ in range(3):
+        xi = torch.randn_like(x)
+        with torch.no_grad():
+            assert torch.equal(g0(xi), first(xi))
 
 
 def test_exception_raised_during_capture_is_undone() -> None:

@@ -32,7 +32,7 @@ from torchreplay.core import constants, generators
 from torchreplay.core.args import fn_name
 from torchreplay.core.effects import NO_EFFECTS, NoEffects, PyState
 from torchreplay.core.failures import (
-    capture_error, dead_pool_message, empty_message, launches_nothing, warmup_error,
+    capture_error, empty_message, launches_nothing, refused_pool, warmup_error,
 )
 from torchreplay.core.generators import HostDraws
 from torchreplay.core.pool import Pool, expect_capture
@@ -171,7 +171,7 @@ class Segments:
         #: ``python_rng`` False, torch's CPU generator alone: core/generators.py)
         self.host = HostDraws(python_rng)
 
-    def resume(self) -> None:
+    def resume(self, retry: bool = True) -> None:
         """Begin capturing the next segment."""
         graph = copy_nodes.graph(keep=self._copies > 0)
         for gen in self.generators:  # (each replay draws from where it stands, and moves it on)
@@ -188,10 +188,15 @@ class Segments:
             self.host.stop()
             _compat.abandon_pool(torch.cuda.current_device(), self._pool.handle)
             _compat.end_rng_capture(self.generators)
-            if "use_count > 0" in str(exc):
-                raise CaptureError(dead_pool_message(self._pool.handle)) from exc
-            raise
-        self.open = graph
+            if not (retry and refused_pool(exc)):
+                raise
+            log.info("torchreplay: torch cannot capture into pool %s again (%s); the pool "
+                     "takes a new id", self._pool.handle, str(exc).splitlines()[0])
+            self._pool.renew()
+        else:
+            self.open = graph
+            return
+        self.resume(retry=False)  # (outside the handler: the failed graph and error are gone)
 
     def cut(self) -> torch.cuda.CUDAGraph | None:
         """End the segment being captured; return its graph, or ``None`` when it recorded no
@@ -530,7 +535,6 @@ def _undo(
             _compat.abandon_pool(device.index, pool.handle)
             _compat.end_rng_capture(segments.generators)
             segments.open = None
-        pool.forget_if_unheld()
         _compat.clear_cublas_workspaces()  # a workspace made in the pool would keep it alive
     with contextlib.suppress(Exception):
         torch.cuda.synchronize(device)

@@ -217,12 +217,11 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def dead_pool_message(handle: tuple[int, int]) -> str:
-    """A capture into a pool id whose every graph is gone (a raw handle of another tool's, or
-    of torch's own ``graph_pool_handle()``): torch's allocator asserts rather than take it back."""
-    return (
-        f"cannot capture into the memory pool {tuple(handle)}: every graph captured into it was "
-        "destroyed, and torch cannot capture into a pool id again after that (its allocator "
-        "fails an internal assertion). Capture again: this Pool takes a new id from now on "
-        "(or pass the .pool of a graph that is still alive). Nothing was captured"
-    )
+
+def refused_pool(exc: BaseException) -> bool:
+    """Did torch refuse to begin a capture because of the pool id alone? Its allocators never
+    take an id back once its every graph is gone (an internal assertion on the use count),
+    and on torch 2.11 a capture that CUDA invalidated leaves the id marked as being recorded
+    to. A new id captures."""
+    text = str(exc)
+    return "use_count > 0" in text or "already recording to mempool_id" in text

@@ -108,6 +108,8 @@ class Pool:
         self._finalizers: dict[int, weakref.finalize] = {}  # by id(owner): see release
         # A dropped graph kept until the next capture into this pool (see keep)
         self._keeper: Any = None
+        # Ids torch refused to capture into again, whose memory may still hold outputs (renew)
+        self._retired: list[tuple[int, int]] = []
 
     @property
     def handle(self) -> tuple[int, int]:
@@ -152,18 +154,20 @@ class Pool:
         """The graph :meth:`keep` holds, if any."""
         return self._keeper
 
-    def forget_if_unheld(self) -> None:
-        """After graphs captured into this pool were destroyed before they joined it (a capture
-        undone, or one that recorded nothing): when no graph of the pool is left, the next
-        capture takes a new pool id. torch never takes an id back once its last graph is gone:
-        its pinned-memory allocator keeps the id at use count zero, and the next capture into
-        it fails an internal assertion (seen on torch 2.11)."""
-        if self._keeper is None and not any(m() is not None for m in self._members):
-            self._forget()
+    def renew(self) -> None:
+        """torch refused to begin a capture into this pool's id (every graph of it is gone, or
+        a failed capture left the id marked as capturing): the next capture takes a new id.
+        The old id's memory still counts as the pool's (:meth:`segment_ranges`) while graphs
+        of it live; the capture order goes on (graphs of two ids never share memory, so
+        marking across them is only cautious)."""
+        if self._handle is not None:
+            self._retired.append(self._handle)
+        self._handle = None
 
     def _forget(self) -> None:
         """Start over with a new pool id (taken at the next capture) and no members."""
         self._handle = None
+        self._retired = []
         self._members = []
         self._walked = []
         self._live = set()
@@ -316,21 +320,17 @@ class Pool:
         """Bytes of device memory the allocator holds for this pool right now."""
         if self._handle is None or not torch.cuda.is_initialized():
             return 0
-        return sum(
-            seg["total_size"]
-            for seg in torch.cuda.memory_snapshot()
-            if tuple(seg.get("segment_pool_id", ())) == self._handle
-        )
+        return sum(seg["total_size"] for seg in self._segments())
 
     def segment_ranges(self) -> list[tuple[int, int]]:
         """Return the ``[start, end)`` address ranges of this pool's segments."""
-        if self._handle is None:
+        if self._handle is None and not self._retired:
             return []
-        return [
-            (seg["address"], seg["address"] + seg["total_size"])
-            for seg in torch.cuda.memory_snapshot()
-            if tuple(seg.get("segment_pool_id", ())) == self._handle
-        ]
+        return [(seg["address"], seg["address"] + seg["total_size"]) for seg in self._segments()]
+
+    def _segments(self) -> list[dict[str, Any]]:
+        ids = {self._handle, *self._retired}
+        return [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) in ids]
 
     def __repr__(self) -> str:
         return f"Pool(device={self.device}, handle={self._handle}, graphs={len(self._members)})"
