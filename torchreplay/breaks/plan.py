@@ -258,19 +258,25 @@ def _modules_of(fn: Callable[..., Any]) -> list[nn.Module]:
 def _namespaces(fn: Callable[..., Any], modules: list[nn.Module]) -> list[dict[str, Any]]:
     """The globals of the model's code: each submodule class's ``forward``, and ``fn`` itself."""
     seen: dict[int, dict[str, Any]] = {}
-    code = [fn] + [type(m).forward for m in modules]
-    for f in code:
-        g = getattr(inspect.unwrap(getattr(f, "__func__", f)), "__globals__", None)
+    for f in _code_of(fn, modules):
+        g = getattr(f, "__globals__", None)
         if isinstance(g, dict):
             seen[id(g)] = g
     return list(seen.values())
 
 
+def _code_of(fn: Callable[..., Any], modules: list[nn.Module]) -> list[Any]:
+    """``fn`` and each submodule class's ``forward``, unwrapped, each once (a model of 160
+    modules has a handful of classes; this runs at every capture of every size)."""
+    forwards = {id(f): f for f in [fn] + [type(m).forward for m in modules]}
+    return [inspect.unwrap(getattr(f, "__func__", f)) for f in forwards.values()]
+
+
 def _cells(fn: Callable[..., Any], modules: list[nn.Module]) -> list[Any]:
     """The closure cells of the model's code (``fn`` and each submodule class's ``forward``)."""
     out = []
-    for f in [fn] + [type(m).forward for m in modules]:
-        for cell in getattr(inspect.unwrap(getattr(f, "__func__", f)), "__closure__", None) or ():
+    for f in _code_of(fn, modules):
+        for cell in getattr(f, "__closure__", None) or ():
             try:
                 cell.cell_contents
             except ValueError:  # an empty cell
