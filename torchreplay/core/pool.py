@@ -125,6 +125,9 @@ class Pool:
         .. warning::
             Only graphs that share the same ``Pool`` object are ordered against each other;
             graphs made by other tools in that raw pool are not.
+
+        torch cannot capture into a pool id again once every graph captured into it is gone;
+        then the pool takes a new id at its first capture (:meth:`renew`), sharing nothing.
         """
         pool = cls(device)
         pool._handle = tuple(handle)  # type: ignore[assignment]
