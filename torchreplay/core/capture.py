@@ -478,8 +478,9 @@ def capture(
         _warn_host_draws(key, segments.host.moved)
     written = tuple(watcher.written) if isinstance(watcher, WriteWatch) else ()
     graphs = tuple(None if e else g for g, e in zip(segments.graphs, segments.empty))
-    if all(segments.empty):  # (allowed) no graph joins the pool, and the pool may have no
-        # other: held, the empty graph keeps the pool's id usable for the next capture
+    if segments.graphs and all(segments.empty):
+        # (allowed) No graph joins the pool, which may have no other: held, the empty graph
+        # keeps the pool's id usable for the next capture (see Pool.keep)
         pool.keep(segments.graphs[-1])
     for g, e in zip(segments.graphs, segments.empty):
         if e and g is not pool.kept:

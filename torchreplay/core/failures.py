@@ -217,11 +217,10 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-
 def refused_pool(exc: BaseException) -> bool:
     """Did torch refuse to begin a capture because of the pool id alone? Its allocators never
-    take an id back once its every graph is gone (an internal assertion on the use count),
-    and on torch 2.11 a capture that CUDA invalidated leaves the id marked as being recorded
-    to. A new id captures."""
+    take an id back once its every graph is gone (an internal assertion on the use count), and
+    a failed capture can leave the id marked as being recorded to (seen on torch 2.11, after a
+    capture CUDA invalidated). A new id captures."""
     text = str(exc)
     return "use_count > 0" in text or "already recording to mempool_id" in text

@@ -321,7 +321,7 @@ class Pool:
 
     def reserved_bytes(self) -> int:
         """Bytes of device memory the allocator holds for this pool right now."""
-        if self._handle is None or not torch.cuda.is_initialized():
+        if (self._handle is None and not self._retired) or not torch.cuda.is_initialized():
             return 0
         return sum(seg["total_size"] for seg in self._segments())
 
