@@ -116,6 +116,7 @@ def test_a_pool_torch_refused_takes_a_new_id_and_a_kept_graph_waits_for_a_member
     assert pool.kept is None and pool._members
     pool.renew()  # (its members' graphs of the old id go on: the capture order goes on)
     assert pool.handle == (0, 2) and pool._members and pool._retired == [(0, 1)]
+    assert "retired=[(0, 1)]" in repr(pool)
     del member
     gc.collect()
     pool._forget()  # (the last owner gone)

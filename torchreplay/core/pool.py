@@ -336,7 +336,8 @@ class Pool:
         return [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) in ids]
 
     def __repr__(self) -> str:
-        return f"Pool(device={self.device}, handle={self._handle}, graphs={len(self._members)})"
+        retired = f", retired={self._retired}" if self._retired else ""  # (ids torch refused: renew)
+        return f"Pool(device={self.device}, handle={self._handle}, graphs={len(self._members)}{retired})"
 
 
 def _as_cuda_device(device: torch.device | int | str) -> torch.device:
