@@ -459,7 +459,9 @@ def _equal_with_dropout(g, model: nn.Module, x: torch.Tensor) -> None:
     torch.manual_seed(1)
     want = [model(xi) for xi in inputs]
     torch.manual_seed(1)
+    replays = g.stats.replays
     got = [g(xi).clone() for xi in inputs]
+    assert g.stats.replays == replays + len(inputs)  # (replayed, not run eagerly)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
     assert not torch.equal(got[0] == 0, got[1] == 0)  # (each replay drew its own mask)
