@@ -119,26 +119,33 @@ class TrainingStats(GraphStats):
         recomputed: backwards the backward graph cannot compute (``create_graph=True``, a
             second backward of one forward, activations overwritten), each computed through an
             eager run of the forward (training/recompute.py).
+        grad_copies: incoming gradients the backward graph copies in by itself (its first
+            nodes, pointed at autograd's tensors at each backward); 0 where each backward
+            launches the copy.
     """
 
-    __slots__ = ("backward_replays", "verified", "recomputed")
+    __slots__ = ("backward_replays", "verified", "recomputed", "grad_copies")
 
     def __init__(self, pool_bytes: Callable[[], int] | None = None) -> None:
         super().__init__(pool_bytes)
         self.backward_replays = 0
         self.verified = 0
         self.recomputed = 0
+        self.grad_copies = 0
 
     def as_dict(self) -> dict[str, object]:
         d = super().as_dict()
         d["backward_replays"] = self.backward_replays
         d["verified"] = self.verified
         d["recomputed"] = self.recomputed
+        d["grad_copies"] = self.grad_copies
         return d
 
     def explain(self) -> str:
         text = super().explain()
         extra = f"backward_replays={self.backward_replays}"
+        if self.grad_copies:
+            extra += f" (copies {self.grad_copies} gradient(s) in by itself)"
         if self.verified:
             extra += f" verified={self.verified}"
         if self.recomputed:

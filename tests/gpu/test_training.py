@@ -971,3 +971,40 @@ def test_torch_func_transforms_over_a_model_graphed_for_training_run_it_eagerly(
         with torch.no_grad():  # (outside a transform: the graph)
             torch.testing.assert_close(model(x), ref(x), **TOL)
     assert model.forward.stats.fallbacks == 6 and model.forward.stats.replays == 3
+
+
+class _TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x).tanh()
+        return h, self.b(h)
+
+
+def test_the_backward_copies_the_incoming_gradients_in_by_its_own_nodes() -> None:
+    """The backward graph's first nodes copy the incoming gradients into its buffers, pointed
+    at autograd's tensors at each backward (as the forward's copy its arguments): no copy
+    launch. Over steps with fresh upstream gradients the gradients equal eager's, also where
+    an upstream gradient is expanded (``y.sum()``: copied by a launch) or absent (an output
+    the loss does not use: zeros)."""
+    torch.manual_seed(0)
+    model = _TwoOutputs().to(DEV)
+    ref = copy.deepcopy(model)
+    tr.make_graphed_callables(model, (torch.randn(8, 16, device=DEV, requires_grad=True),))
+    assert model.forward.stats.grad_copies == 2, model.forward.stats
+    for step in range(3 * STEPS):
+        x = torch.randn(8, 16, device=DEV, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        t1, t2 = torch.randn(8, 16, device=DEV), torch.randn(8, 16, device=DEV)
+        for m, inp in ((model, x), (ref, xr)):
+            h, y = m(inp)
+            loss = ((h * t1).sum() + (y * t2).sum(), y.sum(), (h * t1).sum())[step % 3]
+            loss.backward()
+        torch.testing.assert_close(x.grad, xr.grad, **TOL)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=f"{name} at step {step}")
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    assert model.forward.stats.backward_replays == 3 * STEPS

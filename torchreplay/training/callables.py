@@ -28,6 +28,7 @@ from torchreplay.core.capture import capture, side_stream
 from torchreplay.core.eager_form import EagerForm
 from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
+from torchreplay.core.io import graph_copyable
 from torchreplay.core.modes import refuse_inference_capture
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.stats import TrainingStats
@@ -119,6 +120,9 @@ def _capture_pairs(
                 warmup=False,
                 snapshot=r._keeper,  # type: ignore[arg-type]
                 allow_empty=True,  # (gradients handed on as they are: no kernel, eagerly too)
+                # The incoming gradients are copied in by the graph's own first nodes, as the
+                # forward's arguments are: a backward points them and launches no copy.
+                copy_in=grad_outputs if graph_copyable(grad_outputs) else [],
             )
             grads = list(bwd.out)
             seconds += bwd.seconds
@@ -144,6 +148,8 @@ def _capture_pairs(
             generators=fwd.generators,
             copies=fwd.copies,
             spares=fwd.spares,
+            bwd_copies=bwd.copies if bwd is not None else (),
+            bwd_spares=bwd.spares if bwd is not None else (),
         )
         forwards[i] = None  # type: ignore[call-overload]
         del leaves, fwd, bwd

@@ -46,7 +46,7 @@ from torchreplay.core.eager_form import EagerForm, own_forward
 from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core import modes
 from torchreplay.core.modes import HOOKS, TRAIN_MODE, GradFlags, Hooks, warn_hooks_changed
-from torchreplay.core.io import Inputs
+from torchreplay.core.io import Inputs, point_or_off
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import LiveWindow, Pool
@@ -286,6 +286,7 @@ class GraphedCallable(EagerForm):
         self._diff_idx = pair.diff_idx
         self._has_backward = pair.bwd_replay is not None
         self._static_grad_outputs = pair.static_grad_outputs
+        self._bwd_copies = pair.bwd_copies  # (one node per grad-output buffer, or none)
         self._static_grad_inputs = pair.static_grad_inputs
         self._reads = pair.reads  # tensors in Python state the forward reads (core/effects.py)
         if pair.generators:  # (registered with it: a recompute draws from where the call did)
@@ -293,6 +294,7 @@ class GraphedCallable(EagerForm):
         self._inputs.set_written(pair.written)
         self._inputs.attach(pair.copies)  # (pair.spares: kept by self._pair)
         self.stats.graph_copies = len(pair.copies)
+        self.stats.grad_copies = len(pair.bwd_copies)
         self._writes = bool(self._inputs.written or self._inputs.rebound)  # (generators: moved on)
         self.stats.written_inputs = self._inputs.written_paths()
         self.collectives = pair.collectives
@@ -442,7 +444,14 @@ class GraphedCallable(EagerForm):
             pool.before_replay(self._bwd_pos, window)
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        for static, g in zip(self._static_grad_outputs, grads):
+        nodes = self._bwd_copies
+        for k, (static, g) in enumerate(zip(self._static_grad_outputs, grads)):
+            if nodes:  # the graph's first nodes copy the gradients in: pointed, or off
+                if g is not None and g is not static and g.shape == static.shape and (
+                    g.dtype is static.dtype and point_or_off(nodes[k], g)
+                ):
+                    continue
+                nodes[k].off()
             if g is None:
                 static.zero_()
             elif g is not static:

@@ -153,6 +153,7 @@ class Pair:
             identity at every call; None: none.
         copies, spares: the forward graph's own copies of the tensor arguments (its first
             nodes, pointed at a call's tensors: _compat/copy_nodes.py), and what they need kept.
+        bwd_copies, bwd_spares: the same for the backward graph's incoming gradients.
     """
 
     fwd_replay: Callable[[], Any]
@@ -175,6 +176,10 @@ class Pair:
     # buffers a copy not found writes at every replay (kept as long as the graph).
     copies: tuple[Any, ...] = ()
     spares: tuple[torch.Tensor, ...] = ()
+    # The backward's own copies of the incoming gradients into ``static_grad_outputs`` (one per
+    # buffer, or none), and what a copy not found needs kept.
+    bwd_copies: tuple[Any, ...] = ()
+    bwd_spares: tuple[torch.Tensor, ...] = ()
 
 
 def capturing() -> bool:
