@@ -25,7 +25,7 @@ from torchreplay import _compat
 from torchreplay.core.failures import returns_arguments
 from torchreplay.core.modes import GradFlags
 from torchreplay.training import callables as training
-from torchreplay.training.pair import Pair
+from torchreplay.training.pair import Pair, output_reach, unreached
 from torchreplay.training import optimizers as optim_mod
 from torchreplay.training import step as step_mod
 from torchreplay.training import step_parts as step_parts_mod
@@ -562,12 +562,13 @@ def _emulated_capture_pairs(runners, *, device, pool, config):
         kept_ids = {id(t) for t, own in zip(kept, owned_pos) if own}
         diff_idx = [j for j, o in enumerate(leaves0) if owned_pos[j] and o.requires_grad]
         gouts = [torch.zeros_like(leaves0[j]) for j in diff_idx]
-        gins = []
+        gins, reach = [], ()
         if diff_idx and r._grad_inputs:  # the "backward capture": None where unused, like torch
             outs0, ins0 = run_on_static()
             ls0 = _compat.tree_flatten(outs0)[0]
             g0 = torch.autograd.grad([ls0[j] for j in diff_idx], ins0, grad_outputs=gouts, allow_unused=True)
             gins = [None if g is None else torch.zeros_like(g) for g in g0]
+            reach = output_reach([ls0[j] for j in diff_idx], ins0)  # (as _capture_pairs reads it)
         latest = {}
 
         def fwd_replay(run=run_on_static, kept=kept, owned_pos=owned_pos, diff_idx=diff_idx, latest=latest):
@@ -598,6 +599,7 @@ def _emulated_capture_pairs(runners, *, device, pool, config):
                 static_grad_outputs=gouts,
                 static_grad_inputs=gins,
                 reads=python.reads(),
+                reach=reach,
             )
         )
     return pairs
@@ -760,6 +762,56 @@ def test_emulated_warmup_leaves_batchnorm_and_rng_as_it_found_them(emulated) -> 
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+class _TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x).tanh()
+        return h, self.b(h)
+
+
+def test_output_reach_reads_which_outputs_reach_each_leaf() -> None:
+    m = _TwoOutputs()
+    x = torch.randn(3, 6, requires_grad=True)
+    h, y = m(x)
+    leaves = [x, m.a.weight, m.b.weight, m.b.bias]
+    assert output_reach([h, y], leaves) == (0b11, 0b11, 0b10, 0b10)
+    assert output_reach([y, h], leaves) == (0b11, 0b11, 0b01, 0b01)
+    assert output_reach([h], leaves) == ()  # (one output: a backward reaches all it computes)
+    z = h * 2  # two outputs of one node path: both bits on everything below
+    assert output_reach([y, z], [m.a.weight, m.b.weight]) == (0b11, 0b01)
+    assert unreached((0b11, 0b11, 0b10, 0b10), (torch.ones(1), None)) == {2, 3}
+    assert unreached((0b11, 0b11, 0b10, 0b10), (torch.ones(1), torch.ones(1))) == frozenset()
+    assert unreached((), (None,)) == frozenset()
+
+
+def test_emulated_an_output_the_loss_leaves_unused_gives_no_gradient_as_eagerly(emulated) -> None:
+    """A loss over one output only: what only the other output reaches keeps ``.grad`` None,
+    as eagerly (an optimizer then skips it); the backward graph's zeros are not handed out."""
+    torch.manual_seed(0)
+    model = _TwoOutputs()
+    ref = copy.deepcopy(model)
+    tr.make_graphed_callables(model, (torch.randn(3, 6, requires_grad=True),))
+    for step in range(6):
+        x = torch.randn(3, 6, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        t = torch.randn(3, 6)
+        for m, inp in ((model, x), (ref, xr)):
+            h, y = m(inp)
+            ((h * t).sum(), y.sum(), (h * t).sum() + (y * t).sum())[step % 3].backward()
+        torch.testing.assert_close(x.grad, xr.grad)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), (name, step)
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name} at step {step}: {m}")
+        if step % 3 == 0:
+            assert model.b.weight.grad is None
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    assert model.forward.stats.backward_replays == 6
 
 
 def test_emulated_kwargs_non_tensor_flag_and_pytree_outputs(emulated) -> None:

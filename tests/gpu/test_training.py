@@ -988,7 +988,7 @@ def test_the_backward_copies_the_incoming_gradients_in_by_its_own_nodes() -> Non
     at autograd's tensors at each backward (as the forward's copy its arguments): no copy
     launch. Over steps with fresh upstream gradients the gradients equal eager's, also where
     an upstream gradient is expanded (``y.sum()``: copied by a launch) or absent (an output
-    the loss does not use: zeros)."""
+    the loss does not use: what only it reaches keeps ``.grad`` None, as eagerly)."""
     torch.manual_seed(0)
     model = _TwoOutputs().to(DEV)
     ref = copy.deepcopy(model)
@@ -1004,7 +1004,7 @@ def test_the_backward_copies_the_incoming_gradients_in_by_its_own_nodes() -> Non
             loss.backward()
         torch.testing.assert_close(x.grad, xr.grad, **TOL)
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=f"{name} at step {step}")
+            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m: f"{name} at step {step}: {m}")
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
     assert model.forward.stats.backward_replays == 3 * STEPS

@@ -33,7 +33,7 @@ from torchreplay.core.modes import refuse_inference_capture
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.stats import TrainingStats
 from torchreplay.training.graphed_callable import GraphedCallable
-from torchreplay.training.pair import Order, Pair, retire_pair
+from torchreplay.training.pair import Order, Pair, output_reach, retire_pair
 from torchreplay.training.state import StateKeeper
 from torchreplay.training.verify import check_verify, resolve_tolerance
 
@@ -95,12 +95,14 @@ def _capture_pairs(
         bwd = None
         grads: list[torch.Tensor | None] = []
         grad_outputs: list[torch.Tensor] = []
+        reach: tuple[int, ...] = ()
         seconds = fwd.seconds
         if diff_idx and r._grad_inputs:
             # Outside the pool: they must outlive every later capture into it.
             grad_outputs = [torch.empty_like(leaves[j]) for j in diff_idx]
             outputs = [leaves[j] for j in diff_idx]
             inputs, allow_unused = r._grad_inputs, r._allow_unused
+            reach = output_reach(outputs, inputs)  # (before the backward frees the graph)
 
             def backward() -> Any:
                 return torch.autograd.grad(
@@ -150,6 +152,7 @@ def _capture_pairs(
             spares=fwd.spares,
             bwd_copies=bwd.copies if bwd is not None else (),
             bwd_spares=bwd.spares if bwd is not None else (),
+            reach=reach,
         )
         forwards[i] = None  # type: ignore[call-overload]
         del leaves, fwd, bwd

@@ -54,7 +54,7 @@ from torchreplay.core.threads import Callers, follow_stream, one_at_a_time
 from torchreplay.distributed import EAGER, GRAPH, agreement
 from torchreplay.errors import ReplayInputError, UnsupportedError
 from torchreplay.stats import TrainingStats
-from torchreplay.training.pair import InputGrads, Member, Order, Pair, capturing, next_sequence_nr
+from torchreplay.training.pair import InputGrads, Member, Order, Pair, capturing, next_sequence_nr, unreached
 from torchreplay.training.recompute import CLOBBERED, CREATE_GRAPH, SECOND, Recomputes, recompute_backward, rng_reader
 from torchreplay.training.state import StateKeeper
 from torchreplay.training.verify import Tolerance, verified_call, verify_backward
@@ -288,6 +288,7 @@ class GraphedCallable(EagerForm):
         self._static_grad_outputs = pair.static_grad_outputs
         self._bwd_copies = pair.bwd_copies  # (one node per grad-output buffer, or none)
         self._static_grad_inputs = pair.static_grad_inputs
+        self._reach = pair.reach  # (which outputs' gradients reach each grad input: pair.py)
         self._reads = pair.reads  # tensors in Python state the forward reads (core/effects.py)
         if pair.generators:  # (registered with it: a recompute draws from where the call did)
             self._rng = rng_reader(self.device, self._rng is not None, pair.generators)
@@ -474,7 +475,7 @@ class GraphedCallable(EagerForm):
 
         return self._input_grads.hand(
             ctx, self._static_grad_inputs, self._grad_pos, len(self._tensor_idx),
-            self._surface_t, self._outputs.policy,
+            self._surface_t, self._outputs.policy, unreached(self._reach, grads),
         )
 
     # -- eager paths -------------------------------------------------------------------------

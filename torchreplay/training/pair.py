@@ -15,7 +15,10 @@ from torchreplay import _compat
 from torchreplay.core.effects import StateReads
 from torchreplay.core.outputs import Outputs
 
-__all__ = ["InputGrads", "Member", "Order", "Pair", "capturing", "next_sequence_nr", "retire_pair"]
+__all__ = [
+    "InputGrads", "Member", "Order", "Pair", "capturing", "next_sequence_nr", "output_reach", "retire_pair",
+    "unreached",
+]
 
 
 class Member:
@@ -88,17 +91,20 @@ class InputGrads:
         n_inputs: int,
         surface: tuple[torch.Tensor, ...],
         policy: str,
+        skip: frozenset[int] = frozenset(),
     ) -> list[Any]:
         """The backward's results for autograd: ``statics[k]`` is the gradient buffer of
         position ``grad_pos[k]``, which counts the ``n_inputs`` tensor inputs, then ``surface``
-        (the parameters and other leaves the callable differentiates into)."""
+        (the parameters and other leaves the callable differentiates into). Each ``k`` in
+        ``skip`` gets None, as eagerly: no output with a gradient reaches it (the graph
+        computed zeros)."""
         result: list[Any] = [None] * (n_inputs + len(surface))
         needs = ctx.needs_input_grad  # after the runner and the outputs tuple: pos + 2
         fresh_pos: list[int] = []
         fresh_src: list[torch.Tensor] = []
         edges = None
-        for static, pos in zip(statics, grad_pos):
-            if static is None or not needs[pos + 2]:
+        for k, (static, pos) in enumerate(zip(statics, grad_pos)):
+            if static is None or not needs[pos + 2] or k in skip:
                 continue
             if pos < n_inputs:
                 if edges is None:
@@ -180,6 +186,9 @@ class Pair:
     # buffer, or none), and what a copy not found needs kept.
     bwd_copies: tuple[Any, ...] = ()
     bwd_spares: tuple[torch.Tensor, ...] = ()
+    # Per static_grad_inputs entry, the outputs whose autograd graph reaches it (a bit mask,
+    # output_reach); empty with one differentiable output.
+    reach: tuple[int, ...] = ()
 
 
 def capturing() -> bool:
@@ -208,6 +217,64 @@ def retire_pair(outputs: Outputs, pair: Pair) -> Callable[[], None]:
         pair.static_grad_inputs = []
 
     return retire
+
+
+def output_reach(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> tuple[int, ...]:
+    """For each of ``inputs`` (the leaves a backward differentiates into), the bit mask of the
+    ``outputs`` whose autograd graph reaches it (bit ``j``: ``outputs[j]``), read from the
+    graph the capture recorded. Eagerly a backward whose loss leaves an output unused gives no
+    gradient (``.grad`` stays None) to what only that output reaches; the backward graph
+    computes zeros for it, which :func:`unreached` tells apart. Empty with one output."""
+    if len(outputs) < 2:
+        return ()
+    roots: dict[int, int] = {}  # id(node) -> outputs starting there
+    nodes: dict[int, Any] = {}
+    for j, o in enumerate(outputs):
+        if o.grad_fn is not None:
+            roots[id(o.grad_fn)] = roots.get(id(o.grad_fn), 0) | (1 << j)
+            nodes[id(o.grad_fn)] = o.grad_fn
+    # Every node reached, and how many reached nodes point at each (Kahn's order below).
+    indegree: dict[int, int] = dict.fromkeys(nodes, 0)
+    stack = list(nodes.values())
+    while stack:
+        node = stack.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            if id(nxt) not in nodes:
+                nodes[id(nxt)] = nxt
+                indegree[id(nxt)] = 0
+                stack.append(nxt)
+            indegree[id(nxt)] += 1
+    mask = dict(roots)
+    ready = [n for k, n in nodes.items() if not indegree[k]]
+    leaves: dict[int, int] = {}  # id(leaf tensor) -> mask
+    while ready:
+        node = ready.pop()
+        m = mask.get(id(node), 0)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if variable is not None:
+            leaves[id(variable)] = leaves.get(id(variable), 0) | m
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            mask[id(nxt)] = mask.get(id(nxt), 0) | m
+            indegree[id(nxt)] -= 1
+            if not indegree[id(nxt)]:
+                ready.append(nxt)
+    return tuple(leaves.get(id(t), 0) for t in inputs)
+
+
+def unreached(reach: tuple[int, ...], grads: tuple[Any, ...]) -> frozenset[int]:
+    """The indices into ``reach`` (:func:`output_reach`) that none of the outputs with a
+    gradient in ``grads`` (None: unused by the loss) reaches: eagerly they get no gradient."""
+    if not reach:
+        return frozenset()
+    present = 0
+    for j, g in enumerate(grads):
+        if g is not None:
+            present |= 1 << j
+    return frozenset(k for k, m in enumerate(reach) if not m & present)
 
 
 def next_sequence_nr() -> int:
