@@ -814,6 +814,32 @@ def test_emulated_an_output_the_loss_leaves_unused_gives_no_gradient_as_eagerly(
     assert model.forward.stats.backward_replays == 6
 
 
+class _TwoPaths(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(x1), self.b(x2)
+
+
+def test_emulated_grad_of_an_input_only_an_unused_output_reaches_is_as_eager(emulated) -> None:
+    """``torch.autograd.grad(h.sum(), [x1, x2])`` where only the unused output reaches ``x2``:
+    autograd's "not been used" error, as eagerly, and None with ``allow_unused=True``."""
+    torch.manual_seed(0)
+    model = _TwoPaths()
+    ref = copy.deepcopy(model)
+    tr.make_graphed_callables(model, (torch.randn(3, 6, requires_grad=True), torch.randn(3, 6, requires_grad=True)))
+    for m in (ref, model):
+        x1, x2 = torch.randn(3, 6, requires_grad=True), torch.randn(3, 6, requires_grad=True)
+        with pytest.raises(RuntimeError, match="not have been used"):
+            torch.autograd.grad(m(x1, x2)[0].sum(), [x1, x2])
+        g1, g2 = torch.autograd.grad(m(x1, x2)[0].sum(), [x1, x2], allow_unused=True)
+        assert g2 is None
+        torch.testing.assert_close(g1, torch.autograd.grad(ref(x1, x2)[0].sum(), x1)[0])
+    assert model.forward.stats.backward_replays == 2 and model.forward.stats.recomputed == 0
+
+
 def test_emulated_kwargs_non_tensor_flag_and_pytree_outputs(emulated) -> None:
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(4, 4))
