@@ -7,14 +7,16 @@ interleaved between ``tr.compile`` and the same runtime called alone with Dynamo
 
 1. fixed workloads run first inside the runtime's call (so both see the same state): 200 Python
    calls, 400 ``dict.get`` calls, 100 ``Tensor.data_ptr()`` calls, 3 ``torch.empty(8, "cuda")``;
-2. the runtime's own sections (``copy_inputs``, the graph launches, ``hand_out``) and the
-   whole runtime call;
+2. the runtime's own sections (``copy_inputs``, the graph launches, the eager steps between
+   graphs, each graph's ``copy_in`` of what they made, ``hand_out``), the whole runtime call,
+   and what it does besides those;
 3. the thread's state inside the call (grad mode, dispatch key sets, torch function state,
    Dynamo's frame callback, profile and trace hooks, ``sys.monitoring`` tools), compared;
 4. without Dynamo: the host cost of a graph launch, ``torch.empty``, a copy and a clone with the
    GPU idle and with about 1 ms of work queued ahead.
 
-Usage: ``PYTHONPATH=. python benchmarks/runtime_under_dynamo.py [--width 1024]``. Needs CUDA.
+Usage: ``PYTHONPATH=. python benchmarks/runtime_under_dynamo.py [--width 1024] [--pieces 2]``
+(``--pieces 1``: no split). Needs CUDA.
 """
 from __future__ import annotations
 
@@ -29,13 +31,14 @@ sys.path.insert(0, ".")
 import torchreplay as tr  # noqa: E402
 from torchreplay import _compat  # noqa: E402
 from torchreplay.models.blocks import SPLIT_STYLES, SplitMLP  # noqa: E402
-from torchreplay.pieces import runtime as runtime_mod  # noqa: E402
+from torchreplay.pieces import entries as entries_mod, runtime as runtime_mod  # noqa: E402
 from torchreplay.pieces.runtime import PiecewiseRuntime  # noqa: E402
 
 ns = time.perf_counter_ns
 parser = argparse.ArgumentParser()
 parser.add_argument("--width", type=int, default=1024)
 parser.add_argument("--rounds", type=int, default=200)
+parser.add_argument("--pieces", type=int, default=2)
 opts = parser.parse_args()
 
 small = torch.randn(8, 8, device="cuda")
@@ -115,12 +118,13 @@ def instrumented_call(self, *a, **k):
 
 for section in ("copy_inputs", "hand_out"):
     setattr(runtime_mod, section, timed(section, getattr(runtime_mod, section)))
+entries_mod.PieceGraph.copy_in = timed("graphs' copy_in", entries_mod.PieceGraph.copy_in)
 real_direct_replay = _compat.direct_replay
 _compat.direct_replay = lambda graph: timed("graph launches", real_direct_replay(graph))
 
 x = torch.randn(8, opts.width, device="cuda")
 with torch.no_grad():
-    model = SplitMLP(2, width=opts.width).cuda().eval()
+    model = SplitMLP(opts.pieces, width=opts.width).cuda().eval()
     compiled = tr.compile(model, splitting_ops=[SPLIT_STYLES["returns"]])
     want = model(x)
     for _ in range(3):
@@ -134,6 +138,10 @@ with torch.no_grad():
     PiecewiseRuntime.__call__ = spy
     compiled(x)
     runtime, args = seen.pop()
+    for route in runtime._routes.values():  # the eager steps between graphs, timed
+        route.entry.steps = [
+            (g, fn if g is not None else timed("eager steps", fn), *rest) for g, fn, *rest in route.entry.steps
+        ]
     PiecewiseRuntime.__call__ = instrumented_call
     calls = {"tr.compile": lambda: compiled(x), "runtime alone": lambda: runtime(*args)}
     results: dict[str, dict[str, list[int]]] = {name: {} for name in calls}
@@ -155,7 +163,11 @@ with torch.no_grad():
     under, alone = STATES
     PiecewiseRuntime.__call__ = REAL_CALL
 
-print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, SplitMLP(2, width={opts.width}), "
+for name in calls:
+    r = results[name]
+    inside = [k for k in r if k in ("copy_inputs", "graph launches", "eager steps", "graphs' copy_in", "hand_out")]
+    r["runtime, the rest"] = [c - sum(r[k][i] for k in inside) for i, c in enumerate(r["runtime call"])]
+print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, SplitMLP({opts.pieces}, width={opts.width}), "
       f"host us per call (median)")
 print(f"{'':24s} {'runtime alone':>14s} {'tr.compile':>11s} {'ratio':>6s}")
 for key in results["runtime alone"]:
