@@ -19,6 +19,7 @@ import torch.nn as nn
 import torchreplay as tr
 
 import higher_order
+from blocks import TwoOutputs
 from memory import collector_off
 from twin_steps import history_step
 from torchreplay import _compat
@@ -764,18 +765,8 @@ def test_emulated_warmup_leaves_batchnorm_and_rng_as_it_found_them(emulated) -> 
     assert torch.equal(torch.get_rng_state(), rng)
 
 
-class _TwoOutputs(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.a(x).tanh()
-        return h, self.b(h)
-
-
 def test_output_reach_reads_which_outputs_reach_each_leaf() -> None:
-    m = _TwoOutputs()
+    m = TwoOutputs(6)
     x = torch.randn(3, 6, requires_grad=True)
     h, y = m(x)
     leaves = [x, m.a.weight, m.b.weight, m.b.bias]
@@ -793,7 +784,7 @@ def test_emulated_an_output_the_loss_leaves_unused_gives_no_gradient_as_eagerly(
     """A loss over one output only: what only the other output reaches keeps ``.grad`` None,
     as eagerly (an optimizer then skips it); the backward graph's zeros are not handed out."""
     torch.manual_seed(0)
-    model = _TwoOutputs()
+    model = TwoOutputs(6)
     ref = copy.deepcopy(model)
     tr.make_graphed_callables(model, (torch.randn(3, 6, requires_grad=True),))
     for step in range(6):

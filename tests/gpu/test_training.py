@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import torchreplay as tr
 
 import higher_order
+from blocks import TwoOutputs
 from torchreplay.models import CNNConfig, MLPConfig, build_cnn, build_mlp
 
 from memory import reserved
@@ -973,16 +974,6 @@ def test_torch_func_transforms_over_a_model_graphed_for_training_run_it_eagerly(
     assert model.forward.stats.fallbacks == 6 and model.forward.stats.replays == 3
 
 
-class _TwoOutputs(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.a(x).tanh()
-        return h, self.b(h)
-
-
 def test_the_backward_copies_the_incoming_gradients_in_by_its_own_nodes() -> None:
     """The backward graph's first nodes copy the incoming gradients into its buffers, pointed
     at autograd's tensors at each backward (as the forward's copy its arguments): no copy
@@ -990,7 +981,7 @@ def test_the_backward_copies_the_incoming_gradients_in_by_its_own_nodes() -> Non
     an upstream gradient is expanded (``y.sum()``: copied by a launch) or absent (an output
     the loss does not use: what only it reaches keeps ``.grad`` None, as eagerly)."""
     torch.manual_seed(0)
-    model = _TwoOutputs().to(DEV)
+    model = TwoOutputs(16).to(DEV)
     ref = copy.deepcopy(model)
     tr.make_graphed_callables(model, (torch.randn(8, 16, device=DEV, requires_grad=True),))
     assert model.forward.stats.grad_copies == 2, model.forward.stats
