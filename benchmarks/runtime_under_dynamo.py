@@ -7,8 +7,9 @@ interleaved between ``tr.compile`` and the same runtime called alone with Dynamo
 
 1. fixed workloads run first inside the runtime's call (so both see the same state): 200 Python
    calls, 400 ``dict.get`` calls, 100 ``Tensor.data_ptr()`` calls, 3 ``torch.empty(8, "cuda")``;
-2. the runtime's own sections (``copy_inputs``, the graph launches, the eager steps between
-   graphs, each graph's ``copy_in`` of what they made, ``hand_out``), the whole runtime call,
+2. the runtime's own sections (``_route``, ``follow_stream``, ``copy_inputs``, the graph launches,
+   the eager steps between graphs, each graph's ``copy_in`` of what they made, ``hand_out``),
+   the whole runtime call,
    and what it does besides those;
 3. the thread's state inside the call (grad mode, dispatch key sets, torch function state,
    Dynamo's frame callback, profile and trace hooks, ``sys.monitoring`` tools), compared;
@@ -116,8 +117,9 @@ def instrumented_call(self, *a, **k):
     return out
 
 
-for section in ("copy_inputs", "hand_out"):
+for section in ("copy_inputs", "hand_out", "follow_stream"):
     setattr(runtime_mod, section, timed(section, getattr(runtime_mod, section)))
+PiecewiseRuntime._route = timed("_route", PiecewiseRuntime._route)
 entries_mod.PieceGraph.copy_in = timed("graphs' copy_in", entries_mod.PieceGraph.copy_in)
 real_direct_replay = _compat.direct_replay
 _compat.direct_replay = lambda graph: timed("graph launches", real_direct_replay(graph))
@@ -165,7 +167,8 @@ with torch.no_grad():
 
 for name in calls:
     r = results[name]
-    inside = [k for k in r if k in ("copy_inputs", "graph launches", "eager steps", "graphs' copy_in", "hand_out")]
+    inside = [k for k in r if k in ("copy_inputs", "graph launches", "eager steps", "graphs' copy_in", "hand_out",
+                                     "follow_stream", "_route")]
     r["runtime, the rest"] = [c - sum(r[k][i] for k in inside) for i, c in enumerate(r["runtime call"])]
 print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, SplitMLP({opts.pieces}, width={opts.width}), "
       f"host us per call (median)")
