@@ -831,6 +831,46 @@ def test_emulated_grad_of_an_input_only_an_unused_output_reaches_is_as_eager(emu
     assert model.forward.stats.backward_replays == 2 and model.forward.stats.recomputed == 0
 
 
+class _HostScale(nn.Module):
+    """A break: scales by a number read on the host."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * (1.0 + h.detach().abs().max().item() * 0)
+
+
+class _AcrossABreak(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.aux, self.b = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+        self.brk = _HostScale()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x).tanh()
+        return self.b(self.brk(h)), self.aux(h)
+
+
+def test_emulated_an_unused_output_gives_no_gradient_across_breaks(emulated, monkeypatch) -> None:
+    """With ``breaks=``: an output made before the break (``aux``) or after it, left unused by
+    the loss, gives no gradient to what only it reaches, as eagerly."""
+    from torchreplay.breaks import training as breaks_training
+
+    monkeypatch.setattr(breaks_training, "infer_device", lambda fn, call, device=None: CPU)
+    torch.manual_seed(0)
+    model = _AcrossABreak()
+    ref = copy.deepcopy(model)
+    tr.make_graphed_callables(model, (torch.randn(3, 6),), breaks=[_HostScale])
+    for step in range(6):
+        x, t = torch.randn(3, 6), torch.randn(3, 6)
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            y, a = m(x)
+            ((y * t).sum(), (a * t).sum(), (y * t).sum() + a.sum())[step % 3].backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), (name, step)
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name} at step {step}: {m}")
+    assert len(model.forward.segments) == 2 and model.b.weight.grad is not None
+
+
 def test_emulated_kwargs_non_tensor_flag_and_pytree_outputs(emulated) -> None:
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(4, 4))

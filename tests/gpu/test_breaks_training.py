@@ -159,6 +159,46 @@ def test_two_micro_batches_before_one_backward_match_eager():
     assert model.forward.stats.fallbacks == 1
 
 
+class TwoHeads(nn.Module):
+    """``Model`` with one block and a second output: ``aux`` of the embedding, made in the first
+    segment (before the break), beside the head's, made in the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, H)
+        self.aux = nn.Linear(H, V)
+        self.block = Block()
+        self.head = nn.Linear(H, V)
+
+    def forward(self, ids, lengths):
+        h = self.embed(ids)
+        return self.head(self.block(h, lengths)), self.aux(h)
+
+
+def test_an_output_the_loss_leaves_unused_gives_no_gradient_across_the_breaks_as_eagerly():
+    """A loss over one of the two outputs: what only the other reaches (``aux``; or the block
+    and the head, past the break) keeps ``.grad`` None, as eagerly, over steps that use the
+    head, the aux output or both; gradients equal eager's."""
+    torch.manual_seed(0)
+    model = TwoHeads().to(DEV)
+    ref = copy.deepcopy(model)
+    g = torch.Generator(device=DEV).manual_seed(5)
+    tr.make_graphed_callables(model, _batch(g), breaks=[HostAttention])
+    for step in range(9):
+        ids, lengths = _batch(g)
+        t1, t2 = torch.randn(B, T, V, device=DEV), torch.randn(B, T, V, device=DEV)
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            y, a = m(ids, lengths)
+            ((y * t1).sum(), (a * t2).sum(), (y * t1).sum() + (a * t2).sum())[step % 3].backward()
+        _assert_same(model, ref, f"step {step}")
+        if step % 3 == 0:
+            assert model.aux.weight.grad is None
+        if step % 3 == 1:
+            assert model.head.weight.grad is None and model.block.mlp[0].weight.grad is None
+    assert all(s.stats.fallbacks == 0 for s in model.forward.segments)
+
+
 def test_hf_llama_with_its_attention_as_the_break_trains_like_eager():
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama import modeling_llama
