@@ -775,9 +775,12 @@ def test_output_reach_reads_which_outputs_reach_each_leaf() -> None:
     assert output_reach([h], leaves) == ()  # (one output: a backward reaches all it computes)
     z = h * 2  # two outputs of one node path: both bits on everything below
     assert output_reach([y, z], [m.a.weight, m.b.weight]) == (0b11, 0b01)
-    assert unreached((0b11, 0b11, 0b10, 0b10), (torch.ones(1), None)) == {2, 3}
-    assert unreached((0b11, 0b11, 0b10, 0b10), (torch.ones(1), torch.ones(1))) == frozenset()
-    assert unreached((), (None,)) == frozenset()
+    seen: dict[int, frozenset[int]] = {}
+    assert unreached((0b11, 0b11, 0b10, 0b10), (torch.ones(1), None), seen) == {2, 3}
+    assert unreached((0b11, 0b11, 0b10, 0b10), (torch.ones(1), torch.ones(1)), seen) == frozenset()
+    assert unreached((0b11, 0b11, 0b10, 0b10), (None, torch.ones(1)), seen) == frozenset()
+    assert seen == {0b01: {2, 3}, 0b11: frozenset(), 0b10: frozenset()}
+    assert unreached((), (None,), seen) == frozenset()
 
 
 def test_emulated_an_output_the_loss_leaves_unused_gives_no_gradient_as_eagerly(emulated) -> None:

@@ -289,6 +289,7 @@ class GraphedCallable(EagerForm):
         self._bwd_copies = pair.bwd_copies  # (one node per grad-output buffer, or none)
         self._static_grad_inputs = pair.static_grad_inputs
         self._reach = pair.reach  # (which outputs' gradients reach each grad input: pair.py)
+        self._unreached: dict[int, frozenset[int]] = {}  # (by which outputs have a gradient)
         self._reads = pair.reads  # tensors in Python state the forward reads (core/effects.py)
         if pair.generators:  # (registered with it: a recompute draws from where the call did)
             self._rng = rng_reader(self.device, self._rng is not None, pair.generators)
@@ -475,7 +476,7 @@ class GraphedCallable(EagerForm):
 
         return self._input_grads.hand(
             ctx, self._static_grad_inputs, self._grad_pos, len(self._tensor_idx),
-            self._surface_t, self._outputs.policy, unreached(self._reach, grads),
+            self._surface_t, self._outputs.policy, unreached(self._reach, grads, self._unreached),
         )
 
     # -- eager paths -------------------------------------------------------------------------

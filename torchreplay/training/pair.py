@@ -103,8 +103,10 @@ class InputGrads:
         fresh_pos: list[int] = []
         fresh_src: list[torch.Tensor] = []
         edges = None
-        for k, (static, pos) in enumerate(zip(statics, grad_pos)):
-            if static is None or not needs[pos + 2] or k in skip:
+        if skip:  # (rare: a loss that leaves an output unused; no cost per gradient otherwise)
+            statics = [None if k in skip else static for k, static in enumerate(statics)]
+        for static, pos in zip(statics, grad_pos):
+            if static is None or not needs[pos + 2]:
                 continue
             if pos < n_inputs:
                 if edges is None:
@@ -265,16 +267,26 @@ def output_reach(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> tup
     return tuple(leaves.get(id(t), 0) for t in inputs)
 
 
-def unreached(reach: tuple[int, ...], grads: tuple[Any, ...]) -> frozenset[int]:
+def unreached(
+    reach: tuple[int, ...], grads: tuple[Any, ...], seen: dict[int, frozenset[int]]
+) -> frozenset[int]:
     """The indices into ``reach`` (:func:`output_reach`) that none of the outputs with a
-    gradient in ``grads`` (None: unused by the loss) reaches: eagerly they get no gradient."""
+    gradient in ``grads`` (None: unused by the loss) reaches: eagerly they get no gradient.
+    ``seen``: the caller's answers so far, by which outputs have a gradient (a backward of
+    many parameters asks again at every step)."""
     if not reach:
-        return frozenset()
+        return _NONE
     present = 0
     for j, g in enumerate(grads):
         if g is not None:
             present |= 1 << j
-    return frozenset(k for k, m in enumerate(reach) if not m & present)
+    known = seen.get(present)
+    if known is None:
+        known = seen[present] = frozenset(k for k, m in enumerate(reach) if not m & present)
+    return known
+
+
+_NONE: frozenset[int] = frozenset()
 
 
 def next_sequence_nr() -> int:
