@@ -422,6 +422,7 @@ def test_empty_segments_and_breaks_in_a_row() -> None:
     model = Leading().to(DEV).eval()
     g = tr.graph(model, torch.randn(4, H, device=DEV), torch.arange(4), breaks=[first_break])
     assert g.stats.captures == 1  # only the last segment recorded work
+    assert g.stats.graph_copies == 0  # (a break first: the call's tensor is copied by a launch)
     for _ in range(10):
         x, lengths = torch.randn(4, H, device=DEV), torch.randint(0, 9, (4,))
         with torch.no_grad():

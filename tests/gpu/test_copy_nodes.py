@@ -510,3 +510,105 @@ def test_a_compiled_model_on_the_second_gpu_called_with_the_first_current() -> N
     assert rt.device == dev and rt.stats.graph_copies == 1, rt
     assert rt.stats.fallbacks == 0, rt.fallback_reasons
     assert all(bool(e.graphs[-1].nodes) for e in rt._entries.values()), rt
+
+
+# -- a breakable graph (``tr.graph(..., breaks=)``): its first segment copies the call's tensors --
+
+
+def host_scale(x: torch.Tensor, lengths: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """A break: row ``b`` scaled by the host's ``lengths[b]`` (rows past them, a size's padding,
+    kept as they are), plus ``shift``, a tensor of the call that only this break reads."""
+    out = x.clone()
+    n = lengths.numel()
+    out[:n] *= lengths.to(x.device, x.dtype).view(-1, 1)
+    return out + shift
+
+
+class _HostScaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(64, 128)
+        self.b = nn.Linear(128, 32)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        return self.b(host_scale(torch.relu(self.a(x)), lengths, shift))
+
+
+@needs_nodes
+@pytest.mark.parametrize("sizes", [None, [2, 4, 8]])
+def test_a_breakable_graph_copies_the_calls_tensors_by_its_first_segment(sizes) -> None:
+    """``tr.graph(breaks=)``: the call's two CUDA tensors (one read by the segments, one only by
+    the break) go into their buffers by the first segment's own nodes (a call of fewer rows
+    than its size: those rows), the host lengths are re-bound, equal to eager on fresh inputs
+    at every call; a transposed input (a byte copy would not keep it) is copied by a launch."""
+    model = _HostScaled().to(DEV).eval()
+    g = tr.graph(model, torch.randn(8, 64, device=DEV), torch.randint(1, 5, (8,)),
+                 torch.randn(128, device=DEV), breaks=[host_scale], sizes=sizes,
+                 dim=None if sizes is None else {"x": 0})
+    rows = [8] * CALLS if sizes is None else [1 + 5 * k % 8 for k in range(CALLS)]
+    for n in rows:
+        args = torch.randn(n, 64, device=DEV), torch.randint(1, 5, (n,)), torch.randn(128, device=DEV)
+        same(g(*args), eager(model, *args))
+    assert g.stats.graph_copies == 2, g.stats.explain()
+    assert g.stats.fallbacks == 0, g.runtime.fallback_reasons
+    lengths, shift = torch.randint(1, 5, (8,)), torch.randn(128, device=DEV)
+    t = torch.randn(64, 8, device=DEV).t()
+    same(g(t, lengths, shift), eager(model, t, lengths, shift))
+    x = torch.randn(8, 64, device=DEV)
+    for _ in range(3):  # the same tensors again, rewritten between the calls
+        x.normal_()
+        shift.normal_()
+        same(g(x, lengths, shift), eager(model, x, lengths, shift))
+
+
+def doubled_tanh(x: torch.Tensor) -> torch.Tensor:
+    """A break of device work only: nothing in it waits for the GPU."""
+    return torch.tanh(x) * 2
+
+
+@needs_nodes
+def test_breakable_calls_queued_behind_a_busy_gpu_keep_their_own_sources() -> None:
+    """Many calls of a breakable graph queued while the GPU is held back, each pointing the
+    first segment's node at a new tensor of other rows: each launch reads the tensor it was
+    launched with, and the break between the segments runs on what they wrote."""
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).to(DEV).eval()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return model[2](doubled_tanh(model[1](model[0](x))))
+
+    g = tr.graph(f, torch.randn(16, 64, device=DEV), breaks=[doubled_tanh], sizes=[4, 8, 16])
+    rows = [3 + 11 * k % 14 for k in range(CALLS)]
+    xs = [torch.randn(n, 64, device=DEV) for n in rows]
+    with torch.no_grad():
+        for n in sorted(set(rows)):
+            g(torch.randn(n, 64, device=DEV))
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)
+        outs = [g(x).clone() for x in xs]
+        torch.cuda.synchronize()
+        for x, y in zip(xs, outs):
+            same(y, f(x))
+    assert g.stats.graph_copies == 1 and g.stats.fallbacks == 0, g.stats.explain()
+
+
+@needs_nodes
+def test_a_breakable_graph_writing_its_input_reaches_the_caller() -> None:
+    """The first segment copies the argument in by its node and writes its buffer, a break
+    reads it after; the write reaches the caller's tensor, as eagerly, at every call."""
+
+    def f(x: torch.Tensor, lengths: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return torch.tanh(host_scale(x @ x.t(), lengths, shift) + x)
+
+    shift = torch.randn(8, device=DEV)
+    g = tr.graph(f, torch.randn(8, 8, device=DEV), torch.randint(1, 5, (8,)), shift, breaks=[host_scale])
+    for _ in range(CALLS):
+        x, lengths = torch.randn(8, 8, device=DEV), torch.randint(1, 5, (8,))
+        ref = x.clone()
+        want = f(ref, lengths, shift)
+        got = g(x, lengths, shift)
+        same(got, want)
+        same(x, ref)
+        same(g(got.clone(), lengths, shift), f(want.clone(), lengths, shift))
+    assert g.stats.graph_copies == 2 and g.stats.fallbacks == 0, g.stats.explain()

@@ -12,6 +12,7 @@ import torch
 
 from torchreplay import _compat
 from torchreplay.core.capture import Segments, capture
+from torchreplay.core.io import graph_copyable
 from torchreplay.core.placed import Placed
 from torchreplay.core.snapshot import BUILD_FIRST, WRITTEN_COPIES, StateSnapshot, copies
 from torchreplay.errors import CaptureError, UnsupportedError
@@ -167,6 +168,11 @@ class BreakableRuntime(PiecewiseRuntime):
             self._segments = segments
             return intercept(front.fn, front._breaks, recorder, reached)
 
+        # The first segment copies the call's tensors in itself, by its own first nodes (as a
+        # piece's graph does: pieces/capturing.py), all or none; a break first: a launch.
+        targets = {i: leaves[i] for i in self._tensors}
+        if not graph_copyable(list(targets.values())):
+            targets = {}
         call_args, call_kwargs = front._unflatten(leaves)
         fn = front.fn
         if front._unpadded is not None and size is not None:  # (the first size: it pads)
@@ -182,6 +188,7 @@ class BreakableRuntime(PiecewiseRuntime):
                 diagnose_fn=outside_breaks(front.fn, front._breaks),
                 collectives=front.collectives is None,  # the first capture's are agreed on
                 effects=front._python, owner=front,  # (owner: fn differs at the first size)
+                copy_in=list(targets.values()),
             )
         finally:
             self._segments = None
@@ -211,6 +218,11 @@ class BreakableRuntime(PiecewiseRuntime):
             graphs += [PieceGraph(segs[k], own + [held(o) for o in outputs], []), None]
         outs = _compat.tree_flatten(captured.out)[0]
         graphs.append(PieceGraph(segs[-1], outs, []))
+        first = graphs[0]
+        assert first is not None
+        first.inputs = dict(zip(targets, captured.copies))  # (none: a break first, or not found)
+        first.spares = captured.spares  # (not found: the graph copies into them, kept as long)
+        self.stats.graph_copies = max(self.stats.graph_copies, len(first.inputs))
         entry.graphs = graphs
         entry.sources, pool_outs = self._sources(outs, leaves)
         self._seal(entry, pool_outs)

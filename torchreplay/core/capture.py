@@ -162,7 +162,7 @@ class Segments:
         self._mode = mode
         #: the explicit generators registered with each graph before its capture begins
         self.generators = generators
-        self._copies = copies  # copy nodes the (one) graph begins with: its template is kept
+        self._copies = copies  # copy nodes the first graph begins with: its template is kept
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.empty: list[bool] = []
         #: the graph whose capture began and has not ended (``None`` between segments)
@@ -173,7 +173,7 @@ class Segments:
 
     def resume(self, retry: bool = True) -> None:
         """Begin capturing the next segment."""
-        graph = copy_nodes.graph(keep=self._copies > 0)
+        graph = copy_nodes.graph(keep=self._copies > 0 and not self.graphs)
         for gen in self.generators:  # (each replay draws from where it stands, and moves it on)
             _compat.register_generator(graph, gen)
         expect_capture()  # a graph called inside this capture runs eagerly (core/pool.py)
@@ -212,8 +212,8 @@ class Segments:
         self.host.stop()
         _compat.clear_cublas_workspaces()
         empty = any("graph is empty" in str(w.message).lower() for w in caught)
-        if self._copies:  # (the copies into the static inputs alone are none of the call's work)
-            empty = copy_nodes.node_count(graph) <= self._copies
+        if self._copies and not self.graphs:  # (the copies into the static inputs alone are
+            empty = copy_nodes.node_count(graph) <= self._copies  # none of the call's work)
             if not empty:
                 graph.instantiate()  # (a kept template is not instantiated by capture_end)
         self.graphs.append(graph)
@@ -328,11 +328,12 @@ def capture(
             (core/generators.py). False for the compile backend's pieces: they pay no watch
             (hundreds of captures), and a piece that draws from an explicit generator fails
             to capture and runs eagerly, as before generators were registered.
-        copy_in: static inputs (dense; not with ``segmented``) the graph begins by copying
-            into, by nodes returned off in ``Captured.copies``: a call points them at its
-            tensors instead of copying them itself (_compat/copy_nodes.py). None is returned
-            where the driver does not show them after the capture (never seen): each call
-            then copies with a launch, and ``Captured.spares`` must live as long as the graph.
+        copy_in: static inputs (dense) the graph (with ``segmented``, the first segment's)
+            begins by copying into, by nodes returned off in ``Captured.copies``: a call points
+            them at its tensors instead of copying them itself (_compat/copy_nodes.py). No
+            nodes where the first segment recorded none of the call's work (a break first), nor
+            where the driver does not show them after the capture (never seen): each call then
+            copies with a launch (there, ``Captured.spares`` must live as long as the graph).
         collectives: record the ``torch.distributed`` collectives of the captured call
             (``Captured.collectives``; only when a process group exists: a dispatch mode sees
             every op of the capture, so callers that do not use them pass False).
@@ -403,7 +404,6 @@ def capture(
             if free_warmup:
                 torch.cuda.empty_cache()
 
-        assert not (copy_in and segmented), "copy nodes begin a graph of one segment"
         # (Python's and NumPy's generators, 120 us a capture: not for a breakable graph's
         # segments, hundreds a build, nor for the compile backend's pieces, whose Python Dynamo
         # traced away)

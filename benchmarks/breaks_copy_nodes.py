@@ -1,0 +1,95 @@
+"""Host time of a breakable graph's call with and without its first segment's own copy nodes
+(CUDA only; RESULTS.md, session 71): ``tr.graph(..., breaks=)`` copies the call's tensors into
+its buffers by the first segment's nodes, pointed at each call's tensors
+(``_compat/copy_nodes.py``), instead of a copy launch. The same model is graphed twice in one
+process, once with the driver's copy nodes hidden at its capture (the copying way), and timed
+call by call interleaved, with the whole-callable ``tr.graph`` of the same work (the break
+captured too: it can be) as the anchor: host us of one call, a synchronize before each
+(``_paired.interleaved(sync_each=True)``), and the paired difference.
+
+Rows: a 3-layer MLP b8 with one break of device work between its layers; the same with
+``sizes=[2, 4, 8]`` called with 5 rows (a padded call: 5 rows' bytes); the same with a second
+tensor argument that only the break reads.
+
+Usage: ``PYTHONPATH=. python benchmarks/breaks_copy_nodes.py [--rounds 300]``
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.nn as nn
+
+import torchreplay as tr
+from torchreplay._compat import copy_nodes
+from _paired import interleaved
+
+DEV = "cuda"
+
+
+def doubled_tanh(x: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+    """The break: device work only."""
+    y = torch.tanh(x) * 2
+    return y if shift is None else y + shift
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 128)
+        self.b = nn.Linear(128, 32)
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+        return self.b(doubled_tanh(torch.relu(self.a(x)), shift))
+
+
+def graphed(model, args, nodes: bool, **kw):
+    saved = list(copy_nodes._driver)
+    if not nodes:
+        copy_nodes._driver[:] = [None]  # hidden at this graph's capture only
+    try:
+        g = tr.graph(model, *args, **kw)
+    finally:
+        copy_nodes._driver[:] = saved
+    assert (g.stats.graph_copies > 0) == nodes, g.stats.explain()
+    return g
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=300)
+    a = ap.parse_args()
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, copy nodes: {copy_nodes.available()}")
+    rows = [
+        ("MLP b8, one break", 8, {}, False),
+        ("MLP sizes=[2,4,8], 5 rows, one break", 5, {"sizes": [2, 4, 8]}, False),
+        ("MLP b8, one break, a second argument the break reads", 8, {}, True),
+    ]
+    torch.manual_seed(0)
+    model = Net().to(DEV).eval()
+    for name, n, kw, shifted in rows:
+        sample = [torch.randn(8 if kw else n, 64, device=DEV)] + ([torch.randn(128, device=DEV)] if shifted else [])
+        with_nodes = graphed(model, sample, True, breaks=[doubled_tanh], **kw)
+        without = graphed(model, sample, False, breaks=[doubled_tanh], **kw)
+        whole = tr.graph(model, *sample, **kw)
+        calls = [[torch.randn(n, 64, device=DEV)] + ([torch.randn(128, device=DEV)] if shifted else [])
+                 for _ in range(4)]
+
+        def call(f):
+            it = iter(range(1 << 30))
+            return lambda: f(*calls[next(it) % 4])
+
+        with torch.no_grad():
+            for f in (with_nodes, without, whole):
+                torch.testing.assert_close(f(*calls[1]), model(*calls[1]), rtol=1e-4, atol=1e-4)
+            print(f"{name}: copied by nodes: {with_nodes.stats.graph_copies} input(s); "
+                  f"without: {without.stats.graph_copies}")
+            interleaved({"breaks=, copy nodes": call(with_nodes), "breaks=, copy launch": call(without),
+                         "tr.graph, whole (anchor)": call(whole)}, rounds=a.rounds, calls=10, sync_each=True)
+
+
+if __name__ == "__main__":
+    main()
