@@ -1,7 +1,8 @@
-"""Host time of a breakable graph's call with and without its first segment's own copy nodes
-(CUDA only; RESULTS.md, session 71): ``tr.graph(..., breaks=)`` copies the call's tensors into
-its buffers by the first segment's nodes, pointed at each call's tensors
-(``_compat/copy_nodes.py``), instead of a copy launch. The same model is graphed twice in one
+"""Host time of a breakable graph's call with and without its segments' own copy nodes (CUDA
+only; RESULTS.md, session 71): ``tr.graph(..., breaks=)`` copies the call's tensors into its
+buffers by the first segment's nodes, and each break's new tensors into the buffers of the
+segment after it by that segment's nodes, pointed at each call's tensors
+(``_compat/copy_nodes.py``), instead of a copy launch each. The same model is graphed twice in one
 process, once with the driver's copy nodes hidden at its capture (the copying way), and timed
 call by call interleaved, with the whole-callable ``tr.graph`` of the same work (the break
 captured too: it can be) as the anchor: host us of one call, a synchronize before each
@@ -9,7 +10,7 @@ captured too: it can be) as the anchor: host us of one call, a synchronize befor
 
 Rows: a 3-layer MLP b8 with one break of device work between its layers; the same with
 ``sizes=[2, 4, 8]`` called with 5 rows (a padded call: 5 rows' bytes); the same with a second
-tensor argument that only the break reads.
+tensor argument that only the break reads; five layers with a break between each two (4 breaks).
 
 Usage: ``PYTHONPATH=. python benchmarks/breaks_copy_nodes.py [--rounds 300]``
 """
@@ -46,6 +47,22 @@ class Net(nn.Module):
         return self.b(doubled_tanh(torch.relu(self.a(x)), shift))
 
 
+class Deep(nn.Module):
+    """Five layers, the break between each two: 5 segments, 4 breaks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(64, 128)
+        self.layers = nn.ModuleList(nn.Linear(128, 128) for _ in range(3))
+        self.last = nn.Linear(128, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = doubled_tanh(self.first(x))
+        for layer in self.layers:
+            h = doubled_tanh(layer(h))
+        return self.last(h)
+
+
 def graphed(model, args, nodes: bool, **kw):
     saved = list(copy_nodes._driver)
     if not nodes:
@@ -58,19 +75,26 @@ def graphed(model, args, nodes: bool, **kw):
     return g
 
 
+def break_nodes(g) -> int:
+    """The breaks' outputs the segments after them copy in by their own nodes (one entry)."""
+    (entry,) = g.runtime._entries.values()
+    return sum(len(p.nodes) for p in entry.graphs if p is not None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=300)
     a = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, copy nodes: {copy_nodes.available()}")
     rows = [
-        ("MLP b8, one break", 8, {}, False),
-        ("MLP sizes=[2,4,8], 5 rows, one break", 5, {"sizes": [2, 4, 8]}, False),
-        ("MLP b8, one break, a second argument the break reads", 8, {}, True),
+        ("MLP b8, one break", Net, 8, {}, False),
+        ("MLP sizes=[2,4,8], 5 rows, one break", Net, 5, {"sizes": [2, 4, 8]}, False),
+        ("MLP b8, one break, a second argument the break reads", Net, 8, {}, True),
+        ("5 layers b8, 4 breaks", Deep, 8, {}, False),
     ]
-    torch.manual_seed(0)
-    model = Net().to(DEV).eval()
-    for name, n, kw, shifted in rows:
+    for name, make, n, kw, shifted in rows:
+        torch.manual_seed(0)
+        model = make().to(DEV).eval()
         sample = [torch.randn(8 if kw else n, 64, device=DEV)] + ([torch.randn(128, device=DEV)] if shifted else [])
         with_nodes = graphed(model, sample, True, breaks=[doubled_tanh], **kw)
         without = graphed(model, sample, False, breaks=[doubled_tanh], **kw)
@@ -85,8 +109,9 @@ def main() -> None:
         with torch.no_grad():
             for f in (with_nodes, without, whole):
                 torch.testing.assert_close(f(*calls[1]), model(*calls[1]), rtol=1e-4, atol=1e-4)
-            print(f"{name}: copied by nodes: {with_nodes.stats.graph_copies} input(s); "
-                  f"without: {without.stats.graph_copies}")
+            print(f"{name}: copied by nodes: {with_nodes.stats.graph_copies} input(s), "
+                  f"{break_nodes(with_nodes)} break output(s); without: {without.stats.graph_copies}, "
+                  f"{break_nodes(without)}")
             interleaved({"breaks=, copy nodes": call(with_nodes), "breaks=, copy launch": call(without),
                          "tr.graph, whole (anchor)": call(whole)}, rounds=a.rounds, calls=10, sync_each=True)
 

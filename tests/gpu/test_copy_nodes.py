@@ -552,6 +552,7 @@ def test_a_breakable_graph_copies_the_calls_tensors_by_its_first_segment(sizes) 
         same(g(*args), eager(model, *args))
     assert g.stats.graph_copies == 2, g.stats.explain()
     assert g.stats.fallbacks == 0, g.runtime.fallback_reasons
+    assert _segment_nodes(g) == [[False, True]] * (1 if sizes is None else 3)  # the break's output
     lengths, shift = torch.randint(1, 5, (8,)), torch.randn(128, device=DEV)
     t = torch.randn(64, 8, device=DEV).t()
     same(g(t, lengths, shift), eager(model, t, lengths, shift))
@@ -560,6 +561,13 @@ def test_a_breakable_graph_copies_the_calls_tensors_by_its_first_segment(sizes) 
         x.normal_()
         shift.normal_()
         same(g(x, lengths, shift), eager(model, x, lengths, shift))
+
+
+def _segment_nodes(g) -> list[list[bool]]:
+    """Per captured entry of a breakable graph, per segment that recorded work: does it copy
+    the last break's outputs in by its own nodes?"""
+    return [[bool(p.nodes) for p in e.graphs if p is not None and p.graph is not None]
+            for e in g.runtime._entries.values()]
 
 
 def doubled_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -590,6 +598,7 @@ def test_breakable_calls_queued_behind_a_busy_gpu_keep_their_own_sources() -> No
         for x, y in zip(xs, outs):
             same(y, f(x))
     assert g.stats.graph_copies == 1 and g.stats.fallbacks == 0, g.stats.explain()
+    assert _segment_nodes(g) == [[False, True]] * 3
 
 
 @needs_nodes
@@ -612,3 +621,43 @@ def test_a_breakable_graph_writing_its_input_reaches_the_caller() -> None:
         same(x, ref)
         same(g(got.clone(), lengths, shift), f(want.clone(), lengths, shift))
     assert g.stats.graph_copies == 2 and g.stats.fallbacks == 0, g.stats.explain()
+
+
+def fan_out(h: torch.Tensor, lengths: torch.Tensor) -> tuple:
+    """A break returning a view of its argument (read where it is), two new tensors (the next
+    segment copies them in by its nodes) and the host's count (a constant of the graph)."""
+    n = lengths.numel()
+    scale = lengths.to(h.device, h.dtype).sum()
+    return h[:, :64], torch.tanh(h) * scale, h.sum(-1, keepdim=True), n
+
+
+def four_new(t: torch.Tensor) -> tuple:
+    """A break with four new outputs: more than a segment copies by nodes (one launch)."""
+    return t + 1, t * 2, t - 3, torch.sigmoid(t)
+
+
+class _FanOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(64, 128)
+        self.b = nn.Linear(64 + 128 + 1, 32)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        v, t, s, n = fan_out(torch.relu(self.a(x)), lengths)
+        p, q, r, u = four_new(t * 0.5 + s)
+        return self.b(torch.cat([v * 2, p + q * r - u, s * n], -1))
+
+
+@needs_nodes
+def test_break_outputs_of_every_kind_reach_the_next_segment() -> None:
+    """A break's view of its argument, its new tensors (copied by the next segment's nodes), its
+    host count, and a break of four new tensors (copied by one launch): equal to eager on fresh
+    inputs at every call."""
+    model = _FanOut().to(DEV).eval()
+    g = tr.graph(model, torch.randn(8, 64, device=DEV), torch.randint(1, 5, (8,)), breaks=[fan_out, four_new])
+    for _ in range(CALLS):
+        x, lengths = torch.randn(8, 64, device=DEV), torch.randint(1, 5, (8,))
+        same(g(x, lengths), eager(model, x, lengths))
+    assert g.stats.fallbacks == 0, g.runtime.fallback_reasons
+    assert _segment_nodes(g) == [[False, True, False]]

@@ -289,23 +289,25 @@ class BreakableGraph(EagerForm):
             slot += n
             return tuple(range(slot - n, slot))
 
+        made: tuple[int, ...] = ()  # the last break's outputs: the next segment copies them in
         for k, rec in enumerate(self.breaks):
             own = take(sum(r.leaf is None for r in rec.rules))  # read where the segment left them
             outputs = () if returns_nothing(rec) else rec.outputs
             bufs = take(len(outputs))
             mine = iter(own)
             reads = tuple(r.leaf if r.leaf is not None else next(mine) for r in rec.rules) + bufs
-            pieces.append(Piece(_no_segment, (), own + bufs, True, f"segment {k}"))
+            pieces.append(Piece(_no_segment, made, own + bufs, True, f"segment {k}"))
             step = BreakStep(rec, f"{rec.brk.name}#{k}")
             # A break that returns nothing, called with its arguments as they are: the step is
             # the break itself (nothing to check or copy after it).
             fn = step.call if step.none and step.flat and not step.kw else step
+            made = take(len(outputs))
             pieces.append(Piece(
-                fn, reads, take(len(outputs)), False, f"break {k}",
+                fn, reads, made, False, f"break {k}",
                 Split(rec.brk.name, "named in breaks=", rec.where),
             ))
         final = take(n_out)
-        pieces.append(Piece(_no_segment, (), final, True, f"segment {len(self.breaks)}"))
+        pieces.append(Piece(_no_segment, made, final, True, f"segment {len(self.breaks)}"))
         return Program(tuple(inputs), pieces, final)
 
     # ------------------------------------------------------------------ the call

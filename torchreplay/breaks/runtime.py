@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from torchreplay import _compat
+from torchreplay._compat import copy_nodes
 from torchreplay.core.capture import Segments, capture
 from torchreplay.core.io import graph_copyable
 from torchreplay.core.placed import Placed
@@ -44,6 +45,9 @@ class BreakableRuntime(PiecewiseRuntime):
         self._pending: list[tuple[_Tensor, _Tensor]] = []
         self._state_ptrs: set[int] = set()
         self._capturing: int | None = None
+        # Per break call of the capture running: the outputs the next segment copies into its
+        # buffers by its own first nodes, and their spares (copy_nodes.record)
+        self._break_copies: list[tuple[list[int], list[_Tensor]]] = []
 
     @property
     def _front(self) -> Any:
@@ -99,7 +103,8 @@ class BreakableRuntime(PiecewiseRuntime):
         """A break call in the captured run: end the segment; replay it, so that its memory
         holds real values for the break to read; run the break for real; begin the next segment,
         and hand the model buffers in the pool that hold the break's new tensors (the break's
-        own memory is gone at replay: each replay copies its new outputs there)."""
+        own memory is gone at replay: the next segment copies each replay's new outputs there,
+        by its own first nodes where it can, ``PieceGraph.copy_in``)."""
         segments = self._segments
         assert segments is not None
         graph = segments.cut()
@@ -124,16 +129,23 @@ class BreakableRuntime(PiecewiseRuntime):
         kept = self._state_ptrs | {
             v.untyped_storage().data_ptr() for v in rec.values if isinstance(v, _Tensor)
         }
-        segments.resume()
-        handed = []
-        for o in outs:
-            if isinstance(o, _Tensor) and o.is_cuda and o.untyped_storage().data_ptr() not in kept:
-                with _compat.normal_tensors():  # replays copy into it, in either mode
-                    buf = torch.empty_like(o)  # allocated in the pool: the capture is on
-                self._pending.append((buf, o))
-                handed.append(buf)
-            else:
-                handed.append(o)
+        new = [j for j, o in enumerate(outs)
+               if isinstance(o, _Tensor) and o.is_cuda and o.untyped_storage().data_ptr() not in kept]
+        # The next segment copies them into its buffers by its own first nodes, pointed at
+        # each replay's new tensors (all or none; spares outside the pool: copy_nodes.record).
+        by_node = new if graph_copyable([outs[j] for j in new]) else []
+        spares = [torch.empty_like(outs[j], memory_format=torch.contiguous_format) for j in by_node]
+        segments.resume(copies=len(by_node))
+        handed = list(outs)
+        for j in new:
+            o = outs[j]
+            with _compat.normal_tensors():  # replays copy into it, in either mode
+                buf = torch.empty_like(o)  # allocated in the pool: the capture is on
+            self._pending.append((buf, o))
+            handed[j] = buf
+        if by_node:
+            copy_nodes.record([handed[j] for j in by_node], spares, self._stream)
+        self._break_copies.append((by_node, spares))
         return _compat.tree_unflatten(handed, spec)
 
     def _flush(self) -> None:
@@ -193,6 +205,7 @@ class BreakableRuntime(PiecewiseRuntime):
         finally:
             self._segments = None
             self._pending.clear()
+            break_copies, self._break_copies = self._break_copies, []
         self._warm = True
         if front.collectives is None:
             front.collectives, front._collective_log = captured.collectives, captured.collective_log
@@ -212,12 +225,17 @@ class BreakableRuntime(PiecewiseRuntime):
             return v
 
         graphs: list[PieceGraph | None] = []
+        copied: list[tuple[int, Any]] = []  # what the next segment copies in (break k's outputs)
+        nodes: dict[int, Any] = {}
+        spares: Sequence[_Tensor] = ()
         for k, rec in enumerate(recorder.calls):
             own = [held(v) for r, v in zip(rec.rules, rec.values) if r.leaf is None]
-            outputs = () if returns_nothing(rec) else rec.outputs
-            graphs += [PieceGraph(segs[k], own + [held(o) for o in outputs], []), None]
+            outputs = [held(o) for o in (() if returns_nothing(rec) else rec.outputs)]
+            graphs += [PieceGraph(segs[k], own + outputs, copied, (), nodes, None, spares), None]
+            copied = [(j, o) for j, o in enumerate(outputs) if isinstance(o, _Tensor) and o.is_cuda]
+            nodes, spares = self._bind_copies(segs[k + 1], rec, *break_copies[k])
         outs = _compat.tree_flatten(captured.out)[0]
-        graphs.append(PieceGraph(segs[-1], outs, []))
+        graphs.append(PieceGraph(segs[-1], outs, copied, (), nodes, None, spares))
         first = graphs[0]
         assert first is not None
         first.inputs = dict(zip(targets, captured.copies))  # (none: a break first, or not found)
@@ -228,6 +246,21 @@ class BreakableRuntime(PiecewiseRuntime):
         self._seal(entry, pool_outs)
         self._entries[key] = entry
         return entry
+
+    def _bind_copies(
+        self, graph: Any, rec: BreakCall, by_node: list[int], spares: list[_Tensor]
+    ) -> tuple[dict[int, Any], Sequence[_Tensor]]:
+        """The nodes by which ``graph`` (the segment after the break call ``rec``, ``None``:
+        it recorded no work) copies the break's new tensors in, by output position, and the
+        spares it must keep (its nodes not found: each replay copies into them)."""
+        if graph is None or not by_node:
+            return {}, ()
+        found = copy_nodes.bind(graph, [rec.outputs[j] for j in by_node], spares)
+        if found is None:
+            log.warning("torchreplay: '%s': the copies of break %s's outputs were not found in the "
+                        "next segment; each call copies them with a launch", self.name, rec.brk.name)
+            return {}, tuple(spares)
+        return dict(zip(by_node, found)), ()
 
     def _check_padding(self, size: int, out: Any) -> Any:
         """At the end of the first capture's run (the sample padded to ``size``): end and replay

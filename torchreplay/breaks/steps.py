@@ -1,5 +1,6 @@
-"""The eager step of one break at replay: call it, check what it returned against what the graph
-after it was captured reading, and copy its new tensors there (:class:`BreakStep`)."""
+"""The eager step of one break at replay: call it, and check what it returned against what the
+graph after it was captured reading (:class:`BreakStep`). That graph copies the tensors in
+itself (``PieceGraph.copy_in``: by its own first nodes where it can)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ def returns_nothing(rec: BreakCall) -> bool:
 
 
 class BreakStep:
-    """The eager step of one break: calls it, checks what it returned against what the graph
-    after it was captured reading, and copies its tensors there.
+    """The eager step of one break: calls it, and checks what it returned against what the
+    graph after it was captured reading (which copies the tensors in: ``PieceGraph.copy_in``).
 
     Called with the break's argument leaves, then the tensors (and values) it returned at capture.
     """
@@ -75,27 +76,18 @@ class BreakStep:
                     "structure every call"
                 )
         bufs = vals[n:]
-        dsts: list[_Tensor] = []
-        srcs: list[_Tensor] = []
         for j in range(self.m):
             o, b = outs[j], bufs[j]
             if type(b) is _Tensor and b.is_cuda:
-                if o is b:
-                    continue
-                if (
+                if o is not b and (
                     not isinstance(o, _Tensor)
                     or o.shape != b.shape
                     or o.dtype != b.dtype
                     or o.device != b.device
                 ):
                     raise self._changed(j, o, b)
-                if o.data_ptr() != b.data_ptr():
-                    dsts.append(b)
-                    srcs.append(o)
             elif not _same(o, b):
                 raise self._changed(j, o, b)
-        if dsts:  # not recorded by autograd: a break's output may require grad
-            _compat.foreach_copy_untracked(dsts, srcs)
         return outs
 
     def _changed(self, j: int, o: Any, b: Any) -> ReplayInputError:

@@ -162,7 +162,9 @@ class Segments:
         self._mode = mode
         #: the explicit generators registered with each graph before its capture begins
         self.generators = generators
-        self._copies = copies  # copy nodes the first graph begins with: its template is kept
+        # copy nodes the open segment begins with (the first: ``copies``; a later one: what
+        # :meth:`resume` says): its template is kept, to find them in
+        self._copies = copies
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.empty: list[bool] = []
         #: the graph whose capture began and has not ended (``None`` between segments)
@@ -171,9 +173,12 @@ class Segments:
         #: ``python_rng`` False, torch's CPU generator alone: core/generators.py)
         self.host = HostDraws(python_rng)
 
-    def resume(self, retry: bool = True) -> None:
-        """Begin capturing the next segment."""
-        graph = copy_nodes.graph(keep=self._copies > 0 and not self.graphs)
+    def resume(self, retry: bool = True, copies: int | None = None) -> None:
+        """Begin capturing the next segment; ``copies``: the copy nodes the caller records
+        first in it (_compat/copy_nodes.py ``record``), none of the call's work."""
+        if copies is not None:
+            self._copies = copies
+        graph = copy_nodes.graph(keep=self._copies > 0)
         for gen in self.generators:  # (each replay draws from where it stands, and moves it on)
             _compat.register_generator(graph, gen)
         expect_capture()  # a graph called inside this capture runs eagerly (core/pool.py)
@@ -212,10 +217,11 @@ class Segments:
         self.host.stop()
         _compat.clear_cublas_workspaces()
         empty = any("graph is empty" in str(w.message).lower() for w in caught)
-        if self._copies and not self.graphs:  # (the copies into the static inputs alone are
-            empty = copy_nodes.node_count(graph) <= self._copies  # none of the call's work)
+        if self._copies:  # (its copy nodes alone are none of the call's work)
+            empty = copy_nodes.node_count(graph) <= self._copies
             if not empty:
                 graph.instantiate()  # (a kept template is not instantiated by capture_end)
+            self._copies = 0
         self.graphs.append(graph)
         self.empty.append(empty)
         return None if empty else graph

@@ -20,7 +20,6 @@ __all__ = [
 ]
 
 _Tensor = torch.Tensor
-_foreach_copy = _compat.foreach_copy_
 _copy_untracked = _compat.foreach_copy_untracked
 
 
@@ -60,6 +59,8 @@ class PieceGraph:
         handed-off one is where the graph reads it (:mod:`.handoff`); ``None`` when the graph
         can replay, else why not: a value of another shape or dtype (or, for a number,
         another value) than at capture, or a handed-off value that cannot be put back."""
+        dsts: list[_Tensor] = []
+        srcs: list[_Tensor] = []
         for pos, buf in self.copies:
             value = env[reads[pos]]
             if type(buf) is Handoff:
@@ -79,9 +80,11 @@ class PieceGraph:
                 return RESHAPED
             else:
                 node = self.nodes.get(pos) if self.nodes else None
-                if node is None or not point_or_off(node, value):  # (else the graph copies it)
-                    # a microsecond less than buf.copy_(value); not recorded by autograd
-                    (_copy_untracked if value.requires_grad else _foreach_copy)([buf], [value])
+                if (node is None or not point_or_off(node, value)) and value.data_ptr() != buf.data_ptr():
+                    dsts.append(buf)  # (else the graph copies it, or it is there: a break's
+                    srcs.append(value)  # output over memory the break got)
+        if dsts:  # one launch for them all, not recorded by autograd
+            _copy_untracked(dsts, srcs)
         return None
 
 
