@@ -16,7 +16,6 @@ Usage: ``PYTHONPATH=. python benchmarks/breaks_copy_nodes.py [--rounds 300]``
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -27,6 +26,7 @@ import torch.nn as nn
 import torchreplay as tr
 from torchreplay._compat import copy_nodes
 from _paired import interleaved
+from piece_copy_nodes import Split, rounds
 
 DEV = "cuda"
 
@@ -47,20 +47,16 @@ class Net(nn.Module):
         return self.b(doubled_tanh(torch.relu(self.a(x)), shift))
 
 
-class Deep(nn.Module):
-    """Five layers, the break between each two: 5 segments, 4 breaks."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = nn.Linear(64, 128)
-        self.layers = nn.ModuleList(nn.Linear(128, 128) for _ in range(3))
-        self.last = nn.Linear(128, 32)
+class DoubledTanh(nn.Module):
+    """The same break as a module, named in ``breaks=`` by its class."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = doubled_tanh(self.first(x))
-        for layer in self.layers:
-            h = doubled_tanh(layer(h))
-        return self.last(h)
+        return doubled_tanh(x)
+
+
+def deep() -> nn.Module:
+    """Five layers, the break between each two: 5 segments, 4 breaks."""
+    return Split(DoubledTanh(), depth=5)
 
 
 def graphed(model, args, nodes: bool, **kw):
@@ -82,23 +78,21 @@ def break_nodes(g) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=300)
-    a = ap.parse_args()
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, copy nodes: {copy_nodes.available()}")
+    n_rounds = rounds()
     rows = [
         ("MLP b8, one break", Net, 8, {}, False),
         ("MLP sizes=[2,4,8], 5 rows, one break", Net, 5, {"sizes": [2, 4, 8]}, False),
         ("MLP b8, one break, a second argument the break reads", Net, 8, {}, True),
-        ("5 layers b8, 4 breaks", Deep, 8, {}, False),
+        ("5 layers b8, 4 breaks", deep, 8, {}, False),
     ]
     for name, make, n, kw, shifted in rows:
+        kw = {"breaks": [DoubledTanh if make is deep else doubled_tanh], **kw}
         torch.manual_seed(0)
         model = make().to(DEV).eval()
-        sample = [torch.randn(8 if kw else n, 64, device=DEV)] + ([torch.randn(128, device=DEV)] if shifted else [])
-        with_nodes = graphed(model, sample, True, breaks=[doubled_tanh], **kw)
-        without = graphed(model, sample, False, breaks=[doubled_tanh], **kw)
-        whole = tr.graph(model, *sample, **kw)
+        sample = [torch.randn(8 if "sizes" in kw else n, 64, device=DEV)] + ([torch.randn(128, device=DEV)] if shifted else [])
+        with_nodes = graphed(model, sample, True, **kw)
+        without = graphed(model, sample, False, **kw)
+        whole = tr.graph(model, *sample, **{k: v for k, v in kw.items() if k != "breaks"})
         calls = [[torch.randn(n, 64, device=DEV)] + ([torch.randn(128, device=DEV)] if shifted else [])
                  for _ in range(4)]
 
@@ -113,7 +107,7 @@ def main() -> None:
                   f"{break_nodes(with_nodes)} break output(s); without: {without.stats.graph_copies}, "
                   f"{break_nodes(without)}")
             interleaved({"breaks=, copy nodes": call(with_nodes), "breaks=, copy launch": call(without),
-                         "tr.graph, whole (anchor)": call(whole)}, rounds=a.rounds, calls=10, sync_each=True)
+                         "tr.graph, whole (anchor)": call(whole)}, rounds=n_rounds, calls=10, sync_each=True)
 
 
 if __name__ == "__main__":

@@ -32,18 +32,20 @@ DEV = "cuda"
 
 
 class Split(nn.Module):
-    """Eight linear layers, ``torch.clone`` between each two: 8 graphs, 7 eager steps."""
+    """``depth`` linear layers, ``between`` after each but the last (default: eight, and
+    ``torch.clone``: 8 graphs, 7 eager steps; ``breaks_copy_nodes.py``: a break module)."""
 
-    def __init__(self) -> None:
+    def __init__(self, between=torch.clone, depth: int = 8) -> None:
         super().__init__()
+        self.between = between
         self.first = nn.Linear(64, 128)
-        self.layers = nn.ModuleList(nn.Linear(128, 128) for _ in range(6))
+        self.layers = nn.ModuleList(nn.Linear(128, 128) for _ in range(depth - 2))
         self.last = nn.Linear(128, 32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.clone(torch.relu(self.first(x)))
+        h = self.between(torch.relu(self.first(x)))
         for layer in self.layers:
-            h = torch.clone(torch.relu(layer(h)))
+            h = self.between(torch.relu(layer(h)))
         return self.last(h)
 
 
@@ -78,11 +80,17 @@ def eager_nodes(rt) -> int:
     return sum(len(g.nodes) for e in rt._entries.values() for g in e.graphs if g is not None)
 
 
-def main() -> None:
+def rounds() -> int:
+    """``--rounds`` from the command line (default 300), once the setup is printed."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=300)
     a = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, copy nodes: {copy_nodes.available()}")
+    return a.rounds
+
+
+def main() -> None:
+    n_rounds = rounds()
     rows = [
         ("MLP b8", mlp, 8, {}),
         ("MLP sizes=[2,4,8], 5 rows", mlp, 5, {"sizes": [2, 4, 8]}),
@@ -111,7 +119,7 @@ def main() -> None:
             print(f"{name}: copied by nodes: {rt1.stats.graph_copies} input(s), "
                   f"{eager_nodes(rt1)} eager value(s); without: {rt2.stats.graph_copies}, {eager_nodes(rt2)}")
             interleaved({"tr.compile, copy nodes": call(with_nodes), "tr.compile, copy launches": call(without),
-                         "reduce-overhead": call(ro)}, rounds=a.rounds, calls=10, sync_each=True)
+                         "reduce-overhead": call(ro)}, rounds=n_rounds, calls=10, sync_each=True)
 
 
 if __name__ == "__main__":

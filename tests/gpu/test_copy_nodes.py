@@ -438,18 +438,24 @@ def test_compiled_calls_queued_behind_a_busy_gpu_keep_their_own_sources() -> Non
     new tensor of other rows: each launch reads the tensor it was launched with."""
     model = mlp()
     c = tr.compile(model, sizes=[4, 8, 16])
+    queued_calls_equal(c, lambda x: eager(model, x))
+    assert _runtime(c).stats.graph_copies == 1
+
+
+def queued_calls_equal(f, reference) -> None:
+    """Calls of ``f`` (sizes 4, 8, 16) queued while the GPU is held back, each with a new tensor
+    of other rows (every size called once first): each equals ``reference`` once they ran."""
     rows = [3 + 11 * k % 14 for k in range(CALLS)]
     xs = [torch.randn(n, 64, device=DEV) for n in rows]
     with torch.no_grad():
         for n in sorted(set(rows)):
-            c(torch.randn(n, 64, device=DEV))
+            f(torch.randn(n, 64, device=DEV))
         torch.cuda.synchronize()
         torch.cuda._sleep(200_000_000)
-        outs = [c(x).clone() for x in xs]
+        outs = [f(x).clone() for x in xs]
         torch.cuda.synchronize()
         for x, y in zip(xs, outs):
-            same(y, eager(model, x))
-    assert _runtime(c).stats.graph_copies == 1
+            same(y, reference(x))
 
 
 @needs_nodes
@@ -586,17 +592,7 @@ def test_breakable_calls_queued_behind_a_busy_gpu_keep_their_own_sources() -> No
         return model[2](doubled_tanh(model[1](model[0](x))))
 
     g = tr.graph(f, torch.randn(16, 64, device=DEV), breaks=[doubled_tanh], sizes=[4, 8, 16])
-    rows = [3 + 11 * k % 14 for k in range(CALLS)]
-    xs = [torch.randn(n, 64, device=DEV) for n in rows]
-    with torch.no_grad():
-        for n in sorted(set(rows)):
-            g(torch.randn(n, 64, device=DEV))
-        torch.cuda.synchronize()
-        torch.cuda._sleep(200_000_000)
-        outs = [g(x).clone() for x in xs]
-        torch.cuda.synchronize()
-        for x, y in zip(xs, outs):
-            same(y, f(x))
+    queued_calls_equal(g, f)
     assert g.stats.graph_copies == 1 and g.stats.fallbacks == 0, g.stats.explain()
     assert _segment_nodes(g) == [[False, True]] * 3
 
