@@ -480,7 +480,8 @@ def test_a_breakable_graphs_report() -> None:
     target = object()
     rule = NS(path="args[1] 'lengths'", kind="rebound", source="the call")
     rec = NS(brk=NS(name="Attention", target=target), where="model.py:12", rules=[rule])
-    entry = NS(graphs=[NS(graph=None), None, NS(graph=object())])
+    entry = NS(graphs=[NS(graph=None, copies=[]), None,
+                       NS(graph=object(), copies=[(0, object()), (1, object())], nodes={0: object()})])
     rt = NS(_entries={1: entry}, captured_sizes=lambda: [4, 8], fallback_reasons={"a size above 8": 2})
 
     class Graph(NS):
@@ -493,9 +494,11 @@ def test_a_breakable_graphs_report() -> None:
     assert lines[0] == "BreakableGraph(model)"
     assert lines[1] == "  break 0: Attention at model.py:12 (auto: aten.nonzero (data-dependent) at m.py:3)"
     assert lines[2] == "    reads: args[1] 'lengths' rebound from the call"
-    assert lines[3] == "  segments: 2 per size, 2 size(s) [4, 8] (1 empty segment(s) replay nothing)"
-    assert "padding check: rows independent" in lines[4]
-    assert lines[5] == "  ran ungraphed 2x: a size above 8"
+    assert lines[3] == ("    its 2 tensor output(s) go into segment 1: 1 by its own copy nodes, 1 by one "
+                        "launch (none if in place)")
+    assert lines[4] == "  segments: 2 per size, 2 size(s) [4, 8] (1 empty segment(s) replay nothing)"
+    assert "padding check: rows independent" in lines[5]
+    assert lines[6] == "  ran ungraphed 2x: a size above 8"
 
 
 # -- what the two calls leave in state: module buffers, arguments written in place ---------------

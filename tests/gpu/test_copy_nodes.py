@@ -657,3 +657,6 @@ def test_break_outputs_of_every_kind_reach_the_next_segment() -> None:
         same(g(x, lengths), eager(model, x, lengths))
     assert g.stats.fallbacks == 0, g.runtime.fallback_reasons
     assert _segment_nodes(g) == [[False, True, False]]
+    text = tr.explain(g)
+    assert "its 3 tensor output(s) go into segment 1: 2 by its own copy nodes, 1 by one launch" in text, text
+    assert "its 4 tensor output(s) go into segment 2: 0 by its own copy nodes, 4 by one launch" in text, text
