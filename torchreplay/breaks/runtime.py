@@ -133,7 +133,8 @@ class BreakableRuntime(PiecewiseRuntime):
                if isinstance(o, _Tensor) and o.is_cuda and o.untyped_storage().data_ptr() not in kept]
         # The next segment copies them into its buffers by its own first nodes, pointed at
         # each replay's new tensors (all or none; spares outside the pool: copy_nodes.record).
-        by_node = new if graph_copyable([outs[j] for j in new]) else []
+        on_device = all(outs[j].get_device() == self._stream.device.index for j in new)
+        by_node = new if on_device and graph_copyable([outs[j] for j in new]) else []
         spares = [torch.empty_like(outs[j], memory_format=torch.contiguous_format) for j in by_node]
         segments.resume(copies=len(by_node))
         handed = list(outs)
