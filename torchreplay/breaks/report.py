@@ -10,8 +10,8 @@ __all__ = ["report"]
 def report(graph: Any) -> str:
     """Each break call of ``graph`` (a :class:`~torchreplay.breaks.graph.BreakableGraph`) with the
     model's line, why it breaks (named, or the op ``breaks="auto"`` found), where its
-    arguments come from at replay and how the next segment takes its tensors in; segments; sizes; captures, replays, fallbacks with reasons;
-    pool memory; the padding check."""
+    arguments come from at replay and how the next segment takes its tensors in; segments;
+    sizes; captures, replays, fallbacks with reasons; pool memory; the padding check."""
     rt = graph.runtime
     why = {id(b.module): f"auto: {b.op} ({b.kind}) at {b.where}" for b in graph.auto}
     lines = [repr(graph)]
