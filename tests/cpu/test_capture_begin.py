@@ -74,3 +74,35 @@ def test_a_new_id_refused_too_is_raised_not_retried_forever(undone) -> None:
         segments.resume()
     assert undone == [("pool", (0, 1)), ("rng",), ("pool", (0, 2)), ("rng",)]
     assert segments.open is None
+
+
+class _Segment(_Graph):
+    """A graph that ends: ``nodes`` recorded, instantiated or not."""
+
+    def __init__(self, keep: bool) -> None:
+        self.keep, self.nodes, self.instantiated = keep, 0, False
+
+    def capture_end(self) -> None:
+        pass
+
+    def instantiate(self) -> None:
+        self.instantiated = True
+
+
+def test_only_a_segment_that_begins_with_copy_nodes_keeps_its_template(undone, monkeypatch) -> None:
+    """The first segment with the inputs' copy nodes, one after a break with none, one after a
+    break with one new output: each kept template is instantiated at its cut, and a segment of
+    nothing but its copy nodes is empty (as one of no work)."""
+    made: list[_Segment] = []
+    monkeypatch.setattr(capture_module.copy_nodes, "graph", lambda keep: made.append(_Segment(keep)) or made[-1])
+    monkeypatch.setattr(capture_module.copy_nodes, "node_count", lambda g: g.nodes)
+    segments = Segments(Pool(), "global", copies=2, python_rng=False)
+    segments.resume()
+    made[-1].nodes = 5  # the 2 copies and the call's work
+    assert segments.cut() is made[0] and made[0].instantiated
+    segments.resume()
+    assert segments.cut() is made[1] and not made[1].instantiated  # (capture_end instantiates it)
+    segments.resume(copies=1)
+    made[-1].nodes = 1  # its copy alone: two breaks in a row
+    assert segments.cut() is None and not made[2].instantiated
+    assert [g.keep for g in made] == [True, False, True] and segments.empty == [False, False, True]

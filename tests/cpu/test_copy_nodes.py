@@ -310,3 +310,26 @@ def test_an_eager_steps_value_is_copied_by_the_next_graphs_node() -> None:
     assert graph.copy_in((0,), [odd]) is None
     assert node.log[-1] == "off" and torch.equal(buf, odd)
     assert graph.copy_in((0,), [torch.randn(2, 8)]) == RESHAPED
+
+
+def test_a_breaks_outputs_go_into_the_next_segment_by_node_one_launch_or_not_at_all(monkeypatch) -> None:
+    """The segment after a break (``PieceGraph.copy_in``): a new tensor goes in by the segment's
+    node; those without a node in one launch for them all; a view of what the break got, at its
+    buffer's address already, is not copied."""
+    from torchreplay.pieces import entries
+    from torchreplay.pieces.entries import PieceGraph
+
+    launches: list[int] = []
+    real = entries._copy_untracked
+    monkeypatch.setattr(entries, "_copy_untracked", lambda d, s: (launches.append(len(d)), real(d, s)))
+    by_node, other, third, state = torch.randn(4, 8), torch.randn(4, 8), torch.randn(2, 8), torch.randn(6, 8)
+    in_place = state[:2]  # a view the break returned of what it got: read where it is
+    node = FakeNode(by_node.data_ptr())
+    copies = [(0, by_node), (1, other), (2, third), (3, in_place)]
+    graph = PieceGraph(None, (), copies, nodes={0: node})  # type: ignore[dict-item]
+    values = [torch.randn(4, 8), torch.randn(4, 8), torch.randn(2, 8), state[:2]]
+    before, kept = by_node.clone(), state.clone()
+    assert graph.copy_in((0, 1, 2, 3), values) is None
+    assert node.log == [("point", values[0].data_ptr())] and torch.equal(by_node, before)
+    assert launches == [2] and torch.equal(other, values[1]) and torch.equal(third, values[2])
+    assert torch.equal(state, kept)
