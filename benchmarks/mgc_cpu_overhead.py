@@ -1,5 +1,12 @@
-"""Host Python of tr.make_graphed_callables against torch's make_graphed_callables structure,
-on the CPU, both with no-op "replays": 4 layers, forward + backward per step."""
+"""The host Python of ``tr.make_graphed_callables`` against the structure of torch's
+``make_graphed_callables`` (``torch/cuda/graphs.py``: one ``autograd.Function`` per callable that
+copies its inputs, replays, returns the static outputs detached, and in its backward copies the
+gradients, replays, returns the static gradients detached), on the CPU, both with "replays" that
+do nothing (ours through ``tests/cpu/test_training.py``'s emulated capture): four layers of
+Linear(64)+GELU, a training step (``.grad`` set to None, forward, ``sum().backward()``) and a
+forward under ``no_grad``, interleaved, us (RESULTS.md, session 71). ``-p``: a cProfile of ours.
+
+Usage: ``python benchmarks/mgc_cpu_overhead.py [-p]`` from the repository root."""
 import sys, time, dataclasses, statistics
 sys.path[:0] = [".", "tests", "tests/cpu"]  # (run from the repository root)
 import torch, torch.nn as nn
