@@ -333,3 +333,23 @@ def test_a_breaks_outputs_go_into_the_next_segment_by_node_one_launch_or_not_at_
     assert node.log == [("point", values[0].data_ptr())] and torch.equal(by_node, before)
     assert launches == [2] and torch.equal(other, values[1]) and torch.equal(third, values[2])
     assert torch.equal(state, kept)
+
+
+def test_binding_a_graphs_copies_keeps_the_spares_only_where_they_were_not_found(monkeypatch, caplog) -> None:
+    """``core/capture.bind_copies``, which the first graph's input copies and a breakable
+    graph's copies of a break's outputs share: found, the nodes and no spare to keep; not
+    found, no node, the spares kept (each replay writes them) and one warning naming the graph;
+    a graph that recorded no work, nothing."""
+    import logging
+
+    from torchreplay.core.capture import bind_copies
+
+    statics, spares = [torch.randn(4)], [torch.empty(4)]
+    monkeypatch.setattr(copy_nodes, "bind", lambda g, st, sp: ["node"])
+    assert bind_copies(object(), statics, spares, "'m'") == (["node"], [])  # type: ignore[arg-type]
+    assert bind_copies(None, statics, spares, "'m'") == ([], [])
+    monkeypatch.setattr(copy_nodes, "bind", lambda g, st, sp: None)
+    with caplog.at_level(logging.WARNING, logger="torchreplay"):
+        nodes, kept = bind_copies(object(), statics, spares, "'m', the segment after break b")  # type: ignore[arg-type]
+    assert nodes == [] and kept == spares
+    assert "'m', the segment after break b: the graph's own copies were not found" in caplog.text

@@ -12,7 +12,7 @@ import torch
 
 from torchreplay import _compat
 from torchreplay._compat import copy_nodes
-from torchreplay.core.capture import Segments, capture
+from torchreplay.core.capture import Segments, bind_copies, capture
 from torchreplay.core.io import graph_copyable
 from torchreplay.core.placed import Placed
 from torchreplay.core.snapshot import BUILD_FIRST, WRITTEN_COPIES, StateSnapshot, copies
@@ -254,14 +254,9 @@ class BreakableRuntime(PiecewiseRuntime):
         """The nodes by which ``graph`` (the segment after the break call ``rec``, ``None``:
         it recorded no work) copies the break's new tensors in, by output position, and the
         spares it must keep (its nodes not found: each replay copies into them)."""
-        if graph is None or not by_node:
-            return {}, ()
-        found = copy_nodes.bind(graph, [rec.outputs[j] for j in by_node], spares)
-        if found is None:
-            log.warning("torchreplay: '%s': the copies of break %s's outputs were not found in the "
-                        "next segment; each call copies them with a launch", self.name, rec.brk.name)
-            return {}, tuple(spares)
-        return dict(zip(by_node, found)), ()
+        statics = [rec.outputs[j] for j in by_node]
+        found, kept = bind_copies(graph, statics, spares, f"'{self.name}', the segment after break {rec.brk.name}")
+        return dict(zip(by_node, found)), tuple(kept)
 
     def _check_padding(self, size: int, out: Any) -> Any:
         """At the end of the first capture's run (the sample padded to ``size``): end and replay

@@ -470,13 +470,8 @@ def capture(
             finally:
                 del err  # as above: no frame-error cycle
         # (an empty capture, allowed, was not instantiated: nothing replays, nothing to bind)
-        copies = copy_nodes.bind(segments.graphs[0], copy_in, spares) if copy_in and not segments.empty[0] else []
-        if copies is None:  # (each replay copies a buffer into its spare: harmless, kept alive)
-            log.warning("torchreplay: '%s': the graph's own copies into its inputs were not found "
-                        "after its capture; each call copies with a launch", fn_name(fn))
-            copies = []
-        else:
-            spares = []  # (a node found is pointed into the buffer before it is turned on)
+        first_graph = None if segments.empty[0] else segments.graphs[0]
+        copies, spares = bind_copies(first_graph, copy_in, spares, f"'{fn_name(fn)}'")
         python.put_back_tensors()
     seconds = time.perf_counter() - start
     log.debug("captured %s on %s in %.4f s", fn_name(fn), device, seconds)
@@ -502,6 +497,25 @@ def capture(
         tuple(copies),
         tuple(spares),
     )
+
+
+def bind_copies(
+    graph: torch.cuda.CUDAGraph | None, statics: Sequence[torch.Tensor], spares: Sequence[torch.Tensor], what: str
+) -> tuple[list[copy_nodes.CopyNode], list[torch.Tensor]]:
+    """The copy nodes :func:`copy_nodes.record` put first into ``graph`` (ended and
+    instantiated; ``None``: it recorded no work), each off, and the spares to keep as long as
+    the graph: none where the nodes were found (one is pointed into its buffer before it is
+    turned on). Where they were not (never seen), one warning naming ``what``: each replay
+    copies the buffers into the spares (harmless, kept alive) and each call copies with a
+    launch."""
+    if graph is None or not statics:
+        return [], []
+    found = copy_nodes.bind(graph, statics, spares)
+    if found is None:
+        log.warning("torchreplay: %s: the graph's own copies were not found after its capture; "
+                    "each call copies with a launch", what)
+        return [], list(spares)
+    return found, []
 
 
 _WARNED_HOST_DRAWS: weakref.WeakSet[Any] = weakref.WeakSet()
