@@ -64,3 +64,19 @@ def test_a_piece_that_fails_to_capture_makes_its_outputs_an_eager_steps(monkeypa
         _warmed=set(), strict=False, _graphable=[True], failures={}, name="g", _putback=None)
     assert capturing.capture_piece(rt, 0, [torch.zeros(2)]) == (None, None)
     assert rt._from_eager == {1, 2} and rt._graphable == [False] and 0 in rt.failures
+
+
+def test_a_step_hands_off_unless_every_value_is_small_and_copyable_by_node(monkeypatch) -> None:
+    """``hands_off``: a graph copies a step's values by its own nodes only when each is at most
+    NODE_BYTES and the graph can (core/io.graph_copyable); otherwise the step hands them off."""
+    from torchreplay.pieces import handoff
+
+    small, big = torch.zeros(handoff.NODE_BYTES // 4), torch.zeros(handoff.NODE_BYTES // 4 + 1)
+    monkeypatch.setattr(handoff, "graph_copyable", lambda ts: True)
+    assert not handoff.hands_off([small])
+    assert not handoff.hands_off([small, 3])
+    assert handoff.hands_off([small, big])
+    assert handoff.hands_off([big])
+    assert handoff.hands_off([3, None])  # (nothing a graph could read where it is)
+    monkeypatch.setattr(handoff, "graph_copyable", lambda ts: False)  # no driver calls, or too many
+    assert handoff.hands_off([small])

@@ -1,6 +1,8 @@
 """The output of a splitting op read by the next graph where the op made it (pieces/handoff.py):
 every test compares with eager on fresh random inputs over many calls, and checks which way
-the graph got its input (handed off, or copied into a buffer of its own)."""
+the graph got its input (handed off, or copied into a buffer of its own). A value of at most
+``NODE_BYTES`` goes by the graph's own copy node instead: the tests of the handoff itself lower
+that bound to nothing (``any_size_hands_off``)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import torch
 import torch.nn as nn
 
 import torchreplay as tr
+from torchreplay._compat import copy_nodes
+from torchreplay.pieces import handoff
 from torchreplay.pieces.handoff import MISSES, MOVED, Handoff
 
 pytestmark = [
@@ -19,6 +23,12 @@ pytestmark = [
 
 DEV = "cuda"
 CALLS = 24
+
+
+@pytest.fixture
+def any_size_hands_off(monkeypatch):
+    """The handoff for values of every size (by default a small one goes by a copy node)."""
+    monkeypatch.setattr(handoff, "NODE_BYTES", 0)
 
 
 @torch.library.custom_op("trhandoff::scaled_softmax", mutates_args=())
@@ -84,12 +94,13 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=lambda m: f"{what}: {m}")
 
 
+def _reads_of(entry) -> list[str]:
+    """How each graph of ``entry`` gets each value an eager step made."""
+    return ["handoff" if type(buf) is Handoff else "copy" for g in entry.graphs if g is not None for _, buf in g.copies]
+
+
 def _reads(rt) -> list[str]:
-    """How each graph of every entry gets each value an eager step made."""
-    return [
-        "handoff" if type(buf) is Handoff else "copy"
-        for e in rt._entries.values() for g in e.graphs if g is not None for _, buf in g.copies
-    ]
+    return [way for e in rt._entries.values() for way in _reads_of(e)]
 
 
 def _refills(rt) -> int:
@@ -102,6 +113,7 @@ def _model(op: str = "scaled_softmax") -> _Split:
     return _Split(op).to(DEV).eval()
 
 
+@pytest.mark.usefixtures("any_size_hands_off")
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_the_ops_output_is_read_where_it_is_and_equals_eager(mode) -> None:
     model = _model()
@@ -118,6 +130,7 @@ def test_the_ops_output_is_read_where_it_is_and_equals_eager(mode) -> None:
     assert _refills(rt) <= 2, _refills(rt)  # the value is where the graph reads, call after call
 
 
+@pytest.mark.usefixtures("any_size_hands_off")
 def test_every_size_hands_off_and_equals_eager() -> None:
     model = _model()
     c = tr.compile(model, splitting_ops=["trhandoff.scaled_softmax"], sizes=[1, 2, 4, 8])
@@ -133,6 +146,7 @@ def test_every_size_hands_off_and_equals_eager() -> None:
     assert _refills(rt) <= 8, _refills(rt)
 
 
+@pytest.mark.usefixtures("any_size_hands_off")
 def test_calls_on_other_streams_copy_back_where_the_graph_reads() -> None:
     model = _model()
     c = tr.compile(model, splitting_ops=["trhandoff.scaled_softmax"])
@@ -154,6 +168,7 @@ def test_calls_on_other_streams_copy_back_where_the_graph_reads() -> None:
     assert _refills(rt) >= CALLS // 3, _refills(rt)  # the calls on other streams were copied
 
 
+@pytest.mark.usefixtures("any_size_hands_off")
 def test_an_op_that_holds_its_result_is_captured_again_with_copies() -> None:
     model = _model("held_tanh")
     c = tr.compile(model, splitting_ops=["trhandoff.held_tanh"])
@@ -198,3 +213,50 @@ def test_a_training_forward_copies() -> None:
             _close(q.grad, p.grad, f"step {i} {name}.grad")
     assert all(type(buf) is not Handoff for rt in c.backend.runtimes for e in rt._entries.values()
                for g in e.graphs if g is not None for _, buf in g.copies)
+
+
+def _nodes(rt) -> int:
+    return sum(len(g.nodes) for e in rt._entries.values() for g in e.graphs if g is not None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and not copy_nodes.available(), reason="no copy nodes here")
+def test_a_small_output_goes_by_the_next_graphs_node_and_equals_eager() -> None:
+    """8 x 64 floats (2 KiB): no handoff, each graph after the op copies it by its own node."""
+    model = _model()
+    c = tr.compile(model, splitting_ops=["trhandoff.scaled_softmax"])
+    with torch.no_grad():
+        for i in range(CALLS):
+            x = torch.randn(8, 64, device=DEV)
+            _close(c(x), model(x), f"call {i}")
+    (rt,) = c.backend.runtimes
+    assert _reads(rt) == ["copy", "copy"] and _nodes(rt) == 2
+    assert rt.stats.fallbacks == 0 and rt.stats.replays == CALLS, rt.fallback_reasons
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and not copy_nodes.available(), reason="no copy nodes here")
+def test_small_sizes_copy_by_node_large_ones_hand_off_and_all_equal_eager(monkeypatch) -> None:
+    """With the bound at 1 KiB, sizes 1, 2 and 4 (256 B a row) copy the op's output by the next
+    graph's node and size 8 hands it off, per size; calls of random sizes, then calls queued
+    behind a busy GPU (each op output freed while its graph is still to run), equal eager."""
+    monkeypatch.setattr(handoff, "NODE_BYTES", 4 * 64 * 4)
+    model = _model()
+    c = tr.compile(model, splitting_ops=["trhandoff.scaled_softmax"], sizes=[1, 2, 4, 8])
+    g = torch.Generator().manual_seed(2)
+    rows = [int(torch.randint(1, 9, (), generator=g)) for _ in range(3 * CALLS)]
+    with torch.no_grad():
+        for i, n in enumerate(rows):
+            x = torch.randn(n, 64, device=DEV)
+            _close(c(x), model(x), f"call {i} ({n} rows)")
+        xs = [torch.randn(n, 64, device=DEV) for n in rows[:CALLS]]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)
+        outs = [c(x).clone() for x in xs]
+        torch.cuda.synchronize()
+        for i, (x, y) in enumerate(zip(xs, outs)):
+            _close(y, model(x), f"queued call {i} ({x.shape[0]} rows)")
+    (rt,) = c.backend.runtimes
+    ways = {e.size: _reads_of(e) for e in rt._entries.values()}
+    assert ways == {1: ["copy"] * 2, 2: ["copy"] * 2, 4: ["copy"] * 2, 8: ["handoff"] * 2}, ways
+    assert _nodes(rt) == 2 * 3
+    assert rt.stats.fallbacks == 0, rt.fallback_reasons
+

@@ -32,17 +32,19 @@ _Tensor = torch.Tensor
 
 
 def capture_piece(
-    rt: Any, k: int, vals: list[Any], inputs: dict[int, _Tensor] | None = None
+    rt: Any, k: int, vals: list[Any], inputs: dict[int, _Tensor] | None = None,
+    handing: dict[int, frozenset[int]] | None = None,
 ) -> tuple[PieceGraph | None, Any]:
     """Capture piece ``k`` of ``rt`` (a :class:`~torchreplay.pieces.runtime.PiecewiseRuntime`)
     on the slot values ``vals``; return its graph and outputs, or ``(None, None)`` when it
     failed to capture (it runs ungraphed from then on; ``strict``: raise). ``inputs``: the
     first piece's, the static buffers of the call's tensors (by input index), which its graph
     copies in itself where it can (_compat/copy_nodes.py), as it does the values of eager
-    steps a later piece reads."""
+    steps a later piece reads; ``handing``: the eager steps before it that hand their outputs
+    off at this key (:mod:`.handoff`), with their slots."""
     piece = rt._pieces[k]
     made = list(vals)  # the values as eager steps made them (before the copies below)
-    handed = {w for ws in rt._handoffs.values() for w in ws}
+    handed = {w for ws in (handing or {}).values() for w in ws}
     copies, written = graph_reads(piece, vals, rt._inputs, rt._from_eager, handed, rt._alloc)
     # What the graph copies in by its own first nodes: the call's inputs (all or none: one
     # launch left costs what the nodes save), or the plain buffers of eager steps' values.

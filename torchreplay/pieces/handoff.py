@@ -31,9 +31,13 @@ from typing import Any, Sequence
 import torch
 
 from torchreplay import _compat
+from torchreplay.core.io import graph_copyable
 from torchreplay.pieces.program import Input, Piece, Program
 
-__all__ = ["MISSES", "MOVED", "DEMOTED", "Expanded", "Handoff", "fill_expanded", "can_hand_off", "graph_reads", "handed_slots"]
+__all__ = [
+    "MISSES", "MOVED", "DEMOTED", "NODE_BYTES", "Expanded", "Handoff", "fill_expanded", "can_hand_off",
+    "graph_reads", "handed_slots", "hands_off",
+]
 
 #: Calls whose handed-off value could not be put where the graph reads it before the runtime
 #: captures its graphs again with buffers of their own (the previous copying way).
@@ -49,7 +53,23 @@ DEMOTED = (
     "of their own"
 )
 
+#: An eager step whose values for the next graphs are each at most this many bytes (and the
+#: graph can copy by its own first nodes: ``core/io.graph_copyable``) is not handed off at that
+#: size: the graph's copy node costs a copy on the GPU (about a microsecond at this size, while
+#: the GPU waits for the host anyway) and saves the private pool's three calls and the address
+#: check, 3.5 us of host time per split on the H200 (``benchmarks/handoff_vs_node.py``). Larger
+#: values are handed off: no copy of them on the GPU, no buffer of the graph's own.
+NODE_BYTES = 1 << 20
+
 _Tensor = torch.Tensor
+
+
+def hands_off(values: Sequence[Any]) -> bool:
+    """Does an eager step that made ``values`` (its outputs in slots a graph may read where
+    they are: :func:`handed_slots`) hand them off, rather than have the graph copy them by its
+    own nodes (:data:`NODE_BYTES`)?"""
+    tensors = [v for v in values if isinstance(v, _Tensor)]
+    return not tensors or any(t.nbytes > NODE_BYTES for t in tensors) or not graph_copyable(tensors)
 
 
 def handed_slots(program: Program) -> dict[int, frozenset[int]]:

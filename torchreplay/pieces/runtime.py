@@ -7,8 +7,9 @@ Memory and copies, the properties this module is built for:
 - the call's tensor inputs are copied once per call into one set of static buffers at the
   largest size (a call of ``n`` rows fills the leading ``n`` rows; the padding rows are zeroed);
 - a graphed piece reads an earlier graphed piece's outputs where they lie in the pool, and the
-  output of an eager step that calls a custom op where the step made it (:mod:`.handoff`);
-  other values made by an eager step are copied into the piece's own buffers;
+  output of an eager step that calls a custom op where the step made it (:mod:`.handoff`; a
+  small one is copied by the piece's own first nodes instead); other values made by an eager
+  step are copied into the piece's own buffers;
 - an in-place write to an input reaches the caller's tensor after the call, as in eager;
 - the caller's outputs follow ``tr.graph``'s output policy (``checked`` by default).
 
@@ -24,7 +25,7 @@ import functools
 import logging
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Container, Sequence
 
 import torch
 
@@ -40,7 +41,7 @@ from torchreplay.pieces.entries import (
     NOT_EXPANDED, Entry, PieceGraph, Route, copy_expanded, copy_inputs, entry_key, give_nodes, hand_out,
     hold_weakly, pad_shared, retire_outputs, set_sources, shared_key, stage_entry,
 )
-from torchreplay.pieces.handoff import DEMOTED, MISSES, MOVED, handed_slots
+from torchreplay.pieces.handoff import DEMOTED, MISSES, MOVED, handed_slots, hands_off
 from torchreplay.pieces.instances import MOVING, Instances, drop_entries, outputs_held, ptrs_of
 from torchreplay.pieces.padding import check_first_call, rows_differ
 from torchreplay.pieces.putback import PutBack, put_back, to_put_back
@@ -439,13 +440,18 @@ class PiecewiseRuntime:
         assert self.pool is not None and self.device is not None
         entry, env = self._stage(size, args)
         graphs: list[PieceGraph | None] = []
+        handing: dict[int, frozenset[int]] = {}  # the eager steps handed off at this key, their slots
         for k, piece in enumerate(self._pieces):
             vals = [env[r] for r in piece.reads]
             graph = None
             if self._graphable[k]:  # (the first copies the call's tensors in itself)
-                graph, outs = capture_piece(self, k, vals, {i: env[i] for i in self._tensors} if k == 0 else None)
+                graph, outs = capture_piece(
+                    self, k, vals, {i: env[i] for i in self._tensors} if k == 0 else None, handing)
             if graph is None:
                 outs = (self._alloc.wrap(piece.fn) if k in self._handoffs else piece.fn)(*vals)  # type: ignore[union-attr]
+                slots = self._handoffs.get(k)  # (small values: the next graph's copy nodes)
+                if slots and hands_off([t for w, t in zip(piece.writes, outs) if w in slots]):
+                    handing[k] = slots
             graphs.append(graph)
             if self._putback is not None:  # (what it wrote no longer equals the put-back's copy)
                 self._putback.wrote([vals[p] for p in piece.written])
@@ -461,15 +467,18 @@ class PiecewiseRuntime:
         in_place = set(self._in_place)  # the parameters a forward saves, for its backward
         kept = [args[i] for k, (kind, i) in enumerate(entry.sources)
                 if kind == "input" and i in in_place and k in self.guard_outputs]
-        self._seal(entry, pool_outs, kept)
+        self._seal(entry, pool_outs, kept, handing)
         self._entries[key] = entry
         if self._instances.current is not None:
             self._instances.current.entries += 1
         return entry
 
-    def _seal(self, entry: Entry, pool_outs: list[_Tensor], kept: Sequence[_Tensor] = ()) -> None:
+    def _seal(
+        self, entry: Entry, pool_outs: list[_Tensor], kept: Sequence[_Tensor] = (), handing: Container[int] = ()
+    ) -> None:
         """Give ``entry`` (its ``sources`` set) the output policy over ``pool_outs`` and its
-        place in the pool's replay order; ``kept``: inputs read in place a forward saves."""
+        place in the pool's replay order; ``kept``: inputs read in place a forward saves;
+        ``handing``: its eager steps whose outputs a graph reads where they are."""
         assert self.pool is not None
         if self.config.outputs == "clone":
             hold_weakly(entry, pool_outs, self._pool_has)
@@ -482,7 +491,7 @@ class PiecewiseRuntime:
         entry.steps = []
         for k, (graph, piece) in enumerate(zip(entry.graphs, self._pieces)):
             fn = piece.replay_fn or piece.fn
-            if k in self._handoffs:  # its allocations from the pool, the same each call
+            if k in handing:  # its allocations from the private pool, the same each call
                 fn = self._alloc.wrap(fn)  # type: ignore[union-attr]
             entry.steps.append((graph, fn, piece.reads, piece.writes, self._last[k], k))
             if graph is not None:
