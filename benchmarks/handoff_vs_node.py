@@ -27,6 +27,7 @@ import torchreplay as tr
 from torchreplay.bench.compile import BATCH, DEPTH, WIDTH, own_frame
 from torchreplay.models.blocks import SPLIT_STYLES, SplitMLP
 from torchreplay.pieces import handoff as handoff_mod
+from torchreplay.pieces.handoff import Handoff
 from _paired import interleaved, paired_quantiles
 
 
@@ -43,7 +44,9 @@ def compiled(k: int, handoff: bool, x: torch.Tensor):
         handoff_mod.NODE_BYTES = saved
     (rt,) = c.backend.runtimes
     nodes = sum(len(g.nodes) for e in rt._entries.values() for g in e.graphs if g is not None)
-    print(f"k = {k}, handoff {handoff}: handed-off steps {len(rt._handoffs)}, eager values by node {nodes}, "
+    handed = sum(type(buf) is Handoff for e in rt._entries.values() for g in e.graphs if g is not None
+                 for _, buf in g.copies)
+    print(f"k = {k}, handoff {handoff}: values handed off {handed}, eager values by node {nodes}, "
           f"captures {rt.stats.captures}")
     return c
 

@@ -80,3 +80,23 @@ def test_a_step_hands_off_unless_every_value_is_small_and_copyable_by_node(monke
     assert handoff.hands_off([3, None])  # (nothing a graph could read where it is)
     monkeypatch.setattr(handoff, "graph_copyable", lambda ts: False)  # no driver calls, or too many
     assert handoff.hands_off([small])
+
+
+def test_ways_in_counts_how_the_graphs_take_an_eager_steps_outputs_over_every_size() -> None:
+    """``ways_in`` (tr.explain's line under an eager piece): per graph copy of the step's slots,
+    its copy node, a handoff or a launch; a number held as captured, and other slots, not."""
+    import types
+
+    from torchreplay.pieces.entries import PieceGraph, ways_in
+    from torchreplay.pieces.handoff import Handoff
+
+    buf, handed = torch.zeros(2), Handoff.__new__(Handoff)
+    # piece 0 graphed, piece 1 the eager step (writes slot 3), piece 2 reads (3, 4, 5), 4: a
+    # number from the step, 5: another step's value
+    reads = [(0,), (2,), (3, 4, 5)]
+    small = PieceGraph(None, (), [(0, buf), (1, 7), (2, buf)], nodes={0: object()})
+    large = PieceGraph(None, (), [(0, handed), (2, buf)])
+    by_launch = PieceGraph(None, (), [(0, buf)])
+    entries = [types.SimpleNamespace(graphs=[PieceGraph(None, (), []), None, g]) for g in (small, large, by_launch)]
+    assert ways_in(entries, reads, {3, 4}) == {"node": 1, "handoff": 1, "launch": 1}
+    assert ways_in(entries, reads, {5}) == {"node": 0, "handoff": 0, "launch": 2}

@@ -259,4 +259,7 @@ def test_small_sizes_copy_by_node_large_ones_hand_off_and_all_equal_eager(monkey
     assert ways == {1: ["copy"] * 2, 2: ["copy"] * 2, 4: ["copy"] * 2, 8: ["handoff"] * 2}, ways
     assert _nodes(rt) == 2 * 3
     assert rt.stats.fallbacks == 0, rt.fallback_reasons
+    said = [line.strip() for line in tr.explain(c).splitlines() if "reach the graphs after it" in line]
+    assert said == ["its outputs reach the graphs after it: 3 by the graph's own copy node, "
+                    "1 read where the step made it (handed off)"] * 2, tr.explain(c)
 

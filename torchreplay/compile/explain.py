@@ -16,6 +16,7 @@ from torchreplay import _compat
 from torchreplay.compile.api import Compiled
 from torchreplay.compile.backend import Backend, runtimes_by_name
 from torchreplay.distributed import describe
+from torchreplay.pieces.entries import ways_in
 from torchreplay.pieces.runtime import PiecewiseRuntime
 from torchreplay.training.callables import Launchless
 from torchreplay.training.graphed_callable import GraphedCallable
@@ -169,6 +170,18 @@ def piece_line(name: str, nodes: int, what: str) -> str:
     return f"  {name}  {nodes} node(s)  {what}"
 
 
+#: How a graph takes in an eager step's value (pieces/entries.py ``ways_in``), as said.
+_WAYS = {"node": "by the graph's own copy node", "handoff": "read where the step made it (handed off)",
+         "launch": "copied by a launch"}
+
+
+def _ways_in(rt: PiecewiseRuntime, slots: tuple[int, ...]) -> list[str]:
+    """How the graphs after an eager step take its outputs in, over every size captured."""
+    ways = ways_in(rt._entries.values(), [p.reads for p in rt.program.pieces], set(slots))
+    said = [f"{n} {_WAYS[way]}" for way, n in ways.items() if n]
+    return [f"    its outputs reach the graphs after it: {', '.join(said)}"] if said else []
+
+
 def _runtime(rt: PiecewiseRuntime) -> str:
     pieces = rt.program.pieces
     graphed = sum(p.graphed and k not in rt.failures for k, p in enumerate(pieces))
@@ -184,6 +197,8 @@ def _runtime(rt: PiecewiseRuntime) -> str:
         else:
             what = f"eager: {p.split}" if p.split else "eager"
         lines.append(piece_line(p.name, p.nodes, what))
+        if not p.graphed or k in rt.failures:
+            lines.extend(_ways_in(rt, p.writes))
     written = [x.name for x in rt.program.inputs if x.kind == "tensor" and x.written]
     if written:
         lines.append(f"  writes its input(s) {', '.join(written)} (copied back to the caller)")

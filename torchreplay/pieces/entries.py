@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Container, Iterable, Sequence
 
 import torch
 
@@ -16,7 +16,7 @@ from torchreplay.pieces.program import Constant, Program
 __all__ = [
     "PieceGraph", "Entry", "Route", "hand_out", "entry_key", "pad_shared", "shared_key", "static_buffer",
     "stage_entry", "hold_weakly", "set_sources", "buffer_like", "shares_rows", "copy_expanded", "NOT_EXPANDED",
-    "retire_outputs", "give_nodes", "copy_inputs",
+    "retire_outputs", "give_nodes", "copy_inputs", "ways_in",
 ]
 
 _Tensor = torch.Tensor
@@ -86,6 +86,21 @@ class PieceGraph:
         if dsts:  # one launch for them all, not recorded by autograd
             _copy_untracked(dsts, srcs)
         return None
+
+
+def ways_in(entries: Iterable[Entry], reads: Sequence[tuple[int, ...]], slots: Container[int]) -> dict[str, int]:
+    """How the graphs of ``entries`` (piece ``j`` reads ``reads[j]``) take in the values in
+    ``slots`` (an eager step's outputs), counted over every size: ``"node"`` (the graph's own
+    copy node), ``"handoff"`` (read where the step made it), ``"launch"`` (one copy launch)."""
+    ways = {"node": 0, "handoff": 0, "launch": 0}
+    for entry in entries:
+        for j, graph in enumerate(entry.graphs):
+            for pos, buf in getattr(graph, "copies", None) or ():
+                if reads[j][pos] not in slots or isinstance(buf, (int, float, bool)):
+                    continue  # (a number: held as captured)
+                way = "handoff" if type(buf) is Handoff else "node" if pos in graph.nodes else "launch"
+                ways[way] += 1
+    return ways
 
 
 #: Why a call runs ungraphed from a graph whose input made by an eager step changed shape.
