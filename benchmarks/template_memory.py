@@ -8,7 +8,12 @@ graphs, each keeping its template), the process's resident memory before the com
 its first call (which captures every size), with the copy nodes or with them hidden (``--hide``:
 the graphs copy with launches and keep no template). Run each way in fresh processes, alternately.
 
-Usage: ``PYTHONPATH=. python benchmarks/template_memory.py [--hide]``
+``--breaks``: the same for issue 11's build instead, the built-in Llama as a breakable graph
+(``tr.graph(breaks=[host_attention], sizes=1..32)``: 544 segments, the first of each size
+copying the call's tensors by nodes and each after a break copying its outputs by nodes, so
+every such segment keeps its template), one build first apart, the second measured and held.
+
+Usage: ``PYTHONPATH=. python benchmarks/template_memory.py [--hide] [--breaks]``
 """
 from __future__ import annotations
 
@@ -34,8 +39,31 @@ def rss_mib() -> float:
     return float("nan")
 
 
+def breaks(hide: bool) -> None:
+    from torchreplay.bench.breaks import _capture_sizes, _inputs
+    from torchreplay.models import build_llama
+    from torchreplay.models.llama import host_attention
+
+    model = build_llama(device="cuda")
+    with torch.no_grad():
+        model(*_inputs(model, 1))
+        _capture_sizes(model)  # kernels and per-shape first uses, apart
+        if hide:
+            copy_nodes.available()
+            copy_nodes._driver[:] = [None]
+        before = rss_mib()
+        g = tr.graph(model, *_inputs(model, 1), breaks=[host_attention], sizes=list(range(1, 33)))
+        torch.cuda.synchronize()
+        after = rss_mib()
+    kept = "hidden (no template kept)" if hide else f"on ({g.stats.graph_copies} input(s) by node)"
+    print(f"breakable Llama, copy nodes {kept}: 32 sizes, {g.stats.captures} captures; "
+          f"RSS +{after - before:.1f} MiB over the build")
+
+
 def main() -> None:
     hide = "--hide" in sys.argv
+    if "--breaks" in sys.argv:
+        return breaks(hide)
     model, (x,) = mlp_factory(batch=32)
     model.eval()
     sizes = list(range(1, 33))
