@@ -14,7 +14,12 @@ us per call in bursts of 10 calls after a synchronize (the first of each burst d
 - ``[G, E, G, E, G]`` with ``clone``: a second split, for the per-split cost past the first;
 - the ``clone`` alone, outside any runtime.
 
-Usage: ``PYTHONPATH=. python benchmarks/split_parts.py [--rounds 300]`` (CUDA only).
+``--pressure``: before each timed call, a call of a small ``torch.compile``d function (its
+guards, frames and an op on a CPU tensor: about what Dynamo's frame does around ``tr.compile``'s
+runtime), each runtime call timed alone: does the first split cost more than the second when
+the CPU's caches are shared with such work (the hypothesis of session 70)?
+
+Usage: ``PYTHONPATH=. python benchmarks/split_parts.py [--rounds 300] [--pressure]`` (CUDA only).
 """
 from __future__ import annotations
 
@@ -69,7 +74,12 @@ def build(layout: str, ws: list[torch.Tensor], step: str) -> PiecewiseRuntime:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--pressure", action="store_true")
     a = ap.parse_args()
+    cpu = torch.randn(64)
+    noise = torch.compile(lambda t: (t * 2 + 1).sum(), backend="eager", dynamic=False) if a.pressure else None
+    if noise is not None:
+        noise(cpu)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     torch.manual_seed(0)
     ws = [torch.randn(WIDTH, WIDTH, device="cuda") / WIDTH ** 0.5 for _ in range(DEPTH)]
@@ -91,6 +101,13 @@ def main() -> None:
             for k, f in fs.items():
                 torch.cuda.synchronize()
                 f()
+                if noise is not None:  # each call timed alone, after the compiled function
+                    for _ in range(10):
+                        noise(cpu)
+                        t0 = time.perf_counter_ns()
+                        f()
+                        times[k].append((time.perf_counter_ns() - t0) / 1e3)
+                    continue
                 t0 = time.perf_counter_ns()
                 for _ in range(10):
                     f()
