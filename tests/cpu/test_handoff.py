@@ -77,9 +77,10 @@ def test_a_step_hands_off_unless_every_value_is_small_and_copyable_by_node(monke
     assert not handoff.hands_off([small, 3])
     assert handoff.hands_off([small, big])
     assert handoff.hands_off([big])
-    assert handoff.hands_off([3, None])  # (nothing a graph could read where it is)
+    assert not handoff.hands_off([3, None])  # nothing a graph could read where it is: no private pool
     monkeypatch.setattr(handoff, "graph_copyable", lambda ts: False)  # no driver calls, or too many
     assert handoff.hands_off([small])
+    assert not handoff.hands_off([])
 
 
 def test_ways_in_counts_how_the_graphs_take_an_eager_steps_outputs_over_every_size() -> None:

@@ -67,9 +67,9 @@ _Tensor = torch.Tensor
 def hands_off(values: Sequence[Any]) -> bool:
     """Does an eager step that made ``values`` (its outputs in slots a graph may read where
     they are: :func:`handed_slots`) hand them off, rather than have the graph copy them by its
-    own nodes (:data:`NODE_BYTES`)?"""
+    own nodes (:data:`NODE_BYTES`)? No tensor among them: nothing to hand off (no private pool)."""
     tensors = [v for v in values if isinstance(v, _Tensor)]
-    return not tensors or any(t.nbytes > NODE_BYTES for t in tensors) or not graph_copyable(tensors)
+    return bool(tensors) and (any(t.nbytes > NODE_BYTES for t in tensors) or not graph_copyable(tensors))
 
 
 def handed_slots(program: Program) -> dict[int, frozenset[int]]:
