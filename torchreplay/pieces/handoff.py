@@ -19,6 +19,9 @@ of their own, as it did before this existed.
 
 Not handed off: values a program returns, values that require grad, views, values a graph
 writes in place, and every value of a training forward (its activations outlive the call).
+Nor, since copy nodes (``_compat/copy_nodes.py``), small values: a step whose values for the
+graphs are each at most :data:`NODE_BYTES` runs on the ordinary allocator at that size, and the
+graphs copy them in by their own first nodes (:func:`hands_off`), which costs the host less.
 
 .. warning:: While the step runs, all of its thread's allocations go to the private pool: a
     custom op that captured a CUDA graph of its own inside would put that graph's memory there.
