@@ -12,7 +12,11 @@ The benchmark's MLP (``compile-split-cost``'s: 8 x Linear(1024)+GELU, batch 8) c
 and k = 2 pieces by a custom op returning a new tensor, compiled with ``tr.compile``: k = 2
 once with the handoff (``pieces/handoff.NODE_BYTES`` at 0 at its first call) and once with the copy node (the default for these 32 KiB values since session 72; the bound raised at its first call for certain); host us a call (a synchronize before each), interleaved, and the split cost of each (k = 2 minus k = 1, paired).
 
-Usage: ``PYTHONPATH=. python benchmarks/handoff_vs_node.py [--rounds 300]``
+Then the same calls back to back (no synchronize between them): where the GPU is the bound,
+that is its time a call, and the node's copy shows in it. ``--batch``: other sizes of the op's
+value, to set ``NODE_BYTES`` from measurement.
+
+Usage: ``PYTHONPATH=. python benchmarks/handoff_vs_node.py [--rounds 300] [--batch 8]``
 """
 from __future__ import annotations
 
@@ -54,19 +58,27 @@ def compiled(k: int, handoff: bool, x: torch.Tensor):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=BATCH,
+                    help="rows of the op's value (width 1024, float32: 4 KiB a row; 256 rows: 1 MiB)")
     a = ap.parse_args()
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    x = torch.randn(BATCH, WIDTH, device="cuda")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; the op's value "
+          f"{a.batch * WIDTH * 4 / 1024:.0f} KiB")
+    x = torch.randn(a.batch, WIDTH, device="cuda")
     with torch.no_grad():
         fs = {"k = 1": compiled(1, True, x), "k = 2, handoff": compiled(2, True, x),
               "k = 2, copy node": compiled(2, False, x)}
         for f in fs.values():
             for _ in range(5):
                 f(x)
-        s = interleaved({k: (lambda f=f: f(x)) for k, f in fs.items()}, rounds=a.rounds, calls=10, sync_each=True)
-    for k in ("k = 2, handoff", "k = 2, copy node"):
-        med, p25, p75 = paired_quantiles(s[k], s["k = 1"])
-        print(f"split cost, {k}: median {med:+.2f} us (p25 {p25:+.2f}, p75 {p75:+.2f})")
+        calls = {k: (lambda f=f: f(x)) for k, f in fs.items()}
+        print("host us a call (a synchronize before each):")
+        host = interleaved(calls, rounds=a.rounds, calls=10, sync_each=True)
+        print("us a call back to back (the GPU's time where it is the bound):")
+        back = interleaved(calls, rounds=a.rounds, calls=10)
+    for what, s in (("host", host), ("back to back", back)):
+        for k in ("k = 2, handoff", "k = 2, copy node"):
+            med, p25, p75 = paired_quantiles(s[k], s["k = 1"])
+            print(f"split cost, {what}, {k}: median {med:+.2f} us (p25 {p25:+.2f}, p75 {p75:+.2f})")
 
 
 if __name__ == "__main__":
