@@ -11,12 +11,12 @@ from torchreplay._compat.copy_nodes import CopyNode
 from torchreplay.core.io import point_or_off
 from torchreplay.core.outputs import Outputs
 from torchreplay.pieces.handoff import MOVED, Expanded, Handoff, fill_expanded
-from torchreplay.pieces.program import Constant, Program
+from torchreplay.pieces.program import Constant, Input, Program
 
 __all__ = [
     "PieceGraph", "Entry", "Route", "hand_out", "entry_key", "pad_shared", "shared_key", "static_buffer",
     "stage_entry", "hold_weakly", "set_sources", "buffer_like", "shares_rows", "copy_expanded", "NOT_EXPANDED",
-    "retire_outputs", "give_nodes", "copy_inputs", "ways_in",
+    "retire_outputs", "give_nodes", "copy_inputs", "ways_in", "make_route",
 ]
 
 _Tensor = torch.Tensor
@@ -173,6 +173,39 @@ class Route:
         #: the entry's first graph's copies of the inputs (:func:`give_nodes`): (node, input
         #: index, the view it fills, or None: this route copies with a launch, the node off)
         self.nodes: list[tuple[CopyNode, int, _Tensor | None]] = []
+
+
+def make_route(
+    n: int | None, size: int | None, entry: Entry, args: Sequence[Any], inputs: Sequence[Input],
+    tensors: Sequence[int], keyed: Sequence[int], buffers: dict[Any, _Tensor], sizes: Sequence[int] | None,
+) -> Route:
+    """The route of a call of ``n`` rows (``size``: its entry's) with ``args``' shapes: the
+    views of ``entry``'s static buffers it copies into (its rows), the padding it zeroes or
+    fills, the shared buffers it pads, the views it copies back, and its nodes (:func:`give_nodes`)."""
+    route = Route(n, entry, tuple(args[i].shape for i in tensors))
+    route.consts = [args[i] for i in keyed]
+    for i in tensors:
+        buf = entry.inputs[i]
+        d = inputs[i].dim
+        view = buf if d is None or n == size else buf.narrow(d, 0, n)
+        expanded = _compat.expanded_dims(view)
+        if expanded:  # (a copy cannot write it whole: once per location)
+            route.expanded.append((_compat.unexpanded(view), i, expanded))
+        else:
+            route.dsts.append(view)
+            route.src_idx.append(i)
+        base = buffers.get(shared_key(i, args[i], sizes)) if d == 0 and sizes else None
+        if base is not None:
+            route.bases.append((base, inputs[i].fill))
+        elif d is not None and n != size and d not in _compat.expanded_dims(buf):  # (else one row)
+            route.pads.append(buf.narrow(d, n, size - n))
+            if inputs[i].fill != 0:
+                route.fills.append((route.pads[-1], inputs[i].fill))
+        if inputs[i].written:
+            route.backs.append(view)
+            route.back_idx.append(i)
+    give_nodes(route)
+    return route
 
 
 def give_nodes(route: Route) -> None:

@@ -38,8 +38,8 @@ from torchreplay.core.pool import Pool
 from torchreplay.core.threads import Callers, follow_stream, get_ident, outputs_to_clones
 from torchreplay.pieces.capturing import capture_piece
 from torchreplay.pieces.entries import (
-    NOT_EXPANDED, Entry, PieceGraph, Route, copy_expanded, copy_inputs, entry_key, give_nodes, hand_out,
-    hold_weakly, pad_shared, retire_outputs, set_sources, shared_key, stage_entry,
+    NOT_EXPANDED, Entry, PieceGraph, Route, copy_expanded, copy_inputs, entry_key, hand_out, hold_weakly,
+    make_route, pad_shared, retire_outputs, set_sources, stage_entry,
 )
 from torchreplay.pieces.handoff import DEMOTED, MISSES, MOVED, handed_slots, hands_off
 from torchreplay.pieces.instances import MOVING, Instances, drop_entries, outputs_held, ptrs_of
@@ -332,29 +332,7 @@ class PiecewiseRuntime:
                 ))
                 return None
             entry = self._capture_batch([(size, key)], args)[0]
-        route = Route(n, entry, tuple(args[i].shape for i in self._tensors))
-        route.consts = [args[i] for i in self._keyed]
-        for i in self._tensors:
-            buf = entry.inputs[i]
-            d = self._inputs[i].dim
-            view = buf if d is None or n == size else buf.narrow(d, 0, n)
-            expanded = _compat.expanded_dims(view)
-            if expanded:  # (a copy cannot write it whole: once per location)
-                route.expanded.append((_compat.unexpanded(view), i, expanded))
-            else:
-                route.dsts.append(view)
-                route.src_idx.append(i)
-            base = self._buffers.get(shared_key(i, args[i], self.sizes)) if d == 0 and self.sizes else None
-            if base is not None:
-                route.bases.append((base, self._inputs[i].fill))
-            elif d is not None and n != size and d not in _compat.expanded_dims(buf):  # (else one row)
-                route.pads.append(buf.narrow(d, n, size - n))
-                if self._inputs[i].fill != 0:
-                    route.fills.append((route.pads[-1], self._inputs[i].fill))
-            if self._inputs[i].written:
-                route.backs.append(view)
-                route.back_idx.append(i)
-        give_nodes(route)
+        route = make_route(n, size, entry, args, self._inputs, self._tensors, self._keyed, self._buffers, self.sizes)
         if self.sizes is None or len(self._routes) < 4 * len(self.sizes) + 64:
             self._routes[n if rkey is None else rkey] = route
         return route
