@@ -32,25 +32,41 @@ def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 def written_arguments(func: Any, args: Sequence[Any], kwargs: dict[str, Any], kind: type = object) -> list[Any]:
     """:func:`written_tensors` for any argument values of type ``kind`` (the FX nodes of an
     op's call in a graph: which nodes it writes)."""
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return []
+    try:
+        spec = _SPECS.get(func)
+    except TypeError:  # (an unhashable callable: read its schema each time)
+        spec = _spec(func)
+    else:
+        if spec is None:
+            spec = _SPECS[func] = _spec(func)
+    stats, writes = spec
     out: list[Any] = []
-    if schema.name in _UNMARKED_STATS and len(args) > 5 and args[5] is True:
+    if stats and len(args) > 5 and args[5] is True:
         out.extend(a for a in args[3:5] if isinstance(a, kind))  # running_mean, running_var
-    for i, arg in enumerate(schema.arguments):
-        info = arg.alias_info
-        if info is None or not info.is_write:
-            continue
-        if arg.kwarg_only or i >= len(args):
-            value = kwargs.get(arg.name)
-        else:
-            value = args[i]
+    for i, name, kwarg_only in writes:
+        value = kwargs.get(name) if kwarg_only or i >= len(args) else args[i]
         if isinstance(value, (list, tuple)):
             out.extend(t for t in value if isinstance(t, kind))
         elif isinstance(value, kind) and value is not None:
             out.append(value)
     return out
+
+
+#: per op: (a batch-norm kernel with unmarked statistics, its written arguments as (position,
+#: name, keyword-only)); read from the schema once (each dispatch mode over a model's ops asks
+#: for every op: reading the schema's arguments each time cost about 5 us an op)
+_SPECS: dict[Any, tuple[bool, tuple[tuple[int, str, bool], ...]]] = {}
+
+
+def _spec(func: Any) -> tuple[bool, tuple[tuple[int, str, bool], ...]]:
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return False, ()
+    writes = tuple(
+        (i, arg.name, bool(arg.kwarg_only)) for i, arg in enumerate(schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+    )
+    return schema.name in _UNMARKED_STATS, writes
 
 
 def returns_view(func: Any) -> bool:
