@@ -60,8 +60,9 @@ DEMOTED = (
 #: graph can copy by its own first nodes: ``core/io.graph_copyable``) is not handed off at that
 #: size: the graph's copy node costs a copy on the GPU (about a microsecond at this size, while
 #: the GPU waits for the host anyway) and saves the private pool's three calls and the address
-#: check, 3.5 us of host time per split on the H200 (``benchmarks/handoff_vs_node.py``). Larger
-#: values are handed off: no copy of them on the GPU, no buffer of the graph's own.
+#: check, 1.6-3.5 us of host time per split on the H200 at 32 KiB, 4-5 us at 256 KiB to 4 MiB
+#: (``benchmarks/handoff_vs_node.py``, RESULTS.md sessions 72-73). Larger values are handed off:
+#: no copy of them on the GPU, no buffer of the graph's own.
 NODE_BYTES = 1 << 20
 
 _Tensor = torch.Tensor
