@@ -226,6 +226,7 @@ def run_compile(name: str, build: Callable[[], Any], sizes: bool = False) -> flo
     extra = {"use_cache": False} if lm(name) or name in seq2seq() else {}
     options = {"options": {"sizes": [1, 2, 4, 8]}} if sizes else {}
     compiled = torch.compile(model, backend="torchreplay", **options)
+    before = _graphed_counts()
     d = 0.0
     with torch.no_grad():
         for b in [2, 2, 3, 2, 5]:
@@ -235,6 +236,8 @@ def run_compile(name: str, build: Callable[[], Any], sizes: bool = False) -> flo
             d = max(d, e)
     if d > 1e-3:
         print(tr.explain(compiled))
+    # (an equal result proves nothing if the calls ran ungraphed: say what replayed)
+    print(graphed_report(since=before), flush=True)
     return d
 
 
@@ -257,6 +260,7 @@ def run_train(
     opts = {"breaks": breaks} if breaks is not None else {}
     if compiled:
         graphed = torch.compile(model, backend="torchreplay", options=options or {})
+        before = _graphed_counts()
     else:
         graphed = tr.make_graphed_callables(model, a, sample_kwargs=kw, **opts)
     if breaks is not None:
@@ -287,18 +291,27 @@ def run_train(
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
     if compiled:
-        print(graphed_report(), flush=True)
+        print(graphed_report(since=before), flush=True)
     return d
 
 
-def graphed_report() -> str:
-    """One line on the graphs ``backend="torchreplay"`` made in this process: replays and
-    calls run without their graph (with why), so an equal result that ran ungraphed shows."""
+def _graphed_counts() -> dict[int, tuple[int, int]]:
+    """Replays and ungraphed calls so far of each ``backend="torchreplay"`` runtime alive."""
     from torchreplay.compile.backend import runtimes_by_name
 
+    return {id(r): (r.stats.replays, r.stats.fallbacks) for r in runtimes_by_name()}
+
+
+def graphed_report(since: dict[int, tuple[int, int]] | None = None) -> str:
+    """One line on the graphs ``backend="torchreplay"`` made in this process: replays and
+    calls run without their graph (with why), so an equal result that ran ungraphed shows;
+    ``since``: :func:`_graphed_counts` before the calls to report (only what came after)."""
+    from torchreplay.compile.backend import runtimes_by_name
+
+    since = since or {}
     runtimes = runtimes_by_name()
-    replays = sum(r.stats.replays for r in runtimes)
-    fallbacks = sum(r.stats.fallbacks for r in runtimes)
+    replays = sum(r.stats.replays - since.get(id(r), (0, 0))[0] for r in runtimes)
+    fallbacks = sum(r.stats.fallbacks - since.get(id(r), (0, 0))[1] for r in runtimes)
     why: dict[str, int] = {}
     for r in runtimes:
         for reason, n in r.fallback_reasons.items():
@@ -341,8 +354,9 @@ def main() -> None:
     global DTYPE, DEV
     DTYPE = getattr(torch, args.dtype)
     DEV = args.device
-    if DEV == "cpu":  # transformers wraps every model's forward in one function: Dynamo's
-        torch._dynamo.config.recompile_limit = 256  # limit of 8 would run the rest eagerly
+    if DEV == "cpu" or "compile" in args.modes:  # transformers wraps every model's forward in
+        # one function: Dynamo's limit of 8 would run the rest eagerly (on the GPU too)
+        torch._dynamo.config.recompile_limit = 256
         torch._dynamo.config.accumulated_recompile_limit = 4096
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
