@@ -309,7 +309,9 @@ def graphed_report(since: dict[int, tuple[int, int]] | None = None) -> str:
     from torchreplay.compile.backend import runtimes_by_name
 
     since = since or {}
-    runtimes = runtimes_by_name()
+    # (the runtimes that replayed or fell back since: Dynamo's cache keeps earlier models')
+    runtimes = [r for r in runtimes_by_name()
+                if (r.stats.replays, r.stats.fallbacks) != since.get(id(r), (0, 0))]
     replays = sum(r.stats.replays - since.get(id(r), (0, 0))[0] for r in runtimes)
     fallbacks = sum(r.stats.fallbacks - since.get(id(r), (0, 0))[1] for r in runtimes)
     why: dict[str, int] = {}
