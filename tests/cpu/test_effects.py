@@ -523,12 +523,16 @@ GRAPH_DEVICE = torch.device("cuda")
 
 def capture_on(device: torch.device, fn: Callable[..., Any], *args: Any, warmups: int = 3):
     """capture_like, with the graph on ``device``: the tensors the state holds elsewhere (the
-    CPU here) are ones no replay writes."""
+    CPU here) are ones no replay writes. As ``core/capture.py`` does, each warm-up after the
+    first and the capture start from the caller's state (``from_the_start``)."""
     ps = PyState("fn", fn, args, {})
     ps.start()
     for i in range(warmups):
+        if i:
+            ps.put_back_tensors()
         with ps.warmup(last=i == warmups - 1):
             fn(*args)
+    ps.put_back_tensors()
     ps.before_capture()
     with ps.captured(device):
         fn(*args)
@@ -558,14 +562,22 @@ class HostCounter(nn.Module):
 def test_a_tensor_off_the_graphs_device_written_at_every_call_is_refused_and_put_back() -> None:
     """A replay runs only the graph's device work: a counter kept on the CPU would stop
     counting, silently. The capture is refused, naming it, and the counter is put back; a
-    scratch buffer rewritten with the same values, and a graph on the CPU itself (the tensors'
-    own device: its writes replay), are fine."""
+    scratch buffer the call fills with the values it already holds, and a graph on the CPU
+    itself (the tensors' own device: its writes replay), are fine."""
     model = HostCounter()
     err = capture_on(GRAPH_DEVICE, model, torch.randn(2))
     assert err is not None and "calls (a torch.int64 tensor() on cpu)" in str(err), err
-    assert "not on the graph's device" in str(err) and "scratch" not in str(err)
+    assert "not on the graph's device" in str(err)
     assert int(model.calls) == 0  # (what the warm-ups and the capture counted, put back)
+    # A scratch the first call fills: eagerly the call leaves it filled, a replay would not
+    # (the build puts it back as the caller left it). Refused, saying how it can be graphed.
+    err = capture_on(GRAPH_DEVICE, lambda x: model(x, count=False), torch.randn(2))
+    assert err is not None and "scratch (a torch.float32 tensor(3,) on cpu)" in str(err), err
+    assert "model.calls" not in str(err) and "once eagerly" in str(err)
+    assert model.scratch.tolist() == [0.0, 0.0, 0.0]
+    model(torch.randn(2), count=False)  # one eager call fills it: a replay's not writing is eager's
     assert capture_on(GRAPH_DEVICE, lambda x: model(x, count=False), torch.randn(2)) is None
+    assert model.scratch.tolist() == [0.0, 2.0, 4.0]
     assert capture_on(torch.device("cpu"), model, torch.randn(2)) is None
 
 

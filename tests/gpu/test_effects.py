@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -68,26 +69,30 @@ def test_a_cache_object_grown_at_every_call_is_refused_and_left_as_it_was(front)
     assert cache.keys is first  # neither the warm-ups nor the capture grew it
 
 
-def graph_by(front: str, m: nn.Module, x: torch.Tensor) -> None:
+def train_step_of(m: nn.Module) -> Any:
+    """An AdamW training step over ``m`` (capturable, fused), returning the loss."""
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, capturable=True, fused=True)
+
+    def train_step(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = m(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return train_step
+
+
+def graph_by(front: str, m: nn.Module, x: torch.Tensor) -> Any:
     """Graph ``m`` at ``x`` through one front: tr.graph, its sizes=, make_graphed_callables, or
-    graph_step of a training step over it."""
+    graph_step of a training step over it (:func:`train_step_of`); return what it made."""
     if front == "graph":
-        tr.graph(m, x)
-    elif front == "sizes":
-        tr.graph(m, x, sizes=[2, 4])
-    elif front == "make_graphed_callables":
-        tr.make_graphed_callables(m, (x.requires_grad_(),))
-    else:
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, capturable=True, fused=True)
-
-        def train_step(x: torch.Tensor) -> torch.Tensor:
-            opt.zero_grad(set_to_none=True)
-            loss = m(x).square().mean()
-            loss.backward()
-            opt.step()
-            return loss
-
-        tr.graph_step(train_step, x)
+        return tr.graph(m, x)
+    if front == "sizes":
+        return tr.graph(m, x, sizes=[2, 4])
+    if front == "make_graphed_callables":
+        return tr.make_graphed_callables(m, (x.requires_grad_(),))
+    return tr.graph_step(train_step_of(m), x)
 
 
 @pytest.mark.parametrize("front", ["graph", "sizes", "make_graphed_callables", "graph_step"])
@@ -127,6 +132,57 @@ def test_a_counter_kept_on_the_cpu_is_refused_and_put_back(front) -> None:
         xi = torch.randn(4, 16, device=DEV)
         torch.testing.assert_close(g(xi), m.lin(xi))
     assert int(m.calls) == CALLS
+
+
+class HostScratch(nn.Module):
+    """Fills a CPU scratch tensor, a plain attribute, with the same values at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.scratch = torch.zeros(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.mul(torch.arange(3.0), 2, out=self.scratch)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("front", ["graph", "sizes", "make_graphed_callables", "graph_step"])
+def test_a_cpu_scratch_is_graphed_once_it_holds_what_each_call_fills_in(front) -> None:
+    """Eagerly the first call fills the scratch and each later one writes the same values
+    again. Built before any eager call, a graph is refused, naming it and the fix: a replay
+    would leave it empty (the build puts it back as it was). After one eager call, every front
+    graphs the model, equal to eager over many calls, and the scratch stays filled."""
+    torch.manual_seed(0)
+    m = HostScratch().to(DEV)
+    x = torch.randn(4, 16, device=DEV)
+    with pytest.raises(CaptureError, match=r"scratch \(a torch.float32 tensor\(3,\) on cpu\).*once eagerly"):
+        graph_by(front, m, x.detach().clone())
+    assert m.scratch.tolist() == [0.0, 0.0, 0.0]  # as it was
+    with torch.no_grad():
+        m(x)
+    ref = copy.deepcopy(m)
+    g = graph_by(front, m, x.detach().clone())
+    ref_step = train_step_of(ref) if front == "graph_step" else None
+    for i in range(CALLS):
+        xi = torch.randn(3 if front == "sizes" and i % 2 else 4, 16, device=DEV)
+        if front in ("graph", "sizes"):
+            with torch.no_grad():
+                torch.testing.assert_close(g(xi), ref(xi))
+        elif front == "make_graphed_callables":
+            a, b = xi.clone().requires_grad_(), xi.clone().requires_grad_()
+            out, want = g(a), ref(b)
+            torch.testing.assert_close(out, want)
+            out.square().sum().backward()
+            want.square().sum().backward()
+            torch.testing.assert_close(a.grad, b.grad)
+        else:
+            torch.testing.assert_close(g(xi), ref_step(xi))
+            for p, q in zip(m.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q)
+        assert m.scratch.tolist() == ref.scratch.tolist() == [0.0, 2.0, 4.0]
+    stats = g.forward.stats if isinstance(g, nn.Module) else g.stats  # (a module graphed in place)
+    assert stats.replays == CALLS and stats.fallbacks == 0
 
 
 def test_a_recurrent_state_object_is_refused_and_the_fix_replays_eager_equal() -> None:

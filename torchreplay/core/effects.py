@@ -297,9 +297,9 @@ class PyState:
         unread = [c for c in unread if not _reparametrized(before, c)]
         if wrong:
             return _error(self.name, wrong, parts)
-        written = self._host_written(parts)
+        written, small = self._host_written(parts)
         if written:
-            return _host_error(self.name, written, parts)
+            return _host_error(self.name, written, parts, scratch=small and not parts)
         if self._state and self._reads is None:  # what each replay reads where it was
             changed = {c.where for c in changes}
             places = [(n, k, t) for n, k, t in self._state if id(t) in read and (n.path, k) not in changed]
@@ -310,12 +310,13 @@ class PyState:
             log.warning("%s", _unread_warning(self.name, unread))
         return None
 
-    def _host_written(self, parts: bool) -> list[str]:
+    def _host_written(self, parts: bool) -> tuple[list[str], bool]:
         """The paths of tensors off the graph's device that the captured call wrote outside
-        its eager parts, to other values (a scratch buffer rewritten with the same values at
-        every call is eager-equal: not counted, where no eager part wrote it too)."""
+        its eager parts, to other values (a scratch buffer rewritten with the values it held
+        is eager-equal: not counted, where no eager part wrote it too); and whether each is
+        small (compared by value)."""
         host, self._host = self._host, []
-        found = []
+        found, small = [], True
         for path, t, version, copy in host:
             outside = (version_of(t) or 0) - version - self._host_in_parts.get(id(t), 0)
             if outside <= 0:
@@ -323,7 +324,8 @@ class PyState:
             if copy is not None and not parts and torch.equal(t, copy):
                 continue
             found.append(f"{path} (a {t.dtype} tensor{tuple(t.shape)} on {t.device})")
-        return found
+            small = small and copy is not None
+        return found, small
 
     def _eager_parts(
         self, changes: list[Change], read: set[int]
@@ -544,7 +546,7 @@ def _off_device(
     return list(found.values())
 
 
-def _host_error(name: str, written: list[str], parts: bool) -> CaptureError:
+def _host_error(name: str, written: list[str], parts: bool, scratch: bool) -> CaptureError:
     shown = "; ".join(written[:4]) + (f" (and {len(written) - 4} more)" if len(written) > 4 else "")
     where = " in a graph segment" if parts else ""
     return CaptureError(
@@ -554,7 +556,9 @@ def _host_error(name: str, written: list[str], parts: bool) -> CaptureError:
         "the warm-ups and the capture changed was put back. Fix: keep the tensor on the "
         "graph's device (a buffer, `register_buffer`, moves with the module), or move the write "
         "out of the graphed call" + (", or name the code that writes it in breaks= (a break runs "
-        "at every call)" if parts else "")
+        "at every call)" if parts else "") + ("; a scratch tensor each call fills with the same "
+        "values is fine once it holds them: call the model once eagerly before building the "
+        "graph" if scratch else "")
     )
 
 
