@@ -34,8 +34,11 @@ def capture_like(fn: Callable[..., Any], *args: Any, modules=(), warmups: int = 
     ps = PyState("fn", fn, args, kwargs, modules=lambda: modules)
     ps.start()
     for i in range(warmups):
+        if i:  # (from_the_start: each warm-up after the first and the capture start from the
+            ps.put_back_tensors()  # caller's state)
         with ps.warmup(last=i == warmups - 1):
             fn(*args, **kwargs)
+    ps.put_back_tensors()
     ps.before_capture()
     with ps.captured():
         fn(*args, **kwargs)
@@ -327,8 +330,11 @@ def capture_parts(model: Parts, warmups: int = 3, device: torch.device | None = 
     ps = model.ps = PyState("model", model, (torch.randn(4),), {})  # (parts outside the
     ps.start()  # captured call are not compared: warm-ups)
     for i in range(warmups):
+        if i:  # (each warm-up after the first and the capture start from the caller's state,
+            ps.put_back_tensors()  # as core/capture.py's from_the_start)
         with ps.warmup(last=i == warmups - 1):
             model(torch.randn(4))
+    ps.put_back_tensors()
     with ps.captured(device):
         model(torch.randn(4))
     err = ps.verdict()
