@@ -8,6 +8,7 @@ compares with eager over many calls with fresh inputs; real models graph as befo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 import torch.nn as nn
 
 import torchreplay as tr
-from torchreplay.errors import CaptureError
+from torchreplay.errors import CaptureError, ReplayInputError
 
 pytestmark = [
     pytest.mark.gpu,
@@ -183,6 +184,41 @@ def test_a_cpu_scratch_is_graphed_once_it_holds_what_each_call_fills_in(front) -
         assert m.scratch.tolist() == ref.scratch.tolist() == [0.0, 2.0, 4.0]
     stats = g.forward.stats if isinstance(g, nn.Module) else g.stats  # (a module graphed in place)
     assert stats.replays == CALLS and stats.fallbacks == 0
+
+
+class HostScale(nn.Module):
+    """Scales by a CPU tensor kept as a plain attribute (``.to(DEV)`` leaves it), read on the
+    host by ``.item()``: a graph keeps the value it read at capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.scale = torch.tensor(2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale.item()
+
+
+@pytest.mark.parametrize("front", ["graph", "sizes", "make_graphed_callables"])
+def test_a_cpu_value_read_on_the_host_replays_until_written_then_raises(front) -> None:
+    """Replays equal eager while the value stays; written in place since (eagerly the next call
+    reads the new value, a replay would keep the capture's), the next call raises naming it."""
+    torch.manual_seed(0)
+    m = HostScale().to(DEV)
+    again = copy.deepcopy(m)  # (graphed again below: make_graphed_callables graphs m in place)
+    g = graph_by(front, m, torch.randn(4, 16, device=DEV))
+    for i in range(CALLS):
+        xi = torch.randn(3 if front == "sizes" and i % 2 else 4, 16, device=DEV)
+        with torch.no_grad() if front != "make_graphed_callables" else contextlib.nullcontext():
+            torch.testing.assert_close(g(xi), m.lin(xi) * 2.0)
+    m.scale.fill_(3.0)
+    with pytest.raises(ReplayInputError, match=r"HostScale\.scale .*written in place since.*on the host"):
+        g(torch.randn(4, 16, device=DEV))
+    again.scale.fill_(3.0)
+    g = graph_by(front, again, torch.randn(4, 16, device=DEV))  # graphed again: the new value
+    xi = torch.randn(4, 16, device=DEV)
+    with torch.no_grad() if front != "make_graphed_callables" else contextlib.nullcontext():
+        torch.testing.assert_close(g(xi), again.lin(xi) * 3.0)
 
 
 def test_a_recurrent_state_object_is_refused_and_the_fix_replays_eager_equal() -> None:

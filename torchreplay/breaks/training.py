@@ -305,7 +305,7 @@ def record_checked(
     eager call first, without autograd, shows what every call changes (a first call's setup is
     no change). ``build(program)`` then graphs it. What these runs and the build write in place
     into tensors of Python state (a position counter) is put back. Returns the program, the
-    tensors in Python state it reads (:class:`~torchreplay.core.effects.StateReads`, checked
+    tensors in Python state it reads (:class:`~torchreplay.core.reads.StateReads`, checked
     at each call; None: none) and what ``build`` returned. ``draws``: watches the first run,
     which finds the generators the model draws from where they stand (put back after)."""
     _check_hooks(model, breaks)

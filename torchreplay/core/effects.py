@@ -53,11 +53,18 @@ capture's), and one a break grows at every call (a ``DynamicCache`` updated at t
 whose length the model's Python read for the positions before the break). A change at a place
 the warm-ups did not change counts as the segments'.
 
+**A tensor off the graph's device that the call reads on the host** (a CPU tensor kept as a
+plain attribute, read by ``.item()``, ``int(...)`` or as a 0-dim operand of a CUDA op) is read
+once, at capture: a replay keeps that value, where eagerly each call reads it again. A replay
+that finds it written in place since, or replaced, raises :class:`ReplayInputError`
+(:class:`StateReads`); a copy of it to the device (pinned memory) is read at every replay and
+is no such read.
+
 The warm-ups run before the comparison, so a first call's initialisation (a cache created at
 the first call) is not a change. How far the walk goes: ``core/pystate.py``. Not seen: state
 reached only through another function's globals or an object's methods, and reads inside a
 ``torch.compile``d region (its ops are not dispatched to the mode: a tensor only it reads
-counts as not read). Replays compare nothing: this costs capture time only.
+counts as not read). Replays compare identities and, for host reads, version counters only.
 """
 
 from __future__ import annotations
@@ -68,16 +75,17 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from torchreplay._compat import LightDispatchMode, copy_back, version_of
+from torchreplay._compat import copy_back, version_of
 from torchreplay.core.args import roots_of
 from torchreplay.core.pystate import (
-    MISSING, Change, Node, diff, is_small, large_tensors, live_value, path_of, plain_tensors,
-    put_back, roots_of_call, same_value, show, small_tensors, state_tensors, value_at, walk_state,
+    Change, Node, diff, is_small, large_tensors, live_value, path_of, plain_tensors, put_back,
+    roots_of_call, same_value, small_tensors, state_tensors, value_at, walk_state,
 )
+from torchreplay.core.reads import ReadWatch, StateReads
 from torchreplay.core.rewind import Rewind
-from torchreplay.errors import CaptureError, ReplayInputError
+from torchreplay.errors import CaptureError
 
-__all__ = ["PyState", "NoEffects", "NO_EFFECTS", "StateReads"]
+__all__ = ["PyState", "NoEffects", "NO_EFFECTS"]
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +118,7 @@ class PyState:
         self._candidates: set[tuple[str, Any]] = set()  # where the last warm-up replaced tensors
         self._changing: set[tuple[str, Any]] = set()  # every place the last warm-up changed
         self._growing: set[tuple[str, Any]] = set()  # ... to a tensor of another shape
-        self._watch: _ReadWatch | None = None
+        self._watch: ReadWatch | None = None
         # Eager parts (a breakable graph's breaks) in the captured call: the places of
         # _changing, their values at its start and before and after each part, by part.
         self._places: list[tuple[tuple[str, Any], Node]] = []
@@ -234,7 +242,7 @@ class PyState:
         if self._state is None:  # the first capture: which of the state's tensors it reads
             self._state = list(state_tensors(before))
             watched += [t for _, _, t in self._state]
-        self._watch = _ReadWatch(watched) if watched else None
+        self._watch = ReadWatch(watched, device) if watched else None
         self._places = [(w, before[w[0]]) for w in sorted(self._changing, key=repr) if w[0] in before]
         self._first = self._live()
         self._parts, self._set_by_parts = [], {}
@@ -282,6 +290,7 @@ class PyState:
         assert before is not None, "verdict() before captured()"
         changes = diff(before, self.take())
         read = self._watch.read if self._watch is not None else set()
+        host_read = self._watch.host_read if self._watch is not None else set()
         self._watch = None
         parts = bool(self._parts)
         if parts:
@@ -297,13 +306,21 @@ class PyState:
         unread = [c for c in unread if not _reparametrized(before, c)]
         if wrong:
             return _error(self.name, wrong, parts)
+        # (off the device, read on the host and not written by the call: the capture's value)
+        kept = {id(t): v for _, t, v, _ in self._host if version_of(t) == v}
+        by_breaks = [  # (written by a break at every call, read on the host by a segment)
+            path for path, t, _, _ in self._host if self._host_in_parts.get(id(t)) and id(t) in host_read
+        ]
+        if by_breaks:
+            return _segment_host_read_error(self.name, by_breaks)
         written, small = self._host_written(parts)
         if written:
             return _host_error(self.name, written, parts, scratch=small and not parts)
         if self._state and self._reads is None:  # what each replay reads where it was
             changed = {c.where for c in changes}
             places = [(n, k, t) for n, k, t in self._state if id(t) in read and (n.path, k) not in changed]
-            self._reads = StateReads(places) if places else None
+            frozen = {i: v for i, v in kept.items() if i in host_read}
+            self._reads = StateReads(places, frozen) if places else None
             self._state = []
         if unread and not self._warned:
             self._warned = True
@@ -356,6 +373,8 @@ class PyState:
 
     def reads(self) -> StateReads | None:
         """After the build: the tensors in Python state the graph reads (None: none)."""
+        if self._reads is not None:
+            self._reads.arm()
         return self._reads
 
     @contextlib.contextmanager
@@ -384,49 +403,6 @@ class PyState:
         for node in self._start.values():
             put_back(node)
         self.put_back_tensors()
-
-
-class StateReads:
-    """The tensors held in Python state that a graph reads, each where it was at capture: an
-    object's attribute, a list's or dict's item, a global (not a module's parameters or
-    buffers: ``core/placed.py``). A caller that puts another tensor there between calls
-    (``cache.keys = torch.zeros(...)``, a plain tensor attribute of a module recomputed) leaves
-    the graph reading the old one. :meth:`replaced` is asked at each replay: an identity test
-    per place; and the old tensor is kept alive, so a replay never reads freed memory."""
-
-    __slots__ = ("_dicts", "_others")
-
-    def __init__(self, places: list[tuple[Node, Any, torch.Tensor]]) -> None:
-        self._dicts: list[tuple[dict[Any, Any], Any, torch.Tensor, str]] = []
-        self._others: list[tuple[Node, Any, torch.Tensor, str]] = []
-        for node, key, t in places:
-            d = node.obj if node.kind in ("dict", "global") else None
-            attrs = getattr(node.obj, "__dict__", None) if node.kind == "attrs" else None
-            if isinstance(attrs, dict) and attrs.get(key, MISSING) is t:
-                d = attrs  # (an attribute of __dict__, not a slot)
-            if d is not None:
-                self._dicts.append((d, key, t, path_of(node, key)))
-            else:
-                self._others.append((node, key, t, path_of(node, key)))
-
-    def replaced(self, name: str) -> ReplayInputError | None:
-        """The error for the first place that holds another tensor now, or None."""
-        for d, key, t, path in self._dicts:
-            if d.get(key, MISSING) is not t:
-                return _replaced_error(name, path, t, d.get(key, MISSING))
-        for node, key, t, path in self._others:
-            now = live_value(node, key)
-            if now is not t:
-                return _replaced_error(name, path, t, now)
-        return None
-
-
-def _replaced_error(name: str, path: str, old: torch.Tensor, now: Any) -> ReplayInputError:
-    return ReplayInputError(
-        f"{path} is {show(now)}, but '{name}' was captured reading {show(old)} there: the graph "
-        "reads the old tensor at every replay, not the one put there since. Write new values "
-        "into the captured tensor in place (`.copy_(new)`, `.zero_()`), or graph again"
-    )
 
 
 class NoEffects:
@@ -479,37 +455,6 @@ def _reparametrized(nodes: dict[str, Node], change: Change) -> bool:
 # -- reads ----------------------------------------------------------------------------------------
 
 
-class _ReadWatch(LightDispatchMode):
-    """Record which of ``tensors`` the ops run inside it read (by storage, views included)."""
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        super().__init__()
-        self._by_ptr = {t.untyped_storage().data_ptr(): id(t) for t in tensors}
-        self.read: set[int] = set()
-        self.paused = 0  # inside an eager part: its reads are not the graph's
-
-    def add(self, t: torch.Tensor) -> None:
-        self._by_ptr[t.untyped_storage().data_ptr()] = id(t)
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True  # as WriteWatch: a compiled region runs its compiled code
-
-    def __torch_dispatch__(
-        self, func: Any, types_: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if self.paused:
-            return func(*args, **kwargs)
-        for a in (*args, *kwargs.values()):
-            for t in a if isinstance(a, (list, tuple)) else (a,):
-                if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                    hit = self._by_ptr.get(t.untyped_storage().data_ptr())
-                    if hit is not None:
-                        self.read.add(hit)
-        return func(*args, **kwargs)
-
-
 # -- messages -------------------------------------------------------------------------------------
 
 
@@ -559,6 +504,17 @@ def _host_error(name: str, written: list[str], parts: bool, scratch: bool) -> Ca
         "at every call)" if parts else "") + ("; a scratch tensor each call fills with the same "
         "values is fine once it holds them: call the model once eagerly before building the "
         "graph" if scratch else "")
+    )
+
+
+def _segment_host_read_error(name: str, paths: list[str]) -> CaptureError:
+    return CaptureError(
+        f"a break of '{name}' writes {', '.join(paths[:4])} in place at every call, off the "
+        "graph's device, and a graph segment reads it on the host (a value taken from it, or a "
+        "0-dim CPU operand of a device op): the segments ran their Python once, at capture, so "
+        "every replay would keep the capture's value. What the warm-ups and the capture changed "
+        "was put back. Fix: keep it on the graph's device (`register_buffer`), or read it "
+        "inside a break too"
     )
 
 

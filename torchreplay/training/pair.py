@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from torchreplay import _compat
-from torchreplay.core.effects import StateReads
+from torchreplay.core.reads import StateReads
 from torchreplay.core.outputs import Outputs
 
 __all__ = [
