@@ -531,7 +531,13 @@ def capture_on(device: torch.device, fn: Callable[..., Any], *args: Any, warmups
     """capture_like, with the graph on ``device``: the tensors the state holds elsewhere (the
     CPU here) are ones no replay writes. As ``core/capture.py`` does, each warm-up after the
     first and the capture start from the caller's state (``from_the_start``)."""
-    ps = PyState("fn", fn, args, {})
+    return built_on(device, fn, *args, warmups=warmups)[0]
+
+
+def built_on(device: torch.device, fn: Callable[..., Any], *args: Any, warmups: int = 3, reads: bool = False):
+    """:func:`capture_on`; return (error or None, the PyState), which with ``reads`` finds the
+    state's tensors the capture reads (``PyState.reads()``)."""
+    ps = PyState("fn", fn, args, {}, reads=reads)
     ps.start()
     for i in range(warmups):
         if i:
@@ -547,7 +553,7 @@ def capture_on(device: torch.device, fn: Callable[..., Any], *args: Any, warmups
         ps.undo()
     else:
         ps.put_back_tensors()
-    return err
+    return err, ps
 
 
 class HostCounter(nn.Module):

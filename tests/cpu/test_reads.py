@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from test_effects import built_on
 from torchreplay.core.effects import PyState
 from torchreplay.core.reads import ReadWatch, _host_read
 from torchreplay.errors import CaptureError, ReplayInputError
@@ -22,26 +23,10 @@ META = torch.device("meta")
 aten = torch.ops.aten
 
 
-def build(fn: Callable[..., Any], *args: Any, device: torch.device = CUDA, warmups: int = 3):
-    """Run ``fn`` as capture() does around a PyState that finds the state's reads (the first
-    capture's); return (error or None, the PyState)."""
-    ps = PyState("fn", fn, args, {}, reads=True)
-    ps.start()
-    for i in range(warmups):
-        if i:
-            ps.put_back_tensors()
-        with ps.warmup(last=i == warmups - 1):
-            fn(*args)
-    ps.put_back_tensors()
-    ps.before_capture()
-    with ps.captured(device):
-        fn(*args)
-    err = ps.verdict()
-    if err is not None:
-        ps.undo()
-    else:
-        ps.put_back_tensors()
-    return err, ps
+def build(fn: Callable[..., Any], *args: Any, device: torch.device = CUDA):
+    """As capture() runs the first capture of a PyState that finds the state's reads: (error or
+    None, the PyState)."""
+    return built_on(device, fn, *args, reads=True)
 
 
 class Scaled(nn.Module):
