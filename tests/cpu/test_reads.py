@@ -173,3 +173,29 @@ def test_what_the_builds_last_put_back_writes_is_no_write_since_capture() -> Non
     assert reads is not None and reads.replaced("m") is None
     m.table.add_(1.0)
     assert isinstance(reads.replaced("m"), ReplayInputError)
+
+
+@pytest.mark.parametrize("read", ["tolist", "numpy", "item"])
+def test_reads_on_the_host_without_an_op_are_seen_too(read: str) -> None:
+    """``Tensor.tolist`` and ``Tensor.numpy`` read a CPU tensor's memory with no op to
+    dispatch: a torch function mode sees them (at the first capture, where the state holds a
+    tensor off the graph's device)."""
+
+    class Lengths(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lengths = torch.tensor([3, 1])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            n = {"tolist": lambda: max(self.lengths.tolist()), "numpy": lambda: int(self.lengths.numpy().max()),
+                 "item": lambda: int(self.lengths.max().item())}[read]()
+            return x[:n]
+
+    m = Lengths()
+    err, ps = build(m, torch.randn(4))
+    assert err is None
+    reads = ps.reads()
+    assert reads is not None and reads.replaced("m") is None
+    m.lengths[1] = 4
+    err = reads.replaced("m")
+    assert isinstance(err, ReplayInputError) and "Lengths.lengths" in str(err), err

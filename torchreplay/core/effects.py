@@ -58,7 +58,8 @@ plain attribute, read by ``.item()``, ``int(...)`` or as a 0-dim operand of a CU
 once, at capture: a replay keeps that value, where eagerly each call reads it again. A replay
 that finds it written in place since, or replaced, raises :class:`ReplayInputError`
 (:class:`StateReads`); a copy of it to the device (pinned memory) is read at every replay and
-is no such read.
+is no such read. ``.tolist()`` and ``.numpy()`` read with no op: a torch function mode sees them
+at the first capture, where the state holds such a tensor.
 
 The warm-ups run before the comparison, so a first call's initialisation (a cache created at
 the first call) is not a change. How far the walk goes: ``core/pystate.py``. Not seen: state
@@ -239,15 +240,22 @@ class PyState:
         watched = [
             t for w in self._candidates if isinstance(t := value_at(before, w), torch.Tensor)
         ]
-        if self._state is None:  # the first capture: which of the state's tensors it reads
+        first = self._state is None
+        if first:  # the first capture: which of the state's tensors it reads
             self._state = list(state_tensors(before))
             watched += [t for _, _, t in self._state]
         self._watch = ReadWatch(watched, device) if watched else None
+        # (.tolist() and .numpy() of a tensor off the device read it without an op)
+        host = self._watch.host_calls([t for _, t, _, _ in self._host]) if first and self._watch else None
         self._places = [(w, before[w[0]]) for w in sorted(self._changing, key=repr) if w[0] in before]
         self._first = self._live()
         self._parts, self._set_by_parts = [], {}
         # (the rewind outside the read watch: its copies of what an op overwrites are no reads)
-        with self.build_call(), self._watch if self._watch is not None else contextlib.nullcontext():
+        with (
+            self.build_call(),
+            self._watch if self._watch is not None else contextlib.nullcontext(),
+            host if host is not None else contextlib.nullcontext(),
+        ):
             yield
 
     @contextlib.contextmanager

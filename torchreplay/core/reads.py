@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from torchreplay._compat import LightDispatchMode
 from torchreplay.core.pystate import MISSING, Node, live_value, path_of, show
@@ -113,6 +114,11 @@ class ReadWatch(LightDispatchMode):
     def add(self, t: torch.Tensor) -> None:
         self._by_ptr[t.untyped_storage().data_ptr()] = id(t)
 
+    def host_calls(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """A context that sees ``Tensor.tolist`` and ``Tensor.numpy`` of ``tensors`` (off the
+        graph's device), which read their memory without an op; None when there are none."""
+        return _HostCalls(self) if tensors and self._device is not None else None
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True  # as WriteWatch: a compiled region runs its compiled code
@@ -132,6 +138,27 @@ class ReadWatch(LightDispatchMode):
                         if self._device is not None and _host_read(func, args, kwargs, t, self._device):
                             self.host_read.add(hit)
         return func(*args, **kwargs)
+
+
+_NO_OP_READS = (torch.Tensor.tolist, torch.Tensor.numpy)
+
+
+class _HostCalls(TorchFunctionMode):
+    """Reads on the host that dispatch no op (``Tensor.tolist``, ``Tensor.numpy``), for a
+    :class:`ReadWatch`."""
+
+    def __init__(self, watch: ReadWatch) -> None:
+        super().__init__()
+        self.watch = watch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        watch = self.watch
+        if func in _NO_OP_READS and args and isinstance(args[0], torch.Tensor) and not watch.paused:
+            hit = watch._by_ptr.get(args[0].untyped_storage().data_ptr())
+            if hit is not None and watch._device is not None and not _on(args[0], watch._device):
+                watch.read.add(hit)
+                watch.host_read.add(hit)
+        return func(*args, **(kwargs or {}))
 
 
 def _on(t: torch.Tensor, device: torch.device) -> bool:
