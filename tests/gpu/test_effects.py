@@ -407,6 +407,56 @@ def test_a_breaks_own_python_state_is_real_at_every_replay_and_a_segments_is_ref
     assert m.steps == 0 and m.brk.calls == 0 and m.brk.seen == []  # all put back
 
 
+class Advances(nn.Module):
+    """A break that advances a position kept on the CPU, in place (a plain attribute of its
+    owner's, as host-side cache bookkeeping)."""
+
+    def __init__(self, owner: nn.Module) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.owner = [owner]  # (not a submodule)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.owner[0].pos.add_(1)
+        return self.lin(x)
+
+
+class ReadsPos(nn.Module):
+    def __init__(self, segment_reads: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.brk = Advances(self)
+        self.pos = torch.zeros((), dtype=torch.long)  # (on the CPU: .to(DEV) leaves it)
+        self.segment_reads = segment_reads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.brk(self.a(x).relu())
+        if self.segment_reads:
+            h = h * float(self.pos)  # read on the host in the segment after the break
+        return self.b(h)
+
+
+def test_a_cpu_position_a_break_advances_and_a_segment_reads_on_the_host_is_refused() -> None:
+    """The break runs at every replay, so its count is real; a segment's Python ran once, so it
+    would multiply by the capture's position at every call. Refused at capture, naming it; the
+    position is as it was; the same model whose segment does not read it replays eager-equal."""
+    torch.manual_seed(0)
+    m = ReadsPos(segment_reads=True).to(DEV).eval()
+    with pytest.raises(CaptureError, match=r"ReadsPos\.pos.*a graph segment reads it on the host"):
+        tr.graph(m, torch.randn(4, 16, device=DEV), breaks=[Advances])
+    assert int(m.pos) == 0
+    m = ReadsPos(segment_reads=False).to(DEV).eval()
+    ref = copy.deepcopy(m)
+    g = tr.graph(m, torch.randn(4, 16, device=DEV), breaks=[Advances])
+    start = int(m.pos)
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = torch.randn(4, 16, device=DEV)
+            torch.testing.assert_close(g(x), ref(x), rtol=1e-4, atol=1e-4)
+    assert int(m.pos) == start + CALLS  # the break's writes are real at every call
+    assert g.stats.replays == CALLS
+
+
 class SetsMask(nn.Module):
     def __init__(self, in_place: bool) -> None:
         super().__init__()
