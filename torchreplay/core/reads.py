@@ -91,7 +91,7 @@ def _host_read_error(name: str, path: str, t: torch.Tensor, now: Any = MISSING) 
         "captured (a value taken from it, or a 0-dim CPU operand of a device op): a replay runs "
         "only the device's work and keeps the capture's value, where eagerly each call reads it "
         "again. Keep it on the graph's device (`register_buffer`, or `.to(device)` once) and "
-        "write it in place there, pass it as an argument, or graph again"
+        "write it in place there, read it inside a break (`breaks=`), or graph again"
     )
 
 
