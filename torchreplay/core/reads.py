@@ -85,10 +85,10 @@ def _replaced_error(name: str, path: str, old: torch.Tensor, now: Any, host: boo
 
 
 def _host_read_error(name: str, path: str, t: torch.Tensor, now: Any = MISSING) -> ReplayInputError:
-    what = f"is {show(now)} now" if now is not MISSING else "was written in place since"
+    what = f"was replaced since (by {show(now)})" if now is not MISSING else "was written in place since"
     return ReplayInputError(
-        f"{path} ({show(t)} at capture) {what}, but '{name}' read it on the host while it was "
-        "captured (a value taken from it, or a 0-dim CPU operand of a device op): a replay runs "
+        f"{path} (a {t.dtype} tensor{tuple(t.shape)} on {t.device}) {what}, but '{name}' read it "
+        "on the host while it was captured (a value taken from it, or a 0-dim CPU operand of a device op): a replay runs "
         "only the device's work and keeps the capture's value, where eagerly each call reads it "
         "again. Keep it on the graph's device (`register_buffer`, or `.to(device)` once) and "
         "write it in place there, read it inside a break (`breaks=`), or graph again"
