@@ -85,7 +85,7 @@ def _replaced_error(name: str, path: str, old: torch.Tensor, now: Any, host: boo
 
 
 def _host_read_error(name: str, path: str, t: torch.Tensor, now: Any = MISSING) -> ReplayInputError:
-    what = f"was replaced since (by {show(now)})" if now is not MISSING else "was written in place since"
+    what = "was written in place since" if now is MISSING else f"was replaced since (by {show(now)})"
     return ReplayInputError(
         f"{path} (a {t.dtype} tensor{tuple(t.shape)} on {t.device}) {what}, but '{name}' read it "
         "on the host while it was captured (a value taken from it, or a 0-dim CPU operand of a device op): a replay runs "
