@@ -88,10 +88,11 @@ def _host_read_error(name: str, path: str, t: torch.Tensor, now: Any = MISSING) 
     what = "was written in place since" if now is MISSING else f"was replaced since (by {show(now)})"
     return ReplayInputError(
         f"{path} (a {t.dtype} tensor{tuple(t.shape)} on {t.device}) {what}, but '{name}' read it "
-        "on the host while it was captured (a value taken from it, or a 0-dim CPU operand of a device op): a replay runs "
-        "only the device's work and keeps the capture's value, where eagerly each call reads it "
-        "again. Keep it on the graph's device (`register_buffer`, or `.to(device)` once) and "
-        "write it in place there, read it inside a break (`breaks=`), or graph again"
+        "on the host while it was captured (a value taken from it, or a 0-dim CPU operand of a "
+        "device op): a replay runs only the device's work and keeps the capture's value, where "
+        "eagerly each call reads it again. Keep it on the graph's device (`register_buffer`, or "
+        "`.to(device)` once) and write it in place there, read it inside a break (`breaks=`), "
+        "or graph again"
     )
 
 
