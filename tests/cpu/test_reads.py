@@ -68,8 +68,9 @@ def test_a_tensor_on_the_graphs_device_written_in_place_is_read_by_every_replay(
     m = Scaled()
     err, ps = build(m, torch.randn(3), device=torch.device("cpu"))
     assert err is None
+    reads = ps.reads()  # (at the end of the build, as every front asks)
     m.scale.fill_(3.0)
-    assert ps.reads() is None or ps.reads().replaced("m") is None
+    assert reads is None or reads.replaced("m") is None
 
 
 def test_a_cpu_tensor_the_call_writes_with_the_values_it_holds_is_no_frozen_read() -> None:
@@ -99,6 +100,11 @@ def test_only_a_copy_to_the_device_reads_host_memory_at_replay() -> None:
     assert _host_read(aten._to_copy.default, (t,), {"dtype": torch.float64}, t, META)
     assert _host_read(aten.mul.Tensor, (on, t), {}, t, META)  # a 0-dim CPU operand: by value
     assert not _host_read(aten.mul.Tensor, (on, t), {}, on, META)
+    # its shape and dtype only, or a view: no value read (an op on the view reads it then)
+    assert not _host_read(aten.empty_like.default, (t,), {"device": META}, t, META)
+    assert not _host_read(aten.new_zeros.default, (t, [2]), {}, t, META)
+    assert not _host_read(aten.select.int, (t, 0, 0), {}, t, META)
+    assert _host_read(aten._local_scalar_dense.default, (t[0],), {}, t[0], META)  # .item()
 
 
 def test_the_watch_sees_item_and_leaves_reads_in_eager_parts_out() -> None:
@@ -173,6 +179,24 @@ def test_what_the_builds_last_put_back_writes_is_no_write_since_capture() -> Non
     assert reads is not None and reads.replaced("m") is None
     m.table.add_(1.0)
     assert isinstance(reads.replaced("m"), ReplayInputError)
+
+
+def test_a_cpu_tensor_whose_shape_alone_is_used_is_no_frozen_read() -> None:
+    class Shaped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.template = torch.zeros(3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.zeros_like(self.template).sum() + self.template[:2].shape[0]
+
+    m = Shaped()
+    err, ps = build(m, torch.randn(3))
+    assert err is None
+    reads = ps.reads()
+    assert reads is not None  # (it is read: its shape)
+    m.template.fill_(5.0)  # (values no call reads)
+    assert reads.replaced("m") is None
 
 
 @pytest.mark.parametrize("read", ["tolist", "numpy", "item"])

@@ -31,12 +31,13 @@ class StateReads:
     read on the host (:class:`ReadWatch`); such a tensor written in place since is an error
     too, as the graph keeps what the capture read."""
 
-    __slots__ = ("_dicts", "_others", "_frozen")
+    __slots__ = ("_dicts", "_others", "_frozen", "_armed")
 
     def __init__(self, places: list[tuple[Node, Any, torch.Tensor]], frozen: dict[int, int] | None = None) -> None:
         self._dicts: list[tuple[dict[Any, Any], Any, torch.Tensor, str]] = []
         self._others: list[tuple[Node, Any, torch.Tensor, str]] = []
         self._frozen: list[tuple[torch.Tensor, int, str]] = []
+        self._armed = False
         frozen = frozen or {}
         for node, key, t in places:
             d = node.obj if node.kind in ("dict", "global") else None
@@ -51,9 +52,11 @@ class StateReads:
                 self._frozen.append((t, frozen[id(t)], path_of(node, key)))
 
     def arm(self) -> None:
-        """At the end of a build: take the versions from here on (the build's last put-back
-        of what its warm-ups wrote moved them; the values are the capture's)."""
-        self._frozen = [(t, t._version, path) for t, _, path in self._frozen]
+        """At the end of the build, once: take the versions from here on (the build's last
+        put-back of what its warm-ups wrote moved them; the values are the capture's)."""
+        if not self._armed:
+            self._armed = True
+            self._frozen = [(t, t._version, path) for t, _, path in self._frozen]
 
     def replaced(self, name: str) -> ReplayInputError | None:
         """The error for the first place that holds another tensor now, or for a tensor read on
@@ -97,6 +100,14 @@ def _host_read_error(name: str, path: str, t: torch.Tensor, now: Any = MISSING) 
 
 
 _COPIES = (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default)
+# Ops that take only a tensor's shape, dtype and device (a view reads nothing either: what is
+# done with it later reads the same storage, and is seen then).
+_METADATA_ONLY = frozenset(
+    f"aten::{op}" for op in (
+        "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+        "randint_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full",
+    )
+)
 
 
 class ReadWatch(LightDispatchMode):
@@ -169,7 +180,10 @@ def _on(t: torch.Tensor, device: torch.device) -> bool:
 def _host_read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], t: torch.Tensor, device: torch.device) -> bool:
     """Is ``t``, an argument of ``func``, off ``device`` and read by the host at capture? A copy
     of it to the device (pinned memory) is read by each replay; its destination is no read."""
-    if _on(t, device):
+    if _on(t, device) or getattr(func, "is_view", False):
+        return False
+    name = getattr(func, "name", None)  # (an OpOverload's "aten::zeros_like")
+    if callable(name) and name() in _METADATA_ONLY:
         return False
     if func is _COPIES[0]:  # copy_(dst, src): a copy to the device reads src at replay
         return args[1] is t and not _on(args[0], device)
