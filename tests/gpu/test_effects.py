@@ -190,21 +190,25 @@ class HostScale(nn.Module):
     """Scales by a CPU tensor kept as a plain attribute (``.to(DEV)`` leaves it), read on the
     host by ``.item()``: a graph keeps the value it read at capture."""
 
-    def __init__(self) -> None:
+    def __init__(self, read: str = "item") -> None:
         super().__init__()
         self.lin = nn.Linear(16, 16)
         self.scale = torch.tensor(2.0)
+        self.read = read
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x) * self.scale.item()
+        # (.tolist() reads with no op to dispatch: a torch function mode sees it)
+        return self.lin(x) * (self.scale.item() if self.read == "item" else self.scale.tolist())
 
 
-@pytest.mark.parametrize("front", ["graph", "sizes", "make_graphed_callables"])
-def test_a_cpu_value_read_on_the_host_replays_until_written_then_raises(front) -> None:
+@pytest.mark.parametrize("front,read", [
+    ("graph", "item"), ("sizes", "item"), ("make_graphed_callables", "item"), ("graph", "tolist"),
+])
+def test_a_cpu_value_read_on_the_host_replays_until_written_then_raises(front, read) -> None:
     """Replays equal eager while the value stays; written in place since (eagerly the next call
     reads the new value, a replay would keep the capture's), the next call raises naming it."""
     torch.manual_seed(0)
-    m = HostScale().to(DEV)
+    m = HostScale(read).to(DEV)
     again = copy.deepcopy(m)  # (graphed again below: make_graphed_callables graphs m in place)
     g = graph_by(front, m, torch.randn(4, 16, device=DEV))
     for i in range(CALLS):
