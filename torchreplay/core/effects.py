@@ -82,7 +82,7 @@ from torchreplay.core.pystate import (
     Change, Node, diff, is_small, large_tensors, live_value, path_of, plain_tensors, put_back,
     roots_of_call, same_value, small_tensors, state_tensors, value_at, walk_state,
 )
-from torchreplay.core.reads import ReadWatch, StateReads
+from torchreplay.core.reads import ReadWatch, StateReads, on_device
 from torchreplay.core.rewind import Rewind
 from torchreplay.errors import CaptureError
 
@@ -246,7 +246,7 @@ class PyState:
             watched += [t for _, _, t in self._state]
         self._watch = ReadWatch(watched, device) if watched else None
         # (.tolist() and .numpy() of a tensor off the device read it without an op)
-        host = self._watch.host_calls([t for _, t, _, _ in self._host]) if first and self._watch else None
+        host = self._watch.host_calls() if first and self._watch and self._host else None
         self._places = [(w, before[w[0]]) for w in sorted(self._changing, key=repr) if w[0] in before]
         self._first = self._live()
         self._parts, self._set_by_parts = [], {}
@@ -491,8 +491,7 @@ def _off_device(
     plain = {id(t) for t in plain_tensors(nodes)}
     for node, key, t in state_tensors(nodes):
         version = version_of(t)
-        here = t.device.type == device.type and (device.index is None or t.device.index == device.index)
-        if id(t) in found or id(t) not in plain or here or version is None:
+        if id(t) in found or id(t) not in plain or on_device(t, device) or version is None:
             continue
         with torch.no_grad():
             found[id(t)] = (path_of(node, key), t, version, t.detach().clone() if is_small(t) else None)

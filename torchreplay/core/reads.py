@@ -16,7 +16,7 @@ from torchreplay._compat import LightDispatchMode
 from torchreplay.core.pystate import MISSING, Node, live_value, path_of, show
 from torchreplay.errors import ReplayInputError
 
-__all__ = ["ReadWatch", "StateReads"]
+__all__ = ["ReadWatch", "StateReads", "on_device"]
 
 
 class StateReads:
@@ -126,10 +126,16 @@ class ReadWatch(LightDispatchMode):
     def add(self, t: torch.Tensor) -> None:
         self._by_ptr[t.untyped_storage().data_ptr()] = id(t)
 
-    def host_calls(self, tensors: Sequence[torch.Tensor]) -> Any:
-        """A context that sees ``Tensor.tolist`` and ``Tensor.numpy`` of ``tensors`` (off the
-        graph's device), which read their memory without an op; None when there are none."""
-        return _HostCalls(self) if tensors and self._device is not None else None
+    def host_calls(self) -> Any:
+        """A context that sees ``Tensor.tolist`` and ``Tensor.numpy`` of the watched tensors
+        off the graph's device, which read their memory without an op (None: no device)."""
+        return _HostCalls(self) if self._device is not None else None
+
+    def _saw_on_host(self, t: torch.Tensor) -> None:
+        hit = self._by_ptr.get(t.untyped_storage().data_ptr())
+        if hit is not None and self._device is not None and not on_device(t, self._device):
+            self.read.add(hit)
+            self.host_read.add(hit)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -164,29 +170,26 @@ class _HostCalls(TorchFunctionMode):
         self.watch = watch
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        watch = self.watch
-        if func in _NO_OP_READS and args and isinstance(args[0], torch.Tensor) and not watch.paused:
-            hit = watch._by_ptr.get(args[0].untyped_storage().data_ptr())
-            if hit is not None and watch._device is not None and not _on(args[0], watch._device):
-                watch.read.add(hit)
-                watch.host_read.add(hit)
+        if func in _NO_OP_READS and args and isinstance(args[0], torch.Tensor) and not self.watch.paused:
+            self.watch._saw_on_host(args[0])
         return func(*args, **(kwargs or {}))
 
 
-def _on(t: torch.Tensor, device: torch.device) -> bool:
+def on_device(t: torch.Tensor, device: torch.device) -> bool:
+    """Is ``t`` on ``device`` (any index where ``device`` names none)?"""
     return t.device.type == device.type and (device.index is None or t.device.index == device.index)
 
 
 def _host_read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], t: torch.Tensor, device: torch.device) -> bool:
     """Is ``t``, an argument of ``func``, off ``device`` and read by the host at capture? A copy
     of it to the device (pinned memory) is read by each replay; its destination is no read."""
-    if _on(t, device) or getattr(func, "is_view", False):
+    if on_device(t, device) or getattr(func, "is_view", False):
         return False
     name = getattr(func, "name", None)  # (an OpOverload's "aten::zeros_like")
     if callable(name) and name() in _METADATA_ONLY:
         return False
     if func is _COPIES[0]:  # copy_(dst, src): a copy to the device reads src at replay
-        return args[1] is t and not _on(args[0], device)
+        return args[1] is t and not on_device(args[0], device)
     if func is _COPIES[1]:  # _to_copy(src, device=...): to the device, read at replay
         to = kwargs.get("device")
         return to is None or torch.device(to).type != device.type
