@@ -104,6 +104,43 @@ def test_a_forward_replaced_by_tr_graph_copies_and_pickles_as_the_eager_forward(
     assert model.forward.stats.replays == 2
 
 
+def _replica(model: nn.Module) -> nn.Module:
+    """What ``nn.DataParallel`` calls on another GPU: a replica sharing the model's ``__dict__``
+    (its graphed forward), each layer's weights its own copies (here: other values)."""
+    replica = model._replicate_for_data_parallel()
+    for name, layer in model.named_children():
+        copied = layer._replicate_for_data_parallel()
+        for key, p in layer._parameters.items():
+            setattr(copied, key, torch.randn_like(p))  # (replicate() sets them so, not as Parameters)
+        replica._modules[name] = copied
+    return replica
+
+
+@pytest.mark.parametrize("front", ["training", "graph", "sizes"])
+def test_an_eager_call_of_a_data_parallel_replica_runs_the_replicas_own_weights(graphs, front) -> None:
+    """nn.DataParallel (Hugging Face's Trainer on several GPUs) replicates the module at every
+    call, sharing its graphed forward: a call the graph does not serve ran the original's
+    weights (on the original's GPU: a device error, or the wrong weights). It runs the replica's."""
+    model = _mlp()
+    x = torch.randn(4, 6)
+    if front == "training":
+        tr.make_graphed_callables(model, (x,))
+    else:
+        model.eval()
+        model.forward = tr.graph(model.forward, x, sizes=[4, 8] if front == "sizes" else None)
+    graph = model.forward
+    model.train(front != "training")  # (train/eval changed since capture: the calls run eagerly)
+    replica = _replica(model)
+    assert tr._compat.replica_calling(graph) is None
+    with torch.no_grad():
+        got, want = replica(x), nn.Sequential(*replica.children())(x)
+        torch.testing.assert_close(got, want)
+        own = model(x)  # the original's call: its own weights
+        torch.testing.assert_close(own, nn.Sequential(*model.children())(x))
+        assert not torch.allclose(got, own)
+    assert graph.stats.fallbacks == 2
+
+
 @pytest.mark.parametrize("sizes", [None, [4, 8]], ids=["one_shape", "sizes"])
 def test_a_graph_deep_copies_as_its_eager_callable_and_refuses_pickle(graphs, sizes) -> None:
     model = _mlp().eval()

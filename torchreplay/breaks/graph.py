@@ -40,7 +40,7 @@ from torchreplay.core.eager_form import EagerForm
 from torchreplay.core.generators import bind, check_pairs, hand_back, not_fitting, pairs, stand_ins
 from torchreplay.core.snapshot import BUILD_FIRST, SAMPLE_COPIES, StateSnapshot, copies
 from torchreplay.core.effects import PyState
-from torchreplay.core.modes import GRAD, EagerCalls, tracked_leaf
+from torchreplay.core.modes import GRAD, REPLICA, EagerCalls, replica_elsewhere, tracked_leaf
 from torchreplay.core.padcheck import Checked, StateCheck, distributed, rng_state, same_rng
 from torchreplay.core.padding import flat_call
 from torchreplay.core.placed import CHANGES, GONE, Placed
@@ -189,6 +189,7 @@ class BreakableGraph(EagerForm):
             # after capture: hooks a warm-up removed (a lazy module's) are not counted as changed
             self._training = self._module.training if self._module is not None else False
             self._eager_calls = EagerCalls(self.name, self._training, self._module)  # core/modes.py
+            self._multi = self.device.index if torch.cuda.device_count() > 1 else None  # (replicas)
             self._ranks = agreement(
                 ranks, self.collectives or (), self._collective_log, name=self.name,
                 parts=[sizes, [b.brk.name for b in self.breaks]], sizes=sizes is not None,
@@ -322,6 +323,8 @@ class BreakableGraph(EagerForm):
         calls = self._eager_calls  # core/modes.py: what a replay cannot do as eager does
         grad = torch.is_grad_enabled()
         why = calls.reason(module, leaves if grad else None)
+        if why is None and self._multi is not None and replica_elsewhere(self, self._multi):
+            why = REPLICA  # nn.DataParallel's replica on another GPU: its own forward, eagerly
         mode_changed = why is not None
         placed = self._placed  # the model moved, or weights or submodules replaced
         moved = placed is not None and (

@@ -28,7 +28,7 @@ from torchreplay.core.eager_form import EagerForm
 from torchreplay.core.generators import Draws, check_pairs, fits, not_fitting, pairs
 from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import resolve_config, resolve_pool
-from torchreplay.core.modes import AUTOCAST, DISPATCH_MODE, HOOKS, REQUIRES_GRAD, TRAIN_MODE
+from torchreplay.core.modes import AUTOCAST, DISPATCH_MODE, HOOKS, REPLICA, REQUIRES_GRAD, TRAIN_MODE, replica_elsewhere
 from torchreplay.core.modes import EagerCalls, GradFlags, Hooks, refuse_inference_capture, warn_hooks_with_effects
 from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import Pool
@@ -73,6 +73,7 @@ class BreakTraining(EagerForm):
         # a module break's own state is its business (it runs eagerly).
         breaks = break_modules(model, [c.brk for c in program.steps if isinstance(c, Call)])
         self._placed = Placed.of(model, device, objects=True, skip=breaks) if device is not None else None
+        self._multi = device.index if device is not None and torch.cuda.device_count() > 1 else None
         # hooks of the modules between breaks and of the breaks themselves (none runs at a call;
         # the model's own run around this forward, those inside a break run with it)
         self._hooks = Hooks(model, own=False, backward=True, skip=inside(breaks))
@@ -122,6 +123,8 @@ class BreakTraining(EagerForm):
             return self._fallback(args, kwargs, AUTOCAST)
         if self._grad_flags.changed():
             return self._fallback(args, kwargs, REQUIRES_GRAD, self._grad_flags.describe())
+        if self._multi is not None and replica_elsewhere(self, self._multi):  # nn.DataParallel's
+            return self._fallback(args, kwargs, REPLICA)
         placed = self._placed
         if placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
@@ -206,7 +209,7 @@ class BreakTraining(EagerForm):
 
     def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any], why: str, what: str = "") -> Any:
         self._eager_by_reason[why] = self._eager_by_reason.get(why, 0) + 1
-        return self._eager.run(self._original, args, kwargs, why, self.stats, what)
+        return self._eager.run(self._eager_fn(), args, kwargs, why, self.stats, what)
 
     def explain(self) -> str:
         """Each step in order: a segment with its ops and counters, or a break."""

@@ -14,6 +14,9 @@ silently evaluates the live model.) Ours:
   installed; one warning per graph;
 - a shallow copy (``copy.copy``) is the graph itself, as a shallow copy of the module shares it;
 - anything else that has no eager form to save raises :class:`UnsupportedError` naming the fix;
+- under ``nn.DataParallel`` (which makes a replica of the module, sharing its ``__dict__`` and so
+  its graphed forward, on each GPU at every call), a call the graph cannot serve runs the eager
+  forward of the replica that made it, with that replica's weights, not the original's;
 - its signature is the eager callable's (a module's: its forward's): code that reads which
   arguments a forward takes (Hugging Face's ``Trainer`` drops the dataset columns the forward
   does not name, ``generate`` passes ``cache_position`` only if it does) sees the model's, not
@@ -30,6 +33,7 @@ from typing import Any
 
 import torch
 
+from torchreplay import _compat
 from torchreplay.errors import UnsupportedError
 
 __all__ = ["EagerForm", "own_forward"]
@@ -72,6 +76,11 @@ class EagerForm:
         module would call the graph again, without end, so its class's forward runs (the module's
         hooks ran around the call that got here)."""
         fn = getattr(self, self._eager_attr)
+        replica = _compat.replica_calling(self)  # an nn.DataParallel replica: its own forward
+        if replica is not None and isinstance(fn, types.MethodType) and isinstance(fn.__self__, torch.nn.Module):
+            return types.MethodType(fn.__func__, replica)
+        if replica is not None and isinstance(fn, torch.nn.Module):
+            fn = replica
         if isinstance(fn, torch.nn.Module) and fn.__dict__.get("forward") is self:
             return types.MethodType(type(fn).forward, fn)
         return fn

@@ -17,7 +17,7 @@ from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.effects import PyState
 from torchreplay.core.io import Inputs, TransformedInput
 from torchreplay.core.modes import (
-    AUTOCAST, CAPTURE, DISPATCH_MODE, GRAD, HOOKS, TRAIN_MODE, TRANSFORM, EagerCalls, tracked_leaf,
+    AUTOCAST, CAPTURE, DISPATCH_MODE, GRAD, HOOKS, REPLICA, TRAIN_MODE, TRANSFORM, EagerCalls, tracked_leaf,
 )
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import CHANGES, GONE, Placed
@@ -193,6 +193,9 @@ class Graphed(EagerForm):
         if why is not None:
             return self._fallback(args, kwargs, why)
         callers = self._callers
+        elsewhere = self._check_device and torch.cuda.current_device() != self._device_index
+        if elsewhere and _compat.replica_calling(self) is not None:  # nn.DataParallel's, on another
+            return self._fallback(args, kwargs, REPLICA)  # GPU: it never touches the graph's memory
         with callers.lock:
             if get_ident() != callers.thread:
                 callers.another(get_ident(), self._make_clones)
@@ -202,7 +205,7 @@ class Graphed(EagerForm):
             stream = _current_stream(pool.index)
             if stream != pool.stream and pool.on_stream(stream):  # inside another capture
                 return self._fallback(args, kwargs, CAPTURE)
-            if self._check_device and torch.cuda.current_device() != self._device_index:
+            if elsewhere:
                 with torch.cuda.device(self._device_index):
                     return self._run(args, kwargs)
             return self._run(args, kwargs)

@@ -62,9 +62,9 @@ from torchreplay.errors import CaptureError
 
 __all__ = [
     "TRAIN_MODE", "AUTOCAST", "DISPATCH_MODE", "GRAD", "CAPTURE", "NO_GRAD", "HOOKS", "REQUIRES_GRAD", "TRANSFORM",
-    "NO_GRADIENT",
+    "NO_GRADIENT", "REPLICA",
     "EagerCalls", "GradFlags", "Hooks", "autocast_changed", "autocast_name", "refuse_inference_capture",
-    "note_dispatch_mode", "note_transform", "tracked_leaf", "warn_autocast", "warn_hooks_changed", "warn_hooks_with_effects",
+    "note_dispatch_mode", "note_transform", "replica_elsewhere", "tracked_leaf", "warn_autocast", "warn_hooks_changed", "warn_hooks_with_effects",
     "warn_no_sample_grad", "warn_requires_grad",
 ]
 
@@ -80,6 +80,7 @@ HOOKS = "forward hooks"
 REQUIRES_GRAD = "requires_grad"
 TRANSFORM = "a torch.func transform"
 NO_GRADIENT = "a parameter without a gradient"
+REPLICA = "an nn.DataParallel replica"
 
 _Tensor = torch.Tensor
 _any_autocast = _compat.any_autocast
@@ -206,6 +207,27 @@ def note_transform(name: str) -> None:
     log.info(
         "torchreplay: '%s' is called inside a torch.func transform (vmap, grad, jvp) or with "
         "forward-AD duals: it runs its callable eagerly there, as the transform expects", name,
+    )
+
+
+def replica_elsewhere(forward: Any, index: int | None) -> bool:
+    """Is ``forward`` (a graph that is a module's forward) called by an ``nn.DataParallel``
+    replica of that module on another GPU than the graph's (device ``index``; None: this process
+    sees one GPU, so no)? Its weights there are copies made for this call: only its own forward,
+    run eagerly, computes what eager DataParallel does (``_compat.replica_calling``)."""
+    return index is not None and torch.cuda.current_device() != index and _compat.replica_calling(forward) is not None
+
+
+def warn_replica(name: str) -> None:
+    """Log (once per graph: the caller keeps the flag) that replicas on other GPUs run eagerly."""
+    log.warning(
+        "torchreplay: '%s' is run by nn.DataParallel (Hugging Face's Trainer uses it on a "
+        "machine with several GPUs when not launched by torchrun): its replicas on other GPUs "
+        "than the graph's hold copies of the weights made anew at every call, which no graph "
+        "can read, so their calls run their own forward eagerly (counted in stats.fallbacks); "
+        "the call on the graph's GPU replays. To replay on every GPU, use "
+        "DistributedDataParallel (torchrun: each process graphs its own model), or run on one "
+        "GPU (CUDA_VISIBLE_DEVICES=0).", name,
     )
 
 
@@ -409,6 +431,8 @@ class EagerCalls:
             )
         elif why == HOOKS:
             warn_hooks_changed(self.name, self.hooks)
+        elif why == REPLICA:
+            warn_replica(self.name)
         elif why == REQUIRES_GRAD:
             warn_requires_grad(self.name, what)
         elif why == AUTOCAST:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from torchreplay import _compat
+from torchreplay.core.modes import REPLICA
 
 __all__ = ["Callers", "follow_stream", "get_ident", "outputs_to_clones", "one_at_a_time"]
 
@@ -97,12 +98,15 @@ def one_at_a_time(
     instead inside another graph's capture (:func:`follow_stream`). For the training graphs;
     ``tr.graph``'s replay path has the same lines inline, a Python frame less."""
     callers = graph._callers
+    elsewhere = graph._check_device and torch.cuda.current_device() != graph._device_index
+    if elsewhere and _compat.replica_calling(graph) is not None:  # nn.DataParallel's, on another
+        return graph._fallback(args, kwargs, REPLICA)  # GPU: it never touches the graph's memory
     with callers.lock:
         if get_ident() != callers.thread:
             callers.another(get_ident(), lambda: outputs_to_clones(graph, [graph._outputs]))
         if follow_stream(graph.pool) and eager is not None:
             return eager(args, kwargs)
-        if graph._check_device and torch.cuda.current_device() != graph._device_index:
+        if elsewhere:
             with torch.cuda.device(graph._device_index):
                 return run(args, kwargs)
         return run(args, kwargs)

@@ -34,7 +34,7 @@ from torchreplay.core.effects import PyState
 from torchreplay.core.io import (
     Inputs, TransformedInput, point_or_off, same_constant, warn_widening, widens, write_back,
 )
-from torchreplay.core.modes import CAPTURE, GRAD, TRANSFORM, EagerCalls, tracked_leaf
+from torchreplay.core.modes import CAPTURE, GRAD, REPLICA, TRANSFORM, EagerCalls, tracked_leaf
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.padding import flat_call, pad_sample, run_padded
 from torchreplay.core.placed import CHANGES, GONE, Placed
@@ -328,12 +328,15 @@ class BucketedGraph(EagerForm):
             if self._ranks is not None:  # every rank falls back, or all raise
                 self._ranks(0, EAGER)
             return self._mode_fallback(args, kwargs, why)
+        elsewhere = self._check_device and torch.cuda.current_device() != self._device_index
+        if elsewhere and _compat.replica_calling(self) is not None:  # nn.DataParallel's, on another
+            return self._mode_fallback(args, kwargs, REPLICA)  # GPU: never touches the graphs
         with (callers := self._callers).lock:  # one call at a time (core/threads.py)
             if get_ident() != callers.thread:
                 callers.another(get_ident(), self._make_clones)
             if follow_stream(self.pool):  # ordered after a call on another stream
                 return self._mode_fallback(args, kwargs, CAPTURE)  # inside another capture
-            if self._check_device and torch.cuda.current_device() != self._device_index:
+            if elsewhere:
                 with torch.cuda.device(self._device_index):
                     return self._run(args, kwargs)
             return self._run(args, kwargs)
@@ -461,9 +464,7 @@ class BucketedGraph(EagerForm):
     ) -> Any:
         """A size without a route yet: check the call, then capture, build the route, or fall back."""
         self._check_call(leaves, n)
-        decision = decide(
-            self.options, n, self._graphs, name=self.name, where=self._plan.where()
-        )
+        decision = decide(self.options, n, self._graphs, name=self.name, where=self._plan.where())
         if decision.action == "error":
             raise ReplayInputError(decision.message)
         if decision.action == "eager":
@@ -584,12 +585,10 @@ class BucketedGraph(EagerForm):
         what = self._inputs.tracked_path(args, kwargs) if why == GRAD else ""
         return self._eager_calls.run(self._eager_fn(), args, kwargs, why, self.stats, what)
 
-    def _check_call(self, leaves: list[Any], n: int) -> None:
-        """Raise the input error of a call whose arguments do not fit any size."""
+    def _check_call(self, leaves: list[Any], n: int) -> None:  # (raises: fits no size)
         check_call(self._plan, self._inputs, self._max, leaves, n)
 
-    def _input_error(self, leaves: list[Any], n: int | None) -> ReplayInputError:
-        """Build the error that names the first argument that does not fit a call of size ``n``."""
+    def _input_error(self, leaves: list[Any], n: int | None) -> ReplayInputError:  # (the first misfit's)
         return input_error(self._plan, self._inputs, self._max, leaves, n)
 
     def __repr__(self) -> str:

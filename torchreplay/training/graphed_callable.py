@@ -492,12 +492,12 @@ class GraphedCallable(EagerForm):
                 "until that backward runs. Call backward once per forward to replay every call; "
                 "keep outputs without a backward under torch.no_grad() or .detach()ed", self.name,
             )
-        return self._run_fn(*args, **kwargs)
+        return self._eager_fn()(*args, **kwargs)  # (an nn.DataParallel replica: its own forward)
 
     def _inside_capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Inside another graph's capture (a whole step graphed): run as is, recorded there."""
         self.stats.fallbacks += 1
-        return self._run_fn(*args, **kwargs)
+        return self._eager_fn()(*args, **kwargs)
 
     def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any], why: str) -> Any:
         self.stats.fallbacks += 1
@@ -509,9 +509,11 @@ class GraphedCallable(EagerForm):
                 modes.warn_requires_grad(self.name, self._grad_flags.describe())
             elif why in (modes.DISPATCH_MODE, modes.TRANSFORM):  # what the caller asked for
                 (modes.note_transform if why == modes.TRANSFORM else modes.note_dispatch_mode)(self.name)
+            elif why == modes.REPLICA:
+                modes.warn_replica(self.name)
             else:
                 warn_mode_changed(self.name, self._training)
-        return self._run_fn(*args, **kwargs)
+        return self._eager_fn()(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"GraphedCallable({self.name}, device={self.device}, {self.stats.explain()})"
