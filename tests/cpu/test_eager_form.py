@@ -141,6 +141,17 @@ def test_an_eager_call_of_a_data_parallel_replica_runs_the_replicas_own_weights(
     assert graph.stats.fallbacks == 2
 
 
+def test_a_data_parallel_replica_of_a_forward_that_is_no_method_is_refused_naming_the_fix(graphs) -> None:
+    """A forward that is a plain function (accelerate's hooks make one) cannot be bound to the
+    replica: its call would run the original's weights on the replica's inputs."""
+    model = _mlp().eval()
+    layers = list(model.children())
+    model.forward = tr.graph(lambda x: layers[2](layers[1](layers[0](x))), torch.randn(4, 6))
+    model.train()  # (the graph was captured in eval mode: calls run eagerly)
+    with pytest.raises(UnsupportedError, match=r"nn.DataParallel replica.*not a method.*DistributedDataParallel"):
+        _replica(model)(torch.randn(4, 6))
+
+
 @pytest.mark.parametrize("sizes", [None, [4, 8]], ids=["one_shape", "sizes"])
 def test_a_graph_deep_copies_as_its_eager_callable_and_refuses_pickle(graphs, sizes) -> None:
     model = _mlp().eval()

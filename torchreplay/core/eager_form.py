@@ -81,6 +81,14 @@ class EagerForm:
             return types.MethodType(fn.__func__, replica)
         if replica is not None and isinstance(fn, torch.nn.Module):
             fn = replica
+        elif replica is not None:  # (the original's forward would run on the replica's inputs)
+            raise UnsupportedError(
+                f"'{getattr(self, 'name', type(self).__name__)}' is called by an nn.DataParallel "
+                f"replica on another GPU, but what it runs eagerly ({fn!r}) is not a method of "
+                "the module, so the replica's own forward is unknown. Use "
+                "DistributedDataParallel (torchrun: each process graphs its own model), or one "
+                "GPU (CUDA_VISIBLE_DEVICES=0)"
+            )
         if isinstance(fn, torch.nn.Module) and fn.__dict__.get("forward") is self:
             return types.MethodType(type(fn).forward, fn)
         return fn
