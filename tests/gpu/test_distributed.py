@@ -554,6 +554,35 @@ def test_graphs_on_two_devices_of_one_process() -> None:
                 torch.testing.assert_close(graphs[i](x), refs[i](x))
 
 
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("front", ["graph", "training", "breaks"])
+def test_a_graph_on_the_second_gpu_called_with_the_first_current_replays(front: str) -> None:
+    """A graph on cuda:1 called while cuda:0 is current (no nn.DataParallel replica calls it)
+    replays under its own device, equal to eager, forward and gradients, over fresh inputs."""
+    dev = torch.device("cuda", 1)
+    model, ref = _mlp(dev), _mlp(dev)
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(8, D, device=dev)
+    if front == "training":
+        g = tr.make_graphed_callables(model, (x,))
+    else:
+        g = tr.graph(model, x, breaks=[model[1]] if front == "breaks" else None)
+    torch.cuda.set_device(0)
+    for _ in range(6):
+        x = torch.randn(8, D, device=dev)
+        with torch.set_grad_enabled(front == "training"):
+            got, want = g(x), ref(x)
+        torch.testing.assert_close(got, want)
+        if front == "training":
+            got.square().mean().backward()
+            want.square().mean().backward()
+            for a, b in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(a.grad, b.grad)
+                a.grad = b.grad = None
+        assert torch.cuda.current_device() == 0
+    assert g.forward.stats.replays == 6 if front == "training" else g.stats.replays == 6
+
+
 def _host_scale(y: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """A break: reads host values (cannot be captured), returns a new tensor."""
     return y * (1.0 + float(lengths.sum()) / 100.0)
