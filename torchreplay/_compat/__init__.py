@@ -587,5 +587,5 @@ __all__ += ["safe_aot_cache", "any_autocast", "cuda_autocast", "dispatch_modes",
             "triton_launches", "watch_saved"]
 from torchreplay._compat.rng import register_generator  # noqa: E402  (a graph drawing from a generator of the user's)
 __all__ += ["register_generator"]
-from torchreplay._compat.replicas import replica_calling  # noqa: E402  (an nn.DataParallel replica's call: read from its frame)
+from torchreplay._compat.replicas import replica_calling  # noqa: E402  (an nn.DataParallel replica, from its frame)
 __all__ += ["replica_calling"]

@@ -64,8 +64,8 @@ __all__ = [
     "TRAIN_MODE", "AUTOCAST", "DISPATCH_MODE", "GRAD", "CAPTURE", "NO_GRAD", "HOOKS", "REQUIRES_GRAD", "TRANSFORM",
     "NO_GRADIENT", "REPLICA",
     "EagerCalls", "GradFlags", "Hooks", "autocast_changed", "autocast_name", "refuse_inference_capture",
-    "note_dispatch_mode", "note_transform", "replica_elsewhere", "tracked_leaf", "warn_autocast", "warn_hooks_changed", "warn_hooks_with_effects",
-    "warn_no_sample_grad", "warn_requires_grad",
+    "note_dispatch_mode", "note_transform", "replica_elsewhere", "tracked_leaf", "warn_autocast", "warn_hooks_changed",
+    "warn_hooks_with_effects", "warn_no_sample_grad", "warn_replica", "warn_requires_grad",
 ]
 
 log = logging.getLogger(__name__)
