@@ -141,6 +141,23 @@ def test_an_eager_call_of_a_data_parallel_replica_runs_the_replicas_own_weights(
     assert graph.stats.fallbacks == 2
 
 
+def test_a_data_parallel_replica_is_found_through_the_frame_torch_runs_hooks_in(graphs) -> None:
+    """With hooks, ``Module._call_impl`` calls the forward from a function it defines (``inner``),
+    a frame further down: the replica is found there too (here asked from a hook, which runs in
+    that function), and the original's call finds none."""
+    model = _mlp().eval()
+    x = torch.randn(4, 6)
+    model.forward = tr.graph(model.forward, x)
+    seen = []
+    model.register_forward_pre_hook(lambda m, a: seen.append(tr._compat.replica_calling(model.forward)))
+    replica = _replica(model)
+    with torch.no_grad():
+        torch.testing.assert_close(replica(x), nn.Sequential(*replica.children())(x))
+        model(x)
+    assert seen[0] is replica and seen[1] is None
+    assert model.forward.stats.fallbacks == 2  # (hooks changed since capture)
+
+
 def test_a_data_parallel_replica_of_a_forward_that_is_no_method_is_refused_naming_the_fix(graphs) -> None:
     """A forward that is a plain function (accelerate's hooks make one) cannot be bound to the
     replica: its call would run the original's weights on the replica's inputs."""

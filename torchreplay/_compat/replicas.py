@@ -6,8 +6,7 @@ launched by ``torchrun``) makes a replica of every module at each call
 marked ``_is_replica``, its weights copies on the replica's GPU). A forward the module holds as an
 attribute (a graph: ``tr.make_graphed_callables`` puts one there, as torch's tool does) is therefore
 the replica's forward too, and a call of it does not say which module called. torch passes the
-module only as the ``self`` of ``Module._call_impl`` (or of the ``inner`` function it defines to
-run hooks), so that frame is read: a private detail. A torch whose ``_call_impl`` has another
+module only as the ``self`` of ``Module._call_impl``, so that frame is read: a private detail. A torch whose ``_call_impl`` has another
 shape finds no replica, and the call goes on as the original module's.
 """
 
@@ -21,9 +20,9 @@ import torch
 
 __all__ = ["replica_calling"]
 
-_impl = torch.nn.Module._call_impl
-#: the code of ``_call_impl`` and of the functions defined in it (``inner``, run with hooks)
-_CALLS = frozenset([_impl.__code__, *(c for c in _impl.__code__.co_consts if isinstance(c, types.CodeType))])
+#: the code of ``_call_impl`` (with hooks it runs the forward from ``inner``, which it defines and
+#: calls: its own frame is then one further up)
+_CALL = torch.nn.Module._call_impl.__code__
 _DEPTH = 12  # frames looked at: a graph's eager path is a few calls below the module's call
 
 
@@ -34,7 +33,7 @@ def replica_calling(forward: Any) -> torch.nn.Module | None:
     for _ in range(_DEPTH):
         if frame is None:
             return None
-        if frame.f_code in _CALLS:
+        if frame.f_code is _CALL:
             module = frame.f_locals.get("self")
             if (isinstance(module, torch.nn.Module) and getattr(module, "_is_replica", False)
                     and module.__dict__.get("forward") is forward):
