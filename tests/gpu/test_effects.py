@@ -775,3 +775,102 @@ def test_a_build_puts_a_large_cache_buffer_back_without_copying_it(front) -> Non
             torch.testing.assert_close(g(x, pos), ref(x, pos), rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(m.keys, ref.keys, rtol=1e-4, atol=1e-4)
     assert g.stats.fallbacks == 0
+
+
+class Lora(nn.Module):
+    """PEFT's LoRA layer in small: a flag read through a property (``disable_adapters``), a
+    dict of scales, a list of active adapters, all plain Python values the graph freezes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(16, 16)
+        self.a = nn.Linear(16, 4, bias=False)
+        self.b = nn.Linear(4, 16, bias=False)
+        self._disable_adapters = False
+        self.scaling = {"default": 0.5}
+        self.active = ["default"]
+
+    @property
+    def disable_adapters(self) -> bool:
+        return self._disable_adapters
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.disable_adapters:
+            return y
+        for name in self.active:
+            y = y + self.b(self.a(x)) * self.scaling[name]
+        return y
+
+
+class Attend(nn.Module):
+    """A break that reads a plain value itself (at every call: no freeze) for ``breaks=``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x / self.temperature, dim=-1)
+
+
+class Adapted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lora = Lora()
+        self.attend = Attend()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attend(self.lora(x)) * 2
+
+
+@pytest.mark.parametrize("front", ["graph", "sizes", "breaks", "make_graphed_callables", "graph_step"])
+def test_a_plain_value_the_model_read_changed_since_capture_raises_until_set_back(front) -> None:
+    """Replays equal eager with fresh inputs; then each plain value the model's code read (a
+    flag through a property, a dict's scale, a list of names) changed in turn raises at the next
+    call, naming it, until set back, after which calls equal eager again. A value only a break
+    reads (the temperature) is read at every call: it changes results, as eagerly."""
+    torch.manual_seed(0)
+    m = Adapted().to(DEV)
+    ref = copy.deepcopy(m)
+    x = torch.randn(4, 16, device=DEV)
+    if front == "breaks":
+        g = tr.graph(m, x, breaks=[Attend])
+    else:
+        g = graph_by(front, m, x)
+    train = front in ("make_graphed_callables", "graph_step")
+    ref_step = train_step_of(ref)
+
+    def check() -> None:
+        for _ in range(3):
+            xi = torch.randn(4, 16, device=DEV)
+            if front == "graph_step":
+                torch.testing.assert_close(g(xi), ref_step(xi))
+                for p, q in zip(m.parameters(), ref.parameters()):
+                    torch.testing.assert_close(p, q)
+                continue
+            with contextlib.nullcontext() if train else torch.no_grad():
+                torch.testing.assert_close(g(xi), ref(xi))
+
+    check()
+    changes = [("lora", "_disable_adapters", True), ("scaling", "default", 2.0), ("active", None, "other")]
+    for obj, key, value in changes:
+        for target in (m, ref):
+            if obj == "scaling":
+                target.lora.scaling[key] = value
+            elif obj == "active":
+                target.lora.active.append(value)
+                target.lora.scaling[value] = 1.0
+            else:
+                setattr(target.lora, key, value)
+        with pytest.raises(ReplayInputError, match="was captured when it was"):
+            g(torch.randn(4, 16, device=DEV))
+        for target in (m, ref):  # set back
+            target.lora._disable_adapters = False
+            target.lora.scaling.pop("other", None)
+            target.lora.scaling["default"] = 0.5
+            del target.lora.active[1:]
+        check()
+    if front == "breaks":
+        m.attend.temperature = ref.attend.temperature = 3.0  # read inside the break: each call
+        check()

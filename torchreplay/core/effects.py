@@ -78,6 +78,7 @@ import torch
 
 from torchreplay._compat import copy_back, version_of
 from torchreplay.core.args import roots_of
+from torchreplay.core.frozen import FrozenValues, FrozenWatch
 from torchreplay.core.pystate import (
     Change, Node, diff, is_small, large_tensors, live_value, path_of, plain_tensors, put_back,
     roots_of_call, same_value, small_tensors, state_tensors, value_at, walk_state,
@@ -120,6 +121,7 @@ class PyState:
         self._changing: set[tuple[str, Any]] = set()  # every place the last warm-up changed
         self._growing: set[tuple[str, Any]] = set()  # ... to a tensor of another shape
         self._watch: ReadWatch | None = None
+        self._frozen: FrozenWatch | None = None  # the first capture's reads of plain values
         # Eager parts (a breakable graph's breaks) in the captured call: the places of
         # _changing, their values at its start and before and after each part, by part.
         self._places: list[tuple[tuple[str, Any], Node]] = []
@@ -245,6 +247,7 @@ class PyState:
             self._state = list(state_tensors(before))
             watched += [t for _, _, t in self._state]
         self._watch = ReadWatch(watched, device) if watched else None
+        self._frozen = FrozenWatch() if first else None
         # (.tolist() and .numpy() of a tensor off the device read it without an op)
         host = self._watch.host_calls() if first and self._watch and self._host else None
         self._places = [(w, before[w[0]]) for w in sorted(self._changing, key=repr) if w[0] in before]
@@ -255,6 +258,7 @@ class PyState:
             self.build_call(),
             self._watch if self._watch is not None else contextlib.nullcontext(),
             host if host is not None else contextlib.nullcontext(),
+            self._frozen if self._frozen is not None else contextlib.nullcontext(),
         ):
             yield
 
@@ -269,14 +273,18 @@ class PyState:
             return
         at_entry = self._live()
         host = [version_of(t) or 0 for _, t, _, _ in self._host]
-        watch = self._watch
+        watch, frozen = self._watch, self._frozen
         if watch is not None:
             watch.paused += 1
+        if frozen is not None:
+            frozen.paused += 1
         try:
             yield
         finally:
             if watch is not None:
                 watch.paused -= 1
+            if frozen is not None:
+                frozen.paused -= 1
             for (_, t, _, _), v in zip(self._host, host):  # (a break's writes are real)
                 self._host_in_parts[id(t)] = self._host_in_parts.get(id(t), 0) + (version_of(t) or 0) - v
             at_exit = self._live()
@@ -324,11 +332,13 @@ class PyState:
         written, small = self._host_written(parts)
         if written:
             return _host_error(self.name, written, parts, scratch=small and not parts)
-        if self._state and self._reads is None:  # what each replay reads where it was
+        found, self._frozen = self._frozen, None
+        if found is not None and self._reads is None:  # what each replay reads where it was
             changed = {c.where for c in changes}
-            places = [(n, k, t) for n, k, t in self._state if id(t) in read and (n.path, k) not in changed]
+            places = [(n, k, t) for n, k, t in self._state or () if id(t) in read and (n.path, k) not in changed]
             frozen = {i: v for i, v in kept.items() if i in host_read}
-            self._reads = StateReads(places, frozen) if places else None
+            values = FrozenValues(found.found, {id(n.obj): (n.obj, n.path) for n in before.values() if n.kind == "attrs"})
+            self._reads = StateReads(places, frozen, values) if places or values else None
             self._state = []
         if unread and not self._warned:
             self._warned = True

@@ -13,6 +13,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from torchreplay._compat import LightDispatchMode
+from torchreplay.core.frozen import FrozenValues
 from torchreplay.core.pystate import MISSING, Node, live_value, path_of, show
 from torchreplay.errors import ReplayInputError
 
@@ -31,9 +32,15 @@ class StateReads:
     read on the host (:class:`ReadWatch`); such a tensor written in place since is an error
     too, as the graph keeps what the capture read."""
 
-    __slots__ = ("_dicts", "_others", "_frozen", "_armed")
+    __slots__ = ("_dicts", "_others", "_frozen", "_armed", "values")
 
-    def __init__(self, places: list[tuple[Node, Any, torch.Tensor]], frozen: dict[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        places: list[tuple[Node, Any, torch.Tensor]],
+        frozen: dict[int, int] | None = None,
+        values: FrozenValues | None = None,
+    ) -> None:
+        self.values = values or None  # the plain values its code read (core/frozen.py)
         self._dicts: list[tuple[dict[Any, Any], Any, torch.Tensor, str]] = []
         self._others: list[tuple[Node, Any, torch.Tensor, str]] = []
         self._frozen: list[tuple[torch.Tensor, int, str]] = []
@@ -57,6 +64,8 @@ class StateReads:
         if not self._armed:
             self._armed = True
             self._frozen = [(t, t._version, path) for t, _, path in self._frozen]
+            if self.values is not None:
+                self.values.arm()
 
     def replaced(self, name: str) -> ReplayInputError | None:
         """The error for the first place that holds another tensor now, or for a tensor read on
@@ -71,7 +80,7 @@ class StateReads:
         for t, version, path in self._frozen:
             if t._version != version:
                 return _host_read_error(name, path, t)
-        return None
+        return self.values.changed(name) if self.values is not None else None
 
     def _host_read(self, t: torch.Tensor) -> bool:
         return any(f is t for f, _, _ in self._frozen)

@@ -1,0 +1,238 @@
+"""The plain Python values a graph froze (core/frozen.py), on the CPU: what the first capture
+finds its code read (a module's attribute, a config object's, a property's, a global, a small
+dict or list), and that a call after one of them changed raises ``ReplayInputError`` until it
+is set back. The capture protocol is emulated as in test_effects.py; the fronts run on the
+emulated CPU graphs of test_buckets.py. The GPU test is in tests/gpu/test_effects.py."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchreplay as tr
+from test_effects import built_on
+from torchreplay.core import frozen
+from torchreplay.core.effects import PyState
+from torchreplay.core.frozen import FrozenWatch, chains_of
+from torchreplay.errors import ReplayInputError
+
+CPU = torch.device("cpu")
+DEBUG = False  # a global the model below reads bare
+
+
+class Config:
+    def __init__(self) -> None:
+        self.use_bias = True
+        self.mode = "mul"
+
+
+class Adapter(nn.Module):
+    """PEFT's LoRA layer in small: a property over a flag, a dict of scales, a list of names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.delta = nn.Linear(4, 4, bias=False)
+        self._disable_adapters = False
+        self.scaling = {"default": 0.5}
+        self.active = ["default"]
+
+    @property
+    def disable_adapters(self) -> bool:
+        return self._disable_adapters
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if self.disable_adapters:
+            return y
+        for name in self.active:
+            y = y + self.delta(x) * self.scaling[name]
+        return y
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = Config()
+        self.scale = 2.0
+        self.adapter = Adapter()
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.drop(self.adapter(x)) * self.scale
+        if self.config.mode == "add":
+            y = y + 1
+        if DEBUG:
+            y = y * 0
+        if self.training:
+            y = y - 1
+        return y
+
+
+def _built(m: nn.Module, x: torch.Tensor):
+    err, ps = built_on(CPU, m, x, reads=True)
+    assert err is None, err
+    reads = ps.reads()
+    assert reads is not None and reads.values is not None
+    return reads
+
+
+def test_chains_name_what_the_code_loads_from_its_locals_and_globals() -> None:
+    chains = chains_of(Model.forward.__code__)
+    assert ("local", "self", ("scale",)) in chains
+    assert ("local", "self", ("config", "mode")) in chains
+    assert ("global", "DEBUG", ()) in chains
+    assert chains_of(nn.Linear.forward.__code__) == ()  # torch's own code is not watched
+    assert chains_of(tr.graph.__code__) == ()  # nor ours
+
+
+def test_the_first_capture_finds_the_values_the_models_code_read() -> None:
+    m = Model().eval()
+    reads = _built(m, torch.randn(2, 4))
+    paths = set(reads.values.paths())
+    assert {"Model.scale", "Model.adapter._disable_adapters", "Model.adapter.scaling",
+            "Model.adapter.active"} <= paths, paths
+    assert any(p.endswith("config.mode") for p in paths), paths
+    assert "global 'DEBUG' of test_frozen" in paths, paths
+    assert not any(p.endswith(("training", ".p")) for p in paths), paths  # mode: compared apart; Dropout: torch's
+
+
+@pytest.mark.parametrize("change", ["scale", "flag", "property", "dict", "list", "global"])
+def test_a_value_changed_after_capture_raises_until_it_is_set_back(change: str) -> None:
+    global DEBUG
+    m = Model().eval()
+    reads = _built(m, torch.randn(2, 4))
+    assert reads.replaced("m") is None
+    where = {
+        "scale": (m, "scale", 3.0), "flag": (m.config, "mode", "add"),
+        "property": (m.adapter, "_disable_adapters", True), "global": (None, "DEBUG", True),
+    }
+    if change == "dict":
+        m.adapter.scaling["default"] = 1.0
+    elif change == "list":
+        m.adapter.active.append("other")
+    elif change == "global":
+        DEBUG = True
+    else:
+        obj, attr, value = where[change]
+        setattr(obj, attr, value)
+    try:
+        err = reads.replaced("m")
+        assert isinstance(err, ReplayInputError), change
+        assert "was captured when it was" in str(err) and "graph again" in str(err), err
+        assert reads.replaced("m") is not None  # (each call, while it differs)
+    finally:
+        DEBUG = False
+        m.adapter.scaling["default"] = 0.5
+        del m.adapter.active[1:]
+        m.scale, m.config.mode, m.adapter._disable_adapters = 2.0, "mul", False
+    assert reads.replaced("m") is None  # set back: replays again
+
+
+def test_a_value_written_again_unchanged_replays_and_the_tags_are_taken_again() -> None:
+    m = Model().eval()
+    reads = _built(m, torch.randn(2, 4))
+    values = reads.values
+    top = values._top
+    m.scale = 2.0  # (a write: the tag moves; the value is the capture's)
+    m.unrelated = object()
+    assert reads.replaced("m") is None
+    assert values._top != top and values._top == values._version()
+    assert reads.replaced("m") is None
+
+
+def test_train_and_eval_are_left_to_the_mode_check() -> None:
+    m = Model().eval()
+    reads = _built(m, torch.randn(2, 4))
+    m.train()  # (graphs run such calls eagerly, with a warning: core/modes.py)
+    assert reads.replaced("m") is None
+
+
+def test_values_read_inside_an_eager_part_are_not_the_graphs() -> None:
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Model()
+            self.scale = 2.0
+
+        def forward(self, x):
+            return self.inner(x) * self.scale
+
+    m = Outer().eval()
+    ps = PyState("m", m, (torch.randn(2, 4),), {}, reads=True)
+    ps.start()
+    ps.before_capture()
+    inner_forward = m.inner.forward
+
+    def in_part(x):
+        with ps.eager_part("inner"):
+            return inner_forward(x)
+
+    m.inner.forward = in_part
+    with ps.captured(CPU):
+        m(torch.randn(2, 4))
+    assert ps.verdict() is None
+    del m.inner.forward
+    paths = ps.reads().values.paths()
+    assert paths == ["Outer.scale"], paths
+
+
+def test_a_profiler_running_leaves_the_values_unwatched_and_the_capture_works() -> None:
+    import sys
+
+    calls = []
+    sys.setprofile(lambda *a: calls.append(1))
+    try:
+        with FrozenWatch() as watch:
+            Model()(torch.randn(2, 4))
+        assert sys.getprofile() is not None and not watch.found
+    finally:
+        sys.setprofile(None)
+
+
+def test_a_frame_whose_locals_cannot_be_followed_is_skipped() -> None:
+    class Odd:
+        __slots__ = ("flag",)
+
+        def __init__(self) -> None:
+            self.flag = True
+
+    def f(o):
+        return 1 if o.flag else 0
+
+    watch = FrozenWatch()
+    with watch:
+        f(Odd())
+        f(types.SimpleNamespace(flag=True))
+    assert [k for (_, k) in watch.found] == ["flag"]  # the namespace's, not the slot's
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    import test_buckets
+
+    test_buckets.install_cpu_graphs(monkeypatch.setattr)
+
+
+@pytest.mark.parametrize("front", ["graph", "sizes"])
+def test_a_graph_called_after_a_value_its_model_read_changed_raises(graphs, front) -> None:
+    m = Model().eval()
+    x = torch.randn(4, 4)
+    g = tr.graph(m, x, **({"sizes": [2, 4]} if front == "sizes" else {}))
+    with torch.no_grad():
+        torch.testing.assert_close(g(x), m.forward(x))
+        m.adapter._disable_adapters = True
+        with pytest.raises(ReplayInputError, match="_disable_adapters is True"):
+            g(x)
+        m.adapter._disable_adapters = False
+        torch.testing.assert_close(g(x), m.forward(x))
+
+
+def test_the_module_is_importable_without_a_profiler_left_behind() -> None:
+    import sys
+
+    assert sys.getprofile() is None
+    assert frozen.MAX_ITEMS > 0

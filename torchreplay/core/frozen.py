@@ -1,0 +1,298 @@
+"""The plain Python values a graph froze, found at its first capture and watched at each call.
+
+A replay runs none of the model's Python, so each plain value its code read at capture (a flag,
+a scale, a mode string: ``if self.disable_adapters:``, ``x * self.scaling``, ``if
+self.config.use_cache:``) and each branch it chose by one is fixed in the graph. Eagerly a call
+after such a value changed reads the new one; a replay would compute with the old one, silently.
+Values the call itself changes are refused at capture (``core/effects.py``); this is about the
+values the caller changes between calls.
+
+:class:`FrozenWatch` runs around the first capture as a profile function. At the return of each
+Python frame the call ran whose code is neither torch's, the standard library's nor ours (the
+model's, Hugging Face's, PEFT's, a script's), it takes the attribute chains the code loads from
+a local, a closure cell or a global (``self.config.use_cache``: a ``LOAD_FAST`` and its
+``LOAD_ATTR``\\ s) and follows them through instance ``__dict__``\\ s and submodules only (no
+property or ``__getattr__`` is ever called: a property's own frame is watched instead). A chain
+that ends at a plain value, or at a small dict or list of them (PEFT's ``scaling``), is kept;
+a global read bare (``if DEBUG:``) too. Reads inside a break are not the graph's (paused).
+Not seen: values read by torch's own layers (a ``Dropout``'s ``p``, a ``Conv2d``'s
+``stride``), class attributes, ``__slots__``, and a module's ``training``, which the graphs
+compare themselves (a call in the other mode runs eagerly).
+
+:class:`FrozenValues` tests them at each call: one version tag per dict holding them (about 40 ns
+each; ``_compat.dict_version``), and the lists' items. Only after one of those dicts was written
+are the values compared, and one that differs from the capture's raises
+:class:`~torchreplay.errors.ReplayInputError` naming it, both values and the fix; set back, the
+graph replays again.
+"""
+
+from __future__ import annotations
+
+import dis
+import os
+import sys
+import sysconfig
+import types
+from typing import Any, Iterable
+
+import torch
+
+from torchreplay import _compat
+from torchreplay.core.pystate import _MODULE_INTERNALS, _OPAQUE, _SCALARS, MISSING, show
+from torchreplay.errors import ReplayInputError
+
+__all__ = ["FrozenValues", "FrozenWatch"]
+
+#: Containers kept whole when a chain ends at one: this many items at most, all plain.
+MAX_ITEMS = 64
+_Module = torch.nn.Module
+_dict_version = _compat.dict_version
+_ATTR_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
+
+
+def _plain(v: Any) -> bool:
+    """A value compared by equality: a scalar, or a tuple or frozenset of them."""
+    if isinstance(v, _SCALARS):
+        return True
+    return isinstance(v, (tuple, frozenset)) and len(v) <= MAX_ITEMS and all(isinstance(x, _SCALARS) for x in v)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if type(a) is not type(b) or not _plain(a):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _skipped_dirs() -> tuple[str, tuple[str, ...]]:
+    paths = sysconfig.get_paths()
+    stdlib = os.path.join(paths.get("stdlib", "/nonexistent"), "")
+    ours = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
+    return stdlib, (os.path.join(os.path.dirname(torch.__file__), ""), ours)
+
+
+_STDLIB, _SKIPPED = _skipped_dirs()
+# Per code object: its attribute chains (start kind, start name, attributes), or () when its
+# file is skipped. Code objects live as long as their functions; a few thousand at most.
+_CHAINS: dict[types.CodeType, tuple[tuple[str, str, tuple[str, ...]], ...]] = {}
+
+
+def _watched_file(filename: str) -> bool:
+    if filename.startswith("<") or filename.startswith(_SKIPPED):
+        return False
+    # (a pyenv or venv keeps site-packages under the standard library's folder)
+    return not (filename.startswith(_STDLIB) and "-packages" not in filename[len(_STDLIB):])
+
+
+def chains_of(code: types.CodeType) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+    """The attribute chains ``code`` loads: ``("local", "self", ("config", "use_cache"))`` for
+    ``self.config.use_cache``, ``("global", "DEBUG", ())`` for a bare global."""
+    found = _CHAINS.get(code)
+    if found is not None:
+        return found
+    out: list[tuple[str, str, tuple[str, ...]]] = []
+    if _watched_file(code.co_filename):
+        start: tuple[str, str] | None = None
+        attrs: list[str] = []
+        for ins in dis.get_instructions(code):
+            op = ins.opname
+            if op in _ATTR_OPS and start is not None:
+                attrs.append(ins.argval)
+                continue
+            if start is not None and (attrs or start[0] == "global"):
+                out.append((start[0], start[1], tuple(attrs)))
+            start, attrs = None, []
+            if op.startswith("LOAD_FAST") or op == "LOAD_DEREF":  # (a pair loads two: the last)
+                name = ins.argval[-1] if isinstance(ins.argval, tuple) else ins.argval
+                start = ("local", name) if isinstance(name, str) else None
+            elif op == "LOAD_GLOBAL":
+                start = ("global", ins.argval)
+        if start is not None and (attrs or start[0] == "global"):
+            out.append((start[0], start[1], tuple(attrs)))
+    found = tuple(dict.fromkeys(out))
+    _CHAINS[code] = found
+    return found
+
+
+def _dict_of(obj: Any) -> dict[str, Any] | None:
+    """An instance's own ``__dict__`` (no ``__getattribute__`` of its class is called)."""
+    if isinstance(obj, (torch.Tensor, *_OPAQUE)) or type(obj).__module__.startswith("torchreplay."):
+        return None
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+    except (AttributeError, TypeError):
+        return None
+    return d if type(d) is dict else None
+
+
+def _container(v: Any) -> bool:
+    if type(v) is list:
+        return len(v) <= MAX_ITEMS and all(_plain(x) for x in v)
+    if type(v) is dict:
+        return len(v) <= MAX_ITEMS and all(_plain(k) and _plain(x) for k, x in v.items())
+    return False
+
+
+class FrozenWatch:
+    """Around the first capture (a context manager): which plain values the call's code read.
+
+    ``paused``: above 0 inside a break (its reads run again at each call). ``found`` maps each
+    place (``(id(dict), key)``, or ``(id(container), None)``) to (owner, dict or container, key).
+    """
+
+    def __init__(self) -> None:
+        self.paused = 0
+        self.found: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
+        self._previous: Any = None
+        self._on = False
+
+    def __enter__(self) -> FrozenWatch:
+        self._previous = sys.getprofile()
+        if self._previous is None:  # (under a profiler: not watched; the values go unguarded)
+            self._on = True
+            sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._on:
+            sys.setprofile(None)
+            self._on = False
+
+    def _profile(self, frame: types.FrameType, event: str, arg: Any) -> None:
+        if event != "return" or self.paused:
+            return
+        try:
+            chains = chains_of(frame.f_code)
+            if chains:
+                self._read(frame, chains)
+        except Exception:  # never the capture's failure: this frame's values go unguarded
+            pass
+
+    def _read(self, frame: types.FrameType, chains: Iterable[tuple[str, str, tuple[str, ...]]]) -> None:
+        local = frame.f_locals
+        globs = frame.f_globals
+        for kind, name, attrs in chains:
+            if kind == "global":
+                if name not in globs:
+                    continue
+                if not attrs:
+                    if _plain(globs[name]):
+                        self.found.setdefault((id(globs), name), (globs.get("__name__", "?"), globs, name))
+                    continue
+                obj = globs[name]
+            else:
+                obj = local.get(name, MISSING)
+            if obj is not MISSING:
+                self._follow(obj, attrs)
+
+    def _follow(self, obj: Any, attrs: tuple[str, ...]) -> None:
+        for attr in attrs:
+            d = _dict_of(obj)
+            if d is None:
+                return
+            if attr in d:
+                if isinstance(obj, _Module) and attr in _MODULE_INTERNALS:
+                    return
+                v = d[attr]
+            elif isinstance(obj, _Module) and obj._modules.get(attr) is not None:
+                obj = obj._modules[attr]
+                continue
+            else:
+                return
+            if _plain(v):
+                self.found.setdefault((id(d), attr), (obj, d, attr))
+                return
+            if _container(v):
+                self.found.setdefault((id(v), None), (obj, v, attr))
+                return
+            obj = v
+
+
+class FrozenValues:
+    """The plain values a graph's code read at capture, each where it was (:class:`FrozenWatch`),
+    tested at each call by :meth:`changed`.
+
+    Args:
+        found: :attr:`FrozenWatch.found`.
+        state: the Python state as it was before the captured call, by id (what the walk of
+            ``core/pystate.py`` met, with its paths): an object the call made itself (a new
+            cache object each call) is no state, and is neither watched nor kept alive.
+    """
+
+    __slots__ = ("_values", "_items", "_lists", "_dicts", "_top")
+
+    def __init__(self, found: dict[tuple[int, Any], tuple[Any, Any, Any]], state: dict[int, tuple[Any, str]]) -> None:
+        # (dict, key, value, path): a value held in a dict (an instance's, a global's)
+        self._values: list[tuple[dict[Any, Any], Any, Any, str]] = []
+        self._items: list[tuple[dict[Any, Any], dict[Any, Any], str]] = []  # a dict kept whole
+        self._lists: list[tuple[list[Any], tuple[Any, ...], str]] = []  # (no version: per call)
+        dicts: dict[int, dict[Any, Any]] = {}
+        for (_, key), (owner, where, attr) in found.items():
+            if isinstance(owner, str):  # a global: its module's name
+                path = f"global {attr!r} of {owner}"
+            elif state.get(id(owner), (None,))[0] is owner:
+                path = f"{state[id(owner)][1]}.{attr}"
+            else:  # (made by the call)
+                continue
+            if key is None and type(where) is list:
+                self._lists.append((where, tuple(where), path))
+            elif key is None:
+                self._items.append((where, dict(where), path))
+                dicts[id(where)] = where
+            else:
+                self._values.append((where, key, where.get(key, MISSING), path))
+                dicts[id(where)] = where
+        self._dicts = list(dicts.values())
+        self._top: Any = None
+
+    def __bool__(self) -> bool:
+        return bool(self._values or self._items or self._lists)
+
+    def arm(self) -> None:
+        """At the end of the build: the dicts' version tags from here on."""
+        self._top = self._version()
+
+    def _version(self) -> Any:
+        return max(map(_dict_version, self._dicts)) if self._dicts else 0
+
+    def changed(self, name: str) -> ReplayInputError | None:
+        """The error for the first value that differs from the capture's, or None."""
+        for lst, items, path in self._lists:
+            if len(lst) != len(items) or any(not _same(a, b) for a, b in zip(lst, items)):
+                return _changed_error(name, path, items, tuple(lst), "list")
+        top = self._top
+        if top is not None and self._dicts and max(map(_dict_version, self._dicts)) == top:
+            return None
+        for d, key, value, path in self._values:
+            now = d.get(key, MISSING)
+            if not _same(now, value):
+                return _changed_error(name, path, value, now)
+        for d, items, path in self._items:
+            if len(d) != len(items) or any(not _same(d.get(k, MISSING), v) for k, v in items.items()):
+                return _changed_error(name, path, items, dict(d), "dict")
+        if top is not None:
+            self._top = self._version()  # written, to the same values: tags from here on
+        return None
+
+    def paths(self) -> list[str]:
+        """What is watched (for tests and ``tr.explain``)."""
+        return [p for *_, p in self._values] + [p for *_, p in self._items] + [p for *_, p in self._lists]
+
+
+def _changed_error(name: str, path: str, then: Any, now: Any, what: str = "") -> ReplayInputError:
+    def said(v: Any) -> str:
+        return show(v) if not what or v is MISSING else (repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "...")
+
+    return ReplayInputError(
+        f"{path} is {said(now)}, but '{name}' was captured when it was {said(then)}: its code read "
+        "that value at capture, and a replay runs none of that code, so it would compute with the "
+        "old value (and take the branches the old value chose), where eagerly each call reads it "
+        f"again. Set it back to {said(then)} to replay this graph, or graph again after changing "
+        "it (one graph per setting: build each while the value is set); a value that must change "
+        "at every call belongs in a tensor written in place (`buf.fill_(v)`), or inside a break "
+        "(`breaks=`)"
+    )
