@@ -344,29 +344,38 @@ def test_inputs_are_guarded_and_outputs_checked() -> None:
 LOSS_SCALE = 1.0
 
 
-def test_verify_catches_a_python_global_baked_in_at_capture() -> None:
+def test_a_python_global_changed_since_capture_raises_and_verify_catches_a_class_attribute() -> None:
+    """A global the step read (a Python float, frozen into the graph) changed since capture
+    raises at the next call (core/frozen.py). A class attribute is not watched: ``verify=``
+    catches that one by comparing with eager."""
     global LOSS_SCALE
     LOSS_SCALE = 1.0
     model = build_mlp(MLPConfig(depth=2, width=64), DEV)
     opt = adamw(model, 1e-3)
 
+    class Knobs:
+        scale = 1.0  # a class attribute: frozen, and not watched
+
     def train_step(x, y):
         opt.zero_grad()
-        loss = F.mse_loss(model(x), y) * LOSS_SCALE  # a Python float: frozen into the graph
+        loss = F.mse_loss(model(x), y) * LOSS_SCALE * Knobs.scale  # Python floats: frozen
         loss.backward()
         opt.step()
         return loss
 
-    data = batches(3, (4, 64), (4, 64))
-    step = tr.graph_step(train_step, *data[0], verify=3)
+    data = batches(4, (4, 64), (4, 64))
+    step = tr.graph_step(train_step, *data[0], verify=4)
     step(*data[1])  # call 1: graph and eager agree (outputs and every parameter)
     assert step.stats.verified == 1
     LOSS_SCALE = 2.0
     try:
-        with pytest.raises(tr.VerifyError) as info:
+        with pytest.raises(tr.ReplayInputError, match=r"global 'LOSS_SCALE' of .* is 2\.0, but .* when it was 1\.0"):
             step(*data[2])
     finally:
         LOSS_SCALE = 1.0
+    Knobs.scale = 2.0
+    with pytest.raises(tr.VerifyError) as info:
+        step(*data[2])
     assert info.value.call == 2 and info.value.what == "output"
     assert "differs from eager by up to" in str(info.value)
 

@@ -522,24 +522,32 @@ def test_recompute_draws_the_replays_dropout_keeps_running_stats_and_refuses_a_w
 SCALE = 2.0
 
 
-def test_verify_catches_a_python_global_baked_in_at_capture() -> None:
+def test_a_python_global_changed_since_capture_raises_and_verify_catches_a_class_attribute() -> None:
+    """A global the forward read changed since capture raises at the next call
+    (core/frozen.py); a class attribute is not watched, and ``verify=`` catches it."""
     global SCALE
     SCALE = 2.0
     torch.manual_seed(0)
     lin = nn.Linear(16, 16).to(DEV)
 
+    class Knobs:
+        shift = 0.0  # a class attribute: frozen, and not watched
+
     def scaled(x):
-        return lin(x) * SCALE  # a Python float: the graph keeps 2.0
+        return lin(x) * SCALE + Knobs.shift  # Python floats: the graph keeps 2.0 and 0.0
 
     f = tr.make_graphed_callables(scaled, (torch.randn(4, 16, device=DEV),), verify=3)
     f(torch.randn(4, 16, device=DEV)).sum().backward()  # call 1 agrees, outputs and gradients
     assert f.stats.verified == 1
     SCALE = 3.0
     try:
-        with pytest.raises(tr.VerifyError) as info:
+        with pytest.raises(tr.ReplayInputError, match=r"global 'SCALE' of .* is 3\.0, but .* when it was 2\.0"):
             f(torch.randn(4, 16, device=DEV))
     finally:
         SCALE = 2.0
+    Knobs.shift = 1.0
+    with pytest.raises(tr.VerifyError) as info:
+        f(torch.randn(4, 16, device=DEV))
     assert info.value.call == 2 and info.value.what == "output"
     assert "call 2 of graphed" in str(info.value) and "differs from eager by up to" in str(info.value)
 

@@ -7,14 +7,18 @@ after such a value changed reads the new one; a replay would compute with the ol
 Values the call itself changes are refused at capture (``core/effects.py``); this is about the
 values the caller changes between calls.
 
-:class:`FrozenWatch` runs around the first capture as a profile function. At the return of each
-Python frame the call ran whose code is neither torch's, the standard library's nor ours (the
-model's, Hugging Face's, PEFT's, a script's), it takes the attribute chains the code loads from
-a local, a closure cell or a global (``self.config.use_cache``: a ``LOAD_FAST`` and its
-``LOAD_ATTR``\\ s) and follows them through instance ``__dict__``\\ s and submodules only (no
-property or ``__getattr__`` is ever called: a property's own frame is watched instead). A chain
-that ends at a plain value, or at a small dict or list of them (PEFT's ``scaling``), is kept;
-a global read bare (``if DEBUG:``) too. Reads inside a break are not the graph's (paused).
+:class:`FrozenWatch` runs around the first capture as a trace function (``sys.settrace``; not
+under a debugger or coverage, which own it). It traces the lines of each Python frame the call
+runs whose code is neither torch's, the standard library's nor ours (the model's, Hugging
+Face's, PEFT's, a script's) and loads an attribute chain from a local, a closure cell or a
+global (``self.config.use_cache``: a ``LOAD_FAST`` and its ``LOAD_ATTR``\\ s). As each such
+line starts, it follows the line's chains from the locals of that moment, through instance
+``__dict__``\\ s and submodules only: no property or ``__getattr__`` is ever called (a
+property's own frame is traced instead). Only lines that run count: an encoder's ``if
+config.is_decoder:`` branch never reads ``config.use_cache``. A chain that ends at a plain
+value, or at a small dict or list of them (PEFT's ``scaling``), is kept; a global read bare
+(``if DEBUG:``) too. Frames called inside a break are not traced (their reads run again at each
+call), and objects the call made itself (a new cache object) are no state: not kept.
 Not seen: values read by torch's own layers (a ``Dropout``'s ``p``, a ``Conv2d``'s
 ``stride``), class attributes, ``__slots__``, and a module's ``training``, which the graphs
 compare themselves (a call in the other mode runs eagerly).
@@ -68,52 +72,63 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _skipped_dirs() -> tuple[str, tuple[str, ...]]:
+def _skipped_dirs() -> tuple[str, tuple[str, ...], str]:
     paths = sysconfig.get_paths()
     stdlib = os.path.join(paths.get("stdlib", "/nonexistent"), "")
     ours = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
-    return stdlib, (os.path.join(os.path.dirname(torch.__file__), ""), ours)
+    # (our built-in models are models like the user's: watched)
+    return stdlib, (os.path.join(os.path.dirname(torch.__file__), ""), ours), os.path.join(ours, "models", "")
 
 
-_STDLIB, _SKIPPED = _skipped_dirs()
-# Per code object: its attribute chains (start kind, start name, attributes), or () when its
-# file is skipped. Code objects live as long as their functions; a few thousand at most.
-_CHAINS: dict[types.CodeType, tuple[tuple[str, str, tuple[str, ...]], ...]] = {}
+_STDLIB, _SKIPPED, _MODELS = _skipped_dirs()
+# Per code object: its attribute chains by the line they start on (start kind, start name,
+# attributes), or {} when its file is skipped. A few thousand code objects at most.
+_CHAINS: dict[types.CodeType, dict[int, tuple[tuple[str, str, tuple[str, ...]], ...]]] = {}
+_Chain = tuple[str, str, tuple[str, ...]]
 
 
 def _watched_file(filename: str) -> bool:
-    if filename.startswith("<") or filename.startswith(_SKIPPED):
+    if filename.startswith("<") or (filename.startswith(_SKIPPED) and not filename.startswith(_MODELS)):
         return False
     # (a pyenv or venv keeps site-packages under the standard library's folder)
     return not (filename.startswith(_STDLIB) and "-packages" not in filename[len(_STDLIB):])
 
 
-def chains_of(code: types.CodeType) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
-    """The attribute chains ``code`` loads: ``("local", "self", ("config", "use_cache"))`` for
-    ``self.config.use_cache``, ``("global", "DEBUG", ())`` for a bare global."""
+def chains_of(code: types.CodeType) -> dict[int, tuple[_Chain, ...]]:
+    """The attribute chains ``code`` loads, by the line each starts on:
+    ``("local", "self", ("config", "use_cache"))`` for ``self.config.use_cache``,
+    ``("global", "DEBUG", ())`` for a bare global."""
     found = _CHAINS.get(code)
     if found is not None:
         return found
-    out: list[tuple[str, str, tuple[str, ...]]] = []
+    out: dict[int, list[_Chain]] = {}
     if _watched_file(code.co_filename):
-        start: tuple[str, str] | None = None
+        start: tuple[str, str, int] | None = None
         attrs: list[str] = []
+
+        def end() -> None:
+            if start is not None and (attrs or start[0] == "global"):
+                chain = (start[0], start[1], tuple(attrs))
+                if chain not in out.setdefault(start[2], []):
+                    out[start[2]].append(chain)
+
         for ins in dis.get_instructions(code):
             op = ins.opname
             if op in _ATTR_OPS and start is not None:
                 attrs.append(ins.argval)
                 continue
-            if start is not None and (attrs or start[0] == "global"):
-                out.append((start[0], start[1], tuple(attrs)))
+            end()
             start, attrs = None, []
+            line = ins.positions.lineno if ins.positions is not None else None
+            if line is None:
+                continue
             if op.startswith("LOAD_FAST") or op == "LOAD_DEREF":  # (a pair loads two: the last)
                 name = ins.argval[-1] if isinstance(ins.argval, tuple) else ins.argval
-                start = ("local", name) if isinstance(name, str) else None
+                start = ("local", name, line) if isinstance(name, str) else None
             elif op == "LOAD_GLOBAL":
-                start = ("global", ins.argval)
-        if start is not None and (attrs or start[0] == "global"):
-            out.append((start[0], start[1], tuple(attrs)))
-    found = tuple(dict.fromkeys(out))
+                start = ("global", ins.argval, line)
+        end()
+    found = {line: tuple(chains) for line, chains in out.items()}
     _CHAINS[code] = found
     return found
 
@@ -151,26 +166,37 @@ class FrozenWatch:
         self._on = False
 
     def __enter__(self) -> FrozenWatch:
-        self._previous = sys.getprofile()
-        if self._previous is None:  # (under a profiler: not watched; the values go unguarded)
+        self._previous = sys.gettrace()
+        if self._previous is None:  # (under a debugger or coverage: not watched, unguarded)
             self._on = True
-            sys.setprofile(self._profile)
+            sys.settrace(self._call)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self._on:
-            sys.setprofile(None)
+            sys.settrace(None)
             self._on = False
 
-    def _profile(self, frame: types.FrameType, event: str, arg: Any) -> None:
-        if event != "return" or self.paused:
-            return
+    def _call(self, frame: types.FrameType, event: str, arg: Any) -> Any:
+        """A frame starts: trace its lines where its code loads any chain (not inside a break)."""
+        if event != "call" or self.paused:
+            return None
         try:
-            chains = chains_of(frame.f_code)
-            if chains:
-                self._read(frame, chains)
+            return self._line if chains_of(frame.f_code) else None
         except Exception:  # never the capture's failure: this frame's values go unguarded
-            pass
+            return None
+
+    def _line(self, frame: types.FrameType, event: str, arg: Any) -> Any:
+        """A line starts: the chains it loads, from the locals as they are now. Lines the call
+        does not run are not read (an encoder's ``if config.is_decoder:`` branch)."""
+        if event == "line" and not self.paused:
+            try:
+                chains = _CHAINS[frame.f_code].get(frame.f_lineno)
+                if chains:
+                    self._read(frame, chains)
+            except Exception:
+                pass
+        return self._line
 
     def _read(self, frame: types.FrameType, chains: Iterable[tuple[str, str, tuple[str, ...]]]) -> None:
         local = frame.f_locals
