@@ -155,16 +155,20 @@ def test_a_value_changed_after_capture_raises_until_it_is_set_back(change: str) 
     assert reads.replaced("m") is None  # set back: replays again
 
 
-def test_a_value_written_again_unchanged_replays_and_the_tags_are_taken_again() -> None:
+def test_a_value_written_again_unchanged_replays() -> None:
     m = Model().eval()
     reads = _built(m, torch.randn(2, 4))
-    values = reads.values
-    top = values._top
-    m.scale = 2.0  # (a write: the tag moves; the value is the capture's)
+    m.scale = 2  # (another object, equal: eagerly the same result)
+    m.adapter.scaling = dict(m.adapter.scaling)  # (another dict, equal)
     m.unrelated = object()
     assert reads.replaced("m") is None
-    assert values._top != top and values._top == values._version()
+    m.adapter.scaling["default"] = 1.0  # the new dict, changed
+    assert "Model.adapter.scaling is" in str(reads.replaced("m"))
+    m.adapter.scaling["default"] = 0.5
     assert reads.replaced("m") is None
+    del m.adapter.__dict__["_disable_adapters"]
+    err = reads.replaced("m")
+    assert isinstance(err, ReplayInputError) and "(absent)" in str(err), err
 
 
 def test_train_and_eval_are_left_to_the_mode_check() -> None:

@@ -564,10 +564,10 @@ from torchreplay._compat.schema import (  # noqa: E402  (what an aten op writes,
 from torchreplay._compat.streams import current_stream  # noqa: E402
 from torchreplay._compat.mempool import PrivateAllocations, private_allocations  # noqa: E402  (a private pool)
 from torchreplay._compat.hooks import (  # noqa: E402
-    backward_hooks, dict_version, forward_hooks, global_backward_hooks, global_forward_hooks, global_optimizer_hooks,
+    backward_hooks, forward_hooks, global_backward_hooks, global_forward_hooks, global_optimizer_hooks,
     hook_handles_made, module_hooks, optimizer_hooks, tensor_hooks,
 )
-__all__ += ["dict_version", "forward_hooks", "global_forward_hooks", "hook_handles_made", "backward_hooks",
+__all__ += ["forward_hooks", "global_forward_hooks", "hook_handles_made", "backward_hooks",
             "global_backward_hooks", "tensor_hooks", "optimizer_hooks", "global_optimizer_hooks", "PrivateAllocations",
             "private_allocations"]
 from torchreplay._compat.amp import any_autocast, cuda_autocast, dispatch_modes, safe_aot_cache  # noqa: E402

@@ -73,17 +73,3 @@ def global_optimizer_hooks() -> tuple[dict[int, Any], dict[int, Any]]:
 #: hooks): a class attribute, read per call to see whether any hook may have come since.
 hook_handles_made = torch.utils.hooks.RemovableHandle
 
-
-def _no_version(d: dict[Any, Any]) -> None:
-    return None
-
-
-#: ``dict_version(d)``: a tag that changes whenever ``d`` is written, greater than every tag
-#: handed out before (Dynamo's guard helper: CPython's ``ma_version_tag`` up to 3.11, a dict
-#: watcher of torch's from 3.12). Read per call for the dicts holding the Python values a
-#: graph froze (``core/frozen.py``). Private: a torch without it gives ``None`` for every
-#: dict, and those values are then compared at every call instead (slower, as correct).
-try:
-    from torch._C._dynamo.guards import dict_version
-except ImportError:  # pragma: no cover
-    dict_version = _no_version

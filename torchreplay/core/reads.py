@@ -64,8 +64,6 @@ class StateReads:
         if not self._armed:
             self._armed = True
             self._frozen = [(t, t._version, path) for t, _, path in self._frozen]
-            if self.values is not None:
-                self.values.arm()
 
     def replaced(self, name: str) -> ReplayInputError | None:
         """The error for the first place that holds another tensor now, or for a tensor read on
