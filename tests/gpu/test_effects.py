@@ -825,11 +825,12 @@ class Adapted(nn.Module):
 
 
 @pytest.mark.parametrize("front", ["graph", "sizes", "breaks", "make_graphed_callables", "graph_step"])
-def test_a_plain_value_the_model_read_changed_since_capture_raises_until_set_back(front) -> None:
-    """Replays equal eager with fresh inputs; then each plain value the model's code read (a
-    flag through a property, a dict's scale, a list of names) changed in turn raises at the next
-    call, naming it, until set back, after which calls equal eager again. A value only a break
-    reads (the temperature) is read at every call: it changes results, as eagerly."""
+def test_calls_run_eagerly_while_a_plain_value_the_model_read_differs_from_capture(front, caplog) -> None:
+    """Replays equal eager with fresh inputs. Then each plain value the model's code read (a
+    flag through a property, a dict's scale, a list of names) changed in turn: calls equal
+    eager with the new value (they run eagerly, counted, one warning naming it; a replay would
+    have kept the old one), and once set back they replay again, equal to eager. A value only a
+    break reads (the temperature) is read at every call: it changes results, as eagerly."""
     torch.manual_seed(0)
     m = Adapted().to(DEV)
     ref = copy.deepcopy(m)
@@ -838,6 +839,7 @@ def test_a_plain_value_the_model_read_changed_since_capture_raises_until_set_bac
         g = tr.graph(m, x, breaks=[Attend])
     else:
         g = graph_by(front, m, x)
+    stats = g.forward.stats if isinstance(g, nn.Module) else g.stats  # (a module graphed in place)
     train = front in ("make_graphed_callables", "graph_step")
     ref_step = train_step_of(ref)
 
@@ -853,24 +855,66 @@ def test_a_plain_value_the_model_read_changed_since_capture_raises_until_set_bac
                 torch.testing.assert_close(g(xi), ref(xi))
 
     check()
-    changes = [("lora", "_disable_adapters", True), ("scaling", "default", 2.0), ("active", None, "other")]
-    for obj, key, value in changes:
+    changes = [("_disable_adapters", True), ("scaling", 2.0), ("active", "other")]
+    for k, (attr, value) in enumerate(changes):
         for target in (m, ref):
-            if obj == "scaling":
-                target.lora.scaling[key] = value
-            elif obj == "active":
+            if attr == "scaling":
+                target.lora.scaling["default"] = value
+            elif attr == "active":
                 target.lora.active.append(value)
                 target.lora.scaling[value] = 1.0
             else:
-                setattr(target.lora, key, value)
-        with pytest.raises(ReplayInputError, match="was captured when it was"):
-            g(torch.randn(4, 16, device=DEV))
+                setattr(target.lora, attr, value)
+        replays, fallbacks = stats.replays, stats.fallbacks
+        check()  # eagerly, with the new value
+        assert stats.replays == replays and stats.fallbacks == fallbacks + 3, (attr, stats)
+        assert caplog.text.count("(at capture: ") == k + 1, caplog.text[-2000:]  # (once a change)
+        assert "lora._disable_adapters is True (at capture: False)" in caplog.text
         for target in (m, ref):  # set back
             target.lora._disable_adapters = False
             target.lora.scaling.pop("other", None)
             target.lora.scaling["default"] = 0.5
             del target.lora.active[1:]
         check()
+        assert stats.replays == replays + 3 and stats.fallbacks == fallbacks + 3, (attr, stats)
     if front == "breaks":
         m.attend.temperature = ref.attend.temperature = 3.0  # read inside the break: each call
         check()
+        assert stats.fallbacks == 9
+
+
+def test_a_peft_model_graphed_runs_eagerly_inside_disable_adapter_and_replays_after() -> None:
+    """PEFT's ``with model.disable_adapter():`` (a DPO reference forward) sets a flag on each
+    LoRA layer that its forward reads through a property: inside it, calls equal the eager base
+    model (they run eagerly; a replay would have added the adapters), and after it they replay,
+    equal to eager with the adapters."""
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    base = LlamaForCausalLM(config)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # (zeros at init: the adapters would change nothing)
+                p.normal_(std=0.5)
+    model = model.to(DEV).eval()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 256, (2, 8), device=DEV)
+    with torch.no_grad():
+        g = tr.graph(model, ids)
+        for _ in range(3):
+            xi = torch.randint(0, 256, (2, 8), device=DEV)
+            torch.testing.assert_close(g(xi).logits, ref(xi).logits)
+        replays, fallbacks = g.stats.replays, g.stats.fallbacks
+        xi = torch.randint(0, 256, (2, 8), device=DEV)
+        with model.disable_adapter(), ref.disable_adapter():
+            off = g(xi).logits
+            torch.testing.assert_close(off, ref(xi).logits)
+        assert g.stats.fallbacks == fallbacks + 1 and g.stats.replays == replays
+        on = ref(xi).logits
+        assert (off - on).abs().max() > 1e-3  # (the adapters matter: the test can fail)
+        torch.testing.assert_close(g(xi).logits, on)
+        assert g.stats.replays == replays + 1

@@ -198,6 +198,7 @@ class BreakableGraph(EagerForm):
             release_with(self.runtime, self.collectives or (), self._ranks)
             self._collective_log = None
         self._reads = self._python.reads()
+        self._eager_calls.values = self._reads.values if self._reads is not None else None
 
     # ------------------------------------------------------------------ the plan
     def _check_devices(self, call: CallArgs) -> None:

@@ -28,7 +28,9 @@ from torchreplay.core.eager_form import EagerForm
 from torchreplay.core.generators import Draws, check_pairs, fits, not_fitting, pairs
 from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import resolve_config, resolve_pool
-from torchreplay.core.modes import AUTOCAST, DISPATCH_MODE, HOOKS, REPLICA, REQUIRES_GRAD, TRAIN_MODE, replica_elsewhere
+from torchreplay.core.modes import (
+    AUTOCAST, DISPATCH_MODE, HOOKS, PY_VALUE, REPLICA, REQUIRES_GRAD, TRAIN_MODE, replica_elsewhere,
+)
 from torchreplay.core.modes import EagerCalls, GradFlags, Hooks, refuse_inference_capture, warn_hooks_with_effects
 from torchreplay.core.placed import CHANGES, GONE, Placed
 from torchreplay.core.pool import Pool
@@ -79,6 +81,7 @@ class BreakTraining(EagerForm):
         self._hooks = Hooks(model, own=False, backward=True, skip=inside(breaks))
         # the reasons to run a call eagerly, and their warnings, as every graph's
         self._eager = EagerCalls(type(model).__name__, model.training)
+        self._eager.values = reads.values if reads is not None else None
         self._eager.hooks = self._hooks
         # parameters frozen at the build, outside module breaks: unfrozen since, they would get
         # no gradient from a segment's backward graph, which was captured without theirs
@@ -125,6 +128,9 @@ class BreakTraining(EagerForm):
             return self._fallback(args, kwargs, REQUIRES_GRAD, self._grad_flags.describe())
         if self._multi is not None and replica_elsewhere(self, self._multi):  # nn.DataParallel's
             return self._fallback(args, kwargs, REPLICA)
+        values = self._eager.values
+        if values is not None and values.changed():  # a flag, a scale the model's code read
+            return self._fallback(args, kwargs, PY_VALUE)
         placed = self._placed
         if placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at

@@ -24,9 +24,10 @@ Not seen: values read by torch's own layers (a ``Dropout``'s ``p``, a ``Conv2d``
 compare themselves (a call in the other mode runs eagerly).
 
 :class:`FrozenValues` compares them with the capture's at each call, all in one ``map`` over
-the dicts that hold them (about 25 ns a value: 46 to 60 values for the small Hugging Face
-models of the GPU tests). One that differs raises :class:`~torchreplay.errors.ReplayInputError`
-naming it, both values and the fix; set back, the graph replays again. (Dict version tags,
+the dicts that hold them (35-60 ns a value on the H200's host: 46 to 60 values, 1.7-2.9 us a
+call, for the small Hugging Face models of the GPU tests). A call while one differs runs
+eagerly, as a call in the other train/eval mode does (``core/modes.py``: ``PY_VALUE``), with
+one warning per change naming it, both values and the fix; set back, the graph replays again. (Dict version tags,
 tried first, cost more on Python 3.12, where torch reads them through a dict watcher.)
 """
 
@@ -43,7 +44,6 @@ from typing import Any, Iterable
 import torch
 
 from torchreplay.core.pystate import _MODULE_INTERNALS, _OPAQUE, _SCALARS, MISSING, show
-from torchreplay.errors import ReplayInputError
 
 __all__ = ["FrozenValues", "FrozenWatch"]
 
@@ -249,7 +249,7 @@ class FrozenValues:
             cache object each call) is no state, and is neither watched nor kept alive.
     """
 
-    __slots__ = ("_dicts", "_keys", "_values", "_paths", "_sized", "_sizes", "_lists", "_copies", "_whole")
+    __slots__ = ("_dicts", "_keys", "_values", "_paths", "_sized", "_sizes", "_lists", "_copies", "_whole", "last")
 
     def __init__(self, found: dict[tuple[int, Any], tuple[Any, Any, Any]], state: dict[int, tuple[Any, str]]) -> None:
         # Each value in a dict (an instance's, a global's, a small dict's item): the dict, the
@@ -263,6 +263,7 @@ class FrozenValues:
         self._lists: list[list[Any]] = []  # small lists kept whole: compared with copies
         self._copies: list[list[Any]] = []
         self._whole: list[str] = []  # the paths of the dicts in _sized, then of the lists
+        self.last = ""  # what the last call of changed() found
         for (_, key), (owner, where, attr) in found.items():
             if isinstance(owner, str):  # a global: its module's name
                 path = f"global {attr!r} of {owner}"
@@ -292,22 +293,25 @@ class FrozenValues:
     def __bool__(self) -> bool:
         return bool(self._values or self._lists)
 
-    def changed(self, name: str) -> ReplayInputError | None:
-        """The error for the first value that differs from the capture's, or None. (A list's
-        ``==`` tests identity before equality, item by item, in C.)"""
+    def changed(self) -> bool:
+        """Does a value differ from the capture's (then :attr:`last` says which)? A list's
+        ``==`` tests identity before equality, item by item, in C."""
         if [*map(_get, self._dicts, self._keys, _MISSINGS)] != self._values:
             for d, key, value, path in zip(self._dicts, self._keys, self._values, self._paths):
                 if not _same(d.get(key, MISSING), value):
-                    return _changed_error(name, path, value, d.get(key, MISSING))
+                    self.last = _said(path, value, d.get(key, MISSING))
+                    return True
         if self._sized and [*map(len, self._sized)] != self._sizes:
             for d, n, path in zip(self._sized, self._sizes, self._whole):
                 if len(d) != n:
-                    return _changed_error(name, path, n, len(d), "length")
+                    self.last = f"{path} holds {len(d)} items (at capture: {n})"
+                    return True
         if self._lists and self._lists != self._copies:
             for lst, copy, path in zip(self._lists, self._copies, self._whole[len(self._sized):]):
                 if lst != copy:
-                    return _changed_error(name, path, copy, lst, "list")
-        return None
+                    self.last = _said(path, copy, lst, whole=True)
+                    return True
+        return False
 
     def paths(self) -> list[str]:
         """What is watched (for tests and messages): each value's path, then each whole
@@ -319,16 +323,11 @@ _get = dict.get
 _MISSINGS = itertools.repeat(MISSING)
 
 
-def _changed_error(name: str, path: str, then: Any, now: Any, what: str = "") -> ReplayInputError:
-    def said(v: Any) -> str:
-        return show(v) if not what or v is MISSING else (repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "...")
+def _said(path: str, then: Any, now: Any, whole: bool = False) -> str:
+    def text(v: Any) -> str:
+        if not whole or v is MISSING:
+            return show(v)
+        r = repr(v)
+        return r if len(r) <= 60 else r[:57] + "..."
 
-    return ReplayInputError(
-        f"{path} is {said(now)}, but '{name}' was captured when it was {said(then)}: its code read "
-        "that value at capture, and a replay runs none of that code, so it would compute with the "
-        "old value (and take the branches the old value chose), where eagerly each call reads it "
-        f"again. Set it back to {said(then)} to replay this graph, or graph again after changing "
-        "it (one graph per setting: build each while the value is set); a value that must change "
-        "at every call belongs in a tensor written in place (`buf.fill_(v)`), or inside a break "
-        "(`breaks=`)"
-    )
+    return f"{path} is {text(now)} (at capture: {text(then)})"

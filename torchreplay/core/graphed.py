@@ -17,7 +17,8 @@ from torchreplay.core.snapshot import StateSnapshot
 from torchreplay.core.effects import PyState
 from torchreplay.core.io import Inputs, TransformedInput
 from torchreplay.core.modes import (
-    AUTOCAST, CAPTURE, DISPATCH_MODE, GRAD, HOOKS, REPLICA, TRAIN_MODE, TRANSFORM, EagerCalls, tracked_leaf,
+    AUTOCAST, CAPTURE, DISPATCH_MODE, GRAD, HOOKS, PY_VALUE, REPLICA, TRAIN_MODE, TRANSFORM, EagerCalls,
+    tracked_leaf,
 )
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import CHANGES, GONE, Placed
@@ -154,6 +155,7 @@ class Graphed(EagerForm):
         self._callers = Callers()  # one call at a time: threads share the buffers and outputs
         self._placed = Placed.of(self._module, device)
         self._reads = python.reads()  # tensors in Python state it reads: replaced since, it raises
+        self._eager.values = self._reads.values if self._reads is not None else None  # (plain ones)
         log.info(
             "torchreplay: captured '%s' on %s in %.3f s (outputs=%s%s)",
             self.name,
@@ -177,6 +179,8 @@ class Graphed(EagerForm):
             why = DISPATCH_MODE
         elif self._hooks.at != _Handles.next_id and not self._hooks.look():  # a hook came or went
             why = HOOKS
+        elif eager.values is not None and eager.values.changed():  # a flag, a scale the code read
+            why = PY_VALUE
         placed = self._placed  # the model moved, or weights or submodules replaced
         moved = placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at

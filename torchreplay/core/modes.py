@@ -62,10 +62,10 @@ from torchreplay.errors import CaptureError
 
 __all__ = [
     "TRAIN_MODE", "AUTOCAST", "DISPATCH_MODE", "GRAD", "CAPTURE", "NO_GRAD", "HOOKS", "REQUIRES_GRAD", "TRANSFORM",
-    "NO_GRADIENT", "REPLICA",
+    "NO_GRADIENT", "REPLICA", "PY_VALUE",
     "EagerCalls", "GradFlags", "Hooks", "autocast_changed", "autocast_name", "refuse_inference_capture",
     "note_dispatch_mode", "note_transform", "replica_elsewhere", "tracked_leaf", "warn_autocast", "warn_hooks_changed",
-    "warn_hooks_with_effects", "warn_no_sample_grad", "warn_replica", "warn_requires_grad",
+    "warn_hooks_with_effects", "warn_no_sample_grad", "warn_replica", "warn_requires_grad", "warn_value_changed",
 ]
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ REQUIRES_GRAD = "requires_grad"
 TRANSFORM = "a torch.func transform"
 NO_GRADIENT = "a parameter without a gradient"
 REPLICA = "an nn.DataParallel replica"
+PY_VALUE = "a Python value the model read"
 
 _Tensor = torch.Tensor
 _any_autocast = _compat.any_autocast
@@ -339,6 +340,16 @@ def warn_requires_grad(name: str, what: str) -> None:
     )
 
 
+def warn_value_changed(name: str, change: str) -> None:
+    log.warning(
+        "torchreplay: %s, but '%s' read it at capture: its graph replays none of the code that "
+        "read it, and would compute with the old value (and take the branches it chose). Calls "
+        "while it differs run eagerly (counted in stats.fallbacks); set it back to replay, or "
+        "graph again after changing it. A value that must change at every call belongs in a "
+        "tensor written in place (`buf.fill_(v)`), or inside a break (`breaks=`)", change, name,
+    )
+
+
 def tracked_leaf(leaves: Sequence[Any]) -> int | None:
     """The index of the first tensor among ``leaves`` that requires grad while autograd is on:
     eagerly the call would record a backward to it. ``None`` otherwise."""
@@ -361,13 +372,14 @@ class EagerCalls:
     requires grad.
     """
 
-    __slots__ = ("name", "training", "autocast", "hooks", "_warned")
+    __slots__ = ("name", "training", "autocast", "hooks", "values", "_warned")
 
     def __init__(self, name: str, training: bool, module: torch.nn.Module | None = None) -> None:
         self.name = name
         self.training = training
         self.autocast = _compat.cuda_autocast()
         self.hooks = Hooks(module)
+        self.values: Any = None  # the plain values its code read (core/frozen.py), after the build
         self._warned: set[str] = set()
         warn_hooks_with_effects(name, self.hooks)
 
@@ -388,6 +400,9 @@ class EagerCalls:
         hooks = self.hooks
         if hooks.at != _Handles.next_id and not hooks.look():
             return HOOKS
+        values = self.values
+        if values is not None and values.changed():
+            return PY_VALUE
         if leaves is not None and tracked_leaf(leaves) is not None:
             return GRAD
         return None
@@ -404,8 +419,9 @@ class EagerCalls:
         """Count the call, warn once for ``why`` (``what``: the argument that requires grad),
         and run ``fn`` eagerly."""
         stats.fallbacks += 1
-        if why not in self._warned:
-            self._warned.add(why)
+        seen = why if why != PY_VALUE else self.values.last  # (each value changed, once)
+        if seen not in self._warned:
+            self._warned.add(seen)
             self._warn(why, what)
         return fn(*args, **kwargs)
 
@@ -433,6 +449,8 @@ class EagerCalls:
             warn_hooks_changed(self.name, self.hooks)
         elif why == REPLICA:
             warn_replica(self.name)
+        elif why == PY_VALUE:
+            warn_value_changed(self.name, self.values.last)
         elif why == REQUIRES_GRAD:
             warn_requires_grad(self.name, what)
         elif why == AUTOCAST:

@@ -40,7 +40,8 @@ class StateReads:
         frozen: dict[int, int] | None = None,
         values: FrozenValues | None = None,
     ) -> None:
-        self.values = values or None  # the plain values its code read (core/frozen.py)
+        self.values = values or None  # the plain values its code read (core/frozen.py: the
+        # graphs' EagerCalls test them, and run a call eagerly while one differs)
         self._dicts: list[tuple[dict[Any, Any], Any, torch.Tensor, str]] = []
         self._others: list[tuple[Node, Any, torch.Tensor, str]] = []
         self._frozen: list[tuple[torch.Tensor, int, str]] = []
@@ -78,7 +79,7 @@ class StateReads:
         for t, version, path in self._frozen:
             if t._version != version:
                 return _host_read_error(name, path, t)
-        return self.values.changed(name) if self.values is not None else None
+        return None
 
     def _host_read(self, t: torch.Tensor) -> bool:
         return any(f is t for f, _, _ in self._frozen)

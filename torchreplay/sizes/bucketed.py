@@ -232,6 +232,7 @@ class BucketedGraph(EagerForm):
                     advance()
         self._effects.settle()  # nothing left to put back: later captures only compare
         self._reads = self._effects.reads()
+        self._eager_calls.values = self._reads.values if self._reads is not None else None
         self._placed = Placed.of(self._module, self.device)
         log_summary(self)
 

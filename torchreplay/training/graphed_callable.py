@@ -149,6 +149,7 @@ class GraphedCallable(EagerForm):
         self._keeper: StateKeeper | None = None
         self._placed: Placed | None = None  # at _adopt
         self._reads: Any = None  # at _adopt: tensors in Python state it reads (StateReads)
+        self._values: Any = None  # ... and the plain values (core/frozen.py)
         self._called: list[torch.nn.Module] | None = None  # a function's modules, found at warm-up
         self._callers = Callers()
         self._discovering_done = False
@@ -291,6 +292,7 @@ class GraphedCallable(EagerForm):
         self._reach = pair.reach  # (which outputs' gradients reach each grad input: pair.py)
         self._unreached: dict[int, frozenset[int]] = {}  # (by which outputs have a gradient)
         self._reads = pair.reads  # tensors in Python state the forward reads (core/effects.py)
+        self._values = pair.reads.values if pair.reads is not None else None  # plain values it read
         if pair.generators:  # (registered with it: a recompute draws from where the call did)
             self._rng = rng_reader(self.device, self._rng is not None, pair.generators)
         self._inputs.set_written(pair.written)
@@ -338,6 +340,9 @@ class GraphedCallable(EagerForm):
             why = modes.REQUIRES_GRAD
         if why is None and _compat.transform_active():  # vmap, grad, jvp: eagerly, as they expect
             why = modes.TRANSFORM  # (functional_call's weights are theirs: not checked)
+        values = self._values
+        if why is None and values is not None and values.changed():  # a flag the forward read
+            why = modes.PY_VALUE
         placed = self._placed if why is not modes.TRANSFORM else None  # moved, weights replaced
         moved = placed is not None and (
             placed.seen != CHANGES[0] or placed.table.get(placed.key, GONE).data_ptr() != placed.at
@@ -511,6 +516,11 @@ class GraphedCallable(EagerForm):
                 (modes.note_transform if why == modes.TRANSFORM else modes.note_dispatch_mode)(self.name)
             elif why == modes.REPLICA:
                 modes.warn_replica(self.name)
+            elif why == modes.PY_VALUE:
+                self._warned.discard(why)  # (each value changed, once)
+                if self._values.last not in self._warned:
+                    self._warned.add(self._values.last)
+                    modes.warn_value_changed(self.name, self._values.last)
             else:
                 warn_mode_changed(self.name, self._training)
         return self._eager_fn()(*args, **kwargs)

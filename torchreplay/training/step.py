@@ -46,7 +46,8 @@ from torchreplay.core.io import Inputs
 from torchreplay.core.outputs import Outputs
 from torchreplay.core.placed import Placed
 from torchreplay.core.modes import (
-    AUTOCAST, HOOKS, NO_GRAD, NO_GRADIENT, REQUIRES_GRAD, EagerCalls, GradFlags, Hooks, refuse_inference_capture,
+    AUTOCAST, HOOKS, NO_GRAD, NO_GRADIENT, PY_VALUE, REQUIRES_GRAD, EagerCalls, GradFlags, Hooks,
+    refuse_inference_capture,
 )
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.core.threads import Callers, one_at_a_time
@@ -229,6 +230,7 @@ class GraphedStep(EagerForm):
         # a layer frozen or unfrozen since capture: calls run eagerly
         self._grad_flags = GradFlags([p for m in roots for p in m.parameters()] + self._params, roots)
         self._reads = python.reads()  # tensors in Python state it reads: replaced since, it raises
+        self._eager_calls.values = self._reads.values if self._reads is not None else None  # plain
 
         leaves, spec = _compat.tree_flatten(captured.out)
         owned = owned_by(self.pool, self._inputs)
@@ -352,12 +354,14 @@ class GraphedStep(EagerForm):
         no_grad = not _grad_enabled()  # no_grad or inference_mode: eagerly the backward fails
         frozen = self._grad_flags.changed()
         unset = self._grads.missing()
+        values = self._eager_calls.values  # a flag, a scale the step's code read, changed since
+        valued = values is not None and values.changed()
         placed = self._placed  # a step takes milliseconds: the check's method, not inlined
         reads = self._reads  # or a tensor in Python state it reads replaced (core/effects.py)
         stale = placed.error(self.name) if placed is not None and placed.changed() else (
             reads and reads.replaced(self.name))
         if self._ranks is not None:  # collectives inside (DDP): every rank replays, or all raise
-            eager = fallback or autocast or no_grad or stale or hooked or frozen or unset
+            eager = fallback or autocast or no_grad or stale or hooked or frozen or unset or valued
             self._ranks(0, EAGER if eager else GRAPH)
         if stale:
             raise stale
@@ -374,6 +378,8 @@ class GraphedStep(EagerForm):
             return self._eager_calls.run(self.fn, args, kwargs, REQUIRES_GRAD, self.stats, what)
         if unset:  # eagerly the optimizer skips it: a replay would step it
             return self._eager_calls.run(self.fn, args, kwargs, NO_GRADIENT, self.stats, unset)
+        if valued:
+            return self._eager_calls.run(self.fn, args, kwargs, PY_VALUE, self.stats)
         return one_at_a_time(self, self._dispatch, args, kwargs)  # core/threads.py
 
     def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
