@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import torchreplay as tr
+from adapters import Lora
 from test_effects import built_on
 from torchreplay.core import frozen
 from torchreplay.core.effects import PyState
@@ -28,36 +29,12 @@ class Config:
         self.mode = "mul"
 
 
-class Adapter(nn.Module):
-    """PEFT's LoRA layer in small: a property over a flag, a dict of scales, a list of names."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.delta = nn.Linear(4, 4, bias=False)
-        self._disable_adapters = False
-        self.scaling = {"default": 0.5}
-        self.active = ["default"]
-
-    @property
-    def disable_adapters(self) -> bool:
-        return self._disable_adapters
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.lin(x)
-        if self.disable_adapters:
-            return y
-        for name in self.active:
-            y = y + self.delta(x) * self.scaling[name]
-        return y
-
-
 class Model(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.config = Config()
         self.scale = 2.0
-        self.adapter = Adapter()
+        self.adapter = Lora(4, 2)
         self.drop = nn.Dropout(0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +96,7 @@ def test_the_first_capture_finds_the_values_the_models_code_read() -> None:
             "Model.adapter.active"} <= paths, paths
     assert any(p.endswith("config.mode") for p in paths), paths
     assert "global 'DEBUG' of test_frozen" in paths, paths
-    assert not any(p.endswith(("training", ".p")) for p in paths), paths  # mode: compared apart; Dropout: torch's
+    assert not any(p.endswith((".drop.training", ".p")) for p in paths), paths  # (Dropout's: torch's code)
 
 
 @pytest.mark.parametrize("change", ["scale", "flag", "property", "dict", "list", "global"])
@@ -170,11 +147,21 @@ def test_a_value_written_again_unchanged_replays() -> None:
     assert values.changed() and "is (absent)" in values.last, values.last
 
 
-def test_train_and_eval_are_left_to_the_mode_check() -> None:
-    m = Model().eval()
+def test_a_submodule_switched_alone_is_seen_where_the_models_code_reads_its_mode() -> None:
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Model()
+
+        def forward(self, x):
+            return self.inner(x)
+
+    m = Outer().eval()
     reads = _built(m, torch.randn(2, 4))
-    m.train()  # (graphs run such calls eagerly, with their own warning: core/modes.py)
-    assert not reads.values.changed()
+    assert "Outer.inner.training" in reads.values.paths()  # (Model's forward reads it)
+    assert not any(p.endswith("drop.training") for p in reads.values.paths())  # (torch's code)
+    m.inner.train()  # Outer stays in eval: no mode change of the graphed module
+    assert reads.values.changed() and reads.values.last == "Outer.inner.training is True (at capture: False)"
 
 
 def test_values_read_inside_an_eager_part_are_not_the_graphs() -> None:
@@ -256,7 +243,7 @@ def test_a_graph_runs_calls_eagerly_while_a_value_its_model_read_differs(graphs,
         replays, fallbacks = g.stats.replays, g.stats.fallbacks
         m.adapter._disable_adapters = True
         for _ in range(2):
-            torch.testing.assert_close(g(x), m.adapter.lin(x) * 2.0)  # eagerly: the base alone
+            torch.testing.assert_close(g(x), m.adapter.base(x) * 2.0)  # eagerly: the base alone
         assert (g.stats.replays, g.stats.fallbacks) == (replays, fallbacks + 2)
         assert caplog.text.count("Model.adapter._disable_adapters is True (at capture: False)") == 1
         m.adapter._disable_adapters = False

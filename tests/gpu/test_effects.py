@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 import torchreplay as tr
+from adapters import Lora
 from torchreplay.errors import CaptureError, ReplayInputError
 
 pytestmark = [
@@ -775,32 +776,6 @@ def test_a_build_puts_a_large_cache_buffer_back_without_copying_it(front) -> Non
             torch.testing.assert_close(g(x, pos), ref(x, pos), rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(m.keys, ref.keys, rtol=1e-4, atol=1e-4)
     assert g.stats.fallbacks == 0
-
-
-class Lora(nn.Module):
-    """PEFT's LoRA layer in small: a flag read through a property (``disable_adapters``), a
-    dict of scales, a list of active adapters, all plain Python values the graph freezes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.base = nn.Linear(16, 16)
-        self.a = nn.Linear(16, 4, bias=False)
-        self.b = nn.Linear(4, 16, bias=False)
-        self._disable_adapters = False
-        self.scaling = {"default": 0.5}
-        self.active = ["default"]
-
-    @property
-    def disable_adapters(self) -> bool:
-        return self._disable_adapters
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        if self.disable_adapters:
-            return y
-        for name in self.active:
-            y = y + self.b(self.a(x)) * self.scaling[name]
-        return y
 
 
 class Attend(nn.Module):

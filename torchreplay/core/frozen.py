@@ -19,9 +19,10 @@ config.is_decoder:`` branch never reads ``config.use_cache``. A chain that ends 
 value, or at a small dict or list of them (PEFT's ``scaling``), is kept; a global read bare
 (``if DEBUG:``) too. Frames called inside a break are not traced (their reads run again at each
 call), and objects the call made itself (a new cache object) are no state: not kept.
-Not seen: values read by torch's own layers (a ``Dropout``'s ``p``, a ``Conv2d``'s
-``stride``), class attributes, ``__slots__``, and a module's ``training``, which the graphs
-compare themselves (a call in the other mode runs eagerly).
+Not seen: values read by torch's own layers (a ``Dropout``'s ``p`` or ``training``, a
+``Conv2d``'s ``stride``), class attributes and ``__slots__``. A module's ``training`` that the
+model's code reads is watched like any value (the graphed module's own is compared first, as
+its mode).
 
 :class:`FrozenValues` compares them with the capture's at each call, all in one ``map`` over
 the dicts that hold them (35-60 ns a value on the H200's host: 46 to 60 values, 1.7-2.9 us a
@@ -44,6 +45,11 @@ from typing import Any, Iterable
 import torch
 
 from torchreplay.core.pystate import _MODULE_INTERNALS, _OPAQUE, _SCALARS, MISSING, show
+
+# A module's own state torch keeps in its __dict__ (hooks, the parameter dicts), watched
+# elsewhere; but ``training`` read by the model's code is a value like any other: a submodule
+# switched alone (``model.encoder.eval()``) is no mode change of the graphed module.
+_INTERNALS = _MODULE_INTERNALS - {"training"}
 
 __all__ = ["FrozenValues", "FrozenWatch"]
 
@@ -220,7 +226,7 @@ class FrozenWatch:
             if d is None:
                 return
             if attr in d:
-                if isinstance(obj, _Module) and attr in _MODULE_INTERNALS:
+                if isinstance(obj, _Module) and attr in _INTERNALS:
                     return
                 v = d[attr]
             elif isinstance(obj, _Module) and obj._modules.get(attr) is not None:
