@@ -214,7 +214,16 @@ def run_infer(name: str, build: Callable[[], Any], sizes: bool, breaks: Any = No
             want = model(*a, **kw, **extra)
             got = g(*a, **kw, **extra)
             d = max(d, maxdiff(got, want))
+    _no_eager_calls(name, g)
     return d
+
+
+def _no_eager_calls(name: str, graphed: Any) -> None:
+    """An equal result proves nothing if the calls ran eagerly: none may have (a Python value
+    the model read and its eager calls between ours rewrote, a mode, a hook)."""
+    stats = getattr(graphed, "stats", None) or getattr(getattr(graphed, "forward", None), "stats", None)
+    if stats is not None and stats.fallbacks:
+        raise AssertionError(f"{name}: {stats.fallbacks} call(s) ran eagerly: {stats}")
 
 
 def run_compile(name: str, build: Callable[[], Any], sizes: bool = False) -> float:
@@ -292,6 +301,8 @@ def run_train(
         ref.zero_grad(set_to_none=True)
     if compiled:
         print(graphed_report(since=before), flush=True)
+    else:
+        _no_eager_calls(name, graphed)
     return d
 
 
