@@ -249,6 +249,8 @@ def test_a_graph_runs_calls_eagerly_while_a_value_its_model_read_differs(graphs,
         m.adapter._disable_adapters = False
         torch.testing.assert_close(g(x), m.forward(x))
         assert (g.stats.replays, g.stats.fallbacks) == (replays + 1, fallbacks + 2)
+    report = tr.explain(g)
+    assert "watches " in report and "Model.adapter._disable_adapters" in report, report
 
 
 def test_the_module_is_importable_without_a_profiler_left_behind() -> None:

@@ -47,14 +47,14 @@ def explain(obj: Any) -> str:
         return _runtime(obj)
     own = getattr(obj, "explain", None)
     if callable(own):  # a breakable graph (tr.graph(..., breaks=)) reports itself
-        return str(own()) + _ranks(obj)
+        return str(own()) + _ranks(obj) + _values(obj)
     stats = getattr(obj, "stats", None)
     if stats is not None and hasattr(stats, "explain"):
-        return f"{obj!r}\n  {stats.explain()}{_ranks(obj)}"
+        return f"{obj!r}\n  {stats.explain()}{_ranks(obj)}{_values(obj)}"
     if isinstance(obj, torch.nn.Module):  # tr.make_graphed_callables(model, ...), breaks= or not
         forward = obj.__dict__.get("forward")
         if callable(getattr(forward, "explain", None)):  # graphed around its breaks
-            return str(forward.explain())
+            return str(forward.explain()) + _values(forward)
         graphed = [
             (path, m.__dict__["forward"]) for path, m in obj.named_modules()
             if isinstance(m.__dict__.get("forward"), (GraphedCallable, Launchless))
@@ -106,6 +106,21 @@ def _graphed_modules(model: torch.nn.Module, graphed: list[tuple[str, GraphedCal
         for path, r in graphed
     ]
     return "\n".join([head, *lines])
+
+
+def _values(obj: Any, most: int = 8) -> str:
+    """The plain Python values the graph's code read at capture, watched at each call
+    (core/frozen.py; "" when none)."""
+    reads = getattr(obj, "_reads", None)
+    values = getattr(reads, "values", None)
+    if not values:
+        return ""
+    paths = values.paths()
+    more = f", and {len(paths) - most} more" if len(paths) > most else ""
+    return (
+        f"\n  watches {len(paths)} plain Python value(s) its code read at capture (a call while "
+        f"one differs runs eagerly): {', '.join(paths[:most])}{more}"
+    )
 
 
 def _ranks(obj: Any) -> str:

@@ -322,7 +322,7 @@ class FrozenValues:
     def paths(self) -> list[str]:
         """What is watched (for tests and messages): each value's path, then each whole
         dict's and list's."""
-        return self._paths + self._whole
+        return list(dict.fromkeys(self._paths + self._whole))
 
 
 _get = dict.get
