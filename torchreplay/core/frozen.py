@@ -86,10 +86,7 @@ def _skipped_dirs() -> tuple[str, tuple[str, ...], str]:
 
 
 _STDLIB, _SKIPPED, _MODELS = _skipped_dirs()
-# Per code object: its attribute chains by the line they start on (start kind, start name,
-# attributes), or {} when its file is skipped. A few thousand code objects at most.
-_CHAINS: dict[types.CodeType, dict[int, tuple[tuple[str, str, tuple[str, ...]], ...]]] = {}
-_Chain = tuple[str, str, tuple[str, ...]]
+_Chain = tuple[str, str, tuple[str, ...]]  # (start kind, start name, attributes)
 
 
 def _watched_file(filename: str) -> bool:
@@ -102,10 +99,7 @@ def _watched_file(filename: str) -> bool:
 def chains_of(code: types.CodeType) -> dict[int, tuple[_Chain, ...]]:
     """The attribute chains ``code`` loads, by the line each starts on:
     ``("local", "self", ("config", "use_cache"))`` for ``self.config.use_cache``,
-    ``("global", "DEBUG", ())`` for a bare global."""
-    found = _CHAINS.get(code)
-    if found is not None:
-        return found
+    ``("global", "DEBUG", ())`` for a bare global; ``{}`` when its file is not watched."""
     out: dict[int, list[_Chain]] = {}
     if _watched_file(code.co_filename):
         start: tuple[str, str, int] | None = None
@@ -133,9 +127,7 @@ def chains_of(code: types.CodeType) -> dict[int, tuple[_Chain, ...]]:
             elif op == "LOAD_GLOBAL":
                 start = ("global", ins.argval, line)
         end()
-    found = {line: tuple(chains) for line, chains in out.items()}
-    _CHAINS[code] = found
-    return found
+    return {line: tuple(chains) for line, chains in out.items()}
 
 
 def _dict_of(obj: Any) -> dict[str, Any] | None:
@@ -169,6 +161,8 @@ class FrozenWatch:
         self.found: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
         self._previous: Any = None
         self._on = False
+        # Each code object's chains by line, read once per capture (a few thousand at most)
+        self._chains: dict[types.CodeType, dict[int, tuple[_Chain, ...]]] = {}
 
     def __enter__(self) -> FrozenWatch:
         self._previous = sys.gettrace()
@@ -187,7 +181,11 @@ class FrozenWatch:
         if event != "call" or self.paused:
             return None
         try:
-            return self._line if chains_of(frame.f_code) else None
+            code = frame.f_code
+            chains = self._chains.get(code)
+            if chains is None:
+                chains = self._chains[code] = chains_of(code)
+            return self._line if chains else None
         except Exception:  # never the capture's failure: this frame's values go unguarded
             return None
 
@@ -196,7 +194,7 @@ class FrozenWatch:
         does not run are not read (an encoder's ``if config.is_decoder:`` branch)."""
         if event == "line" and not self.paused:
             try:
-                chains = _CHAINS[frame.f_code].get(frame.f_lineno)
+                chains = self._chains[frame.f_code].get(frame.f_lineno)
                 if chains:
                     self._read(frame, chains)
             except Exception:
