@@ -258,3 +258,37 @@ def test_the_module_is_importable_without_a_profiler_left_behind() -> None:
 
     assert sys.gettrace() is None or "coverage" in type(sys.gettrace()).__module__
     assert frozen.MAX_ITEMS > 0
+
+
+@pytest.fixture
+def training_graphs(monkeypatch):
+    import test_buckets
+    import test_training
+    from torchreplay.training import callables as training
+
+    test_buckets.install_cpu_graphs(monkeypatch.setattr)
+    monkeypatch.setattr(training, "_capture_pairs", test_training._emulated_capture_pairs)
+    monkeypatch.setattr(training, "infer_device", lambda fn, call, device=None: torch.device("cpu"))
+
+
+def test_a_model_graphed_for_training_runs_eagerly_while_a_value_differs(training_graphs, caplog) -> None:
+    torch.manual_seed(0)
+    m = Model().train()
+    ref = Model().train()
+    ref.load_state_dict(m.state_dict())
+    tr.make_graphed_callables(m, (torch.randn(4, 4, requires_grad=True),))
+    stats = m.forward.stats
+    assert "Model.adapter._disable_adapters" in m.forward._values.paths()
+    for flag in (False, True, True, False):
+        m.adapter._disable_adapters = ref.adapter._disable_adapters = flag
+        x = torch.randn(4, 4)
+        out, want = m(x), ref(x)
+        torch.testing.assert_close(out, want)
+        out.sum().backward()
+        want.sum().backward()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad)
+    assert stats.fallbacks == 2
+    assert caplog.text.count("Model.adapter._disable_adapters is True (at capture: False)") == 1

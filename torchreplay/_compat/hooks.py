@@ -72,4 +72,3 @@ def global_optimizer_hooks() -> tuple[dict[int, Any], dict[int, Any]]:
 #: ``next_id`` of this class counts every hook handle torch has made (module, tensor, optimizer
 #: hooks): a class attribute, read per call to see whether any hook may have come since.
 hook_handles_made = torch.utils.hooks.RemovableHandle
-

@@ -506,8 +506,9 @@ class GraphedCallable(EagerForm):
 
     def _fallback(self, args: tuple[Any, ...], kwargs: dict[str, Any], why: str) -> Any:
         self.stats.fallbacks += 1
-        if why not in self._warned:
-            self._warned.add(why)
+        seen = why if why != modes.PY_VALUE else self._values.last  # (each value changed, once)
+        if seen not in self._warned:
+            self._warned.add(seen)
             if why == HOOKS:
                 warn_hooks_changed(self.name, self._hooks)
             elif why == modes.REQUIRES_GRAD:
@@ -517,10 +518,7 @@ class GraphedCallable(EagerForm):
             elif why == modes.REPLICA:
                 modes.warn_replica(self.name)
             elif why == modes.PY_VALUE:
-                self._warned.discard(why)  # (each value changed, once)
-                if self._values.last not in self._warned:
-                    self._warned.add(self._values.last)
-                    modes.warn_value_changed(self.name, self._values.last)
+                modes.warn_value_changed(self.name, self._values.last)
             else:
                 warn_mode_changed(self.name, self._training)
         return self._eager_fn()(*args, **kwargs)
