@@ -303,3 +303,32 @@ def test_a_model_graphed_for_training_inside_torch_func_grad_runs_eagerly(graphs
     for name in params:
         torch.testing.assert_close(grads[name], ref_grads[name], msg=name)
     assert model.forward.stats.fallbacks == 2 and model.forward.stats.replays == 0
+
+
+def test_a_launchless_layer_called_by_a_data_parallel_replica_elsewhere_returns_the_replicas_weights(monkeypatch) -> None:
+    """A layer of make_graphed_callables that launches no kernel (a learned position table
+    returning a view of its weight) runs eagerly at every call; called by an nn.DataParallel
+    replica on another GPU it ran the original's forward, handing that replica a view of the
+    original's weight (on the original's GPU). It runs the replica's own forward."""
+    from torchreplay.training.callables import Launchless
+
+    class Table(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, 4))
+
+        def forward(self, n: torch.Tensor) -> torch.Tensor:
+            return self.weight[: n.shape[0]]
+
+    model = Table()
+    layer = Launchless.__new__(Launchless)  # (no GPU here to capture on: made as _build makes it)
+    layer.fn, layer.name, layer.device, layer._run_fn = model, "Table", torch.device("cuda", 0), model.forward
+    layer._multi = 0  # (as on a machine with two GPUs)
+    model.forward = layer
+    replica = model._replicate_for_data_parallel()
+    replica.weight = torch.randn(8, 4)  # (replicate() sets the copies so, not as Parameters)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # the replica's thread, on cuda:1
+    n = torch.zeros(3)
+    assert replica(n).data_ptr() == replica.weight.data_ptr()  # the replica's weight
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert model(n).data_ptr() == model.weight.data_ptr()  # the original's, on its own GPU

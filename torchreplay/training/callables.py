@@ -29,7 +29,7 @@ from torchreplay.core.eager_form import EagerForm
 from torchreplay.core.effects import PyState
 from torchreplay.core.graphed import owned_by, resolve_config, resolve_pool
 from torchreplay.core.io import graph_copyable
-from torchreplay.core.modes import refuse_inference_capture
+from torchreplay.core.modes import refuse_inference_capture, replica_elsewhere
 from torchreplay.core.pool import Pool, release_with
 from torchreplay.stats import TrainingStats
 from torchreplay.training.graphed_callable import GraphedCallable
@@ -201,8 +201,13 @@ class Launchless(EagerForm):
         self.pool = pool
         self.stats = TrainingStats(pool.reserved_bytes)
         self._run_fn = runner._run_fn
+        # (several GPUs: an nn.DataParallel replica elsewhere runs its own forward, whose
+        # views are of its own weights, not of the original's on another GPU)
+        self._multi = self.device.index if torch.cuda.device_count() > 1 else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._multi is not None and replica_elsewhere(self, self._multi):
+            return self._eager_fn()(*args, **kwargs)
         return self._run_fn(*args, **kwargs)
 
     def __repr__(self) -> str:
