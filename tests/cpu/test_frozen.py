@@ -292,3 +292,20 @@ def test_a_model_graphed_for_training_runs_eagerly_while_a_value_differs(trainin
                 torch.testing.assert_close(p.grad, q.grad)
     assert stats.fallbacks == 2
     assert caplog.text.count("Model.adapter._disable_adapters is True (at capture: False)") == 1
+
+
+def test_a_capture_that_raises_leaves_no_trace_function_behind() -> None:
+    import sys
+
+    before = sys.gettrace()
+
+    def failing(x):
+        if DEBUG is False:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return x
+
+    with pytest.raises(RuntimeError, match="not permitted"):
+        with FrozenWatch() as watch:
+            failing(torch.randn(2))
+    assert sys.gettrace() is before
+    assert [k for (_, k) in watch.found] == (["DEBUG"] if before is None else [])
