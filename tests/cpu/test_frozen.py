@@ -95,7 +95,8 @@ def test_the_first_capture_finds_the_values_the_models_code_read() -> None:
             "Model.adapter.active"} <= paths, paths
     assert any(p.endswith("config.mode") for p in paths), paths
     assert "global 'DEBUG' of test_frozen" in paths, paths
-    assert not any(p.endswith((".drop.training", ".p")) for p in paths), paths  # (Dropout's: torch's code)
+    assert "Model.drop.training" in paths, paths  # (torch's Dropout reads its mode: watched)
+    assert "Model.drop.p" not in paths, paths  # (its rate, in eval: nothing reads it)
 
 
 @pytest.mark.parametrize("change", ["scale", "flag", "property", "dict", "list", "global"])
@@ -158,9 +159,47 @@ def test_a_submodule_switched_alone_is_seen_where_the_models_code_reads_its_mode
     m = Outer().eval()
     reads = _built(m, torch.randn(2, 4))
     assert "Outer.inner.training" in reads.values.paths()  # (Model's forward reads it)
-    assert not any(p.endswith("drop.training") for p in reads.values.paths())  # (torch's code)
-    m.inner.train()  # Outer stays in eval: no mode change of the graphed module
+    m.inner.training = True  # Outer stays in eval: no mode change of the graphed module
     assert reads.values.changed() and reads.values.last == "Outer.inner.training is True (at capture: False)"
+
+
+def test_torch_layers_are_watched_for_their_mode_and_while_training_their_rates() -> None:
+    from torchreplay.core.frozen import layer_reads
+
+    assert {"p", "training", "inplace"} <= set(layer_reads(nn.Dropout.forward.__code__))
+    assert layer_reads(nn.Module.__call__.__code__) == ()  # (nn.Module's own: every module's state)
+    assert layer_reads(Model.forward.__code__) == ()  # (the user's code: traced line by line)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(2, 2, 3, padding=1)
+            self.bn = nn.BatchNorm2d(2)
+            self.drop = nn.Dropout(0.25)
+            self.norm = nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.norm(self.drop(torch.relu(self.bn(self.conv(x)))))
+
+    x = torch.randn(2, 2, 8, 8)
+    paths = set(_built(Net().eval(), x).values.paths())
+    assert paths == {"Net.bn.training", "Net.drop.training"}, paths  # (the rates matter in training only)
+    mc = Net().eval()
+    reads = _built(mc, x)
+    mc.drop.train()  # MC dropout: the model in eval, its dropout sampling
+    assert reads.values.changed() and reads.values.last == "Net.drop.training is True (at capture: False)"
+    trained = Net().train()
+    reads = _built(trained, x)
+    paths = set(reads.values.paths())
+    assert {"Net.bn.training", "Net.bn.momentum", "Net.bn.eps", "Net.drop.training", "Net.drop.p"} == paths, paths
+    for where, name, value in ((trained.drop, "p", 0.5), (trained.bn, "momentum", 0.2), (trained.bn, "training", False)):
+        before = getattr(where, name)
+        setattr(where, name, value)
+        assert reads.values.changed() and reads.values.last.startswith(f"Net.{'drop' if where is trained.drop else 'bn'}.{name} is")
+        setattr(where, name, before)
+        assert not reads.values.changed()
+    trained.conv.stride = (2, 2)  # (a shape: not watched)
+    assert not reads.values.changed()
 
 
 def test_values_read_inside_an_eager_part_are_not_the_graphs() -> None:

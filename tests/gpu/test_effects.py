@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import logging
 from typing import Any
 
@@ -893,3 +894,77 @@ def test_a_peft_model_graphed_runs_eagerly_inside_disable_adapter_and_replays_af
         assert (off - on).abs().max() > 1e-3  # (the adapters matter: the test can fail)
         torch.testing.assert_close(g(xi).logits, on)
         assert g.stats.replays == replays + 1
+
+
+class Normed(nn.Module):
+    """Linear, BatchNorm, ReLU, Dropout, Linear: torch's own layers that read their mode."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.drop = nn.Dropout(p)
+        self.out = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.drop(torch.relu(self.bn(self.inp(x)))))
+
+
+@pytest.mark.parametrize("front", ["graph", "sizes", "make_graphed_callables", "graph_step"])
+def test_a_torch_layer_switched_alone_runs_calls_eagerly_until_set_back(front, caplog) -> None:
+    """torch's own layers read their mode in torch's code. Inference: an eval model whose
+    ``Dropout`` alone is switched to ``train()`` (MC dropout) samples masks eagerly (seeded
+    alike, equal to eager; two seeds differ), where a replay would have skipped the dropout.
+    Training: a ``BatchNorm`` frozen alone (``bn.eval()``) normalizes by its running statistics,
+    and a ``Dropout``'s rate raised from 0 drops; each equals eager. Set back, calls replay."""
+    train = front in ("make_graphed_callables", "graph_step")
+    torch.manual_seed(0)
+    m = Normed(0.0 if train else 0.3).to(DEV).train(train)
+    ref = copy.deepcopy(m)
+    g = graph_by(front, m, torch.randn(4, 16, device=DEV))
+    stats = g.forward.stats if isinstance(g, nn.Module) else g.stats
+    ref_step = train_step_of(ref)
+
+    def call(xi: torch.Tensor, seed: int) -> torch.Tensor | None:
+        torch.manual_seed(seed)
+        if front == "graph_step":
+            got = g(xi)
+            torch.manual_seed(seed)
+            torch.testing.assert_close(got, ref_step(xi))
+            for p, q in itertools.chain(zip(m.parameters(), ref.parameters()), zip(m.buffers(), ref.buffers())):
+                torch.testing.assert_close(p, q)
+            return None
+        with contextlib.nullcontext() if train else torch.no_grad():
+            got = g(xi)
+            torch.manual_seed(seed)
+            want = ref(xi)
+            torch.testing.assert_close(got, want)
+        if train:
+            got.square().mean().backward()
+            want.square().mean().backward()
+            for p, q in zip(m.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad)
+                p.grad = q.grad = None
+        return got
+
+    def calls(n: int) -> list:
+        return [call(torch.randn(4, 16, device=DEV), 100 + i) for i in range(n)]
+
+    calls(3)
+    changes = [("drop", "p", 0.3), ("bn", "training", False)] if train else [("drop", "training", True)]
+    for attr, name, value in changes:
+        before = getattr(getattr(m, attr), name)
+        for target in (m, ref):
+            setattr(getattr(target, attr), name, value)
+        replays, fallbacks = stats.replays, stats.fallbacks
+        outs = calls(3)
+        assert stats.replays == replays and stats.fallbacks == fallbacks + 3, (attr, name, stats)
+        assert "drop.training is True (at capture: False)" in caplog.text or train
+        if not train:  # (the test can fail: the masks differ by seed)
+            assert not torch.equal(outs[0], outs[1])
+        for target in (m, ref):
+            setattr(getattr(target, attr), name, before)
+        calls(3)
+        assert stats.replays == replays + 3 and stats.fallbacks == fallbacks + 3, (attr, name, stats)
+    if train:
+        assert "bn.training is False (at capture: True)" in caplog.text and "drop.p is 0.3" in caplog.text

@@ -19,10 +19,14 @@ config.is_decoder:`` branch never reads ``config.use_cache``. A chain that ends 
 value, or at a small dict or list of them (PEFT's ``scaling``), is kept; a global read bare
 (``if DEBUG:``) too. Frames called inside a break are not traced (their reads run again at each
 call), and objects the call made itself (a new cache object) are no state: not kept.
-Not seen: values read by torch's own layers (a ``Dropout``'s ``p`` or ``training``, a
-``Conv2d``'s ``stride``), class attributes and ``__slots__``. A module's ``training`` that the
-model's code reads is watched like any value (the graphed module's own is compared first, as
-its mode).
+Torch's own layers are not traced line by line; as one of their methods starts, its mode is
+watched where the method reads it (MC dropout switches the ``Dropout`` layers of an eval model
+to ``train()``; fine-tuning freezes the ``BatchNorm`` layers of a training one), and while the
+layer trains, the rates the same method reads (floats: a ``Dropout``'s ``p``, a
+``BatchNorm``'s ``momentum``). Not seen: a torch layer's shape (a ``Conv2d``'s ``stride``: nobody changes it
+after building it, and each value watched costs every call), class attributes and
+``__slots__``. A module's ``training`` that the model's code reads is watched like any value
+(the graphed module's own is compared first, as its mode).
 
 :class:`FrozenValues` compares them with the capture's at each call, all in one ``map`` over
 the dicts that hold them (35-60 ns a value on the H200's host: 46 to 60 values, 1.7-2.9 us a
@@ -86,6 +90,9 @@ def _skipped_dirs() -> tuple[str, tuple[str, ...], str]:
 
 
 _STDLIB, _SKIPPED, _MODELS = _skipped_dirs()
+_TORCH = _SKIPPED[0]
+# nn.Module's own methods read every module's state: not a layer's reads
+_MODULE_PY = os.path.abspath(sys.modules[_Module.__module__].__file__ or "")
 _Chain = tuple[str, str, tuple[str, ...]]  # (start kind, start name, attributes)
 
 
@@ -130,6 +137,24 @@ def chains_of(code: types.CodeType) -> dict[int, tuple[_Chain, ...]]:
     return {line: tuple(chains) for line, chains in out.items()}
 
 
+def layer_reads(code: types.CodeType) -> tuple[str, ...]:
+    """The attributes a method of torch's own layers reads from ``self`` (``Dropout.forward``:
+    ``p``, ``training``, ``inplace``); ``()`` for other code."""
+    if not code.co_filename.startswith(_TORCH) or code.co_filename == _MODULE_PY:
+        return ()
+    if code.co_argcount < 1 or code.co_varnames[0] != "self":
+        return ()
+    names: dict[str, None] = {}
+    previous = None
+    for ins in dis.get_instructions(code):
+        if ins.opname in _ATTR_OPS and previous is not None and previous.opname.startswith("LOAD_FAST"):
+            loaded = previous.argval[-1] if isinstance(previous.argval, tuple) else previous.argval
+            if loaded == "self":
+                names[ins.argval] = None
+        previous = ins
+    return tuple(names)
+
+
 def _dict_of(obj: Any) -> dict[str, Any] | None:
     """An instance's own ``__dict__`` (no ``__getattribute__`` of its class is called)."""
     if isinstance(obj, (torch.Tensor, *_OPAQUE)) or type(obj).__module__.startswith("torchreplay."):
@@ -163,6 +188,7 @@ class FrozenWatch:
         self._on = False
         # Each code object's chains by line, read once per capture (a few thousand at most)
         self._chains: dict[types.CodeType, dict[int, tuple[_Chain, ...]]] = {}
+        self._layers: dict[types.CodeType, tuple[str, ...]] = {}  # torch's layers' methods
 
     def __enter__(self) -> FrozenWatch:
         self._previous = sys.gettrace()
@@ -185,9 +211,30 @@ class FrozenWatch:
             chains = self._chains.get(code)
             if chains is None:
                 chains = self._chains[code] = chains_of(code)
-            return self._line if chains else None
+            if chains:
+                return self._line
+            names = self._layers.get(code)
+            if names is None:
+                names = self._layers[code] = layer_reads(code)
+            if names:
+                self._layer(frame.f_locals.get("self"), names)
         except Exception:  # never the capture's failure: this frame's values go unguarded
-            return None
+            pass
+        return None
+
+    def _layer(self, module: Any, names: tuple[str, ...]) -> None:
+        """A torch layer's method starts: its mode, where it reads it (a ``Dropout`` or a
+        ``BatchNorm`` switched alone, as MC dropout and frozen batch norms do), and while it
+        trains the rates the same method reads (floats: a ``Dropout``'s ``p``, a
+        ``BatchNorm``'s ``momentum``; a ``LayerNorm`` reads no mode, and none of its values). Its shape (ints, tuples, strings) and, in eval, its constants are not
+        watched: nobody changes them after building it, and each value costs every call."""
+        d = _dict_of(module) if isinstance(module, _Module) else None
+        if d is None:
+            return
+        training = d.get("training") is True and "training" in names
+        for name in names:
+            if name in d and (name == "training" or (training and type(d[name]) is float)):
+                self.found.setdefault((id(d), name), (module, d, name))
 
     def _line(self, frame: types.FrameType, event: str, arg: Any) -> Any:
         """A line starts: the chains it loads, from the locals as they are now. Lines the call
