@@ -143,7 +143,7 @@ def test_a_value_written_again_unchanged_replays() -> None:
     assert values.changed() and values.last.startswith("Model.adapter.scaling is"), values.last
     m.adapter.scaling["default"] = 0.5
     assert not values.changed()
-    del m.adapter.__dict__["_disable_adapters"]
+    del m.adapter._disable_adapters
     assert values.changed() and "is (absent)" in values.last, values.last
 
 
@@ -340,3 +340,33 @@ def test_a_capture_that_raises_leaves_no_trace_function_behind() -> None:
             failing(torch.randn(2))
     assert sys.gettrace() is before
     assert [k for (_, k) in watch.found] == (["DEBUG"] if before is None else [])
+
+
+def test_a_modules_values_are_compared_after_a_write_to_a_module_and_others_at_every_call() -> None:
+    """Python >= 3.12 counts the calls of ``nn.Module.__setattr__`` and ``__delattr__``
+    (``sys.monitoring``): a module's plain values are compared only after one, any module's.
+    A write around them (``m.__dict__[k] = v``) is seen at the next counted write, not before.
+    A plain object's values, a global and a dict's items are compared at every call. On older
+    Pythons every value is compared at every call."""
+    import sys
+
+    from torchreplay.core.frozen import counted_writes
+
+    m = Model().eval()
+    values = _built(m, torch.randn(2, 4)).values
+    counted = hasattr(sys, "monitoring")
+    assert counted_writes(Model) is counted and counted_writes(nn.Dropout) is counted
+    assert not counted_writes(Config) and not counted_writes(types.SimpleNamespace)
+    assert not values.changed()
+    m.__dict__["scale"] = 3.0  # (around __setattr__)
+    assert values.changed() is not counted
+    m.drop.unrelated = 1  # any module's write: compared again
+    assert values.changed() and values.last == "Model.scale is 3.0 (at capture: 2.0)", values.last
+    m.scale = 2.0
+    assert not values.changed()
+    for change, back in ((lambda: setattr(m.config, "mode", "add"), lambda: setattr(m.config, "mode", "mul")),
+                         (lambda: m.adapter.scaling.update(default=2.0), lambda: m.adapter.scaling.update(default=0.5))):
+        change()  # (no module written)
+        assert values.changed()
+        back()
+        assert not values.changed()

@@ -29,8 +29,12 @@ after building it, and each value watched costs every call), class attributes an
 (the graphed module's own is compared first, as its mode).
 
 :class:`FrozenValues` compares them with the capture's at each call, all in one ``map`` over
-the dicts that hold them (35-60 ns a value on the H200's host: 46 to 60 values, 1.7-2.9 us a
-call, for the small Hugging Face models of the GPU tests). A call while one differs runs
+the dicts that hold them (35-60 ns a value on the H200's host: 13 us a call for a 32-layer
+Hugging Face Llama's 267). On Python >= 3.12 a module's values are compared only after a call
+of ``nn.Module.__setattr__`` or ``__delattr__``, any module's, which ``sys.monitoring`` counts
+(:func:`counted_writes`): the same Llama's check is about 0.5 us, its 7 values outside modules
+(config fields, globals). A write around them (``m.__dict__[k] = v``) is seen at the next
+counted one. A call while one differs runs
 eagerly, as a call in the other train/eval mode does (``core/modes.py``: ``PY_VALUE``), with
 one warning per change naming it, both values and the fix; set back, the graph replays again. (Dict version tags,
 tried first, cost more on Python 3.12, where torch reads them through a dict watcher.)
@@ -300,15 +304,16 @@ class FrozenValues:
             cache object each call) is no state, and is neither watched nor kept alive.
     """
 
-    __slots__ = ("_dicts", "_keys", "_values", "_paths", "_sized", "_sizes", "_lists", "_copies", "_whole", "last")
+    __slots__ = ("_always", "_counted", "_seen", "_sized", "_sizes", "_lists", "_copies", "_whole", "last")
 
     def __init__(self, found: dict[tuple[int, Any], tuple[Any, Any, Any]], state: dict[int, tuple[Any, str]]) -> None:
-        # Each value in a dict (an instance's, a global's, a small dict's item): the dict, the
-        # key, the value, the path; read per call in one ``map`` (about 25 ns a value).
-        self._dicts: list[dict[Any, Any]] = []
-        self._keys: list[Any] = []
-        self._values: list[Any] = []
-        self._paths: list[str] = []
+        # Each value in a dict (an instance's, a global's, a small dict's item), compared at each
+        # call; or, where every write to its owner goes through a __setattr__ and __delattr__
+        # written in Python (a module's) and Python counts their calls (>= 3.12), compared only
+        # after one (:func:`counted_writes`).
+        self._always = _Values()
+        self._counted = _Values()
+        self._seen = -1
         self._sized: list[dict[Any, Any]] = []  # small dicts kept whole: their lengths too
         self._sizes: list[int] = []
         self._lists: list[list[Any]] = []  # small lists kept whole: compared with copies
@@ -331,27 +336,28 @@ class FrozenValues:
                 self._sizes.append(len(where))
                 self._whole.insert(len(self._sized) - 1, path)
                 for k, v in where.items():
-                    self._add(where, k, v, f"{path}[{k!r}]")
+                    self._always.add(where, k, v, f"{path}[{k!r}]")
             else:
-                self._add(where, key, where.get(key, MISSING), path)
-
-    def _add(self, d: dict[Any, Any], key: Any, value: Any, path: str) -> None:
-        self._dicts.append(d)
-        self._keys.append(key)
-        self._values.append(value)
-        self._paths.append(path)
+                value = where.get(key, MISSING)  # (a dict or list held changes with no write)
+                counted = not isinstance(owner, str) and _plain(value) and counted_writes(type(owner))
+                (self._counted if counted else self._always).add(where, key, value, path)
 
     def __bool__(self) -> bool:
-        return bool(self._values or self._lists)
+        return bool(self._always.values or self._counted.values or self._lists)
 
     def changed(self) -> bool:
-        """Does a value differ from the capture's (then :attr:`last` says which)? A list's
-        ``==`` tests identity before equality, item by item, in C."""
-        if [*map(_get, self._dicts, self._keys, _MISSINGS)] != self._values:
-            for d, key, value, path in zip(self._dicts, self._keys, self._values, self._paths):
-                if not _same(d.get(key, MISSING), value):
-                    self.last = _said(path, value, d.get(key, MISSING))
-                    return True
+        """Does a value differ from the capture's (then :attr:`last` says which)?"""
+        writes = _WRITES[0]  # (read first: a write during the comparison is seen next call)
+        if writes != self._seen:
+            said = self._counted.differs()
+            if said:
+                self.last = said
+                return True
+            self._seen = writes
+        said = self._always.differs()
+        if said:
+            self.last = said
+            return True
         if self._sized and [*map(len, self._sized)] != self._sizes:
             for d, n, path in zip(self._sized, self._sizes, self._whole):
                 if len(d) != n:
@@ -367,7 +373,91 @@ class FrozenValues:
     def paths(self) -> list[str]:
         """What is watched (for tests and messages): each value's path, then each whole
         dict's and list's."""
-        return list(dict.fromkeys(self._paths + self._whole))
+        return list(dict.fromkeys(self._counted.paths + self._always.paths + self._whole))
+
+
+class _Values:
+    """Values in dicts: each dict, key, value at capture and path, in four lists, read per call
+    in one ``map`` (25-50 ns a value)."""
+
+    __slots__ = ("dicts", "keys", "values", "paths")
+
+    def __init__(self) -> None:
+        self.dicts: list[dict[Any, Any]] = []
+        self.keys: list[Any] = []
+        self.values: list[Any] = []
+        self.paths: list[str] = []
+
+    def add(self, d: dict[Any, Any], key: Any, value: Any, path: str) -> None:
+        self.dicts.append(d)
+        self.keys.append(key)
+        self.values.append(value)
+        self.paths.append(path)
+
+    def differs(self) -> str:
+        """What differs from the capture, said; ``""`` when nothing does. A list's ``==``
+        tests identity before equality, item by item, in C."""
+        if self.values and [*map(_get, self.dicts, self.keys, _MISSINGS)] != self.values:
+            for d, key, value, path in zip(self.dicts, self.keys, self.values, self.paths):
+                if not _same(d.get(key, MISSING), value):
+                    return _said(path, value, d.get(key, MISSING))
+        return ""
+
+
+# The calls of the __setattr__ and __delattr__ code of the classes that hold watched values, counted by
+# sys.monitoring (Python >= 3.12) once a graph watches such a value: a count unchanged since a
+# call found every value as captured means no such value was written since.
+_WRITES = [0]
+_TOOL: list[int | None] = []  # the tool id claimed, or None where none is free
+_COUNTED: dict[type, bool] = {}
+_TOOL_IDS = (4, 3)  # (sys.monitoring leaves 3 and 4 unassigned; 0-2 and 5 are the debugger's,
+# coverage's, profilers' and optimizers')
+
+
+def _on_write(*args: Any) -> None:
+    """A counted ``__setattr__`` starts or returns (both: a call on another thread that read
+    the count between the two compares again; under the GIL this body runs whole)."""
+    _WRITES[0] += 1
+
+
+def counted_writes(cls: type) -> bool:
+    """Is every attribute write to an instance of ``cls`` counted in :data:`_WRITES` from now
+    on? True where ``cls.__setattr__`` and ``cls.__delattr__`` are Python code (``nn.Module``'s)
+    and ``sys.monitoring`` has a free tool id; False where either is ``object``'s (plain objects,
+    a Hugging Face config: their values are compared at every call) and on Python 3.11 and
+    older. A write that goes around them (``m.__dict__[k] = v``) is not counted."""
+    known = _COUNTED.get(cls)
+    if known is not None:
+        return known
+    monitoring = getattr(sys, "monitoring", None)
+    codes = [getattr(getattr(cls, name, None), "__code__", None) for name in ("__setattr__", "__delattr__")]
+    counted = False
+    if monitoring is not None and all(isinstance(code, types.CodeType) for code in codes):
+        if not _TOOL:
+            _TOOL.append(_claim(monitoring))
+        tool = _TOOL[0]
+        if tool is not None:
+            try:
+                events = monitoring.events.PY_START | monitoring.events.PY_RETURN
+                for code in codes:
+                    monitoring.set_local_events(tool, code, monitoring.get_local_events(tool, code) | events)
+                counted = True
+            except ValueError:  # (code monitoring refuses: compared at every call)
+                pass
+    _COUNTED[cls] = counted
+    return counted
+
+
+def _claim(monitoring: Any) -> int | None:
+    for tool in _TOOL_IDS:
+        try:
+            monitoring.use_tool_id(tool, "torchreplay")
+        except ValueError:  # (another tool holds it)
+            continue
+        monitoring.register_callback(tool, monitoring.events.PY_START, _on_write)
+        monitoring.register_callback(tool, monitoring.events.PY_RETURN, _on_write)
+        return tool
+    return None
 
 
 _get = dict.get
