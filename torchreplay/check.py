@@ -105,6 +105,10 @@ _NO_CUDA = _Rule("cpu-tensor", "the call touched no CUDA tensor, so a CUDA graph
 _MULTI = _Rule("multi-device", "uses tensors on several CUDA devices, but a graph is captured on "
                "one device", "keep the graphed function on one device, or graph each device's "
                "part separately")
+_ELSEWHERE = _Rule("multi-device", "runs on another CUDA device than the call's (the device of its "
+                   "CUDA arguments, or of its module): a graph is captured on one device and does not "
+                   "record the other's kernels, so a replay would skip them", "keep the graphed "
+                   "function on one device, or graph each device's part separately")
 _RNG_STATE = _Rule(_RNG, "reads or writes the RNG state on the host, which a graph does not "
                    "replay", "seed outside the graphed call (before a call): a graph reads the "
                    "generator's seed and offset at every replay and draws on from there")
@@ -391,6 +395,7 @@ class _Recorder:
         self.on_finding = on_finding
         self.drawn = _HostDraws()  # (followed once the call has touched CUDA)
         self.host = _HostWrites()
+        self.device: int | None = None  # the call's CUDA device, where its arguments tell
 
     def add(self, op: str, rule: _Rule, at: tuple[str, int] | None, code: str | None = None) -> None:
         filename, lineno = at or self.fallback
@@ -409,6 +414,10 @@ class _Recorder:
               tensors: list[torch.Tensor]) -> None:
         name = _op_name(func)
         rules = _classify(name, args, kwargs, tensors)
+        if self.device is not None and name not in _COPY_OPS:
+            devices = {t.device.index for t in tensors if t.device.type == "cuda"}
+            if devices and self.device not in devices:
+                rules.append(_ELSEWHERE)
         if self.drawn.any_of(tensors) and (name in _HOST_READS or _touches_cuda(tensors, kwargs, None)):
             rules = [r for r in rules if r is not _SYNC_VALUE] + [_RNG_HOST_DRAW]  # (a CPU value)
         elif self.saw_cuda and _SYNC_VALUE in rules and all(t.device.type == "cpu" for t in tensors):
@@ -517,6 +526,7 @@ def check_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     fallback = caller or _definition_location(fn) or origin or _UNKNOWN
     whole_call = origin or fallback
     recorder = _Recorder(fallback, previous, on_finding)
+    recorder.device = _call_device(fn, args, kwargs)
     # A C-level profiler (cProfile before Python 3.12) is not callable and could not be restored
     # through sys.setprofile, so leave it alone and see aten ops only.
     hook_python = previous is None or callable(previous)
@@ -545,6 +555,13 @@ def check_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     report = recorder.report(whole_call, _name(fn))
     logger.debug("check: %s: %d findings", _name(fn), len(report))
     return report
+
+
+def _call_device(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The CUDA device a graph of the call is captured on: its first CUDA argument's (one
+    level deep), else its module's first CUDA parameter's or buffer's; None where none says."""
+    held = _tensors(args, kwargs) + ([*fn.parameters(), *fn.buffers()] if isinstance(fn, torch.nn.Module) else [])
+    return next((t.device.index for t in held if t.device.type == "cuda"), None)
 
 
 def check(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Report:

@@ -593,6 +593,36 @@ def test_a_tensor_off_the_graphs_device_written_at_every_call_is_refused_and_put
     assert capture_on(torch.device("cpu"), model, torch.randn(2)) is None
 
 
+class BufferCounter(nn.Module):
+    """Counts its calls in a registered buffer off the graph's device (a second GPU's, in
+    small: its kernels run on that device's own stream, which no capture records)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer("seen", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.add_(1)
+        return self.lin(x)
+
+
+def test_a_buffer_or_parameter_off_the_graphs_device_written_at_every_call_is_refused_and_put_back() -> None:
+    model = BufferCounter()
+    err = capture_on(GRAPH_DEVICE, model, torch.randn(2))
+    assert err is not None and "seen (a torch.float32 tensor(1,) on cpu)" in str(err), err
+    # (the fronts put back what the warm-ups and the capture counted: StateSnapshot, GPU-tested)
+
+    def step(x: torch.Tensor) -> torch.Tensor:  # an optimizer's update of a weight off the device
+        with torch.no_grad():
+            model.lin.weight.mul_(0.5)
+        return x
+
+    err = capture_on(GRAPH_DEVICE, step, torch.randn(2))
+    assert err is not None and "lin.weight (a torch.float32 tensor(2, 2) on cpu)" in str(err), err
+    assert capture_on(torch.device("cpu"), model, torch.randn(2)) is None  # (on its own device: replayed)
+
+
 def test_a_write_off_the_graphs_device_inside_a_break_is_real_and_one_in_a_segment_is_refused() -> None:
     def bump(s: Parts, x: torch.Tensor) -> torch.Tensor:
         s.h.add_(1)

@@ -106,6 +106,46 @@ def test_a_counter_is_refused_by_every_front_and_put_back(front) -> None:
     assert m.calls == 0
 
 
+class BufferCounter(nn.Module):
+    """Counts its calls in a registered buffer off the graph's device: on the CPU (registered
+    after ``.to``), or on a second GPU, whose kernels run on that device's own stream."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16, device=DEV)
+        self.register_buffer("seen", torch.zeros(1, device=where))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.add_(1)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("where", ["cpu", "cuda:1"])
+@pytest.mark.parametrize("front", ["graph", "sizes", "make_graphed_callables", "graph_step"])
+def test_a_buffer_off_the_graphs_device_written_at_every_call_is_refused_and_put_back(front, where) -> None:
+    """Eagerly each call counts; a replay runs only the graph's device work and would leave the
+    counter where the capture left it, silently (two-GPU probe, session 77: 0 against eager's
+    4). Refused, naming the buffer and its device; the count the build made is put back."""
+    if where == "cuda:1" and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    m = BufferCounter(where)
+    with pytest.raises(CaptureError, match=rf"not on the graph's device.*seen \(a torch.float32 tensor\(1,\) on {where}\)"):
+        graph_by(front, m, torch.randn(4, 16, device=DEV))
+    assert m.seen.item() == 0
+
+
+def test_check_names_work_on_a_second_gpu_that_a_graph_would_not_record() -> None:
+    """``tr.check`` of a call on cuda:0 that also writes a buffer on cuda:1 (no op mixes the
+    two devices, so no capture fails): one "multi-device" finding at that line."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    m = BufferCounter("cuda:1")
+    report = tr.check(m, torch.randn(4, 16, device=DEV))
+    kinds = [(f.kind, f.op, f.code) for f in report]
+    assert kinds == [("multi-device", "aten.add_", "self.seen.add_(1)")], kinds
+    assert tr.check(BufferCounter(DEV), torch.randn(4, 16, device=DEV)).findings == []
+
+
 class HostCounter(nn.Module):
     """Counts its calls in a CPU tensor kept as a plain attribute: ``.to(DEV)`` leaves it there."""
 

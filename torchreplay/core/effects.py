@@ -496,15 +496,23 @@ def _off_device(
     nodes: dict[str, Node], device: torch.device
 ) -> list[tuple[str, torch.Tensor, int, torch.Tensor | None]]:
     """The tensors the state holds on another device than the graph's (a step counter kept
-    on the CPU), each once, with its version counter and, if small, a copy."""
+    on the CPU; a module's buffer or parameter on a second GPU, whose kernels run on that
+    device's own stream, outside the capture), each once, with its version counter and, if
+    small, a copy."""
     found: dict[int, tuple[str, torch.Tensor, int, torch.Tensor | None]] = {}
-    plain = {id(t) for t in plain_tensors(nodes)}
-    for node, key, t in state_tensors(nodes):
+    held = [(path_of(node, key), t) for node, key, t in state_tensors(nodes)] + [
+        (f"{node.path}.{name}", t)  # (a module's own: not in the walk, StateSnapshot's)
+        for node in nodes.values() if node.kind == "attrs" and isinstance(node.obj, torch.nn.Module)
+        for own in (node.obj._buffers, node.obj._parameters) for name, t in own.items() if t is not None
+    ]
+    for path, t in held:
+        if id(t) in found or t.layout != torch.strided or t.device.type == "meta" or on_device(t, device):
+            continue
         version = version_of(t)
-        if id(t) in found or id(t) not in plain or on_device(t, device) or version is None:
+        if version is None:
             continue
         with torch.no_grad():
-            found[id(t)] = (path_of(node, key), t, version, t.detach().clone() if is_small(t) else None)
+            found[id(t)] = (path, t, version, t.detach().clone() if is_small(t) else None)
     return list(found.values())
 
 
