@@ -370,3 +370,33 @@ def test_a_modules_values_are_compared_after_a_write_to_a_module_and_others_at_e
         assert values.changed()
         back()
         assert not values.changed()
+
+
+def test_a_write_made_by_torch_compiled_code_is_seen() -> None:
+    """Dynamo replays a compiled frame's attribute writes after its graph, by code it
+    generates (not always through the class's ``__setattr__``): the write to a watched module
+    value, from a compiled function and from a compiled module's forward, is seen at the next
+    check (counted on Python >= 3.12, compared on older ones)."""
+    m = Model().eval()
+    values = _built(m, torch.randn(2, 4)).values
+    assert not values.changed()
+
+    def write(mod: nn.Module, y: torch.Tensor) -> torch.Tensor:
+        mod.scale = 3.0
+        return y * 2
+
+    class Holder(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, y: torch.Tensor) -> torch.Tensor:
+            self.inner.scale = 5.0
+            return y + 1
+
+    torch.compile(write, backend="eager")(m, torch.randn(2))
+    assert values.changed() and values.last == "Model.scale is 3.0 (at capture: 2.0)", values.last
+    m.scale = 2.0
+    assert not values.changed()
+    torch.compile(Holder(m), backend="eager")(torch.randn(2))
+    assert values.changed() and values.last == "Model.scale is 5.0 (at capture: 2.0)", values.last
