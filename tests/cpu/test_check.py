@@ -635,6 +635,31 @@ def test_fake_cuda_several_devices(fake_cuda):
     assert_at(report[0], "mix", kind="multi-device", op="aten.add")
 
 
+class Elsewhere(torch.nn.Module):
+    """Works on cuda:0 and adds to a counter on cuda:1: no op mixes the devices."""
+
+    def __init__(self, counter: torch.Tensor) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def forward(self, x):
+        self.counter.add_(1)  # at:elsewhere
+        return x * 2
+
+
+def test_fake_cuda_an_op_wholly_on_another_gpu_than_the_calls(fake_cuda):
+    """A graph captured on the call's device (its CUDA argument's) records none of cuda:1's
+    kernels: the counter's add is one multi-device finding; the call's own op none."""
+    try:
+        counter = fake_cuda(1, device="cuda:1")
+    except Exception as exc:  # a machine with one real GPU validates the index
+        pytest.skip(f"no fake cuda:1 here: {exc}")
+    report = check(Elsewhere(counter), fake_cuda(4))
+    assert len(report) == 1, report
+    assert_at(report[0], "elsewhere", kind="multi-device", op="aten.add_")
+    assert len(check(Elsewhere(fake_cuda(1)), fake_cuda(4))) == 0  # (all on cuda:0)
+
+
 def test_fake_cuda_cpu_scalar_and_tensor_from_list(fake_cuda):
     assert len(check(f_cuda_scalar, fake_cuda(4))) == 0
     report = check(f_cuda_list, fake_cuda(4))
