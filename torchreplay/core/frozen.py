@@ -23,9 +23,9 @@ Torch's own layers are not traced line by line; as one of their methods starts, 
 watched where the method reads it (MC dropout switches the ``Dropout`` layers of an eval model
 to ``train()``; fine-tuning freezes the ``BatchNorm`` layers of a training one), and while the
 layer trains, the rates the same method reads (floats: a ``Dropout``'s ``p``, a
-``BatchNorm``'s ``momentum``). Not seen: a torch layer's shape (a ``Conv2d``'s ``stride``: nobody changes it
-after building it, and each value watched costs every call), class attributes and
-``__slots__``. A module's ``training`` that the model's code reads is watched like any value
+``BatchNorm``'s ``momentum``). Not seen: a torch layer's shape (a ``Conv2d``'s ``stride``:
+nobody changes it after building it, and each value watched costs every call), class
+attributes and ``__slots__``. A module's ``training`` that the model's code reads is watched like any value
 (the graphed module's own is compared first, as its mode).
 
 :class:`FrozenValues` compares them with the capture's at each call, all in one ``map`` over
@@ -34,10 +34,10 @@ Hugging Face Llama's 267). On Python >= 3.12 a module's values are compared only
 of ``nn.Module.__setattr__`` or ``__delattr__``, any module's, which ``sys.monitoring`` counts
 (:func:`counted_writes`): the same Llama's check is about 0.5 us, its 7 values outside modules
 (config fields, globals). A write around them (``m.__dict__[k] = v``) is seen at the next
-counted one. A call while one differs runs
-eagerly, as a call in the other train/eval mode does (``core/modes.py``: ``PY_VALUE``), with
-one warning per change naming it, both values and the fix; set back, the graph replays again. (Dict version tags,
-tried first, cost more on Python 3.12, where torch reads them through a dict watcher.)
+counted one. A call while one differs runs eagerly, as a call in the other train/eval mode does
+(``core/modes.py``: ``PY_VALUE``), with one warning per change naming it, both values and the
+fix; set back, the graph replays again. (Dict version tags, tried first, cost more on Python
+3.12, where torch reads them through a dict watcher.)
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ import os
 import sys
 import sysconfig
 import types
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -230,8 +231,9 @@ class FrozenWatch:
         """A torch layer's method starts: its mode, where it reads it (a ``Dropout`` or a
         ``BatchNorm`` switched alone, as MC dropout and frozen batch norms do), and while it
         trains the rates the same method reads (floats: a ``Dropout``'s ``p``, a
-        ``BatchNorm``'s ``momentum``; a ``LayerNorm`` reads no mode, and none of its values). Its shape (ints, tuples, strings) and, in eval, its constants are not
-        watched: nobody changes them after building it, and each value costs every call."""
+        ``BatchNorm``'s ``momentum``; a ``LayerNorm`` reads no mode, and none of its values).
+        Its shape (ints, tuples, strings) and, in eval, its constants are not watched: nobody
+        changes them after building it, and each value costs every call."""
         d = _dict_of(module) if isinstance(module, _Module) else None
         if d is None:
             return
@@ -404,12 +406,12 @@ class _Values:
         return ""
 
 
-# The calls of the __setattr__ and __delattr__ code of the classes that hold watched values, counted by
-# sys.monitoring (Python >= 3.12) once a graph watches such a value: a count unchanged since a
-# call found every value as captured means no such value was written since.
+# The calls of the __setattr__ and __delattr__ code of the classes that hold watched values,
+# counted by sys.monitoring (Python >= 3.12) once a graph watches such a value: a count
+# unchanged since a call found every value as captured means no such value was written since.
 _WRITES = [0]
 _TOOL: list[int | None] = []  # the tool id claimed, or None where none is free
-_COUNTED: dict[type, bool] = {}
+_COUNTED: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()  # (a test's class dies)
 _TOOL_IDS = (4, 3)  # (sys.monitoring leaves 3 and 4 unassigned; 0-2 and 5 are the debugger's,
 # coverage's, profilers' and optimizers')
 
