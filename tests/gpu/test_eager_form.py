@@ -117,6 +117,54 @@ def test_data_parallel_over_a_graphed_model_equals_eager_data_parallel(front: st
     assert graph.stats.replays == 6 and graph.stats.fallbacks == 6  # (the replica on cuda:1)
 
 
+class Positions(nn.Module):
+    """A learned position table: a view of its weight, no kernel (a ``Launchless`` layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight[: x.shape[0]]
+
+
+class Positioned(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = Positions()
+        self.body = mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x + self.pos(x))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_data_parallel_over_a_tuple_of_graphed_layers_with_a_position_table_equals_eager() -> None:
+    """``make_graphed_callables`` of (a position table, an MLP): the table launches no kernel
+    and runs eagerly at each call. Under nn.DataParallel the replica on cuda:1 got a view of
+    the original's weight on cuda:0 (a device error in its add); it gets its own replica's now.
+    Outputs, gradients and SGD steps equal eager DataParallel's over 6 calls."""
+    torch.manual_seed(0)
+    model = Positioned().to(DEV).train()
+    ref = copy.deepcopy(model)
+    sample = torch.randn(8, 32, device=DEV, requires_grad=True)
+    tr.make_graphed_callables((model.pos, model.body), ((sample,), (sample,)))
+    dp, dp_ref = nn.DataParallel(model, device_ids=[0, 1]), nn.DataParallel(ref, device_ids=[0, 1])
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    for _ in range(6):
+        x = torch.randn(16, 32, device=DEV)
+        got, want = dp(x), dp_ref(x)
+        torch.testing.assert_close(got, want, **CLOSE)
+        for o, m in ((got, opt), (want, ref_opt)):
+            m.zero_grad()
+            o.square().mean().backward()
+        for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, msg=n, **CLOSE)
+        opt.step()
+        ref_opt.step()
+    assert model.body.forward.stats.replays == 6
+
+
 def test_a_graph_made_the_forward_of_its_own_module_runs_eagerly_without_calling_itself() -> None:
     """``layer.forward = tr.graph(layer, x)`` keeps the layer in its model. A call the graph
     cannot serve (train mode: the graph was captured in eval) runs eagerly; that run called the
