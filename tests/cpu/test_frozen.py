@@ -372,6 +372,34 @@ def test_a_modules_values_are_compared_after_a_write_to_a_module_and_others_at_e
         assert not values.changed()
 
 
+def test_writes_made_while_the_events_are_off_are_seen_by_every_graph() -> None:
+    """The first module write after a check turns the write events off until the next check
+    (a burst such as ``model.train()`` costs one event). Two graphs watching one module, checks
+    interleaved with writes: a value written while the events were off is seen by both."""
+    import sys
+
+    from torchreplay.core import frozen
+
+    m = Model().eval()
+    a = _built(m, torch.randn(2, 4)).values
+    b = _built(m, torch.randn(2, 4)).values
+    assert not a.changed() and not b.changed()
+    m.unrelated = 1  # (events off, where counted)
+    assert bool(frozen._DISARMED) is hasattr(sys, "monitoring")
+    assert not a.changed() and not frozen._DISARMED  # (back on)
+    m.unrelated = 2
+    assert not b.changed()
+    m.unrelated = 3
+    m.scale = 3.0  # (made while the events are off)
+    assert a.changed() and b.changed() and b.last == "Model.scale is 3.0 (at capture: 2.0)", b.last
+    m.train()  # a burst: one write a module
+    m.eval()
+    m.scale = 2.0
+    assert not a.changed() and not b.changed()
+    for _ in range(3):  # nothing written: no comparison needed, none made
+        assert not a.changed() and not frozen._DISARMED
+
+
 def test_a_write_made_by_torch_compiled_code_is_seen() -> None:
     """Dynamo replays a compiled frame's attribute writes after its graph, by code it
     generates (not always through the class's ``__setattr__``): the write to a watched module

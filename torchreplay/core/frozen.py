@@ -31,7 +31,7 @@ attributes and ``__slots__``. A module's ``training`` that the model's code read
 :class:`FrozenValues` compares them with the capture's at each call, all in one ``map`` over
 the dicts that hold them (35-60 ns a value on the H200's host: 13 us a call for a 32-layer
 Hugging Face Llama's 267). On Python >= 3.12 a module's values are compared only after a call
-of ``nn.Module.__setattr__`` or ``__delattr__``, any module's, which ``sys.monitoring`` counts
+of ``nn.Module.__setattr__`` or ``__delattr__``, any module's, which ``sys.monitoring`` sees
 (:func:`counted_writes`): the same Llama's check is about 0.5 us, its 7 values outside modules
 (config fields, globals). A write around them (``m.__dict__[k] = v``) is seen at the next
 counted one. A call while one differs runs eagerly, as a call in the other train/eval mode does
@@ -47,6 +47,7 @@ import itertools
 import os
 import sys
 import sysconfig
+import threading
 import types
 import weakref
 from typing import Any, Iterable
@@ -311,7 +312,7 @@ class FrozenValues:
     def __init__(self, found: dict[tuple[int, Any], tuple[Any, Any, Any]], state: dict[int, tuple[Any, str]]) -> None:
         # Each value in a dict (an instance's, a global's, a small dict's item), compared at each
         # call; or, where every write to its owner goes through a __setattr__ and __delattr__
-        # written in Python (a module's) and Python counts their calls (>= 3.12), compared only
+        # written in Python (a module's) and Python shows their calls (>= 3.12), compared only
         # after one (:func:`counted_writes`).
         self._always = _Values()
         self._counted = _Values()
@@ -349,13 +350,15 @@ class FrozenValues:
 
     def changed(self) -> bool:
         """Does a value differ from the capture's (then :attr:`last` says which)?"""
-        writes = _WRITES[0]  # (read first: a write during the comparison is seen next call)
-        if writes != self._seen:
+        if _DISARMED or self._seen != _EPOCH[0]:  # a module written since this graph compared
+            if _DISARMED:
+                _rearm()
+            epoch = _EPOCH[0]  # (a write during the comparison marks its code again)
             said = self._counted.differs()
             if said:
                 self.last = said
                 return True
-            self._seen = writes
+            self._seen = epoch
         said = self._always.differs()
         if said:
             self.last = said
@@ -406,28 +409,48 @@ class _Values:
         return ""
 
 
-# The calls of the __setattr__ and __delattr__ code of the classes that hold watched values,
-# counted by sys.monitoring (Python >= 3.12) once a graph watches such a value: a count
-# unchanged since a call found every value as captured means no such value was written since.
-_WRITES = [0]
+# The writes to the classes that hold watched values, seen by sys.monitoring (Python >= 3.12)
+# once a graph watches such a value: a ``PY_RETURN`` event on their ``__setattr__`` and
+# ``__delattr__`` code. The first write after a check turns its code's event off and marks it
+# (:data:`_DISARMED`: a burst, ``model.train()``'s one write a module, costs one event); the
+# next check of any graph turns the events back on and starts a new epoch (:data:`_EPOCH`)
+# before it compares. So a check that finds nothing marked and the epoch it last compared in
+# needs no comparison: nothing has been written since.
+_EPOCH = [0]
+_DISARMED: list[types.CodeType] = []
+_LOCK = threading.Lock()  # (a write on one thread, a check on another)
 _TOOL: list[int | None] = []  # the tool id claimed, or None where none is free
 _COUNTED: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()  # (a test's class dies)
 _TOOL_IDS = (4, 3)  # (sys.monitoring leaves 3 and 4 unassigned; 0-2 and 5 are the debugger's,
 # coverage's, profilers' and optimizers')
 
 
-def _on_write(*args: Any) -> None:
-    """A counted ``__setattr__`` starts or returns (both: a call on another thread that read
-    the count between the two compares again; under the GIL this body runs whole)."""
-    _WRITES[0] += 1
+def _on_write(code: types.CodeType, offset: int, value: Any) -> None:
+    """A counted ``__setattr__`` returns, its write made: mark its code, and stop its events
+    until the next check (after the mark: a check in between sees the mark)."""
+    with _LOCK:
+        if code not in _DISARMED:
+            _DISARMED.append(code)
+            sys.monitoring.set_local_events(_TOOL[0], code, 0)  # type: ignore[arg-type]
+
+
+def _rearm() -> None:
+    """Before a comparison: the marked codes' events on again, then a new epoch (writes made
+    while they were off are before it: every graph compares again)."""
+    monitoring = sys.monitoring  # type: ignore[attr-defined]
+    with _LOCK:
+        for code in _DISARMED:
+            monitoring.set_local_events(_TOOL[0], code, monitoring.events.PY_RETURN)
+        _DISARMED.clear()
+        _EPOCH[0] += 1
 
 
 def counted_writes(cls: type) -> bool:
-    """Is every attribute write to an instance of ``cls`` counted in :data:`_WRITES` from now
-    on? True where ``cls.__setattr__`` and ``cls.__delattr__`` are Python code (``nn.Module``'s)
-    and ``sys.monitoring`` has a free tool id; False where either is ``object``'s (plain objects,
-    a Hugging Face config: their values are compared at every call) and on Python 3.11 and
-    older. A write that goes around them (``m.__dict__[k] = v``) is not counted."""
+    """Are the writes to an instance of ``cls`` seen from now on (:data:`_EPOCH`)? True where
+    ``cls.__setattr__`` and ``cls.__delattr__`` are Python code (``nn.Module``'s) and
+    ``sys.monitoring`` has a free tool id; False where either is ``object``'s (plain objects, a
+    Hugging Face config: their values are compared at every call) and on Python 3.11 and older.
+    A write that goes around them (``m.__dict__[k] = v``) is not seen."""
     known = _COUNTED.get(cls)
     if known is not None:
         return known
@@ -440,9 +463,10 @@ def counted_writes(cls: type) -> bool:
         tool = _TOOL[0]
         if tool is not None:
             try:
-                events = monitoring.events.PY_START | monitoring.events.PY_RETURN
-                for code in codes:
-                    monitoring.set_local_events(tool, code, monitoring.get_local_events(tool, code) | events)
+                with _LOCK:
+                    for code in codes:  # (one marked now is turned on at the next check)
+                        if code not in _DISARMED:
+                            monitoring.set_local_events(tool, code, monitoring.events.PY_RETURN)
                 counted = True
             except ValueError:  # (code monitoring refuses: compared at every call)
                 pass
@@ -456,7 +480,6 @@ def _claim(monitoring: Any) -> int | None:
             monitoring.use_tool_id(tool, "torchreplay")
         except ValueError:  # (another tool holds it)
             continue
-        monitoring.register_callback(tool, monitoring.events.PY_START, _on_write)
         monitoring.register_callback(tool, monitoring.events.PY_RETURN, _on_write)
         return tool
     return None
