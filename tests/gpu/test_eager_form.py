@@ -99,10 +99,18 @@ def test_data_parallel_over_a_graphed_model_equals_eager_data_parallel(front: st
     else:
         model.forward = tr.graph(model.forward, sample, sizes=[4, 8] if front == "sizes" else None, breaks=breaks)
     graph = model.forward
+    data_parallel_equals_eager(model, ref, rows=16 if front != "sizes" else 14, training=training)  # (sizes: 7 a GPU, padded)
+    assert graph.stats.replays == 6 and graph.stats.fallbacks == 6  # (the replica on cuda:1)
+
+
+def data_parallel_equals_eager(model: nn.Module, ref: nn.Module, *, rows: int, training: bool) -> None:
+    """nn.DataParallel over cuda:0 and cuda:1 of ``model`` and of its eager twin ``ref``, 6 calls
+    with fresh inputs of ``rows`` rows: outputs equal, and in training the gradients too, each
+    call followed by an SGD step of both."""
     dp, dp_ref = nn.DataParallel(model, device_ids=[0, 1]), nn.DataParallel(ref, device_ids=[0, 1])
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
     for _ in range(6):
-        x = torch.randn(16 if front != "sizes" else 14, 32, device=DEV)  # (sizes: 7 rows a GPU, padded)
+        x = torch.randn(rows, 32, device=DEV)
         with torch.set_grad_enabled(training):
             got, want = dp(x), dp_ref(x)
         torch.testing.assert_close(got, want, **CLOSE)
@@ -114,7 +122,6 @@ def test_data_parallel_over_a_graphed_model_equals_eager_data_parallel(front: st
                 torch.testing.assert_close(a.grad, b.grad, msg=n, **CLOSE)
             opt.step()
             ref_opt.step()
-    assert graph.stats.replays == 6 and graph.stats.fallbacks == 6  # (the replica on cuda:1)
 
 
 class Positions(nn.Module):
@@ -150,19 +157,7 @@ def test_data_parallel_over_a_tuple_of_graphed_layers_with_a_position_table_equa
     sample = torch.randn(8, 32, device=DEV, requires_grad=True)
     # (the table reads only its argument's shape: no gradient reaches the argument)
     tr.make_graphed_callables((model.pos, model.body), ((sample,), (sample,)), allow_unused_input=True)
-    dp, dp_ref = nn.DataParallel(model, device_ids=[0, 1]), nn.DataParallel(ref, device_ids=[0, 1])
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
-    for _ in range(6):
-        x = torch.randn(16, 32, device=DEV)
-        got, want = dp(x), dp_ref(x)
-        torch.testing.assert_close(got, want, **CLOSE)
-        for o, m in ((got, opt), (want, ref_opt)):
-            m.zero_grad()
-            o.square().mean().backward()
-        for (n, a), b in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(a.grad, b.grad, msg=n, **CLOSE)
-        opt.step()
-        ref_opt.step()
+    data_parallel_equals_eager(model, ref, rows=16, training=True)
     assert model.body.forward.stats.replays == 6
 
 
