@@ -124,14 +124,19 @@ def chains_of(code: types.CodeType) -> dict[int, tuple[_Chain, ...]]:
                 if chain not in out.setdefault(start[2], []):
                     out[start[2]].append(chain)
 
+        line: int | None = None
         for ins in dis.get_instructions(code):
             op = ins.opname
+            positions = getattr(ins, "positions", None)  # (Python >= 3.11: each instruction's)
+            if positions is not None:
+                line = positions.lineno
+            elif type(ins.starts_line) is int:  # (3.10: the first instruction of each line's)
+                line = ins.starts_line
             if op in _ATTR_OPS and start is not None:
                 attrs.append(ins.argval)
                 continue
             end()
             start, attrs = None, []
-            line = ins.positions.lineno if ins.positions is not None else None
             if line is None:
                 continue
             if op.startswith("LOAD_FAST") or op == "LOAD_DEREF":  # (a pair loads two: the last)
