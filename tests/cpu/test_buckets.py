@@ -437,7 +437,20 @@ def install_cpu_graphs(setattr_: Any) -> list[int]:
         setattr_(module, "infer_device", lambda fn, call, device=None: torch.device("cpu"))
         setattr_(module, "side_stream", lambda device: None)
     setattr_(probing, "on_side_stream", lambda s, d: contextlib.nullcontext())
+    as_cpu_build(setattr_)
     return order
+
+
+def as_cpu_build(setattr_: Any) -> None:
+    """Run the emulated graphs as on a CPU build of torch even under a CUDA wheel (this machine
+    under another Python, or the GPU machine): no stream to read for the CPU pool, and checked
+    outputs handed out as clones."""
+    from torchreplay import _compat
+    from torchreplay.core import threads
+
+    for module in (threads, graphed):
+        setattr_(module, "_current_stream", lambda index: (0, index, 0))
+    setattr_(_compat, "HAS_CHECKED_OUTPUTS", False)
 
 
 @pytest.fixture

@@ -193,8 +193,8 @@ def test_outputs_made_clones_mark_the_handed_out_stale_and_clone_after() -> None
     the next outputs are clones, not the graph's memory."""
     from torchreplay.core.outputs import Outputs
 
-    if not _compat.HAS_CHECKED_OUTPUTS:
-        pytest.skip("this torch cannot mark storages stale")
+    if not (_compat.HAS_CHECKED_OUTPUTS and torch.cuda.is_available()):
+        pytest.skip("this torch cannot mark storages stale, or has no GPU to")
     pool = torch.randn(4, 3, device="cuda")  # HAS_CHECKED_OUTPUTS: a CUDA build
     out = Outputs(pool, "checked", "g", lambda t: True, reuse=True)
     handed = out.emit()
@@ -222,6 +222,8 @@ def test_a_non_leaf_inputs_gradient_is_handed_out_under_the_policy() -> None:
         copy = grads.emit(0, buf, "checked")  # Outputs falls back to clones
         assert torch.equal(copy, buf) and copy.data_ptr() != buf.data_ptr()
         pytest.skip("this torch cannot mark storages stale")
+    if not torch.cuda.is_available():  # (a CUDA wheel with no GPU: the marking initializes CUDA)
+        pytest.skip("no GPU to mark storages on")
 
     first = grads.emit(0, buf, "checked")
     assert first.data_ptr() == buf.data_ptr() and torch.equal(first, buf)
@@ -250,8 +252,8 @@ def test_an_output_nobody_can_reach_is_kept_through_invalidation_and_handed_out_
     out again (the pool stopped counting them); a kept one is marked stale as before."""
     from torchreplay.core.outputs import Outputs
 
-    if not _compat.HAS_CHECKED_OUTPUTS:
-        pytest.skip("this torch cannot mark storages stale")
+    if not (_compat.HAS_CHECKED_OUTPUTS and torch.cuda.is_available()):
+        pytest.skip("this torch cannot mark storages stale, or has no GPU to")
     pool = torch.randn(4, 3, device="cuda")  # HAS_CHECKED_OUTPUTS: a CUDA build
     out = Outputs((pool, pool[0]), "checked", "g", lambda t: True, reuse=True)
     told = []

@@ -608,8 +608,11 @@ def _emulated_capture_pairs(runners, *, device, pool, config):
 
 @pytest.fixture
 def emulated(monkeypatch):
+    import test_buckets
+
     monkeypatch.setattr(training, "_capture_pairs", _emulated_capture_pairs)
     monkeypatch.setattr(training, "infer_device", lambda fn, call, device=None: CPU)
+    test_buckets.as_cpu_build(monkeypatch.setattr)
     yield
 
 
@@ -1388,9 +1391,12 @@ _capturing = step_mod.capturing
 
 @pytest.fixture
 def emulated_step(monkeypatch):
+    import test_buckets
+
     monkeypatch.setattr(step_mod, "capture", _emulated_step_capture)
     monkeypatch.setattr(step_parts_mod, "infer_device", lambda fn, call, device=None: CPU)
     monkeypatch.setattr(step_mod, "side_stream", lambda device: None)
+    test_buckets.as_cpu_build(monkeypatch.setattr)
     yield
 
 

@@ -66,10 +66,12 @@ def test_a_graph_called_from_compiled_code_is_one_graph_break_and_equals_eager(
 def test_a_model_graphed_for_training_called_from_compiled_code_trains_as_eager(
     monkeypatch, fresh_dynamo
 ) -> None:
+    import test_buckets
     import test_training
 
     monkeypatch.setattr(training, "_capture_pairs", test_training._emulated_capture_pairs)
     monkeypatch.setattr(training, "infer_device", lambda fn, call, device=None: torch.device("cpu"))
+    test_buckets.as_cpu_build(monkeypatch.setattr)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
     ref = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
@@ -94,11 +96,13 @@ def test_a_model_graphed_for_training_called_from_compiled_code_trains_as_eager(
 
 
 def test_a_graphed_step_called_from_compiled_code_steps_as_eager(monkeypatch, fresh_dynamo) -> None:
+    import test_buckets
     import test_training
 
     monkeypatch.setattr(test_training.step_mod, "capture", test_training._emulated_step_capture)
     monkeypatch.setattr(test_training.step_parts_mod, "infer_device", lambda fn, call, device=None: torch.device("cpu"))
     monkeypatch.setattr(test_training.step_mod, "side_stream", lambda device: None)
+    test_buckets.as_cpu_build(monkeypatch.setattr)
     model, opt = test_training._make_training()
     ref_model, ref_opt = test_training._make_training()
     step = tr.graph_step(test_training._sgd_step(model, opt), torch.randn(5, 6), torch.randn(5, 3))
