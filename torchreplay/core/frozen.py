@@ -42,6 +42,7 @@ fix; set back, the graph replays again. (Dict version tags, tried first, cost mo
 
 from __future__ import annotations
 
+import atexit
 import dis
 import itertools
 import os
@@ -433,10 +434,13 @@ _TOOL_IDS = (4, 3)  # (sys.monitoring leaves 3 and 4 unassigned; 0-2 and 5 are t
 def _on_write(code: types.CodeType, offset: int, value: Any) -> None:
     """A counted ``__setattr__`` returns, its write made: mark its code, and stop its events
     until the next check (after the mark: a check in between sees the mark)."""
-    with _LOCK:
-        if code not in _DISARMED:
-            _DISARMED.append(code)
-            sys.monitoring.set_local_events(_TOOL[0], code, 0)  # type: ignore[arg-type]
+    try:  # (never the user's write's failure: an event left on costs a little, no more)
+        with _LOCK:
+            if code not in _DISARMED:
+                _DISARMED.append(code)
+                sys.monitoring.set_local_events(_TOOL[0], code, 0)  # type: ignore[arg-type]
+    except Exception:
+        pass
 
 
 def _rearm() -> None:
@@ -486,8 +490,19 @@ def _claim(monitoring: Any) -> int | None:
         except ValueError:  # (another tool holds it)
             continue
         monitoring.register_callback(tool, monitoring.events.PY_RETURN, _on_write)
+        atexit.register(_release, monitoring, tool)
         return tool
     return None
+
+
+def _release(monitoring: Any, tool: int) -> None:
+    """At exit, before modules are torn down: no more events (a write in a finalizer would
+    call into a half-gone module)."""
+    try:
+        monitoring.register_callback(tool, monitoring.events.PY_RETURN, None)
+        monitoring.free_tool_id(tool)
+    except Exception:
+        pass
 
 
 _get = dict.get
